@@ -1,0 +1,42 @@
+# The two commands of the README: `make bench` and `make test`. Both build .venv from nothing.
+# torch is pinned here and only here. To use a torch you already have (a CUDA build, say), create the venv
+# with it visible: `make test VENV_FLAGS=--system-site-packages`; an importable torch is never replaced.
+PYTHON      ?= python3
+VENV        ?= .venv
+VENV_FLAGS  ?=
+TORCH_SPEC  ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.9.0
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip
+STAMP       := $(VENV)/.fastlib-installed
+NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu)
+
+.PHONY: test bench install lint clean test-no-native
+
+$(PY):
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+
+$(STAMP): $(PY) $(NATIVE_SRC)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PY) -c "import triton" 2>/dev/null || $(PIP) install "$(TRITON_SPEC)"
+	$(PIP) install numpy webdataset pybind11 ninja pytest matplotlib tqdm
+	$(PIP) install --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The whole suite with the native kernels, then the op tests again on the pure-PyTorch fallback
+# (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build time).
+test: $(STAMP)
+	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastio/test_no_native.py
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
+
+lint: $(STAMP)
+	$(PIP) install ruff
+	$(VENV)/bin/ruff check fastcomm fastio tests benchmarks
+
+clean:
+	rm -rf build *.egg-info fastcomm/_C*.so fastio/_C*.so

@@ -1,0 +1,125 @@
+"""The shared benchmark harness: typed rows, one timer, and one writer of JSON + Markdown + PNG.
+
+Every benchmark script builds a list of :class:`Row` (the metric's unit travels with it) and calls
+:func:`write_results`, which stamps each row with the machine and versions and writes
+``benchmarks/results/<name>.json``, ``<name>.md`` and ``<name>.png``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+__all__ = ["RESULTS_DIR", "Row", "machine_info", "markdown_table", "time_call", "write_results"]
+
+
+@dataclasses.dataclass
+class Row:
+    """One measurement: ``value`` in ``unit`` of ``metric`` for ``case`` run by ``backend``."""
+
+    case: str
+    backend: str
+    metric: str
+    value: float
+    unit: str
+    ratio: float | None = None  # against the case's named baseline, when there is one
+    ratio_to: str | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    info = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import fastcomm
+
+        info["fastcomm_backend"] = fastcomm.backend()
+    except ImportError:
+        pass
+    return info
+
+
+def time_call(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+        if sync:
+            sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return ""
+    if value == 0 or 0.01 <= abs(value) < 1e6:
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return f"{value:.3e}"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    extra_keys = sorted({k for r in rows for k in r.extra})
+    head = ["case", "backend", "metric", "value", "unit", "ratio", "vs", *extra_keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.case, r.backend, r.metric, _fmt(r.value), r.unit, _fmt(r.ratio), r.ratio_to or ""]
+        cells += [str(r.extra.get(k, "")) for k in extra_keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot(name: str, rows: list[Row], path: Path, metric: str | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen = [r for r in rows if metric is None or r.metric == metric]
+    if not chosen:
+        return
+    labels = [f"{r.case}\n{r.backend}" for r in chosen]
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(chosen)), 4.5))
+    ax.bar(range(len(chosen)), [r.value for r in chosen], color="#4472c4")
+    ax.set_xticks(range(len(chosen)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(f"{chosen[0].metric} ({chosen[0].unit})")
+    ax.set_title(name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(name: str, rows: list[Row], *, notes: list[str] | None = None, plot_metric: str | None = None) -> str:
+    """Write ``<name>.json/.md/.png`` to ``benchmarks/results`` and return the Markdown table."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    info = machine_info()
+    payload = {"benchmark": name, "machine": info, "notes": notes or [], "rows": [dataclasses.asdict(r) for r in rows]}
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
+    table = markdown_table(rows)
+    text = f"# {name}\n\nMachine: {info['machine']}, {info['cpus']} CPUs, torch {info['torch']}, CUDA: {info['cuda']}\n\n{table}\n"
+    if notes:
+        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    (RESULTS_DIR / f"{name}.md").write_text(text)
+    _plot(name, rows, RESULTS_DIR / f"{name}.png", plot_metric)
+    return text

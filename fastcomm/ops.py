@@ -1,0 +1,419 @@
+"""Every fastcomm op in one place: its schema, its fake (meta) kernel, its backends, and its public wrapper.
+
+Backends are picked once, at import:
+
+* The plain-PyTorch twin from :mod:`fastcomm.reference` is the ``CompositeExplicitAutograd`` kernel: the
+  default on any device without a native kernel.
+* ``fastcomm._C`` (C++/OpenMP, built by ``setup.py``) registers ``CPU`` kernels for every op and, when built
+  against a CUDA torch, a ``CUDA`` top-k selection kernel. ``FASTCOMM_NO_NATIVE=1`` skips loading it.
+* Triton kernels (:mod:`fastcomm.triton`) are registered for ``CUDA`` when triton imports and CUDA is there.
+
+:func:`backend` reports what each op runs on and why. The wrappers below validate arguments (raising
+``TypeError``/``ValueError`` that name the argument) and then dispatch through ``torch.ops.fastcomm``.
+
+Example::
+
+    import torch, fastcomm
+    grad = torch.randn(1_000_003)
+    residual = torch.zeros_like(grad)
+    values, indices = fastcomm.ops.topk_select(grad, k=10_000, residual=residual)
+    codes, scales = fastcomm.ops.quantize_blockwise(grad, bits=4, stochastic=True, seed=7)
+    approx = fastcomm.ops.dequantize_blockwise(codes, scales, grad.numel(), bits=4)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+from fastcomm import reference
+
+__all__ = [
+    "OP_NAMES",
+    "backend",
+    "dequantize_blockwise",
+    "native_error",
+    "quantize_blockwise",
+    "sign_compress",
+    "sign_decompress",
+    "sparse_accumulate",
+    "topk_select",
+]
+
+OP_NAMES = (
+    "topk_select",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "sign_compress",
+    "sign_decompress",
+    "sparse_accumulate",
+)
+
+_LIB = torch.library.Library("fastcomm", "DEF")
+_LIB.define("topk_select(Tensor x, int k, Tensor(a!)? residual=None, bool exact=True) -> (Tensor, Tensor)")
+_LIB.define(
+    "quantize_blockwise(Tensor x, int bits=8, int block=256, bool stochastic=False, int seed=0)"
+    " -> (Tensor, Tensor)"
+)
+_LIB.define(
+    "dequantize_blockwise(Tensor codes, Tensor scales, int numel, int bits=8, int block=256,"
+    " ScalarType dtype=float) -> Tensor"
+)
+_LIB.define("sign_compress(Tensor x, Tensor(a!)? residual=None, int chunk=2048) -> (Tensor, Tensor)")
+_LIB.define(
+    "sign_decompress(Tensor packed, Tensor scales, int numel, int chunk=2048, ScalarType dtype=float) -> Tensor"
+)
+_LIB.define("sparse_accumulate(Tensor(a!) out, Tensor indices, Tensor values) -> ()")
+
+
+def _sparse_accumulate_reference(out: Tensor, indices: Tensor, values: Tensor) -> None:
+    reference.sparse_accumulate(out, indices, values)
+
+
+_REFERENCE_KERNELS = {
+    "topk_select": reference.topk_select,
+    "quantize_blockwise": reference.quantize_blockwise,
+    "dequantize_blockwise": reference.dequantize_blockwise,
+    "sign_compress": reference.sign_compress,
+    "sign_decompress": reference.sign_decompress,
+    "sparse_accumulate": _sparse_accumulate_reference,
+}
+for _name, _fn in _REFERENCE_KERNELS.items():
+    _LIB.impl(_name, _fn, "CompositeExplicitAutograd")
+
+
+# ---------------------------------------------------------------------------------------------- fake kernels
+@torch.library.register_fake("fastcomm::topk_select")
+def _topk_select_fake(x, k, residual=None, exact=True):
+    if exact or reference.approx_sample_size(x.numel(), k) * 2 > x.numel():
+        count = k
+    else:
+        count = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(count), x.new_empty(count, dtype=torch.int32)
+
+
+def _num_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+@torch.library.register_fake("fastcomm::quantize_blockwise")
+def _quantize_fake(x, bits=8, block=256, stochastic=False, seed=0):
+    n = x.numel()
+    return x.new_empty(_num_blocks(n * bits, 8), dtype=torch.uint8), x.new_empty(
+        _num_blocks(n, block), dtype=torch.float32
+    )
+
+
+@torch.library.register_fake("fastcomm::dequantize_blockwise")
+def _dequantize_fake(codes, scales, numel, bits=8, block=256, dtype=torch.float32):
+    return codes.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("fastcomm::sign_compress")
+def _sign_compress_fake(x, residual=None, chunk=2048):
+    n = x.numel()
+    return x.new_empty(_num_blocks(n, 8), dtype=torch.uint8), x.new_empty(
+        _num_blocks(n, chunk), dtype=torch.float32
+    )
+
+
+@torch.library.register_fake("fastcomm::sign_decompress")
+def _sign_decompress_fake(packed, scales, numel, chunk=2048, dtype=torch.float32):
+    return packed.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("fastcomm::sparse_accumulate")
+def _sparse_accumulate_fake(out, indices, values):
+    return None
+
+
+# ------------------------------------------------------------------------------------------ backend choice
+_native_error: str | None = None
+_native_module = None
+if os.environ.get("FASTCOMM_NO_NATIVE", "0") == "1":
+    _native_error = "disabled by FASTCOMM_NO_NATIVE=1"
+else:
+    try:
+        from fastcomm import _C as _native_module  # registers the C++ kernels with the dispatcher
+    except (ImportError, OSError) as exc:
+        _native_error = f"native build missing: {exc}"
+
+_triton_error: str | None = None
+if not torch.cuda.is_available():
+    _triton_error = "no CUDA device"
+else:
+    try:
+        from fastcomm.triton import register_cuda_kernels
+
+        register_cuda_kernels(_LIB)
+    except ImportError as exc:
+        _triton_error = f"triton unavailable: {exc}"
+
+
+def native_error() -> str | None:
+    """Why the C++ kernels are not loaded, or ``None`` when they are."""
+    return _native_error
+
+
+def _has_kernel(op: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"fastcomm::{op}", key)
+
+
+def backend() -> dict[str, str]:
+    """Which implementation each op runs on CPU and on CUDA tensors, and why.
+
+    Example::
+
+        >>> fastcomm.backend()["quantize_blockwise"]
+        'cpu: native C++ (OpenMP, 2 threads); cuda: reference (no CUDA device)'
+    """
+    report = {}
+    for op in OP_NAMES:
+        if _has_kernel(op, "CPU"):
+            threads = _native_module.openmp_threads() if _native_module is not None else "?"
+            cpu = f"native C++ (OpenMP, {threads} threads)"
+        else:
+            cpu = f"reference ({_native_error})"
+        if _has_kernel(op, "CUDA"):
+            cuda = "native CUDA C++" if op == "topk_select" else "triton"
+        else:
+            cuda = f"reference ({_triton_error or 'no CUDA kernel for this op'})"
+        report[op] = f"cpu: {cpu}; cuda: {cuda}"
+    return report
+
+
+_warned_slow = False
+
+
+def _warn_if_unexpectedly_slow(x: Tensor) -> None:
+    """One warning when the native build is missing by accident: the reference works but is slower."""
+    global _warned_slow
+    if _warned_slow or x.device.type != "cpu" or _native_error is None or _native_error.startswith("disabled"):
+        return
+    _warned_slow = True
+    warnings.warn(
+        f"fastcomm is running its pure-PyTorch reference ops on CPU because the C++ extension did not load "
+        f"({_native_error}). Rebuild with `pip install --no-build-isolation -e .` (needs a C++ compiler), or "
+        f"set FASTCOMM_NO_NATIVE=1 to use the reference on purpose and silence this warning.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _check_float(name: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in reference.FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_residual(x: Tensor, residual: Tensor | None) -> None:
+    if residual is None:
+        return
+    _check_float("residual", residual)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"residual must match x in shape, dtype and device: x is {tuple(x.shape)} {x.dtype} on {x.device}, "
+            f"residual is {tuple(residual.shape)} {residual.dtype} on {residual.device}"
+        )
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in reference.QUANT_BITS:
+        raise ValueError(f"bits must be one of {reference.QUANT_BITS}, got {bits!r}")
+
+
+def _check_payload(name: str, t: Tensor, dtype: torch.dtype, expected: int) -> None:
+    if not isinstance(t, Tensor) or t.dtype != dtype:
+        raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.numel() != expected:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {expected} for these arguments")
+
+
+# -------------------------------------------------------------------------------------------- public ops
+def topk_select(x: Tensor, k: int, residual: Tensor | None = None, exact: bool = True) -> tuple[Tensor, Tensor]:
+    """Select the k largest-magnitude entries of ``x + residual``, with error feedback.
+
+    1. ``acc = x + residual`` (the residual is updated in place to hold ``acc`` minus what is sent).
+    2. Exact mode: the k-th largest magnitude by a 16-bit radix histogram, then the ``>`` entries and the
+       lowest-index ties; two passes over ``x``, O(n) and no sort (``torch.topk`` sorts candidates).
+    3. Approximate mode (``exact=False``): the threshold is estimated from a hashed sample of about
+       ``1000 * n / k`` elements, as in Deep Gradient Compression, and every entry at or above it is sent:
+       one pass over ``x``, about k entries (within a few percent), never fewer than one.
+
+    Args:
+        x: fp32/fp16/bf16 tensor of any shape (flattened).
+        k: how many entries to send, ``0 <= k <= x.numel()``.
+        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
+        exact: exactly k entries (True) or about k entries for one pass less (False).
+
+    Returns:
+        ``(values, indices)``: values in ``x.dtype``, int32 indices into ``x.reshape(-1)``, ascending.
+
+    Example::
+
+        >>> g = torch.randn(1000); r = torch.zeros_like(g)
+        >>> values, indices = topk_select(g, 10, residual=r)
+        >>> bool((g.index_put((indices.long(),), torch.zeros(10)) == r).all())
+        True
+    """
+    _check_float("x", x)
+    _check_residual(x, residual)
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= x.numel():
+        raise ValueError(f"k must be an int in [0, x.numel()={x.numel()}], got {k!r}")
+    _warn_if_unexpectedly_slow(x)
+    return torch.ops.fastcomm.topk_select(x, k, residual, bool(exact))
+
+
+def quantize_blockwise(
+    x: Tensor, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Quantize to ``bits``-wide signed codes with one absmax fp32 scale per block, packed into bytes.
+
+    1. ``scale = max|x| / qmax`` per block of ``block`` elements, ``qmax = 2**(bits-1) - 1``.
+    2. ``q = round(x / scale)`` (``stochastic=False``) or ``floor(x / scale + u)`` with ``u`` uniform from a
+       hash of ``(index, seed)``, which is unbiased: ``E[dequantize(quantize(x))] == x``.
+    3. Codes are packed 8/bits per byte. A block holding inf/NaN gets a NaN scale, so it dequantizes to NaN
+       and an AMP GradScaler still sees the overflow.
+
+    Args:
+        x: fp32/fp16/bf16 tensor of any shape (flattened).
+        bits: 8, 4 or 2.
+        block: elements per scale.
+        stochastic: stochastic (unbiased) instead of nearest rounding.
+        seed: stochastic rounding seed; the same seed gives the same codes on every backend.
+
+    Returns:
+        ``(codes uint8 of ceil(numel * bits / 8), scales float32 of ceil(numel / block))``.
+
+    Example::
+
+        >>> codes, scales = quantize_blockwise(torch.randn(1000), bits=8)
+        >>> dequantize_blockwise(codes, scales, 1000).shape
+        torch.Size([1000])
+    """
+    _check_float("x", x)
+    _check_bits(bits)
+    _check_positive("block", block)
+    if not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must be an int64, got {seed!r}")
+    _warn_if_unexpectedly_slow(x)
+    return torch.ops.fastcomm.quantize_blockwise(x, bits, block, bool(stochastic), seed)
+
+
+def dequantize_blockwise(
+    codes: Tensor,
+    scales: Tensor,
+    numel: int,
+    bits: int = 8,
+    block: int = 256,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Inverse of :func:`quantize_blockwise`: ``numel`` values of ``dtype`` from packed codes and scales.
+
+    Example::
+
+        >>> x = torch.randn(7)
+        >>> (dequantize_blockwise(*quantize_blockwise(x), numel=7) - x).abs().max() < x.abs().max() / 127
+        tensor(True)
+    """
+    _check_bits(bits)
+    _check_positive("block", block)
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    _check_payload("codes", codes, torch.uint8, _num_blocks(numel * bits, 8))
+    _check_payload("scales", scales, torch.float32, _num_blocks(numel, block))
+    if dtype not in reference.FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    return torch.ops.fastcomm.dequantize_blockwise(codes, scales, numel, bits, block, dtype)
+
+
+def sign_compress(x: Tensor, residual: Tensor | None = None, chunk: int = 2048) -> tuple[Tensor, Tensor]:
+    """1-bit sign compression with one fp32 scale (mean magnitude) per chunk and error feedback.
+
+    1. ``acc = x + residual``.
+    2. Per chunk: ``scale = mean |acc|``; one bit per element, 1 where ``acc >= 0``.
+    3. ``residual = acc - scale * sign(acc)`` in place (``sent + residual == acc`` up to one rounding).
+
+    Args:
+        x: fp32/fp16/bf16 tensor of any shape (flattened).
+        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
+        chunk: elements per scale.
+
+    Returns:
+        ``(packed uint8 of ceil(numel / 8), scales float32 of ceil(numel / chunk))``.
+
+    Example::
+
+        >>> g = torch.randn(5000); r = torch.zeros_like(g)
+        >>> packed, scales = sign_compress(g, r)
+        >>> sign_decompress(packed, scales, g.numel()).shape
+        torch.Size([5000])
+    """
+    _check_float("x", x)
+    _check_residual(x, residual)
+    _check_positive("chunk", chunk)
+    _warn_if_unexpectedly_slow(x)
+    return torch.ops.fastcomm.sign_compress(x, residual, chunk)
+
+
+def sign_decompress(
+    packed: Tensor, scales: Tensor, numel: int, chunk: int = 2048, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Inverse of :func:`sign_compress`: ``numel`` values ``±scale`` of ``dtype``.
+
+    Example::
+
+        >>> packed, scales = sign_compress(torch.tensor([1.0, -3.0]))
+        >>> sign_decompress(packed, scales, 2)
+        tensor([ 2., -2.])
+    """
+    _check_positive("chunk", chunk)
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    _check_payload("packed", packed, torch.uint8, _num_blocks(numel, 8))
+    _check_payload("scales", scales, torch.float32, _num_blocks(numel, chunk))
+    if dtype not in reference.FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    return torch.ops.fastcomm.sign_decompress(packed, scales, numel, chunk, dtype)
+
+
+def sparse_accumulate(out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
+    """Scatter-add ``values`` into ``out.view(-1)`` at ``indices`` (duplicates add up), in place.
+
+    This is how one rank sums the sparse payloads that an all-gather brought from every rank.
+
+    Args:
+        out: contiguous fp32/fp16/bf16 tensor, accumulated in place.
+        indices: int32 or int64 flat indices, each in ``[0, out.numel())``.
+        values: one value per index, any float dtype (cast to ``out.dtype``).
+
+    Returns:
+        ``out``.
+
+    Example::
+
+        >>> sparse_accumulate(torch.zeros(4), torch.tensor([1, 1, 3], dtype=torch.int32), torch.ones(3))
+        tensor([0., 2., 0., 1.])
+    """
+    _check_float("out", out)
+    _check_float("values", values)
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: it is accumulated in place through out.view(-1)")
+    if not isinstance(indices, Tensor) or indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be an int32 or int64 tensor, got {getattr(indices, 'dtype', indices)}")
+    if indices.numel() != values.numel():
+        raise ValueError(f"indices has {indices.numel()} elements but values has {values.numel()}")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= out.numel()):
+        raise ValueError(f"indices must lie in [0, out.numel()={out.numel()})")
+    torch.ops.fastcomm.sparse_accumulate(out, indices.reshape(-1), values.reshape(-1))
+    return out

@@ -1,0 +1,243 @@
+"""Plain-PyTorch twins of every fastcomm op: the specification the native and Triton kernels are held to.
+
+Each function here is also registered as the default kernel of its op (see ``fastcomm.ops``), so an op runs
+on any device that has no native kernel. The definitions are written so that a native kernel can reproduce
+them bit for bit: every float operation below is a single fp32 IEEE operation that C++ and Triton perform in
+the same order.
+
+Shared conventions:
+
+* Inputs are flattened (``x.reshape(-1)``); outputs are 1-D.
+* Magnitude order for top-k is the order of the *bit pattern* of ``|float32(v)|`` read as an integer. For
+  finite values this is the numeric order; NaN ranks above +inf, so a non-finite gradient is always sent.
+* Ties at the k-th magnitude are broken by the lower index; selected indices are returned ascending.
+* Stochastic rounding draws ``u`` in ``[0, 1)`` from a counter-based hash of ``(element index, seed)``
+  (:func:`uniform_hash`), so the result depends on neither the thread count nor the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "QUANT_BITS",
+    "approx_sample_size",
+    "dequantize_blockwise",
+    "quantize_blockwise",
+    "sign_compress",
+    "sign_decompress",
+    "sparse_accumulate",
+    "topk_select",
+    "uniform_hash",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUANT_BITS = (8, 4, 2)
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B1
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def _hash32(index: Tensor, seed: int) -> Tensor:
+    """``fmix32((index * golden) mod 2**32 XOR seed32)``: a bijection of the low 32 bits of ``index``."""
+    seed32 = (seed ^ (seed >> 32)) & _MASK32
+    return _fmix32(((index & _MASK32) * _GOLDEN32 & _MASK32) ^ seed32)
+
+
+def uniform_hash(index: Tensor, seed: int) -> Tensor:
+    """Uniform fp32 numbers in ``[0, 1)`` on a 2**-24 grid, one per element index, from ``seed``."""
+    return (_hash32(index, seed) >> 8).to(torch.float32) * (2.0**-24)
+
+
+def _magnitude_keys(acc: Tensor) -> Tensor:
+    """int32 keys whose integer order is the order of ``|float32(acc)|`` (NaN above inf)."""
+    return acc.float().abs().view(torch.int32)
+
+
+def approx_sample_size(n: int, k: int) -> int:
+    """How many elements approximate top-k samples: enough that ~1000 of them lie above the threshold."""
+    if k <= 0:
+        return 0
+    return min(n, max(65536, math.ceil(1000 * n / k)))
+
+
+def _approx_threshold(keys: Tensor, k: int) -> Tensor:
+    """The magnitude key that about ``k`` of ``keys`` reach, estimated from a hashed stratified sample.
+
+    One sample per stratum of ``n // m`` elements at a hashed offset (seed 0), as Deep Gradient Compression
+    samples to estimate its threshold; the threshold is the sample's ``ceil(m * k / n)``-th largest key.
+    """
+    n = keys.numel()
+    m = approx_sample_size(n, k)
+    stride = n // m
+    strata = torch.arange(m, dtype=torch.int64, device=keys.device)
+    positions = strata * stride + _hash32(strata, 0) % stride
+    rank = max(1, math.ceil(m * k / n))
+    return torch.topk(keys[positions], rank).values[-1]
+
+
+def topk_select(
+    x: Tensor, k: int, residual: Tensor | None = None, exact: bool = True
+) -> tuple[Tensor, Tensor]:
+    """The k largest-magnitude entries of ``x + residual``; ``residual`` keeps what was not sent.
+
+    1. ``acc = x + residual`` in ``x``'s dtype (or ``x`` when there is no residual).
+    2. Exact: the k-th largest magnitude key ``t``; every entry above ``t`` is selected, then entries equal
+       to ``t`` by ascending index until there are k. Approximate: ``t`` is estimated from a sample
+       (:func:`approx_sample_size` elements) and every entry with key ``>= t`` is selected (about k).
+    3. ``residual`` becomes ``acc`` with the selected entries set to zero, so
+       ``scatter(values) + residual == x + old_residual`` exactly.
+
+    Returns ``(values in x.dtype, indices int32 ascending)`` into ``x.reshape(-1)``.
+    """
+    flat = x.reshape(-1)
+    acc = flat + residual.reshape(-1) if residual is not None else flat
+    n = acc.numel()
+    if k <= 0 or n == 0:
+        indices = torch.empty(0, dtype=torch.int64, device=x.device)
+    else:
+        keys = _magnitude_keys(acc)
+        use_exact = exact or approx_sample_size(n, k) * 2 > n
+        if use_exact:
+            threshold = torch.topk(keys, k).values[-1]
+            above = torch.nonzero(keys > threshold).reshape(-1)
+            tied = torch.nonzero(keys == threshold).reshape(-1)[: k - above.numel()]
+            indices = torch.sort(torch.cat([above, tied])).values
+        else:
+            indices = torch.nonzero(keys >= _approx_threshold(keys, k)).reshape(-1)
+    values = acc[indices]
+    if residual is not None:
+        new_residual = acc.clone()
+        new_residual[indices] = 0
+        residual.copy_(new_residual.view_as(residual))
+    return values, indices.to(torch.int32)
+
+
+def _block_absmax(flat32: Tensor, block: int) -> Tensor:
+    """Per-block max |x|; NaN for a block holding any inf or NaN (so its dequantized values are NaN)."""
+    n = flat32.numel()
+    nblocks = -(-n // block)
+    padded = torch.nn.functional.pad(flat32, (0, nblocks * block - n)).view(nblocks, block)
+    absmax = padded.abs().amax(dim=1)
+    return torch.where(torch.isfinite(padded).all(dim=1), absmax, float("nan"))
+
+
+def _pack(codes: Tensor, bits: int) -> Tensor:
+    """Pack unsigned ``bits``-wide codes, element ``i`` at bit ``(i % (8 // bits)) * bits`` of byte ``i // (8 // bits)``."""
+    per_byte = 8 // bits
+    n = codes.numel()
+    padded = torch.nn.functional.pad(codes.to(torch.int32), (0, (-n) % per_byte))
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
+    return (padded.view(-1, per_byte) << shifts).sum(dim=1).to(torch.uint8)
+
+
+def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
+    codes = (packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:numel]
+
+
+def quantize_blockwise(
+    x: Tensor, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Absmax blockwise quantization to signed ``bits``-wide codes, packed into uint8.
+
+    With ``qmax = 2**(bits-1) - 1``, for each block of ``block`` elements:
+
+    1. ``absmax = max |x|`` (NaN if the block holds inf/NaN); ``scale = absmax / qmax`` (fp32).
+    2. ``inv = qmax / absmax`` when absmax is finite and positive, else 0; ``v = x * inv`` (0 where inv is 0).
+    3. ``code = clamp(trunc(v + (qmax + u)), 0, 2*qmax) + 1`` with ``u = 0.5`` (round to nearest) or, when
+       ``stochastic``, ``u = uniform_hash(i, seed)``, which makes ``floor(v + u)`` unbiased: E[deq] = x.
+
+    Codes ``1 .. 2*qmax+1`` stand for ``-qmax .. qmax`` (code 0 is unused). Returns ``(packed codes of
+    ceil(n * bits / 8) bytes, fp32 scales of ceil(n / block))``.
+    """
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    qmax = float(2 ** (bits - 1) - 1)
+    absmax = _block_absmax(flat, block)
+    scales = absmax / qmax
+    usable = torch.isfinite(absmax) & (absmax > 0)
+    inv = torch.where(usable, qmax / absmax, torch.zeros_like(absmax))
+    block_of = torch.arange(n, device=x.device) // block
+    v = torch.where(usable[block_of], flat * inv[block_of], torch.zeros_like(flat))
+    if stochastic:
+        u = uniform_hash(torch.arange(n, dtype=torch.int64, device=x.device), seed)
+    else:
+        u = torch.full_like(flat, 0.5)
+    w = v + (qmax + u)
+    codes = torch.clamp(w, 0.0, 2 * qmax).to(torch.int32) + 1
+    return _pack(codes, bits), scales
+
+
+def dequantize_blockwise(
+    codes: Tensor,
+    scales: Tensor,
+    numel: int,
+    bits: int = 8,
+    block: int = 256,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Inverse of :func:`quantize_blockwise`: ``(code - qmax - 1) * scale`` in fp32, cast to ``dtype``."""
+    qmax = 2 ** (bits - 1) - 1
+    signed = _unpack(codes, bits, numel) - (qmax + 1)
+    block_of = torch.arange(numel, device=codes.device) // block
+    return (signed.to(torch.float32) * scales[block_of]).to(dtype)
+
+
+def sign_compress(x: Tensor, residual: Tensor | None = None, chunk: int = 2048) -> tuple[Tensor, Tensor]:
+    """1-bit compression with a per-chunk scale and error feedback (EF-SignSGD, 1-bit Adam).
+
+    1. ``acc = x + residual`` in ``x``'s dtype.
+    2. Per chunk of ``chunk`` elements: ``scale = mean |acc|`` (summed in fp64, rounded to fp32 once);
+       bit ``1`` where ``acc >= 0``, packed 8 per byte, element ``i`` at bit ``i % 8``.
+    3. ``residual = acc - scale * sign`` (in ``x``'s dtype): what the sign did not carry.
+
+    Returns ``(packed uint8 of ceil(n / 8) bytes, fp32 scales of ceil(n / chunk))``.
+    """
+    flat = x.reshape(-1)
+    acc = flat + residual.reshape(-1) if residual is not None else flat
+    n = acc.numel()
+    nchunks = -(-n // chunk)
+    acc64 = acc.double()
+    padded = torch.nn.functional.pad(acc64.abs(), (0, nchunks * chunk - n)).view(nchunks, chunk)
+    counts = torch.full((nchunks,), float(chunk), dtype=torch.float64, device=x.device)
+    if nchunks:
+        counts[-1] = n - (nchunks - 1) * chunk
+    scales = (padded.sum(dim=1) / counts).float()
+    positive = acc >= 0
+    packed = _pack(positive.to(torch.int32), 1)
+    if residual is not None:
+        chunk_of = torch.arange(n, device=x.device) // chunk
+        sent = torch.where(positive, scales[chunk_of], -scales[chunk_of])
+        residual.copy_((acc.float() - sent).to(x.dtype).view_as(residual))
+    return packed, scales
+
+
+def sign_decompress(
+    packed: Tensor, scales: Tensor, numel: int, chunk: int = 2048, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Inverse of :func:`sign_compress`: ``+scale`` where the bit is 1, ``-scale`` where it is 0."""
+    bits = _unpack(packed, 1, numel).bool()
+    magnitude = scales[torch.arange(numel, device=packed.device) // chunk]
+    return torch.where(bits, magnitude, -magnitude).to(dtype)
+
+
+def sparse_accumulate(out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
+    """``out.view(-1)[indices[j]] += values[j]`` for every j, duplicates accumulating in order."""
+    out.view(-1).index_add_(0, indices.long(), values.to(out.dtype))
+    return out

@@ -1,0 +1,61 @@
+"""Builds the native extensions: ``fastcomm._C`` from ``csrc/comm`` and ``fastio._C`` from ``csrc/io``.
+
+Environment switches:
+  FASTCOMM_NO_NATIVE=1  skip ``fastcomm._C`` (the package then runs its plain-PyTorch reference ops)
+  FASTIO_NO_NATIVE=1    skip ``fastio._C`` (the loader then gathers with torch ops)
+  FASTCOMM_NO_CUDA=1    build CPU kernels only even when the installed torch has CUDA
+  MAX_JOBS              parallel compile jobs (torch's own switch)
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (python package, source folder, switch that skips it)
+_NATIVE = (
+    ("fastcomm", "csrc/comm", "FASTCOMM_NO_NATIVE"),
+    ("fastio", "csrc/io", "FASTIO_NO_NATIVE"),
+)
+
+
+def _native_extensions():
+    wanted = [spec for spec in _NATIVE if os.environ.get(spec[2], "0") != "1"]
+    if not wanted:
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    with_cuda = (
+        torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("FASTCOMM_NO_CUDA") != "1"
+    )
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
+    extensions = []
+    for package, folder, _ in wanted:
+        cpp = sorted(glob.glob(os.path.join(folder, "*.cpp"))) + sorted(glob.glob("csrc/common/*.cpp"))
+        cu = sorted(glob.glob(os.path.join(folder, "*.cu"))) if with_cuda else []
+        if not cpp:
+            continue
+        common = dict(
+            name=f"{package}._C",
+            include_dirs=[os.path.join(_HERE, "csrc")],
+            extra_link_args=["-fopenmp"],
+        )
+        if cu:
+            extensions.append(
+                CUDAExtension(
+                    sources=cpp + cu,
+                    define_macros=[("FASTLIB_WITH_CUDA", "1")],
+                    extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--fmad=false"]},
+                    **common,
+                )
+            )
+        else:
+            extensions.append(CppExtension(sources=cpp, extra_compile_args={"cxx": cxx_flags}, **common))
+    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _native_extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
