@@ -1,0 +1,252 @@
+"""A shaped network link between two network namespaces, made and removed for one benchmark run.
+
+:class:`Link` builds, as root with ``ip`` and ``tc``:
+
+1. two namespaces ``fcnl<pid>a`` and ``fcnl<pid>b`` (the pid keeps concurrent runs apart and lets a later
+   run recognise and remove what a dead one left behind), each with ``lo`` up;
+2. a veth pair ``fcv<pid>a`` / ``fcv<pid>b``, one end in each namespace, addressed 10.231.0.1/24 and
+   10.231.0.2/24 and with no other route, so nothing sent inside can reach any other address;
+3. a token-bucket filter on each end (``tc qdisc ... tbf rate 1gbit burst 256kb latency 50ms``), which
+   shapes both directions, since tbf shapes what an interface sends.
+
+Leaving the ``with`` block, an exception, Ctrl-C, SIGTERM and interpreter exit all delete both namespaces
+(which deletes the veth pair with them). Commands for a namespace are prefixed with :meth:`Link.exec_prefix`.
+
+Run ``python -m benchmarks.netlab`` to build a link, measure its throughput and remove it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType, TracebackType
+
+__all__ = ["Link", "cleanup_stale", "measure_throughput", "unavailable_reason"]
+
+SUBNET_PREFIX = "10.231.0."
+_NS_PATTERN = re.compile(r"^fcnl(\d+)([ab])$")
+_COMMAND_TIMEOUT_S = 20.0
+_CHUNK_BYTES = 1 << 20
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def unavailable_reason() -> str | None:
+    """Why a :class:`Link` cannot be built here (not root, no ``ip``/``tc``), or ``None`` if it can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "netlab needs root to create network namespaces (run as root to get the 1 Gbit/s link)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"netlab needs the `{tool}` command (iproute2), which is not on PATH"
+    return None
+
+
+def _run(args: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(list(args), capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
+    return result
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale() -> list[str]:
+    """Delete namespaces and root-namespace veths left by netlab runs whose process is gone; return them."""
+    removed: list[str] = []
+    listing = _run(["ip", "netns", "list"], check=False).stdout
+    for line in listing.splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = _NS_PATTERN.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            _run(["ip", "netns", "del", name], check=False)
+            removed.append(name)
+    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+    for match in re.finditer(r"^\d+: (fcv(\d+)[ab])[@:]", links, flags=re.MULTILINE):
+        if not _pid_alive(int(match.group(2))):
+            _run(["ip", "link", "del", match.group(1)], check=False)
+            removed.append(match.group(1))
+    return removed
+
+
+class Link:
+    """Two namespaces joined by a veth pair shaped to ``rate`` in both directions.
+
+    Args:
+        rate: the tbf rate, in tc's notation (``"1gbit"``); ``None`` leaves the link unshaped.
+        burst: the tbf bucket size.
+        latency: the tbf queueing limit.
+
+    Example::
+
+        with Link(rate="1gbit") as link:
+            subprocess.run([*link.exec_prefix(0), "ping", "-c1", link.addresses[1]])
+    """
+
+    def __init__(self, rate: str | None = "1gbit", burst: str = "256kb", latency: str = "50ms") -> None:
+        self.rate = rate
+        self.burst = burst
+        self.latency = latency
+        pid = os.getpid()
+        self.namespaces = (f"fcnl{pid}a", f"fcnl{pid}b")
+        self.interfaces = (f"fcv{pid}a", f"fcv{pid}b")
+        self.addresses = (f"{SUBNET_PREFIX}1", f"{SUBNET_PREFIX}2")
+        self._up = False
+        self._previous_sigterm: signal.Handlers | None = None
+
+    def exec_prefix(self, side: int) -> list[str]:
+        """The command prefix that runs a program inside namespace ``side`` (0 or 1)."""
+        return ["ip", "netns", "exec", self.namespaces[side]]
+
+    def up(self) -> Link:
+        """Build the namespaces, the veth pair, the addresses and the shaping; undo everything on failure."""
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        cleanup_stale()
+        self._up = True
+        atexit.register(self.down)
+        self._trap_sigterm()
+        try:
+            for ns in self.namespaces:
+                _run(["ip", "netns", "add", ns])
+                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            a, b = self.interfaces
+            _run(["ip", "link", "add", a, "type", "veth", "peer", "name", b])
+            for ns, dev, addr in zip(self.namespaces, self.interfaces, self.addresses, strict=True):
+                _run(["ip", "link", "set", dev, "netns", ns])
+                _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
+                _run(["ip", "-n", ns, "link", "set", dev, "up"])
+                if self.rate is not None:
+                    _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                          "rate", self.rate, "burst", self.burst, "latency", self.latency])
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        """Delete both namespaces (and with them the veth pair); safe to call more than once."""
+        if not self._up:
+            return
+        self._up = False
+        for ns in self.namespaces:
+            _run(["ip", "netns", "del", ns], check=False)
+        # If the pair was made but not yet moved into the namespaces, it is still in ours.
+        if self.interfaces[0] in _run(["ip", "-o", "link", "show"], check=False).stdout:
+            _run(["ip", "link", "del", self.interfaces[0]], check=False)
+        atexit.unregister(self.down)
+        self._restore_sigterm()
+
+    def _trap_sigterm(self) -> None:
+        # SIGTERM skips atexit and finally blocks unless it becomes an exception.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def _raise(signum: int, frame: FrameType | None) -> None:
+            raise SystemExit(128 + signum)
+
+        self._previous_sigterm = signal.SIG_DFL
+        signal.signal(signal.SIGTERM, _raise)
+
+    def _restore_sigterm(self) -> None:
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+    def __enter__(self) -> Link:
+        return self.up()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.down()
+
+
+def _sink(port: int) -> None:
+    """Accept one connection on ``port`` and read it to the end (run inside the receiving namespace)."""
+    with socket.create_server(("", port)) as server:
+        print("ready", flush=True)
+        conn, _ = server.accept()
+        with conn:
+            while conn.recv(_CHUNK_BYTES):
+                pass
+
+
+def _source(host: str, port: int, nbytes: int) -> None:
+    """Send ``nbytes`` to ``host:port`` and print the achieved MB/s (run inside the sending namespace)."""
+    payload = bytes(_CHUNK_BYTES)
+    with socket.create_connection((host, port), timeout=_COMMAND_TIMEOUT_S) as conn:
+        start = time.perf_counter()
+        sent = 0
+        while sent < nbytes:
+            conn.sendall(payload)
+            sent += len(payload)
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)  # wait for the sink to close, so the time covers delivery and not just buffering
+        seconds = time.perf_counter() - start
+    print(f"{sent / seconds / 1e6:.1f}", flush=True)
+
+
+def measure_throughput(link: Link, nbytes: int = 64 << 20, port: int = 29399) -> float:
+    """Send ``nbytes`` over TCP from side 0 to side 1 of ``link`` and return the achieved MB/s."""
+    python = [sys.executable, "-m", "benchmarks.netlab"]
+    sink = subprocess.Popen([*link.exec_prefix(1), *python, "--sink", str(port)],
+                            stdout=subprocess.PIPE, text=True, cwd=_REPO_ROOT)
+    try:
+        assert sink.stdout is not None
+        sink.stdout.readline()
+        source = subprocess.run(
+            [*link.exec_prefix(0), *python, "--source", link.addresses[1], str(port), str(nbytes)],
+            capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S * 3, cwd=_REPO_ROOT, check=True,
+        )
+        return float(source.stdout.strip().splitlines()[-1])
+    finally:
+        sink.kill()
+        sink.wait()
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build a shaped link, report its throughput, and remove it (the worker modes are internal)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", default="1gbit", help="tbf rate in tc notation, or 'none' for unshaped")
+    parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--source", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.sink is not None:
+        _sink(args.sink)
+        return 0
+    if args.source is not None:
+        _source(args.source[0], int(args.source[1]), int(args.source[2]))
+        return 0
+    reason = unavailable_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        return 0
+    with Link(rate=None if args.rate == "none" else args.rate) as link:
+        print(f"namespaces {link.namespaces}, veth {link.interfaces}, rate {args.rate}")
+        print(f"throughput {link.addresses[0]} -> {link.addresses[1]}: {measure_throughput(link):.1f} MB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
