@@ -17,8 +17,6 @@ Shared conventions:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -71,7 +69,7 @@ def approx_sample_size(n: int, k: int) -> int:
     """How many elements approximate top-k samples: enough that ~1000 of them lie above the threshold."""
     if k <= 0:
         return 0
-    return min(n, max(65536, math.ceil(1000 * n / k)))
+    return min(n, max(65536, -(-1000 * n // k)))
 
 
 def _approx_threshold(keys: Tensor, k: int) -> Tensor:
@@ -85,7 +83,7 @@ def _approx_threshold(keys: Tensor, k: int) -> Tensor:
     stride = n // m
     strata = torch.arange(m, dtype=torch.int64, device=keys.device)
     positions = strata * stride + _hash32(strata, 0) % stride
-    rank = max(1, math.ceil(m * k / n))
+    rank = max(1, -(-m * k // n))
     return torch.topk(keys[positions], rank).values[-1]
 
 
@@ -170,9 +168,12 @@ def quantize_blockwise(
     n = flat.numel()
     qmax = float(2 ** (bits - 1) - 1)
     absmax = _block_absmax(flat, block)
-    scales = absmax / qmax
+    # Tensor-by-tensor division: one correctly rounded fp32 division, as the kernels do (``qmax / t``
+    # would run as ``t.reciprocal() * qmax``, two roundings).
+    qmax_t = torch.full_like(absmax, qmax)
+    scales = absmax / qmax_t
     usable = torch.isfinite(absmax) & (absmax > 0)
-    inv = torch.where(usable, qmax / absmax, torch.zeros_like(absmax))
+    inv = torch.where(usable, qmax_t / absmax, torch.zeros_like(absmax))
     block_of = torch.arange(n, device=x.device) // block
     v = torch.where(usable[block_of], flat * inv[block_of], torch.zeros_like(flat))
     if stochastic:

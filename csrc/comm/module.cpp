@@ -1,0 +1,20 @@
+// fastcomm._C: registers the CPU kernels under the schemas that fastcomm/ops.py declares.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "comm/kernels.h"
+
+TORCH_LIBRARY_IMPL(fastcomm, CPU, m) {
+  m.impl("topk_select", &fastcomm::topk_select_cpu);
+  m.impl("quantize_blockwise", &fastcomm::quantize_blockwise_cpu);
+  m.impl("dequantize_blockwise", &fastcomm::dequantize_blockwise_cpu);
+  m.impl("sign_compress", &fastcomm::sign_compress_cpu);
+  m.impl("sign_decompress", &fastcomm::sign_decompress_cpu);
+  m.impl("sparse_accumulate", &fastcomm::sparse_accumulate_cpu);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastcomm native kernels; the ops are reached through torch.ops.fastcomm";
+  m.def("openmp_threads", []() { return at::get_num_threads(); }, "threads the CPU kernels run on");
+}
