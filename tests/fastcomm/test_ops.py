@@ -1,0 +1,295 @@
+"""Every fastcomm op, on every device here, against its plain-PyTorch twin in fastcomm.reference.
+
+The reference is the specification and the kernels reproduce it bit for bit (see reference.py's docstring),
+so most comparisons are exact. The one exception is sign_compress's scale: a mean of |acc| summed in fp64
+in a different order by each backend, which can differ in the last fp32 bit after rounding; it is held to one
+ulp, and the residual (``acc - scale``) to one ulp of the scale.
+
+Run under FASTCOMM_NO_NATIVE=1 as well (``make test`` does): the same checks then exercise the fallback.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import fastcomm
+from fastcomm import ops
+from fastcomm import reference as ref
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 7, 1000, 65537, 1000003]
+
+# Relative precision (machine epsilon) per dtype: the size of one rounding.
+EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def _randn(n: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Heavy tails and a spread of magnitudes, as gradients have.
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    return x.to(dtype).to(device)
+
+
+def _seed(*parts: object) -> int:
+    return abs(hash(parts)) % (2**31)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("exact", [True, False])
+def test_topk_select_matches_reference(device, dtype, n, exact):
+    x = _randn(n, dtype, device, _seed("topk", n))
+    for k in sorted({1, max(1, n // 100), n // 3, n}):
+        residual = (_randn(n, dtype, device, _seed("res", n, k)) * 0.5).to(dtype)
+        residual_ref = residual.cpu().clone()
+        values, indices = ops.topk_select(x, k, residual=residual, exact=exact)
+        values_ref, indices_ref = ref.topk_select(x.cpu(), k, residual=residual_ref, exact=exact)
+        assert indices.dtype == torch.int32 and values.dtype == dtype
+        torch.testing.assert_close(indices.cpu(), indices_ref, rtol=0, atol=0)
+        torch.testing.assert_close(values.cpu(), values_ref, rtol=0, atol=0)
+        torch.testing.assert_close(residual.cpu(), residual_ref, rtol=0, atol=0)
+        if exact:
+            assert indices.numel() == k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_select_error_feedback_is_exact(device, dtype):
+    n, k = 20011, 97
+    x = _randn(n, dtype, device, 1)
+    residual = _randn(n, dtype, device, 2)
+    expected = x + residual  # rounded once in dtype, as the op does
+    values, indices = ops.topk_select(x, k, residual=residual)
+    sent = torch.zeros_like(x).index_put_((indices.long(),), values)
+    assert torch.equal(sent + residual, expected)
+    assert torch.count_nonzero(residual[indices.long()]) == 0
+
+
+def test_topk_select_exact_really_takes_the_largest():
+    x = _randn(50000, torch.float32, "cpu", 3)
+    values, indices = ops.topk_select(x, 500)
+    expected = torch.topk(x.abs(), 500).indices.sort().values.to(torch.int32)
+    assert torch.equal(indices, expected)
+    assert torch.equal(values, x[indices.long()])
+
+
+def test_topk_select_ties_take_lowest_index():
+    x = torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 3.0])
+    values, indices = ops.topk_select(x, 2)
+    assert indices.tolist() == [1, 2] and values.tolist() == [-3.0, 3.0]
+
+
+def test_topk_select_approximate_returns_about_k():
+    x = _randn(1_000_003, torch.float32, "cpu", 4)
+    for k in (1000, 10000, 50000):
+        values, indices = ops.topk_select(x, k, exact=False)
+        assert abs(indices.numel() - k) < 0.2 * k, (k, indices.numel())
+        smallest_sent = values.abs().min()
+        assert (x.abs() > smallest_sent).sum() < indices.numel()  # nothing left out above the threshold
+
+
+def test_topk_select_nonfinite_always_sent():
+    x = _randn(10000, torch.float32, "cpu", 5)
+    x[17] = float("nan")
+    x[4242] = float("-inf")
+    _, indices = ops.topk_select(x, 3)
+    assert {17, 4242} <= set(indices.tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_blockwise_matches_reference(device, dtype, n, bits):
+    x = _randn(n, dtype, device, _seed("quant", n, bits))
+    for block, stochastic in ((256, False), (256, True), (7, True), (1000, False)):
+        codes, scales = ops.quantize_blockwise(x, bits=bits, block=block, stochastic=stochastic, seed=99)
+        codes_ref, scales_ref = ref.quantize_blockwise(x.cpu(), bits, block, stochastic, 99)
+        assert codes.dtype == torch.uint8 and codes.numel() == -(-n * bits // 8)
+        torch.testing.assert_close(scales.cpu(), scales_ref, rtol=0, atol=0)
+        torch.testing.assert_close(codes.cpu(), codes_ref, rtol=0, atol=0)
+        out = ops.dequantize_blockwise(codes, scales, n, bits=bits, block=block, dtype=dtype)
+        out_ref = ref.dequantize_blockwise(codes_ref, scales_ref, n, bits, block, dtype)
+        torch.testing.assert_close(out.cpu(), out_ref, rtol=0, atol=0)
+        # Analytic bound: half a step (nearest) or one step (stochastic); x * inv and the scale are each
+        # rounded in fp32, which moves |v| <= qmax by up to ~3 qmax eps steps; plus the output dtype's rounding.
+        step = scales_ref[torch.arange(n) // block]
+        qmax = 2 ** (bits - 1) - 1
+        fp32_slack = 4 * qmax * EPS[torch.float32]
+        x32, out32 = x.cpu().float(), out.cpu().float()
+        bound = step * ((1.0 if stochastic else 0.5) + fp32_slack) + torch.maximum(x32.abs(), out32.abs()) * EPS[dtype]
+        assert ((out32 - x32).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_stochastic_rounding_is_unbiased(device, bits):
+    n, trials, block = 512, 400, 64
+    x = _randn(n, torch.float32, device, 6)
+    total = torch.zeros(n, dtype=torch.float64)
+    for seed in range(trials):
+        codes, scales = ops.quantize_blockwise(x, bits=bits, block=block, stochastic=True, seed=seed)
+        total += ops.dequantize_blockwise(codes, scales, n, bits=bits, block=block).cpu().double()
+    mean = total / trials
+    # Each draw is x + e with |e| < one step and Var(e) <= step^2 / 4: the mean of 400 draws lies within
+    # 6 standard deviations (step / (2 sqrt(trials))) of x for every element, unless rounding is biased.
+    step = scales.cpu().double()[torch.arange(n) // block]
+    assert ((mean - x.cpu().double()).abs() <= 6 * step / (2 * trials**0.5) + 1e-7).all()
+    # Nearest rounding, by contrast, is biased on the same data.
+    codes, scales = ops.quantize_blockwise(x, bits=bits, block=block, stochastic=False)
+    nearest = ops.dequantize_blockwise(codes, scales, n, bits=bits, block=block).cpu().double()
+    assert (nearest - x.cpu().double()).abs().max() > 6 * step.max() / (2 * trials**0.5)
+
+
+def test_quantize_seed_changes_codes_and_repeats():
+    x = _randn(4099, torch.float32, "cpu", 7)
+    a = ops.quantize_blockwise(x, bits=4, stochastic=True, seed=1)[0]
+    b = ops.quantize_blockwise(x, bits=4, stochastic=True, seed=1)[0]
+    c = ops.quantize_blockwise(x, bits=4, stochastic=True, seed=2)[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_quantize_nonfinite_block_dequantizes_to_nan():
+    x = _randn(1000, torch.float32, "cpu", 8)
+    x[300] = float("inf")
+    codes, scales = ops.quantize_blockwise(x, bits=8, block=256)
+    out = ops.dequantize_blockwise(codes, scales, 1000)
+    assert torch.isnan(out[256:512]).all()
+    assert torch.isfinite(out[:256]).all() and torch.isfinite(out[512:]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_sign_compress_matches_reference(device, dtype, n):
+    x = _randn(n, dtype, device, _seed("sign", n))
+    for chunk in (2048, 5, 8):
+        residual = _randn(n, dtype, device, _seed("sres", n, chunk))
+        residual_ref = residual.cpu().clone()
+        packed, scales = ops.sign_compress(x, residual=residual, chunk=chunk)
+        packed_ref, scales_ref = ref.sign_compress(x.cpu(), residual=residual_ref, chunk=chunk)
+        torch.testing.assert_close(packed.cpu(), packed_ref, rtol=0, atol=0)
+        # fp64 sums in another order: equal after rounding to fp32 up to one ulp.
+        torch.testing.assert_close(scales.cpu(), scales_ref, rtol=EPS[torch.float32], atol=0)
+        step = scales_ref[torch.arange(n) // chunk]
+        slack = step * EPS[torch.float32] + residual_ref.float().abs() * EPS[dtype]
+        assert ((residual.cpu().float() - residual_ref.float()).abs() <= slack).all()
+        out = ops.sign_decompress(packed, scales, n, chunk=chunk, dtype=dtype)
+        out_ref = ref.sign_decompress(packed_ref, scales_ref, n, chunk, dtype)
+        torch.testing.assert_close(out.cpu(), out_ref, rtol=EPS[dtype], atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sign_compress_error_feedback_invariant(dtype):
+    n = 10007
+    x = _randn(n, dtype, "cpu", 9)
+    residual = _randn(n, dtype, "cpu", 10)
+    acc = (x + residual).double()
+    packed, scales = ops.sign_compress(x, residual=residual, chunk=512)
+    sent = ops.sign_decompress(packed, scales, n, chunk=512).double()
+    # residual = fl(acc - sent): exact in real arithmetic, so the invariant holds up to that one rounding.
+    error = (sent + residual.double() - acc).abs()
+    assert (error <= EPS[dtype] * (acc - sent).abs() + 1e-30).all()
+    assert torch.equal(sent > 0, acc >= 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_accumulate_matches_reference(device, dtype):
+    out = _randn(1000, dtype, device, 11)
+    out_ref = out.cpu().clone()
+    g = torch.Generator().manual_seed(12)
+    indices = torch.randint(0, 1000, (3001,), generator=g, dtype=torch.int32)
+    values = torch.randn(3001, generator=g)
+    result = ops.sparse_accumulate(out, indices.to(device), values.to(device))
+    assert result is out
+    ref.sparse_accumulate(out_ref, indices, values)
+    torch.testing.assert_close(out.cpu(), out_ref, rtol=EPS[dtype], atol=EPS[dtype])
+
+
+def test_ops_accept_noncontiguous_inputs():
+    base = _randn(20000, torch.float32, "cpu", 13)
+    x = base[::2]
+    residual_base = _randn(20000, torch.float32, "cpu", 14)
+    residual = residual_base[1::2]
+    residual_ref = residual.clone()
+    v, i = ops.topk_select(x, 100, residual=residual)
+    v_ref, i_ref = ref.topk_select(x.contiguous(), 100, residual=residual_ref)
+    assert torch.equal(i, i_ref) and torch.equal(v, v_ref) and torch.equal(residual, residual_ref)
+    assert torch.equal(residual_base[1::2], residual_ref)  # written back into the caller's strided buffer
+    codes, scales = ops.quantize_blockwise(x.view(100, 100).t())
+    codes_ref, scales_ref = ref.quantize_blockwise(x.view(100, 100).t().contiguous())
+    assert torch.equal(codes, codes_ref) and torch.equal(scales, scales_ref)
+    residual = residual_base[::2]
+    residual_ref = residual.clone()
+    packed, _ = ops.sign_compress(x, residual=residual, chunk=64)
+    packed_ref, _ = ref.sign_compress(x, residual=residual_ref, chunk=64)
+    assert torch.equal(packed, packed_ref)
+
+
+def _opcheck_cases():
+    x = _randn(1031, torch.float32, "cpu", 15)
+    codes, scales = ref.quantize_blockwise(x, 4, 64)
+    packed, sign_scales = ref.sign_compress(x, chunk=128)
+    return [
+        ("topk_select", (x, 50, x.clone() * 0.1, True)),
+        ("quantize_blockwise", (x, 4, 64, True, 3)),
+        ("dequantize_blockwise", (codes, scales, 1031, 4, 64, torch.float16)),
+        ("sign_compress", (x, x.clone() * 0.1, 128)),
+        ("sign_decompress", (packed, sign_scales, 1031, 128, torch.float32)),
+        ("sparse_accumulate", (x.clone(), torch.tensor([3, 3, 1000], dtype=torch.int32), torch.ones(3))),
+    ]
+
+
+@pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.fastcomm, name).default, args)
+
+
+def test_opcheck_approximate_topk_dynamic_size():
+    x = _randn(300000, torch.float32, "cpu", 16)
+    # Data-dependent output size: check schema and fake kernel, not AOT's static-shape tracing.
+    torch.library.opcheck(
+        torch.ops.fastcomm.topk_select.default,
+        (x, 1000, None, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+@pytest.mark.parametrize(
+    "call,exc,word",
+    [
+        (lambda: ops.topk_select(torch.arange(10), 2), TypeError, "x"),
+        (lambda: ops.topk_select(torch.randn(10), 11), ValueError, "k"),
+        (lambda: ops.topk_select(torch.randn(10), -1), ValueError, "k"),
+        (lambda: ops.topk_select(torch.randn(10), 2, torch.zeros(9)), ValueError, "residual"),
+        (lambda: ops.topk_select(torch.randn(10), 2, torch.zeros(10, dtype=torch.float16)), ValueError, "residual"),
+        (lambda: ops.quantize_blockwise(torch.randn(10), bits=3), ValueError, "bits"),
+        (lambda: ops.quantize_blockwise(torch.randn(10), block=0), ValueError, "block"),
+        (lambda: ops.quantize_blockwise(torch.randn(10).double()), TypeError, "x"),
+        (lambda: ops.dequantize_blockwise(torch.zeros(3, dtype=torch.uint8), torch.ones(1), 10), ValueError, "codes"),
+        (lambda: ops.dequantize_blockwise(torch.zeros(10), torch.ones(1), 10), TypeError, "codes"),
+        (lambda: ops.sign_compress(torch.randn(10), chunk=-2), ValueError, "chunk"),
+        (lambda: ops.sign_decompress(torch.zeros(2, dtype=torch.uint8), torch.ones(2), 10), ValueError, "scales"),
+        (lambda: ops.sparse_accumulate(torch.zeros(4), torch.tensor([4]), torch.ones(1)), ValueError, "indices"),
+        (lambda: ops.sparse_accumulate(torch.zeros(4), torch.tensor([1.0]), torch.ones(1)), TypeError, "indices"),
+    ],
+)
+def test_bad_input_names_the_argument(call, exc, word):
+    with pytest.raises(exc, match=rf"\b{word}\b"):
+        call()
+
+
+def test_backend_reports_each_op_and_why():
+    report = fastcomm.backend()
+    assert set(report) == set(ops.OP_NAMES)
+    if ops.native_error() is None:
+        assert all("cpu: native C++" in v for v in report.values())
+    else:
+        assert all(ops.native_error() in v for v in report.values())
+    pickle.dumps(report)
