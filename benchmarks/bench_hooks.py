@@ -1,0 +1,480 @@
+"""Step time of DDP with each communication hook, 2 gloo ranks, on loopback and on a shaped 1 Gbit/s link.
+
+The question: how much of a training step does each hook save, on a slow link and on a fast one?
+
+1. The model is an MLP 1024-4096-4096-1024 with biases (25.2M fp32 parameters, 100.7 MB of gradients),
+   trained with SGD on one fixed random batch of 64 per rank; each rank uses one thread (2 ranks share
+   the machine's cores).
+2. Each configuration runs in its own pair of rank processes with its own process group and a timeout, so
+   a crash or a hang is reported as such and the next configuration still runs.
+3. A step is ``zero_grad``, forward, backward (which runs the hook on every bucket) and ``optimizer.step``;
+   the reported time is the slower rank's median over the timed steps, after warm-up steps.
+4. Configurations: dense allreduce (no hook), a no-op hook (returns the bucket untouched without
+   communicating: the compute floor), torch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 4),
+   and fastcomm's bf16 cast, top-k (ratio 0.01), 8- and 4-bit quantization and sign hooks.
+5. Networks: loopback (127.0.0.1 only) and a veth pair between two network namespaces shaped to 1 Gbit/s
+   in both directions (:mod:`benchmarks.netlab`; needs root and ``ip``, skipped with a message otherwise).
+
+Wire bytes are the payload each rank hands to the network per step: computed for torch's hooks (4, 2 bytes
+per parameter; P and Q factors plus uncompressed 1-D tensors for powerSGD) and read from ``stats()`` for
+fastcomm's. Ratios: ``ratio`` is dense allreduce time / this time (above 1 is faster than allreduce),
+``x_noop_floor`` is this time / the no-op hook's time, ``speedup_vs_fp16`` is the fp16 hook's time / this.
+
+Run::
+
+    python -m benchmarks.bench_hooks                 # both networks, 2 warm-up + 5 timed steps each
+    python -m benchmarks.bench_hooks --quick --network loopback
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import netlab
+from benchmarks.harness import Row, time_call, write_results
+
+__all__ = ["CONFIGS", "Config", "main"]
+
+LAYERS = (1024, 4096, 4096, 1024)
+BATCH = 64
+POWERSGD_RANK = 4
+# torch's PowerSGDState default: a matrix is sent uncompressed unless the factors are 2x smaller.
+POWERSGD_MIN_COMPRESSION_RATE = 2.0
+LINK_RATE = "1gbit"
+NETWORKS = ("loopback", "netlab")
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One hook configuration: its row name, what it is, and the fastcomm names it needs (if any)."""
+
+    name: str
+    description: str
+    fastcomm_names: tuple[str, ...] = ()
+    bucket_cap_mb: float | None = None  # None: DDP's default buckets
+
+
+CONFIGS = (
+    Config("allreduce", "dense fp32 allreduce, no hook"),
+    Config("noop", "no-op hook: no communication (compute floor)"),
+    Config("torch_fp16", "torch fp16_compress_hook"),
+    Config("torch_powersgd_r4", f"torch powerSGD_hook, rank {POWERSGD_RANK}"),
+    # With several buckets, powerSGD's follow-up collectives are launched from future callbacks, whose order
+    # can differ between ranks; gloo then fails on a size mismatch. One bucket keeps the order fixed.
+    Config("torch_powersgd_r4_1bucket", f"torch powerSGD_hook, rank {POWERSGD_RANK}, one 200 MB DDP bucket",
+           bucket_cap_mb=200.0),
+    Config("bf16_cast", "fastcomm.cast_hook, CastState(dtype=bfloat16)", ("cast_hook", "CastState")),
+    Config("topk_0.01", "fastcomm.topk_hook, TopKState(ratio=0.01)", ("topk_hook", "TopKState")),
+    Config("quant8", "fastcomm.quantize_hook, QuantState(bits=8)", ("quantize_hook", "QuantState")),
+    Config("quant4", "fastcomm.quantize_hook, QuantState(bits=4)", ("quantize_hook", "QuantState")),
+    Config("sign", "fastcomm.sign_hook, SignState()", ("sign_hook", "SignState")),
+)
+_FASTCOMM_CONFIGS = tuple(c.name for c in CONFIGS if c.fastcomm_names)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rank process
+
+
+# DDP compares these annotations with the real classes, so this module must not postpone annotations.
+def _noop_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Return the bucket's own gradients in a completed future, communicating nothing."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _make_hook(name: str) -> tuple[Any, Callable[..., Any]] | None:
+    """The ``(state, hook)`` pair of configuration ``name``, or ``None`` for plain allreduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "allreduce":
+        return None
+    if name == "noop":
+        return None, _noop_hook
+    if name == "torch_fp16":
+        return None, default_hooks.fp16_compress_hook
+    if name.startswith("torch_powersgd_r4"):
+        # start_powerSGD_iter=2 (the smallest allowed with error feedback) so warm-up covers the plain
+        # allreduce iterations and every timed step is compressed.
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=2,
+            min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE,
+        )
+        return state, powerSGD_hook.powerSGD_hook
+
+    import fastcomm
+
+    fastcomm_pairs: dict[str, Callable[[], tuple[Any, Callable[..., Any]]]] = {
+        "bf16_cast": lambda: (fastcomm.CastState(dtype=torch.bfloat16), fastcomm.cast_hook),
+        "topk_0.01": lambda: (fastcomm.TopKState(ratio=0.01), fastcomm.topk_hook),
+        "quant8": lambda: (fastcomm.QuantState(bits=8), fastcomm.quantize_hook),
+        "quant4": lambda: (fastcomm.QuantState(bits=4), fastcomm.quantize_hook),
+        "sign": lambda: (fastcomm.SignState(), fastcomm.sign_hook),
+    }
+    return fastcomm_pairs[name]()
+
+
+def _mlp() -> torch.nn.Sequential:
+    layers: list[torch.nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(LAYERS[:-1], LAYERS[1:], strict=True)):
+        layers.append(torch.nn.Linear(fan_in, fan_out))
+        if i < len(LAYERS) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def _rank_main(spec: dict[str, Any]) -> None:
+    """Run one configuration on one rank and write its median step time and hook stats to ``spec['out']``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    rank = spec["rank"]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{spec['master_addr']}:{spec['port']}",
+        rank=rank,
+        world_size=spec["world_size"],
+        timeout=timedelta(seconds=spec["timeout_s"]),
+    )
+    try:
+        torch.manual_seed(0)
+        cap = spec["bucket_cap_mb"]
+        ddp = DistributedDataParallel(_mlp(), **({"bucket_cap_mb": cap} if cap is not None else {}))
+        pair = _make_hook(spec["config"])
+        state = None
+        if pair is not None:
+            state, hook = pair
+            ddp.register_comm_hook(state, hook)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+        generator = torch.Generator().manual_seed(1 + rank)
+        inputs = torch.randn(BATCH, LAYERS[0], generator=generator)
+        targets = torch.randn(BATCH, LAYERS[-1], generator=generator)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(ddp(inputs), targets).backward()
+            optimizer.step()
+
+        seconds = time_call(step, repeat=spec["steps"], warmup=spec["warmup"])
+        stats = state.stats() if state is not None and hasattr(state, "stats") else None
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    result = {"rank": rank, "step_seconds": seconds, "stats": stats}
+    Path(spec["out"]).write_text(json.dumps(result, default=float))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def _num_params() -> int:
+    return sum(fan_in * fan_out + fan_out for fan_in, fan_out in zip(LAYERS[:-1], LAYERS[1:], strict=True))
+
+
+def _powersgd_wire_bytes() -> int:
+    """Bytes powerSGD sends per step: P and Q factors of each compressed matrix, the rest uncompressed."""
+    total = 0
+    for fan_in, fan_out in zip(LAYERS[:-1], LAYERS[1:], strict=True):
+        rows, cols = fan_out, fan_in  # weight is (out, in); the hook views it as (shape[0], -1)
+        compressed = (rows + cols) * POWERSGD_RANK
+        total += 4 * (compressed if compressed * POWERSGD_MIN_COMPRESSION_RATE < rows * cols else rows * cols)
+        total += 4 * fan_out  # the bias is 1-D: always allreduced uncompressed
+    return total
+
+
+def _fastcomm_missing(config: Config) -> list[str]:
+    if not config.fastcomm_names:
+        return []
+    try:
+        import fastcomm
+    except ImportError as exc:
+        return [f"fastcomm ({exc})"]
+    return [name for name in config.fastcomm_names if not hasattr(fastcomm, name)]
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclasses.dataclass
+class _Outcome:
+    status: str
+    step_seconds: float = math.nan
+    stats: dict[str, float] | None = None
+
+
+def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()
+
+
+def _last_error_line(path: Path) -> str:
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def _run_config(
+    config: Config, link: netlab.Link | None, port: int, warmup: int, steps: int, timeout_s: float
+) -> _Outcome:
+    """Run ``config`` on two fresh rank processes and collect the slower rank's median step time."""
+    missing = _fastcomm_missing(config)
+    if missing:
+        return _Outcome(f"skipped: not available in fastcomm ({', '.join(missing)})")
+    with tempfile.TemporaryDirectory(prefix="bench_hooks_") as tmp:
+        procs: list[subprocess.Popen[bytes]] = []
+        logs: list[Path] = []
+        try:
+            for rank in range(2):
+                spec = {
+                    "config": config.name, "bucket_cap_mb": config.bucket_cap_mb, "rank": rank,
+                    "world_size": 2, "port": port, "warmup": warmup, "steps": steps,
+                    "timeout_s": timeout_s, "out": str(Path(tmp) / f"rank{rank}.json"),
+                    "master_addr": link.addresses[0] if link else "127.0.0.1",
+                }
+                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_REPO_ROOT),
+                           GLOO_SOCKET_IFNAME=link.interfaces[rank] if link else "lo")
+                prefix = link.exec_prefix(rank) if link else []
+                command = [*prefix, sys.executable, "-m", "benchmarks.bench_hooks",
+                           "--rank-spec", json.dumps(spec)]
+                logs.append(Path(tmp) / f"rank{rank}.log")
+                with logs[-1].open("wb") as log:
+                    procs.append(subprocess.Popen(command, cwd=_REPO_ROOT, env=env, stdout=log,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + timeout_s
+            failed_at: float | None = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = now
+                # A rank that died leaves its peer blocked in a collective: give it a moment to report.
+                if now > deadline or (failed_at is not None and now > failed_at + 10):
+                    break
+                time.sleep(0.1)
+            hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        finally:
+            _kill(procs)
+        crashed = [r for r, p in enumerate(procs) if p.returncode not in (0, None) and r not in hung]
+        if crashed:
+            rank = crashed[0]
+            code = procs[rank].returncode
+            return _Outcome(f"crashed (rank {rank} exit {code}): {_last_error_line(logs[rank])}")
+        if hung:
+            return _Outcome(f"hung: rank(s) {hung} still running after {timeout_s:.0f} s, killed")
+        results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
+    return _Outcome("ok", max(r["step_seconds"] for r in results), results[0]["stats"])
+
+
+def _wire_bytes(config: Config, outcome: _Outcome, steps_run: int) -> float | None:
+    params = _num_params()
+    computed = {"allreduce": 4 * params, "noop": 0, "torch_fp16": 2 * params,
+                "torch_powersgd_r4": _powersgd_wire_bytes(),
+                "torch_powersgd_r4_1bucket": _powersgd_wire_bytes()}
+    if config.name in computed:
+        return float(computed[config.name])
+    if outcome.stats and "bytes_sent" in outcome.stats:
+        return float(outcome.stats["bytes_sent"]) / steps_run
+    return None
+
+
+def _rows_for(
+    network: str, outcomes: dict[str, _Outcome], steps_run: int, link_mb_per_s: float | None
+) -> list[Row]:
+    """One ``step_time`` row per configuration, with its wire bytes, hook stats and ratios."""
+
+    def ok_time(name: str) -> float | None:
+        outcome = outcomes.get(name)
+        return outcome.step_seconds if outcome is not None and outcome.status == "ok" else None
+
+    dense, floor, fp16 = ok_time("allreduce"), ok_time("noop"), ok_time("torch_fp16")
+    rows = []
+    for config in CONFIGS:
+        if config.name not in outcomes:
+            continue
+        outcome = outcomes[config.name]
+        seconds = ok_time(config.name)
+        extra: dict[str, Any] = {"status": outcome.status}
+        wire = _wire_bytes(config, outcome, steps_run)
+        if wire is not None:
+            extra["wire_MB/step"] = round(wire / 1e6, 3)
+            extra["wire_vs_dense"] = round(wire / (4 * _num_params()), 4)
+            if link_mb_per_s:
+                extra["wire_s/step_at_link"] = round(wire / 1e6 / link_mb_per_s, 3)
+        if outcome.stats:
+            if "compress_seconds" in outcome.stats:
+                extra["compress_s/step"] = round(float(outcome.stats["compress_seconds"]) / steps_run, 4)
+            if "compression_ratio" in outcome.stats:
+                extra["compression_ratio"] = round(float(outcome.stats["compression_ratio"]), 2)
+        if seconds is not None and floor:
+            extra["x_noop_floor"] = round(seconds / floor, 2)
+        if config.name == "quant8" and seconds and fp16:
+            extra["speedup_vs_fp16"] = round(fp16 / seconds, 2)
+        rows.append(Row(
+            case=network,
+            backend=config.name,
+            metric="step_time",
+            value=seconds if seconds is not None else math.nan,
+            unit="s",
+            ratio=dense / seconds if seconds and dense else None,
+            ratio_to="allreduce speedup" if seconds and dense else None,
+            extra=extra,
+        ))
+    return rows
+
+
+def _check_targets(network: str, rows: list[Row]) -> list[str]:
+    """The issue's targets for ``network``, each marked MET, MISSED or not evaluated, with the numbers."""
+    times = {r.backend: r.value for r in rows if r.extra.get("status") == "ok"}
+
+    def verdict(label: str, needed: Sequence[str], test: Callable[[], tuple[bool, str]]) -> str:
+        absent = [n for n in needed if n not in times]
+        if absent:
+            return f"{network}: {label}: not evaluated ({', '.join(absent)} has no time)"
+        passed, detail = test()
+        return f"{network}: {label}: {'MET' if passed else 'MISSED'} ({detail})"
+
+    def speedup(name: str, base: str, at_least: float) -> tuple[bool, str]:
+        value = times[base] / times[name]
+        return value >= at_least, f"{base} {times[base]:.3f} s / {name} {times[name]:.3f} s = {value:.2f}x"
+
+    if network == "loopback":
+        notes = []
+        for name in _FASTCOMM_CONFIGS:
+            def slower(name: str = name) -> tuple[bool, str]:
+                value = times[name] / times["allreduce"]
+                dense = times["allreduce"]
+                return value <= 1.5, f"{name} {times[name]:.3f} s / allreduce {dense:.3f} s = {value:.2f}x"
+
+            notes.append(verdict(f"{name} at most 1.5x slower than allreduce", (name, "allreduce"), slower))
+        return notes
+
+    def topk_floor() -> tuple[bool, str]:
+        value = times["topk_0.01"] / times["noop"]
+        return value <= 1.4, f"topk {times['topk_0.01']:.3f} s / no-op {times['noop']:.3f} s = {value:.2f}x"
+
+    return [
+        verdict("topk_0.01 >= 3x faster than allreduce", ("topk_0.01", "allreduce"),
+                lambda: speedup("topk_0.01", "allreduce", 3.0)),
+        verdict("topk_0.01 <= 1.4x the no-op floor", ("topk_0.01", "noop"), topk_floor),
+        verdict("quant8 >= 1.6x faster than torch_fp16", ("quant8", "torch_fp16"),
+                lambda: speedup("quant8", "torch_fp16", 1.6)),
+        verdict("quant4 >= 2.5x faster than allreduce", ("quant4", "allreduce"),
+                lambda: speedup("quant4", "allreduce", 2.5)),
+        verdict("sign >= 3x faster than allreduce", ("sign", "allreduce"),
+                lambda: speedup("sign", "allreduce", 3.0)),
+    ]
+
+
+def _run_network(
+    network: str,
+    configs: Sequence[Config],
+    link: netlab.Link | None,
+    warmup: int,
+    steps: int,
+    timeout_s: float,
+    link_mb_per_s: float | None,
+) -> list[Row]:
+    """Run every configuration on ``network`` (through ``link`` when given) and return its rows."""
+    outcomes: dict[str, _Outcome] = {}
+    for index, config in enumerate(configs):
+        # Fresh namespaces have no other listeners; on loopback ask the kernel for a free port.
+        port = 29500 + index if link else _free_loopback_port()
+        start = time.perf_counter()
+        outcome = _run_config(config, link, port, warmup, steps, timeout_s)
+        outcomes[config.name] = outcome
+        shown = f"{outcome.step_seconds:.3f} s/step" if outcome.status == "ok" else outcome.status
+        print(f"[bench_hooks] {network:8s} {config.name:26s} {shown}  ({time.perf_counter() - start:.0f} s)",
+              file=sys.stderr, flush=True)
+    return _rows_for(network, outcomes, warmup + steps, link_mb_per_s)
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    """Run the benchmark, write ``benchmarks/results/bench_hooks.*`` and return the Markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 warm-up + 2 timed steps (default 2 + 5)")
+    parser.add_argument("--network", choices=(*NETWORKS, "both"), default="both")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds per configuration before its ranks are killed")
+    parser.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
+                        help="comma-separated subset of the configurations to run (default: all)")
+    parser.add_argument("--rank-spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.rank_spec:
+        _rank_main(json.loads(args.rank_spec))
+        return ""
+
+    warmup, steps = (2, 2) if args.quick else (2, 5)
+    # Generous: a dense step on the 1 Gbit link takes about 1 s; process start and DDP setup about 10 s.
+    timeout_s = args.timeout or 60.0 + 10.0 * (warmup + steps)
+    networks = NETWORKS if args.network == "both" else (args.network,)
+    chosen = args.configs.split(",")
+    unknown = sorted(set(chosen) - {c.name for c in CONFIGS})
+    if unknown:
+        parser.error(f"unknown configuration(s) {unknown}; choose from {[c.name for c in CONFIGS]}")
+    configs = tuple(c for c in CONFIGS if c.name in chosen)
+    params = _num_params()
+    notes = [
+        f"model: MLP {'-'.join(map(str, LAYERS))} with biases, {params / 1e6:.2f}M fp32 parameters "
+        f"({4 * params / 1e6:.1f} MB of gradients), batch {BATCH} per rank, SGD",
+        f"2 gloo ranks, one thread each; {warmup} warm-up + {steps} timed steps per configuration, "
+        "time = slower rank's median step",
+        "ratio = allreduce step time / this step time (above 1 = faster than dense allreduce); "
+        "x_noop_floor = this step time / the no-op hook's",
+        "wire bytes: per rank per step; computed for torch hooks, "
+        "stats()['bytes_sent'] / steps run for fastcomm",
+        *(f"{c.name}: {c.description}" for c in CONFIGS),
+    ]
+    rows: list[Row] = []
+    for network in networks:
+        if network == "loopback":
+            loopback_rows = _run_network(network, configs, None, warmup, steps, timeout_s, None)
+            rows += loopback_rows
+            notes += _check_targets(network, loopback_rows)
+            continue
+        reason = netlab.unavailable_reason()
+        if reason:
+            message = f"netlab: skipped, {reason}"
+            print(f"[bench_hooks] {message}", file=sys.stderr, flush=True)
+            notes.append(message)
+            continue
+        with netlab.Link(rate=LINK_RATE) as link:
+            link_mb_per_s = netlab.measure_throughput(link)
+            notes.append(f"netlab: veth between two namespaces, tbf {LINK_RATE} each way, measured "
+                         f"{link_mb_per_s:.1f} MB/s (TCP, one direction)")
+            net_rows = _run_network(network, configs, link, warmup, steps, timeout_s, link_mb_per_s)
+        rows += net_rows
+        notes += _check_targets(network, net_rows)
+    for note in notes:
+        print(f"[bench_hooks] {note}", file=sys.stderr, flush=True)
+    return write_results("bench_hooks", rows, notes=notes, plot_metric="step_time")
+
+
+if __name__ == "__main__":
+    print(main())
