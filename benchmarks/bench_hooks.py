@@ -10,8 +10,9 @@ The question: how much of a training step does each hook save, on a slow link an
 3. A step is ``zero_grad``, forward, backward (which runs the hook on every bucket) and ``optimizer.step``;
    the reported time is the slower rank's median over the timed steps, after warm-up steps.
 4. Configurations: dense allreduce (no hook), a no-op hook (returns the bucket untouched without
-   communicating: the compute floor), torch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 4),
-   and fastcomm's bf16 cast, top-k (ratio 0.01), 8- and 4-bit quantization and sign hooks.
+   communicating: the compute floor), torch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 4, with
+   DDP's default buckets and with one bucket), and fastcomm's bf16 cast, top-k (ratio 0.01), 8- and 4-bit
+   quantization and sign hooks.
 5. Networks: loopback (127.0.0.1 only) and a veth pair between two network namespaces shaped to 1 Gbit/s
    in both directions (:mod:`benchmarks.netlab`; needs root and ``ip``, skipped with a message otherwise).
 
@@ -259,7 +260,8 @@ def _run_config(
                     "timeout_s": timeout_s, "out": str(Path(tmp) / f"rank{rank}.json"),
                     "master_addr": link.addresses[0] if link else "127.0.0.1",
                 }
-                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_REPO_ROOT),
+                pythonpath = os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))))
+                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath,
                            GLOO_SOCKET_IFNAME=link.interfaces[rank] if link else "lo")
                 prefix = link.exec_prefix(rank) if link else []
                 command = [*prefix, sys.executable, "-m", "benchmarks.bench_hooks",
