@@ -334,6 +334,10 @@ def _rows_for(
                 extra["compress_s/step"] = round(float(outcome.stats["compress_seconds"]) / steps_run, 4)
             if "compression_ratio" in outcome.stats:
                 extra["compression_ratio"] = round(float(outcome.stats["compression_ratio"]), 2)
+            if "compressed_buckets" in outcome.stats and "dense_buckets" in outcome.stats:
+                extra["buckets_compressed/dense"] = (
+                    f"{outcome.stats['compressed_buckets']}/{outcome.stats['dense_buckets']}"
+                )
         if seconds is not None and floor:
             extra["x_noop_floor"] = round(seconds / floor, 2)
         if config.name == "quant8" and seconds and fp16:
@@ -449,8 +453,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         "time = slower rank's median step",
         "ratio = allreduce step time / this step time (above 1 = faster than dense allreduce); "
         "x_noop_floor = this step time / the no-op hook's",
-        "wire bytes: per rank per step; computed for torch hooks, "
-        "stats()['bytes_sent'] / steps run for fastcomm",
+        "wire bytes: what one rank sends per step (for 2 ranks a ring allreduce and an all-gather both send "
+        "the payload once); computed for torch hooks, stats()['bytes_sent'] / steps run for fastcomm",
         *(f"{c.name}: {c.description}" for c in CONFIGS),
     ]
     rows: list[Row] = []
