@@ -7,6 +7,31 @@ Example::
 """
 
 from fastcomm import ops
+from fastcomm.hooks import (
+    CastState,
+    HookName,
+    QuantState,
+    SignState,
+    TopKState,
+    cast_hook,
+    quantize_hook,
+    register,
+    sign_hook,
+    topk_hook,
+)
 from fastcomm.ops import backend
 
-__all__ = ["backend", "ops"]
+__all__ = [
+    "CastState",
+    "HookName",
+    "QuantState",
+    "SignState",
+    "TopKState",
+    "backend",
+    "cast_hook",
+    "ops",
+    "quantize_hook",
+    "register",
+    "sign_hook",
+    "topk_hook",
+]

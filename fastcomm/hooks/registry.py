@@ -1,0 +1,82 @@
+"""Hook names and :func:`register`: one call that builds a state and registers its hook on a DDP model."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fastcomm.hooks._state import HookState
+from fastcomm.hooks.cast import CastState, cast_hook
+from fastcomm.hooks.quantize import QuantState, quantize_hook
+from fastcomm.hooks.sign import SignState, sign_hook
+from fastcomm.hooks.topk import TopKState, topk_hook
+
+__all__ = ["HOOKS", "HookName", "register"]
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+class HookName(str, enum.Enum):
+    """The hooks :func:`register` knows, by name."""
+
+    TOPK = "topk"
+    QUANTIZE = "quantize"
+    SIGN = "sign"
+    CAST = "cast"
+
+
+HOOKS: dict[HookName, tuple[type[HookState], Hook]] = {
+    HookName.TOPK: (TopKState, topk_hook),
+    HookName.QUANTIZE: (QuantState, quantize_hook),
+    HookName.SIGN: (SignState, sign_hook),
+    HookName.CAST: (CastState, cast_hook),
+}
+
+
+def register(ddp: DistributedDataParallel, name: str | HookName | HookState, **options: Any) -> HookState:
+    """Build the named hook's state from ``options``, bind it to ``ddp``'s model and register the hook.
+
+    1. Resolve ``name`` (a :class:`HookName`, its string value, or an existing state object).
+    2. Build the state (``ValueError`` for a bad option) or take the given one.
+    3. Bind the state to the model's parameters (``ValueError`` if it already serves another model).
+    4. ``ddp.register_comm_hook(state, hook)``.
+
+    Args:
+        ddp: the DistributedDataParallel model.
+        name: ``"topk"``, ``"quantize"``, ``"sign"`` or ``"cast"`` (or a state to register as is).
+        **options: the state's constructor arguments (not allowed with a state object).
+
+    Returns:
+        The state, for ``stats()``, ``state_dict()`` and checkpoints.
+
+    Example::
+
+        state = fastcomm.register(ddp, "topk", ratio=0.01, start_iter=10)
+        ...
+        print(state.stats()["compression_ratio"])
+    """
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp).__name__}")
+    if isinstance(name, HookState):
+        if options:
+            raise TypeError("options cannot be given together with a state object")
+        state = name
+        hook = next((h for cls, h in HOOKS.values() if type(state) is cls), None)
+        if hook is None:
+            raise TypeError(f"no fastcomm hook takes a {type(state).__name__}")
+    else:
+        try:
+            hook_name = HookName(name)
+        except ValueError:
+            known = ", ".join(repr(h.value) for h in HookName)
+            raise ValueError(f"unknown hook {name!r}; known hooks: {known}") from None
+        cls, hook = HOOKS[hook_name]
+        state = cls(**options)
+    state.bind(ddp.module)
+    ddp.register_comm_hook(state, hook)
+    return state

@@ -1,0 +1,115 @@
+"""1-bit sign hook: signs and per-chunk scales in a two-phase exchange (1-bit Adam's compressed allreduce)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastcomm import ops
+from fastcomm.hooks._state import CompressionState, resolve_state, segment_layout, world_of
+from fastcomm.hooks._twophase import Codec, two_phase_allreduce
+
+__all__ = ["SignState", "sign_hook", "sign_layout"]
+
+
+class SignState(CompressionState):
+    """State of :func:`sign_hook`: chunk size, residuals of both phases (worker and server), statistics.
+
+    Error feedback is what makes 1-bit compression converge (EF-SignSGD, 1-bit Adam); turning it off is
+    allowed but rarely useful.
+
+    Args:
+        chunk: elements per fp32 scale (the mean magnitude of the chunk); smaller buckets use one chunk per
+            rank segment.
+        error_feedback: per-bucket residuals on both phases.
+        start_iter: dense allreduce for the first ``start_iter`` steps (1-bit Adam's warmup stage).
+        min_compress_numel: buckets with fewer elements go dense.
+        process_group: the group to reduce over; ``None`` for the default group.
+
+    Example::
+
+        state = fastcomm.SignState(start_iter=100)
+        ddp.register_comm_hook(state, fastcomm.sign_hook)
+    """
+
+    _OPTIONS = ("chunk", *CompressionState._OPTIONS)
+
+    def __init__(
+        self,
+        chunk: int = 2048,
+        *,
+        error_feedback: bool = True,
+        start_iter: int = 0,
+        min_compress_numel: int = 1024,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        self.chunk = chunk
+        super().__init__(
+            error_feedback=error_feedback,
+            start_iter=start_iter,
+            min_compress_numel=min_compress_numel,
+            process_group=process_group,
+        )
+
+
+def sign_layout(numel: int, world_size: int, chunk: int) -> tuple[int, int]:
+    """``(segment, chunk)`` for a bucket: one chunk per segment when a segment fits in ``chunk``.
+
+    The segment is ``ceil(numel / W)`` rounded up to 8 when that is at most ``chunk`` (then the chunk is the
+    whole segment), else rounded up to ``lcm(chunk, 8)``.
+    """
+    small = segment_layout(numel, world_size, 8)
+    if small <= chunk:
+        return small, small
+    return segment_layout(numel, world_size, math.lcm(chunk, 8)), chunk
+
+
+def sign_hook(state: SignState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP comm hook: 1-bit compressed allreduce with error feedback on the worker and server side.
+
+    1. Dense allreduce instead before ``start_iter`` or for buckets under ``min_compress_numel``; the
+       gradient as is when the world size is 1.
+    2. Split the bucket into ``W`` segments (:func:`sign_layout`, zero padded at the end).
+    3. Phase 1: ``ops.sign_compress(grad, residual)``: one bit per element and the mean magnitude per chunk;
+       the residual keeps ``acc - scale * sign``. All-to-all the segments.
+    4. Each rank decompresses the ``W`` copies of its segment, averages them in fp32 and sign-compresses the
+       average with its own server residual; phase 2 all-gathers the result, which every rank decompresses.
+
+    A rank sends about ``2 (W-1)/W * numel * (1/8 + 4/chunk)`` bytes: about 1/32 of an fp32 ring
+    allreduce, whatever the world size.
+
+    Args:
+        state: a :class:`SignState`, or ``None`` for a default one per model.
+        bucket: the DDP gradient bucket.
+
+    Returns:
+        A future holding the averaged bucket.
+
+    Example::
+
+        ddp.register_comm_hook(fastcomm.SignState(), fastcomm.sign_hook)
+    """
+    state = resolve_state(state, bucket, SignState)
+    key = state._begin_bucket(bucket)
+    buffer = bucket.buffer()
+    world_size, _ = world_of(state.process_group)
+    if world_size == 1:
+        return state._local(buffer)
+    if not state._use_compression(buffer.numel()):
+        return state._dense_allreduce(buffer, world_size)
+    entry = state._entry(key, bucket, world_size)
+    segment, chunk = sign_layout(buffer.numel(), world_size, state.chunk)
+
+    def compress(x: Tensor, residual: Tensor | None, seed: int) -> tuple[Tensor, Tensor]:
+        return ops.sign_compress(x, residual, chunk)
+
+    def decompress(packed: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+        return ops.sign_decompress(packed, scales, numel, chunk, dtype)
+
+    codec = Codec(block=chunk, bits=1, compress=compress, decompress=decompress)
+    return two_phase_allreduce(state, key, entry, buffer.reshape(-1), segment, codec, 0)

@@ -1,0 +1,199 @@
+"""Top-k sparsification hook: each rank sends its k largest-magnitude entries (Deep Gradient Compression)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastcomm import ops
+from fastcomm.hooks._state import CompressionState, Timer, resolve_state, world_of
+
+__all__ = ["TopKState", "topk_hook"]
+
+
+class TopKState(CompressionState):
+    """State of :func:`topk_hook`: sparsity, DGC momentum correction and warmup, residuals, statistics.
+
+    Momentum correction (DGC): with ``momentum=m > 0`` the hook keeps a velocity ``u = m * u + g`` per bucket
+    and sends the top-k of ``u`` accumulated into the residual; sent entries are cleared from both velocity
+    and residual (momentum factor masking). The momentum is then already inside the reduced gradient, so
+    pair it with an optimizer *without* momentum (``torch.optim.SGD(params, lr, momentum=0)``); otherwise
+    momentum is applied twice.
+
+    Warmup: during the ``warmup_steps`` steps after ``start_iter`` the ratio goes through ``warmup_ratios``
+    (equal stages, the densest first), then stays at ``ratio``.
+
+    Args:
+        ratio: fraction of each bucket's entries a rank sends, in ``(0, 1]``; ``k = ceil(ratio * numel)``.
+        exact: exactly k entries, or DGC's sampled threshold (about k, fewer passes). The payload has a
+            fixed size k on every rank either way: extra entries stay in the residual, missing ones are
+            padded with zeros.
+        momentum: DGC momentum correction factor in ``[0, 1)``; 0 disables it.
+        warmup_ratios: ratios of the warmup stages, each in ``(0, 1]``.
+        warmup_steps: length of the warmup; 0 disables it.
+        error_feedback: keep unsent entries in a per-bucket residual and add them to the next gradient.
+        start_iter: dense allreduce for the first ``start_iter`` steps.
+        min_compress_numel: buckets with fewer elements go dense.
+        process_group: the group to reduce over; ``None`` for the default group.
+
+    Example::
+
+        state = fastcomm.TopKState(ratio=0.01, momentum=0.9, warmup_steps=500)
+        ddp.register_comm_hook(state, fastcomm.topk_hook)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.0)  # momentum lives in the hook
+    """
+
+    _OPTIONS = (
+        "ratio",
+        "exact",
+        "momentum",
+        "warmup_ratios",
+        "warmup_steps",
+        *CompressionState._OPTIONS,
+    )
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        exact: bool = False,
+        momentum: float = 0.0,
+        warmup_ratios: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004, 0.001),
+        warmup_steps: int = 0,
+        *,
+        error_feedback: bool = True,
+        start_iter: int = 0,
+        min_compress_numel: int = 1024,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        warmup_ratios = tuple(float(r) for r in warmup_ratios)
+        if not warmup_ratios or not all(0.0 < r <= 1.0 for r in warmup_ratios):
+            raise ValueError(
+                f"warmup_ratios must be a non-empty sequence of values in (0, 1], got {warmup_ratios!r}"
+            )
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+        self.ratio = float(ratio)
+        self.exact = bool(exact)
+        self.momentum = float(momentum)
+        self.warmup_ratios = warmup_ratios
+        self.warmup_steps = warmup_steps
+        super().__init__(
+            error_feedback=error_feedback,
+            start_iter=start_iter,
+            min_compress_numel=min_compress_numel,
+            process_group=process_group,
+        )
+
+    def ratio_at(self, step: int) -> float:
+        """The sparsity ratio used at ``step`` (warmup stage or ``ratio``)."""
+        into = step - self.start_iter
+        if 0 <= into < self.warmup_steps:
+            stage = into * len(self.warmup_ratios) // self.warmup_steps
+            return max(self.warmup_ratios[stage], self.ratio)
+        return self.ratio
+
+
+def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP comm hook: mean over ranks of each rank's top-k of (gradient + residual), by one all-gather.
+
+    1. Dense allreduce instead when the step is before ``start_iter`` or the bucket is smaller than
+       ``min_compress_numel``; the gradient as is when the world size is 1.
+    2. ``acc = grad (or DGC velocity) + residual``; ``(values, int32 indices) = ops.topk_select(acc, k)``
+       with ``k = ceil(ratio * numel)``. Approximate selection is cut or zero-padded to exactly k, so every
+       rank's payload has the same size, fixed before any communication.
+    3. The new residual is ``acc`` with the sent entries zeroed (staged: dropped if the step is skipped).
+    4. One all-gather of the packed ``(indices, values)`` rows; then scatter-add every rank's entries in rank
+       order into fp32 zeros, divide by the world size and cast to the bucket's dtype.
+
+    One collective per bucket, issued inside the hook call, so every rank issues the same collectives in
+    the same (bucket) order. Traffic per rank is ``(W - 1) * k * (4 + element size)`` bytes: unlike a ring
+    allreduce it grows with the world size, so top-k pays off when ``ratio`` is well below ``1 / W``.
+
+    Args:
+        state: a :class:`TopKState`, or ``None`` for a default one per model.
+        bucket: the DDP gradient bucket.
+
+    Returns:
+        A future holding the averaged bucket.
+
+    Example::
+
+        ddp.register_comm_hook(fastcomm.TopKState(ratio=0.01), fastcomm.topk_hook)
+    """
+    state = resolve_state(state, bucket, TopKState)
+    key = state._begin_bucket(bucket)
+    buffer = bucket.buffer()
+    world_size, rank = world_of(state.process_group)
+    if world_size == 1:
+        return state._local(buffer)
+    numel = buffer.numel()
+    if not state._use_compression(numel):
+        return state._dense_allreduce(buffer, world_size)
+    entry = state._entry(key, bucket, world_size)
+    timer = Timer()
+    with timer:
+        flat = buffer.reshape(-1)
+        k = min(numel, max(1, math.ceil(state.ratio_at(state._steps) * numel)))
+        source = flat
+        if state.momentum > 0.0:
+            velocity = state._current(entry, "velocity", numel, flat.dtype) * state.momentum + flat
+            source = velocity
+        if state.error_feedback:
+            acc = source + state._current(entry, "residual", numel, flat.dtype)
+        else:
+            acc = source
+        values, indices = ops.topk_select(acc, k, exact=state.exact)
+        sent = indices.long() if indices.numel() <= k else None
+        values, indices = _fit(values, indices, k)
+        if sent is None:  # cut to k: the dropped entries stay in the residual
+            sent = indices.long()
+        if state.error_feedback:
+            state._stage(key, "residual", acc.index_fill_(0, sent, 0))
+        if state.momentum > 0.0:
+            state._stage(
+                key, "velocity", velocity.index_fill_(0, sent, 0) if state.error_feedback else velocity
+            )
+        row = torch.cat([indices.view(torch.uint8), values.contiguous().view(torch.uint8)])
+        gathered = row.new_empty(world_size * row.numel())
+    work = dist.all_gather_into_tensor(gathered, row, group=state.process_group, async_op=True)
+    state._count(
+        (world_size - 1) * row.numel(),
+        2 * (world_size - 1) * numel * flat.element_size() // world_size,
+        timer.seconds,
+        compressed=True,
+    )
+    dtype = flat.dtype
+
+    def decompress(_: torch.futures.Future) -> Tensor:
+        decompress_timer = Timer()
+        with decompress_timer:
+            rows = gathered.view(world_size, -1)
+            all_indices = rows[:, : 4 * k].contiguous().view(torch.int32).reshape(-1)
+            all_values = rows[:, 4 * k :].contiguous().view(dtype).reshape(-1)
+            state._note_output(torch.isfinite(all_values).all())
+            out = torch.zeros(numel, dtype=torch.float32)
+            ops.sparse_accumulate(out, all_indices, all_values)
+            result = out.div_(world_size).to(dtype)
+        state._compress_seconds += decompress_timer.seconds
+        return result
+
+    return work.get_future().then(decompress)
+
+
+def _fit(values: Tensor, indices: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Exactly k entries: keep the k largest magnitudes of an over-full selection, zero-pad a short one."""
+    count = indices.numel()
+    if count > k:
+        keep = torch.topk(values.float().abs(), k).indices.sort().values
+        return values[keep], indices[keep]
+    if count < k:
+        pad = k - count
+        return torch.cat([values, values.new_zeros(pad)]), torch.cat([indices, indices.new_zeros(pad)])
+    return values, indices
