@@ -1,0 +1,69 @@
+"""The errors fastio raises on purpose. Each names the file (and the field, where there is one) it is about.
+
+Example::
+
+    try:
+        loader = fastio.StreamLoader("data/train", batch_size=256)
+    except fastio.CorruptShardError as err:
+        print(err.path, err.field, err.expected, err.actual)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CorruptShardError", "EmptySourceError", "FastIOError", "MissingIndexError", "SchemaMismatchError"]
+
+
+class FastIOError(Exception):
+    """Base class of every error fastio raises about its inputs."""
+
+
+class CorruptShardError(FastIOError):
+    """A shard's bytes disagree with what its header or index says (size, checksum, offsets).
+
+    Example::
+
+        err = CorruptShardError("a.fio", "x", "crc32 0x1234", "crc32 0x9999")
+        assert "a.fio" in str(err) and "x" in str(err)
+    """
+
+    def __init__(self, path: str, field: str, expected: Any, actual: Any, detail: str = "") -> None:
+        self.path, self.field, self.expected, self.actual = str(path), field, expected, actual
+        msg = f"{self.path}: field {field!r}: expected {expected}, found {actual}"
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+class MissingIndexError(FastIOError, FileNotFoundError):
+    """A shard set or tar shard has no index and none may be built.
+
+    Example::
+
+        err = MissingIndexError("data/train/index.json", "write the set with fastio.ShardWriter")
+    """
+
+    def __init__(self, path: str, hint: str) -> None:
+        self.path = str(path)
+        super().__init__(f"{self.path}: index not found; {hint}")
+
+
+class SchemaMismatchError(FastIOError):
+    """A sample or shard does not match the schema it is meant to follow.
+
+    Example::
+
+        err = SchemaMismatchError("data/train/shard-000001.fio", "x", "uint8 (3, 32, 32)", "uint8 (3, 16, 16)")
+    """
+
+    def __init__(self, path: str, field: str, expected: Any, actual: Any) -> None:
+        self.path, self.field, self.expected, self.actual = str(path), field, expected, actual
+        super().__init__(f"{self.path}: field {field!r}: schema says {expected}, found {actual}")
+
+
+class EmptySourceError(FastIOError, ValueError):
+    """A source holds no samples (an empty directory, a pattern matching no file, zero-sample shards).
+
+    Example::
+
+        err = EmptySourceError("data/empty: empty directory")
+    """

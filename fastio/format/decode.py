@@ -1,0 +1,94 @@
+"""Decoders for WebDataset member extensions, and a zero-copy ``.npy`` header parser.
+
+Example::
+
+    value = decode_default("cls", b"7")               # 7
+    image = decode_default("jpg", data, images="pil")  # uint8 HWC tensor (needs Pillow)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["IMAGE_EXTENSIONS", "INT_EXTENSIONS", "decode_default", "npy_header"]
+
+INT_EXTENSIONS = frozenset({"cls", "cls2", "class", "count", "index", "inx", "id"})
+TEXT_EXTENSIONS = frozenset({"txt", "text", "transcript"})
+JSON_EXTENSIONS = frozenset({"json", "jsn"})
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "bmp", "webp", "tif", "tiff"})
+
+
+def last_extension(ext: str) -> str:
+    """The part of a WebDataset field name that picks its decoder: ``"x.npy"`` -> ``"npy"``.
+
+    Example::
+
+        last_extension("seg.PNG") == "png"
+    """
+    return ext.rsplit(".", 1)[-1].lower()
+
+
+def npy_header(data: bytes | memoryview | np.ndarray) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """(dtype, shape, fortran_order, data offset) of a ``.npy`` payload, from its first bytes only.
+
+    Example::
+
+        dtype, shape, fortran, start = npy_header(open("a.npy", "rb").read(256))
+    """
+    head = bytes(memoryview(data)[:16])
+    if head[:6] != b"\x93NUMPY":
+        raise ValueError("not a .npy payload (bad magic)")
+    major = head[6]
+    length = int.from_bytes(head[8:10], "little") + 10 if major == 1 else int.from_bytes(head[8:12], "little") + 12
+    fp = io.BytesIO(bytes(memoryview(data)[:length]))
+    version = np.lib.format.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+    return np.dtype(dtype), tuple(shape), bool(fortran), fp.tell()
+
+
+def _npy(data: np.ndarray) -> torch.Tensor:
+    dtype, shape, fortran, start = npy_header(data)
+    if dtype.hasobject:
+        raise ValueError(".npy with object dtype is refused (it would need pickle)")
+    arr = data[start:].view(dtype)
+    arr = arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def decode_default(ext: str, data: bytes | memoryview | np.ndarray, images: str | None = None) -> Any:
+    """Decode one tar member by its extension.
+
+    ``.npy`` -> tensor; ``cls``/``index``/... -> int; ``txt`` -> str; ``json`` -> object; images -> uint8
+    ``[H, W, C]`` tensor when ``images="pil"`` (Pillow), else bytes; anything else (``pyd``/``pickle``
+    included: never unpickled) -> bytes.
+
+    Example::
+
+        decode_default("x.npy", open("x.npy", "rb").read()).shape
+    """
+    kind = last_extension(ext)
+    if kind == "npy":
+        arr = data if isinstance(data, np.ndarray) else np.frombuffer(bytes(data), np.uint8)
+        return _npy(arr)
+    raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
+    if kind in INT_EXTENSIONS:
+        return int(raw)
+    if kind in TEXT_EXTENSIONS:
+        return raw.decode("utf-8")
+    if kind in JSON_EXTENSIONS:
+        return json.loads(raw)
+    if kind in IMAGE_EXTENSIONS and images == "pil":
+        from PIL import Image
+
+        with Image.open(io.BytesIO(raw)) as img:
+            arr = np.asarray(img.convert("RGB") if img.mode not in ("L", "RGB", "RGBA") else img)
+        return torch.from_numpy(np.array(arr, copy=True))
+    return raw

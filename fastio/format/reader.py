@@ -1,0 +1,233 @@
+"""Readers of the fastio shard format: one shard (:class:`ShardReader`) and a set (:class:`ShardSet`).
+
+Checks, from cheap to thorough:
+
+1. On every open: the magic, the version, the file size the prefix claims against the real size, the header's
+   crc32, every section inside the file, and every offsets array monotone and ending at its payload's size.
+   A truncated or overwritten shard fails here, naming the file, the field and expected vs actual.
+2. Each section's crc32 (zlib) is checked once per process per file (keyed by path, inode, size and mtime)
+   the first time a batch reads the shard, or for every shard at open with ``verify=True``; ``verify=False``
+   skips it. A full checksum of a multi-GB set at every open would cost seconds, hence lazily.
+
+Example::
+
+    shards = ShardSet("data/train")
+    reader = shards.readers[0]
+    x0 = reader.fixed("x")[0]           # a numpy view into the mmap
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastio._native import MappedFile
+from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError, SchemaMismatchError
+from fastio.format.layout import INDEX_NAME, MAGIC, PREFIX, SHARD_SUFFIX, VERSION
+from fastio.format.schema import Schema, schema_from_json
+
+__all__ = ["ShardReader", "ShardSet"]
+
+_VERIFIED: set[tuple[str, int, int, int]] = set()
+_VERIFIED_LOCK = threading.Lock()
+
+
+class ShardReader:
+    """One ``.fio`` shard, memory-mapped, with its header checked (see the module docstring).
+
+    Args:
+        path: the shard file.
+        verify: True to check every section's crc32 now; None (default) to check on first read
+            (:meth:`ensure_verified`); False never.
+
+    Example::
+
+        r = ShardReader("data/train/shard-000000.fio")
+        labels = r.fixed("y")            # numpy [N] view
+        first_text = r.variable("text", 0)
+    """
+
+    def __init__(self, path: str | os.PathLike[str], verify: bool | None = None) -> None:
+        self.path = str(path)
+        self.verify = verify
+        self.file = MappedFile(self.path)
+        raw = self.file.array
+        if self.file.size < PREFIX.size:
+            raise CorruptShardError(self.path, "prefix", f">= {PREFIX.size} bytes", f"{self.file.size} bytes")
+        magic, version, header_nbytes, header_crc, _, file_nbytes = PREFIX.unpack(bytes(raw[: PREFIX.size]))
+        if magic != MAGIC:
+            raise CorruptShardError(self.path, "magic", MAGIC, magic, "not a fastio shard")
+        if version != VERSION:
+            raise CorruptShardError(self.path, "version", VERSION, version, "written by another fastio version")
+        if file_nbytes != self.file.size:
+            raise CorruptShardError(self.path, "file size", f"{file_nbytes} bytes", f"{self.file.size} bytes",
+                                    "truncated or appended to")
+        header_bytes = bytes(raw[file_nbytes - header_nbytes : file_nbytes])
+        if zlib.crc32(header_bytes) != header_crc:
+            raise CorruptShardError(self.path, "header", f"crc32 {header_crc:#010x}",
+                                    f"crc32 {zlib.crc32(header_bytes):#010x}")
+        header = json.loads(header_bytes)
+        self.num_samples = int(header["num_samples"])
+        self.schema: Schema = schema_from_json(header["schema"])
+        self.sections: dict[str, dict[str, list[int]]] = header["sections"]
+        self._views: dict[str, Any] = {}
+        for name, field in self.schema.items():
+            sec = self.sections[name]
+            for part, (start, nbytes, _) in sec.items():
+                if start < 0 or start + nbytes > file_nbytes - header_nbytes:
+                    raise CorruptShardError(self.path, f"{name}.{part}", f"bytes [{start}, {start + nbytes}) inside "
+                                            f"the data area", f"data area ends at {file_nbytes - header_nbytes}")
+            start, nbytes, _ = sec["data"]
+            if field.kind == "fixed":
+                expected = self.num_samples * field.row_nbytes
+                if nbytes != expected:
+                    raise CorruptShardError(self.path, name, f"{expected} bytes", f"{nbytes} bytes")
+                self._views[name] = raw[start : start + nbytes].view(field.np_dtype).reshape(
+                    (self.num_samples, *field.shape)
+                )
+            else:
+                ostart, onbytes, _ = sec["offsets"]
+                if onbytes != 8 * (self.num_samples + 1):
+                    raise CorruptShardError(self.path, f"{name}.offsets", f"{8 * (self.num_samples + 1)} bytes",
+                                            f"{onbytes} bytes")
+                offsets = raw[ostart : ostart + onbytes].view(np.int64)
+                if offsets[0] != 0 or offsets[-1] != nbytes or (np.diff(offsets) < 0).any():
+                    raise CorruptShardError(self.path, f"{name}.offsets", f"monotone from 0 to {nbytes}",
+                                            f"from {offsets[0]} to {offsets[-1]}")
+                self._views[name] = (offsets, start)
+        if verify:
+            self.ensure_verified()
+
+    def _identity(self) -> tuple[str, int, int, int]:
+        st = os.stat(self.path)
+        return (os.path.realpath(self.path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def ensure_verified(self) -> None:
+        """Check every section's crc32 unless this process already did for this very file.
+
+        Example::
+
+            ShardReader(path).ensure_verified()   # raises CorruptShardError on a flipped byte
+        """
+        if self.verify is False:
+            return
+        key = self._identity()
+        with _VERIFIED_LOCK:
+            if key in _VERIFIED:
+                return
+        raw = memoryview(self.file.array)
+        for name in self.schema:
+            for part, (start, nbytes, crc) in self.sections[name].items():
+                actual = zlib.crc32(raw[start : start + nbytes])
+                if actual != crc:
+                    label = name if part == "data" else f"{name}.{part}"
+                    raise CorruptShardError(self.path, label, f"crc32 {crc:#010x}", f"crc32 {actual:#010x}")
+        with _VERIFIED_LOCK:
+            _VERIFIED.add(key)
+
+    def fixed(self, name: str) -> np.ndarray:
+        """The ``[N, *shape]`` numpy view of fixed field ``name``.
+
+        Example::
+
+            xs = reader.fixed("x")
+        """
+        view = self._views[name]
+        if isinstance(view, tuple):
+            raise TypeError(f"{self.path}: field {name!r} is variable-length; use variable()")
+        return view
+
+    def variable_layout(self, name: str) -> tuple[np.ndarray, int]:
+        """(int64 ``[N + 1]`` byte offsets within the payload, payload start in the file) of a variable field.
+
+        Example::
+
+            offsets, base = reader.variable_layout("tokens")
+        """
+        view = self._views[name]
+        if not isinstance(view, tuple):
+            raise TypeError(f"{self.path}: field {name!r} is fixed-size; use fixed()")
+        return view
+
+    def variable(self, name: str, index: int) -> Any:
+        """Sample ``index`` of variable field ``name``: bytes, str or a numpy array view.
+
+        Example::
+
+            text = reader.variable("text", 0)
+        """
+        offsets, base = self.variable_layout(name)
+        start, end = base + int(offsets[index]), base + int(offsets[index + 1])
+        field = self.schema[name]
+        data = self.file.array[start:end]
+        if field.kind == "bytes":
+            return data.tobytes()
+        if field.kind == "str":
+            return data.tobytes().decode("utf-8")
+        return data.view(field.np_dtype).reshape((-1, *field.shape))
+
+
+class ShardSet:
+    """A directory written by :class:`fastio.ShardWriter`: its ``index.json`` and every shard, opened.
+
+    Raises ``FileNotFoundError`` for a path that does not exist, :class:`fastio.EmptySourceError` for an empty
+    directory or a set of zero samples, :class:`fastio.MissingIndexError` for shards without ``index.json``,
+    :class:`fastio.SchemaMismatchError` when a shard's schema differs from the index's, and
+    :class:`fastio.CorruptShardError` for a shard whose size, sample count or bytes are wrong.
+
+    Example::
+
+        shards = ShardSet("data/train")
+        print(shards.num_samples, shards.schema)
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], verify: bool | None = None) -> None:
+        self.directory = Path(directory)
+        if not self.directory.exists():
+            raise FileNotFoundError(f"{self.directory}: no such shard directory")
+        if not self.directory.is_dir():
+            raise NotADirectoryError(f"{self.directory}: expected a shard directory written by fastio.ShardWriter")
+        index_path = self.directory / INDEX_NAME
+        if not index_path.exists():
+            if any(p.suffix == SHARD_SUFFIX for p in self.directory.iterdir()):
+                raise MissingIndexError(str(index_path), "the shards are there but the set was never closed "
+                                        "(ShardWriter.close() writes index.json)")
+            raise EmptySourceError(f"{self.directory}: empty directory (no {INDEX_NAME} and no shards)")
+        try:
+            index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CorruptShardError(str(index_path), "index", "valid JSON", str(exc)) from None
+        if index.get("format") != "fastio-shards":
+            raise CorruptShardError(str(index_path), "format", "fastio-shards", index.get("format"))
+        self.schema: Schema = schema_from_json(index["schema"])
+        self.readers: list[ShardReader] = []
+        for entry in index["shards"]:
+            path = self.directory / entry["file"]
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: listed in {index_path} but missing")
+            actual_size = path.stat().st_size
+            if actual_size != entry["file_nbytes"]:
+                raise CorruptShardError(str(path), "file size", f"{entry['file_nbytes']} bytes (index.json)",
+                                        f"{actual_size} bytes")
+            reader = ShardReader(path, verify=verify)
+            for name, field in self.schema.items():
+                if reader.schema.get(name) != field:
+                    found = reader.schema[name].describe() if name in reader.schema else "no such field"
+                    raise SchemaMismatchError(str(path), name, f"{field.describe()} (index.json)", found)
+            if set(reader.schema) != set(self.schema):
+                extra = sorted(set(reader.schema) - set(self.schema))
+                raise SchemaMismatchError(str(path), ", ".join(extra), "no such field (index.json)", "present")
+            if reader.num_samples != entry["num_samples"]:
+                raise CorruptShardError(str(path), "num_samples", f"{entry['num_samples']} (index.json)",
+                                        reader.num_samples)
+            self.readers.append(reader)
+        self.shard_sizes = [r.num_samples for r in self.readers]
+        self.num_samples = int(sum(self.shard_sizes))
+        if self.num_samples == 0:
+            raise EmptySourceError(f"{self.directory}: the set holds no samples")

@@ -1,0 +1,507 @@
+"""``StreamLoader``: batches from memory-mapped shards, tar shards or any map-style Dataset, in a
+deterministic, resumable, rank-split order; a drop-in where ``torch.utils.data.DataLoader`` is used.
+
+How a batch is made:
+
+1. The epoch's order comes from :mod:`fastio.order` (seed, epoch, shuffle mode, world size, rank, and the
+   resume position); it never depends on ``num_workers``.
+2. Batch ``i`` is gathered by its source (:mod:`fastio.sources`) into the output buffers of ring slot
+   ``i % (num_workers + prefetch)``: fixed-size fields straight from the mmap by the native multi-threaded
+   gather, GIL released. Nothing is pickled and nothing goes through ``/dev/shm``.
+3. ``num_workers`` threads fill slots ahead of the consumer (at most ``num_workers + prefetch`` batches in
+   flight); ``num_workers=0`` gathers in the consumer's thread. Batches always come out in order.
+4. With ``transform``/``collate``, or a ``Dataset`` source, samples go through the Python path: per-sample
+   ``transform``, then ``collate`` (default: stack equal-shape tensors, lists otherwise) in the worker thread.
+5. With ``device=`` (CUDA), the pinned batch is copied on a side stream; the consumer's stream waits on an
+   event, so the copy overlaps the previous step's compute.
+
+Buffer reuse (``reuse_buffers=True``, the default): a yielded batch's tensors are views of a ring slot and
+stay valid until the next batch is requested; ``.clone()`` what you keep, or pass ``reuse_buffers=False``.
+
+Resume: ``state_dict()`` says how far the epoch went; ``load_state_dict()`` takes effect at the next
+``iter()`` (never the running one: an iteration in progress is not restarted or altered), and continues
+with exactly the batches that would have come, for any ``num_workers``; with another world size or batch
+size it splits the remainder of the epoch, losing and repeating nothing. ``set_epoch(e)`` with a different
+epoch drops a pending resume point.
+
+Example::
+
+    loader = fastio.StreamLoader("data/train", batch_size=256, shuffle=True, seed=0, num_workers=2)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            x, y = batch["x"], batch["y"]
+    print(loader.stats())
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio._native import default_threads
+from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
+from fastio.sources import BatchBuffers, DatasetSource, StageTimes, open_source
+
+__all__ = ["StreamLoader", "collate_samples"]
+
+_STATE_FORMAT = "fastio.StreamLoader"
+_STATE_VERSION = 1
+
+
+def collate_samples(samples: list[Any]) -> Any:
+    """Default collate of the Python path: dict samples -> dict of stacked tensors (equal shapes), int64/float64
+    tensors (numbers), or lists (anything else); other samples -> ``torch.utils.data.default_collate``.
+
+    Example::
+
+        collate_samples([{"x": torch.ones(2), "t": b"a"}, {"x": torch.zeros(2), "t": b"b"}])["x"].shape == (2, 2)
+    """
+    if not samples or not isinstance(samples[0], dict):
+        return torch.utils.data.default_collate(samples)
+    out: dict[str, Any] = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples]
+        first = values[0]
+        if isinstance(first, np.ndarray):
+            values = [torch.as_tensor(v) for v in values]
+            first = values[0]
+        if isinstance(first, torch.Tensor) and all(
+            isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype for v in values
+        ):
+            out[key] = torch.stack(values)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = torch.tensor(values)
+        else:
+            out[key] = values
+    return out
+
+
+def _split_batch(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
+    return [{k: v[i] for k, v in batch.items()} for i in range(size)]
+
+
+def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = torch.distributed
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return int(rank), int(world_size)
+
+
+class _Pipeline:
+    """Worker threads filling ring slots ahead of the consumer; holds no reference to the iterator, so an
+    abandoned iterator is collected and stops its threads."""
+
+    def __init__(self, produce: Callable[[int], Any], n_batches: int, num_workers: int, slots: int) -> None:
+        self.produce, self.n_batches, self.slots = produce, n_batches, slots
+        self.cond = threading.Condition()
+        self.next_job = 0
+        self.released = 0
+        self.results: dict[int, tuple[bool, Any]] = {}
+        self.stopped = False
+        self.threads = [
+            threading.Thread(target=self._work, name=f"fastio-worker-{w}", daemon=True) for w in range(num_workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stopped and self.next_job < self.n_batches and (
+                    self.next_job >= self.released + self.slots
+                ):
+                    self.cond.wait()
+                if self.stopped or self.next_job >= self.n_batches:
+                    return
+                job = self.next_job
+                self.next_job += 1
+            try:
+                result = (True, self.produce(job))
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                result = (False, exc)
+            with self.cond:
+                self.results[job] = result
+                self.cond.notify_all()
+
+    def get(self, job: int) -> tuple[bool, Any]:
+        with self.cond:
+            self.released = job  # the consumer moved past job - 1: its slot may be refilled
+            self.cond.notify_all()
+            while job not in self.results:
+                if not any(t.is_alive() for t in self.threads):
+                    return False, RuntimeError(f"fastio: worker threads exited before batch {job}")
+                self.cond.wait(timeout=1.0)
+            return self.results.pop(job)
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+
+class _EpochIterator:
+    """One pass over (the rest of) an epoch for this rank."""
+
+    def __init__(self, loader: StreamLoader, epoch: int, start: int) -> None:
+        self.loader, self.epoch, self.start = loader, epoch, start
+        order = loader._order(epoch)
+        self.indices = rank_indices(order, start, loader.world_size, loader.rank, loader.drop_last)
+        self.n_batches = num_batches(len(self.indices), loader.batch_size, loader.drop_last)
+        self.yielded = 0
+        self.times = StageTimes()
+        self.samples = 0
+        self.wait_s = 0.0
+        self.begun: float | None = None
+        self.ended: float | None = None
+        self.finished = False
+        workers = loader.num_workers
+        slots = max(1, workers + loader.prefetch if workers else 1)
+        specs = loader._source.fixed_specs()
+        self.buffers = [BatchBuffers(specs, loader.batch_size, loader._pin) for _ in range(slots)] if (
+            loader.reuse_buffers
+        ) else None
+        self.specs = specs
+        self.threads_per_gather = loader.threads or max(1, default_threads() // max(1, workers))
+        self.stream = torch.cuda.Stream(loader.device) if loader.device is not None and (
+            loader.device.type == "cuda"
+        ) else None
+        self.pipeline = _Pipeline(self._produce, self.n_batches, workers, slots) if workers else None
+        self.bar = None
+        if loader.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.n_batches, desc=f"epoch {epoch}", unit="batch")
+
+    # -- producing (worker threads, or the consumer when num_workers == 0) ------------------------------------
+    def _produce(self, job: int) -> Any:
+        loader = self.loader
+        size = loader.batch_size
+        indices = self.indices[job * size : (job + 1) * size]
+        if self.buffers is not None:
+            buffers = self.buffers[job % len(self.buffers)]
+            if buffers.event is not None:
+                buffers.event.synchronize()  # the last copy out of this slot must be done before it is refilled
+        else:
+            buffers = BatchBuffers(self.specs, len(indices), loader._pin)
+        batch = loader._source.fetch(indices, buffers, self.threads_per_gather, self.times)
+        if loader._python_path:
+            start = time.perf_counter()
+            samples = batch if isinstance(loader._source, DatasetSource) else _split_batch(batch, len(indices))
+            if loader.transform is not None:
+                samples = [loader.transform(s) for s in samples]
+            collated = time.perf_counter()
+            self.times.add("decode_transform", collated - start)
+            batch = (loader.collate or collate_samples)(samples)
+            self.times.add("collate", time.perf_counter() - collated)
+        if self.stream is not None:
+            batch = self._to_device(batch, buffers)
+        return batch, len(indices)
+
+    def _to_device(self, batch: Any, buffers: BatchBuffers) -> Any:
+        start = time.perf_counter()
+        device = self.loader.device
+        with torch.cuda.stream(self.stream):
+            moved = _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        buffers.event = event
+        self.times.add("host_to_device", time.perf_counter() - start)
+        return moved, event
+
+    # -- consuming -----------------------------------------------------------------------------------------
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.begun is None:
+            self.begun = time.perf_counter()
+        job = self.yielded
+        if job >= self.n_batches:
+            self.close()
+            raise StopIteration
+        waited = time.perf_counter()
+        if self.pipeline is not None:
+            ok, value = self.pipeline.get(job)
+        else:
+            try:
+                ok, value = True, self._produce(job)
+            except BaseException as exc:
+                ok, value = False, exc
+        self.wait_s += time.perf_counter() - waited
+        if not ok:
+            self.close()
+            raise value
+        batch, size = value
+        if self.stream is not None:
+            batch, event = batch
+            current = torch.cuda.current_stream(self.loader.device)
+            current.wait_event(event)
+            _map_tensors(batch, lambda t: (t.record_stream(current), t)[1])
+        self.yielded += 1
+        self.samples += size
+        self.ended = time.perf_counter()
+        if self.bar is not None:
+            self.bar.update(1)
+        return batch
+
+    def close(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.ended = time.perf_counter() if self.begun is not None else None
+        if self.pipeline is not None:
+            self.pipeline.stop()
+        if self.bar is not None:
+            self.bar.close()
+
+    def __del__(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.stop()
+
+    def stats(self) -> dict[str, Any]:
+        elapsed = (self.ended or time.perf_counter()) - self.begun if self.begun is not None else 0.0
+        return {
+            "epoch": self.epoch,
+            "batches": self.yielded,
+            "samples": self.samples,
+            "elapsed_s": elapsed,
+            "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+            "mb_per_s": self.times.bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
+            "stage_s": dict(self.times.seconds),
+            "wait_s": self.wait_s,
+            "wait_share": self.wait_s / elapsed if elapsed > 0 else 0.0,
+        }
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+class StreamLoader:
+    """Batches from a fastio shard directory, WebDataset tar shards, or a map-style Dataset.
+
+    See the module docstring for how batches are made, buffer reuse and resume.
+
+    Args:
+        source: a shard directory (:class:`fastio.ShardWriter`), a tar path / glob / brace pattern
+            (``"data/shard-{000000..000099}.tar"``) or list of them, or a map-style ``Dataset``.
+        batch_size: samples per batch.
+        shuffle: ``True`` (shard-aware: shards, then blocks within a window, then samples), ``"full"``, or
+            ``False``.
+        seed: with the epoch, the only source of randomness.
+        num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
+        pin_memory: page-locked output buffers; default: when CUDA is available.
+        drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
+        prefetch: extra batches in flight beyond ``num_workers``.
+        transform: ``transform(sample) -> sample`` per sample (switches to the Python path).
+        collate: ``collate(samples) -> batch`` (switches to the Python path).
+        rank, world_size: override what ``torch.distributed`` says.
+        device: a CUDA device to copy batches to on a side stream.
+        decode: tar sources: None, ``"pil"`` (images via Pillow) or ``decode(field, bytes) -> value``.
+        verify: shard checksums: None (lazily, once per process per shard), True (all at open), False.
+        progress: show a tqdm progress bar per epoch.
+        reuse_buffers: yield views of reused buffers (valid until the next batch is requested).
+        threads: threads per native gather (default: CPUs / max(1, num_workers), at most 8).
+        shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
+
+    Returns batches: for shard and tar sources a dict field -> tensor ``[B, ...]`` (fixed shapes) or list
+    (variable ones; tar sources add ``"__key__"``); for Dataset sources what ``collate`` returns.
+
+    Example::
+
+        loader = fastio.StreamLoader("data/train", batch_size=256, shuffle=True, seed=0)
+        for batch in loader:
+            loss = model(batch["x"].float()).sum()
+        state = loader.state_dict()          # later: loader.load_state_dict(state); next iter() resumes
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        batch_size: int = 1,
+        shuffle: bool | str = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        transform: Callable[[Any], Any] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        device: str | torch.device | None = None,
+        decode: Callable[[str, bytes], Any] | str | None = None,
+        verify: bool | None = None,
+        progress: bool = False,
+        reuse_buffers: bool = True,
+        threads: int | None = None,
+        shuffle_block: int = 256,
+        shuffle_window: int = 4,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.shuffle = normalize_shuffle(shuffle)
+        self.batch_size, self.seed, self.num_workers, self.prefetch = int(batch_size), int(seed), num_workers, prefetch
+        self.drop_last, self.transform, self.collate = drop_last, transform, collate
+        self.rank, self.world_size = _distributed_defaults(rank, world_size)
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available")
+        self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.progress, self.reuse_buffers, self.threads = progress, reuse_buffers, threads
+        self.shuffle_block, self.shuffle_window = shuffle_block, shuffle_window
+        self._source = open_source(source, decode=decode, verify=verify)
+        self._python_path = transform is not None or collate is not None or isinstance(self._source, DatasetSource)
+        self.epoch = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
+        self._current: _EpochIterator | None = None
+        self._order_cache: tuple[int, np.ndarray] | None = None
+        self._order_lock = threading.Lock()
+
+    # -- the order -----------------------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Samples in the source (every rank's share together)."""
+        return self._source.num_samples
+
+    def _order(self, epoch: int) -> np.ndarray:
+        with self._order_lock:
+            if self._order_cache is None or self._order_cache[0] != epoch:
+                order = epoch_order(self._source.shard_sizes, self.seed, epoch, self.shuffle, self.shuffle_block,
+                                    self.shuffle_window)
+                self._order_cache = (epoch, order)
+            return self._order_cache[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order from the next ``iter()``; a pending resume point of another epoch is dropped.
+
+        Example::
+
+            loader.set_epoch(5)
+        """
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self._resume = None
+            self._current = None
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        per_rank = -(-self.num_samples // self.world_size) if not self.drop_last else self.num_samples // self.world_size
+        return num_batches(per_rank, self.batch_size, self.drop_last)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._current is not None:
+            self._current.close()
+        start = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            start = self._resume[1]
+        self._resume = None
+        self._current = _EpochIterator(self, self.epoch, start)
+        return self._current
+
+    # -- resume --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is in the epoch: enough to resume exactly, on any ``num_workers`` or world size.
+
+        Counts batches handed to the consumer (not those prefetched). Reports the pending resume point after
+        :meth:`load_state_dict`, else the current (or last) iteration, else the start of ``self.epoch``.
+
+        Example::
+
+            torch.save(loader.state_dict(), "loader.pt")
+        """
+        if self._resume is not None:
+            epoch, start, yielded, world = self._resume[0], self._resume[1], 0, self.world_size
+        elif self._current is not None:
+            epoch, start, yielded, world = self._current.epoch, self._current.start, self._current.yielded, (
+                self.world_size
+            )
+        else:
+            epoch, start, yielded, world = self.epoch, 0, 0, self.world_size
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_block": self.shuffle_block,
+            "shuffle_window": self.shuffle_window,
+            "num_samples": self.num_samples,
+            "epoch": epoch,
+            "start": start,
+            "batches_yielded": yielded,
+            "batch_size": self.batch_size,
+            "world_size": world,
+            "rank": self.rank,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` at the next ``iter()``.
+
+        An iteration already running is left alone (it is not restarted and does not jump); a warning says
+        so. The seed, shuffle settings and dataset size must match, else ``ValueError``.
+
+        Example::
+
+            loader.load_state_dict(torch.load("loader.pt"))
+            for batch in loader:   # continues the saved epoch
+                ...
+        """
+        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
+        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("shuffle_block", self.shuffle_block),
+                          ("shuffle_window", self.shuffle_window), ("num_samples", self.num_samples)):
+            if state[key] != mine:
+                raise ValueError(f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
+                                 "the epoch order would differ")
+        if self._current is not None and not self._current.finished and self._current.yielded:
+            warnings.warn("load_state_dict during an iteration: the running iteration continues unchanged; "
+                          "the loaded position applies at the next iter()", stacklevel=2)
+        old_per_rank = len(rank_indices(np.arange(self.num_samples), state["start"], state["world_size"], 0, False))
+        consumed = min(state["batches_yielded"] * state["batch_size"], old_per_rank)
+        start = advance(state["start"], state["world_size"], consumed, self.num_samples)
+        self.epoch = int(state["epoch"])
+        self._resume = (self.epoch, start)
+
+    # -- statistics ----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Throughput and where the time went, for the current (or last) iteration.
+
+        ``samples_per_s`` and ``mb_per_s`` (bytes gathered) over the consumer's wall time; ``stage_s``: seconds
+        in read, decode_transform, collate and host_to_device (summed over worker threads; host_to_device is
+        the time to issue the copies); ``wait_share``: the share of the consumer's time spent waiting for a
+        batch (near 1: input-bound; near 0: the input keeps up).
+
+        Example::
+
+            s = loader.stats(); print(f"{s['samples_per_s']:.0f} samples/s, waiting {s['wait_share']:.0%}")
+        """
+        if self._current is None:
+            return {"epoch": self.epoch, "batches": 0, "samples": 0, "elapsed_s": 0.0, "samples_per_s": 0.0,
+                    "mb_per_s": 0.0, "stage_s": dict.fromkeys(StageTimes.STAGES, 0.0), "wait_s": 0.0,
+                    "wait_share": 0.0}
+        return self._current.stats()

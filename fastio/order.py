@@ -1,0 +1,145 @@
+"""The deterministic global sample order: one permutation per (seed, epoch), split across ranks, resumable.
+
+Every random choice comes from ``numpy.random.default_rng([seed, epoch])``: never from time, pid or the
+number of workers, so any process can recompute any rank's order.
+
+1. :func:`epoch_order` gives the global order of one epoch. ``shuffle="shard"`` (what ``True`` means) keeps
+   reads local: shards are permuted, shards are grouped into windows of ``window`` shards, the blocks of
+   ``block`` consecutive samples of a window are permuted, and samples are permuted within runs of ``window``
+   blocks. ``shuffle="full"`` is one uniform permutation; ``False`` is storage order.
+2. :func:`rank_indices` splits what remains of an epoch, ``order[start:]``, across ranks exactly like
+   ``torch.utils.data.DistributedSampler``: rank ``r`` takes positions ``r, r + W, r + 2W, ...``; with
+   ``drop_last=False`` the tail is padded by repeating the epoch's first samples so every rank has
+   ``ceil((N - start) / W)`` samples; with ``drop_last=True`` it is cut to ``floor((N - start) / W)``. Every
+   rank therefore has the same number of batches (DDP never waits on a rank that ran out).
+3. Resuming: when every rank has consumed ``m`` samples, the positions consumed are exactly the first
+   ``W * m`` of ``order[start:]`` (capped at what remains), so :func:`advance` returns the new ``start``.
+   The same world size continues with exactly the same batches; another world size splits the remainder,
+   losing and repeating nothing (beyond the padding ``DistributedSampler`` also adds).
+
+Example::
+
+    order = epoch_order([13] * 9, seed=0, epoch=3, shuffle=True)
+    mine = rank_indices(order, start=0, world_size=4, rank=1, drop_last=False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["SHUFFLE_MODES", "advance", "epoch_order", "normalize_shuffle", "num_batches", "rank_indices"]
+
+SHUFFLE_MODES = ("none", "shard", "full")
+
+
+def normalize_shuffle(shuffle: bool | str) -> str:
+    """``True`` -> ``"shard"``, ``False`` -> ``"none"``; strings are checked.
+
+    Example::
+
+        normalize_shuffle(True) == "shard"
+    """
+    if shuffle is True:
+        return "shard"
+    if shuffle is False or shuffle is None:
+        return "none"
+    if shuffle not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be True, False or one of {SHUFFLE_MODES}, got {shuffle!r}")
+    return shuffle
+
+
+def epoch_order(
+    shard_sizes: Sequence[int],
+    seed: int,
+    epoch: int,
+    shuffle: bool | str = True,
+    block: int = 256,
+    window: int = 4,
+) -> np.ndarray:
+    """The global sample order (int64 indices into the concatenated shards) of one epoch.
+
+    Args:
+        shard_sizes: samples per shard, in storage order.
+        seed, epoch: the only sources of randomness.
+        shuffle: ``True``/``"shard"``, ``"full"`` or ``False``/``"none"`` (see the module docstring).
+        block: samples per block of the shard-aware shuffle.
+        window: shards per block-shuffle window, and blocks per sample-shuffle run.
+
+    Example::
+
+        a = epoch_order([10, 10], 0, 0); b = epoch_order([10, 10], 0, 0)
+        assert (a == b).all()
+    """
+    mode = normalize_shuffle(shuffle)
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    if block < 1 or window < 1:
+        raise ValueError(f"block and window must be >= 1, got {block}, {window}")
+    if mode == "none" or total == 0:
+        return np.arange(total, dtype=np.int64)
+    rng = np.random.default_rng([int(seed), int(epoch)])
+    if mode == "full":
+        return rng.permutation(total).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    shard_order = rng.permutation(len(sizes))
+    # Blocks of every shard, listed in shuffled shard order, tagged with their window.
+    blocks_per_shard = (sizes[shard_order] + block - 1) // block
+    block_shard = np.repeat(shard_order, blocks_per_shard)
+    block_window = np.repeat(np.arange(len(sizes)) // window, blocks_per_shard)
+    first_block = np.concatenate([[0], np.cumsum(blocks_per_shard)[:-1]])
+    block_in_shard = np.arange(len(block_shard)) - np.repeat(first_block, blocks_per_shard)
+    block_start = starts[block_shard] + block_in_shard * block
+    block_len = np.minimum(block, sizes[block_shard] - block_in_shard * block)
+    perm = np.lexsort((rng.random(len(block_shard)), block_window))
+    block_start, block_len = block_start[perm], block_len[perm]
+    # Expand blocks to samples, then permute samples within runs of `window` blocks.
+    sample_block = np.repeat(np.arange(len(block_start)), block_len)
+    first_sample = np.concatenate([[0], np.cumsum(block_len)[:-1]])
+    order = block_start[sample_block] + (np.arange(total) - first_sample[sample_block])
+    run = sample_block // window
+    return order[np.lexsort((rng.random(total), run))].astype(np.int64)
+
+
+def rank_indices(order: np.ndarray, start: int, world_size: int, rank: int, drop_last: bool) -> np.ndarray:
+    """This rank's samples of ``order[start:]`` (``DistributedSampler`` split, see the module docstring).
+
+    Example::
+
+        rank_indices(np.arange(10), 0, 4, 3, drop_last=False)   # [3, 7, 1]: padded with position 1
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    total = len(order)
+    start = min(max(int(start), 0), total)
+    remaining = order[start:]
+    if drop_last:
+        per_rank = len(remaining) // world_size
+        return remaining[rank : per_rank * world_size : world_size]
+    per_rank = -(-len(remaining) // world_size)
+    padding = per_rank * world_size - len(remaining)
+    if padding:
+        # Like DistributedSampler: repeat from the epoch's beginning (cycling if the epoch is tiny).
+        remaining = np.concatenate([remaining, np.resize(order, padding)])
+    return remaining[rank::world_size]
+
+
+def num_batches(num_samples: int, batch_size: int, drop_last: bool) -> int:
+    """Batches of ``batch_size`` from ``num_samples`` samples.
+
+    Example::
+
+        num_batches(10, 4, drop_last=False) == 3
+    """
+    return num_samples // batch_size if drop_last else -(-num_samples // batch_size)
+
+
+def advance(start: int, world_size: int, consumed_per_rank: int, total: int) -> int:
+    """The epoch position after every rank of ``world_size`` consumed ``consumed_per_rank`` samples.
+
+    Example::
+
+        advance(0, 4, 3, 10) == 10   # 12 positions consumed, 2 of them padding
+    """
+    return min(int(total), int(start) + int(world_size) * int(consumed_per_rank))
