@@ -62,6 +62,10 @@ def ring_bytes(numel: int, element_size: int, world_size: int) -> int:
     return 2 * (world_size - 1) * numel * element_size // world_size
 
 
+# all_gather_into_tensor was renamed all_gather_single; use whichever this torch has, without a warning.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def completed(tensor: Tensor) -> torch.futures.Future[Tensor]:
     """A future that already holds ``tensor``."""
     future: torch.futures.Future[Tensor] = torch.futures.Future()

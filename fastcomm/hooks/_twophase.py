@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.hooks._state import BucketKey, CompressionState, Timer, _BucketEntry, seed_for
+from fastcomm.hooks._state import BucketKey, CompressionState, Timer, _BucketEntry, all_gather_flat, seed_for
 
 __all__ = ["Codec", "two_phase_allreduce"]
 
@@ -114,7 +114,7 @@ def two_phase_allreduce(
             state._stage(key, "server_residual", server)
         row = torch.cat([data2, scales2.view(torch.uint8)])
         gathered = row.new_empty(world_size * row.numel())
-    work = dist.all_gather_into_tensor(gathered, row, group=group, async_op=True)
+    work = all_gather_flat(gathered, row, group=group, async_op=True)
     sent = (world_size - 1) * send.numel() // world_size + (world_size - 1) * row.numel()
     state._count(sent, 2 * (world_size - 1) * numel * flat.element_size() // world_size, timer.seconds, True)
 

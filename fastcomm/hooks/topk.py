@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops
-from fastcomm.hooks._state import CompressionState, Timer, resolve_state, world_of
+from fastcomm.hooks._state import CompressionState, Timer, all_gather_flat, resolve_state, world_of
 
 __all__ = ["TopKState", "topk_hook"]
 
@@ -162,7 +162,7 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
             )
         row = torch.cat([indices.view(torch.uint8), values.contiguous().view(torch.uint8)])
         gathered = row.new_empty(world_size * row.numel())
-    work = dist.all_gather_into_tensor(gathered, row, group=state.process_group, async_op=True)
+    work = all_gather_flat(gathered, row, group=state.process_group, async_op=True)
     state._count(
         (world_size - 1) * row.numel(),
         2 * (world_size - 1) * numel * flat.element_size() // world_size,
