@@ -34,47 +34,86 @@ float block_absmax(const scalar_t* x, int64_t len) {
   return poison != poison ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
+// One code per output byte for x[0, len); ``first`` is the global index of x[0] (it seeds the hash).
+template <typename scalar_t>
+void encode_codes(const scalar_t* x, int64_t first, int64_t len, float inv, float qmax, bool stochastic,
+                  uint32_t seed, uint8_t* o) {
+  const float hi = 2.0f * qmax;
+  if (inv == 0.0f) {
+    std::memset(o, static_cast<int>(qmax) + 1, len);
+  } else if (!stochastic) {
+    const float add = qmax + 0.5f;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      float w = static_cast<float>(x[j]) * inv;
+      w = w + add;
+      w = std::min(std::max(w, 0.0f), hi);
+      o[j] = static_cast<uint8_t>(static_cast<int>(w) + 1);
+    }
+  } else {
+    for (int64_t j = 0; j < len; ++j) {
+      const float add = qmax + uniform_from_hash(hash32(static_cast<uint64_t>(first + j), seed));
+      float w = static_cast<float>(x[j]) * inv;
+      w = w + add;
+      w = std::min(std::max(w, 0.0f), hi);
+      o[j] = static_cast<uint8_t>(static_cast<int>(w) + 1);
+    }
+  }
+}
+
+// Packs m codes starting on a byte boundary; whole bytes are assigned, a trailing partial byte is OR-ed
+// (the next block, which starts inside it, ORs its codes in too).
+template <int BITS>
+void pack_codes(const uint8_t* codes, int64_t m, uint8_t* out) {
+  constexpr int kPer = 8 / BITS;
+  const int64_t full = m / kPer;
+  for (int64_t j = 0; j < full; ++j) {
+    unsigned byte = 0;
+    for (int t = 0; t < kPer; ++t) byte |= static_cast<unsigned>(codes[j * kPer + t]) << (t * BITS);
+    out[j] = static_cast<uint8_t>(byte);
+  }
+  for (int64_t t = 0; t < m - full * kPer; ++t) out[full] |= static_cast<uint8_t>(codes[full * kPer + t] << (t * BITS));
+}
+
 template <typename scalar_t>
 void encode_block(const scalar_t* x, int64_t first, int64_t len, float inv, float qmax, bool stochastic,
                   uint32_t seed, int64_t bits, uint8_t* out) {
-  const int code_zero = static_cast<int>(qmax) + 1;
-  const float hi = 2.0f * qmax;
   if (bits == 8) {
-    uint8_t* o = out + first;
-    if (inv == 0.0f) {
-      for (int64_t j = 0; j < len; ++j) o[j] = static_cast<uint8_t>(code_zero);
-    } else if (!stochastic) {
-      const float add = qmax + 0.5f;
-#pragma omp simd
-      for (int64_t j = 0; j < len; ++j) {
-        float w = static_cast<float>(x[j]) * inv;
-        w = w + add;
-        w = std::min(std::max(w, 0.0f), hi);
-        o[j] = static_cast<uint8_t>(static_cast<int>(w) + 1);
-      }
-    } else {
-      for (int64_t j = 0; j < len; ++j) {
-        const float add = qmax + uniform_from_hash(hash32(static_cast<uint64_t>(first + j), seed));
-        float w = static_cast<float>(x[j]) * inv;
-        w = w + add;
-        w = std::min(std::max(w, 0.0f), hi);
-        o[j] = static_cast<uint8_t>(static_cast<int>(w) + 1);
-      }
-    }
+    encode_codes(x, first, len, inv, qmax, stochastic, seed, out + first);
     return;
   }
   const int64_t per_byte = 8 / bits;
-  for (int64_t j = 0; j < len; ++j) {
-    const int64_t i = first + j;
-    int code = code_zero;
-    if (inv != 0.0f) {
-      const float u = stochastic ? uniform_from_hash(hash32(static_cast<uint64_t>(i), seed)) : 0.5f;
-      float w = static_cast<float>(x[j]) * inv;
-      w = w + (qmax + u);
-      w = std::min(std::max(w, 0.0f), hi);
-      code = static_cast<int>(w) + 1;
+  constexpr int64_t kTile = 1024;  // a multiple of every per_byte; stays in L1
+  uint8_t codes[kTile];
+  if (first % per_byte == 0) {
+    for (int64_t off = 0; off < len; off += kTile) {
+      const int64_t m = std::min(kTile, len - off);
+      encode_codes(x + off, first + off, m, inv, qmax, stochastic, seed, codes);
+      uint8_t* o = out + (first + off) / per_byte;
+      bits == 4 ? pack_codes<4>(codes, m, o) : pack_codes<2>(codes, m, o);
     }
-    out[i / per_byte] |= static_cast<uint8_t>(code << ((i % per_byte) * bits));
+    return;
+  }
+  // A block that starts inside a byte (block * bits not a multiple of 8): element by element.
+  for (int64_t off = 0; off < len; off += kTile) {
+    const int64_t m = std::min(kTile, len - off);
+    encode_codes(x + off, first + off, m, inv, qmax, stochastic, seed, codes);
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t i = first + off + j;
+      out[i / per_byte] |= static_cast<uint8_t>(codes[j] << ((i % per_byte) * bits));
+    }
+  }
+}
+
+// Decodes m codes that start on a byte boundary.
+template <int BITS, typename scalar_t>
+void decode_packed(const uint8_t* packed, float scale, int64_t m, scalar_t* out) {
+  constexpr int kPer = 8 / BITS;
+  constexpr int kMask = (1 << BITS) - 1;
+  constexpr int kOffset = 1 << (BITS - 1);
+  for (int64_t i = 0; i < m; ++i) {
+    const int code = (packed[i / kPer] >> ((i % kPer) * BITS)) & kMask;
+    out[i] = static_cast<scalar_t>(static_cast<float>(code - kOffset) * scale);
   }
 }
 
@@ -146,6 +185,9 @@ at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes, const at::Tensor& s
         const int64_t last = std::min(numel, first + block);
         if (bits == 8) {
           decode_block8(cp + first, scale, offset, last - first, op + first);
+        } else if (first % per_byte == 0) {
+          bits == 4 ? decode_packed<4>(cp + first / per_byte, scale, last - first, op + first)
+                    : decode_packed<2>(cp + first / per_byte, scale, last - first, op + first);
         } else {
           for (int64_t i = first; i < last; ++i) {
             const int code = (cp[i / per_byte] >> ((i % per_byte) * bits)) & mask;

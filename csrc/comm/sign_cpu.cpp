@@ -4,6 +4,9 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "comm/kernels.h"
 
@@ -16,6 +19,54 @@ double sum_abs(const scalar_t* acc, int64_t len) {
 #pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < len; ++i) total += std::fabs(static_cast<double>(static_cast<float>(acc[i])));
   return total;
+}
+
+// Whole bytes: bit t of byte j is acc[8j + t] >= 0 (false for NaN, true for -0.0, as in the reference).
+template <typename scalar_t>
+void pack_signs_bytes(const scalar_t* acc, int64_t nbytes, uint8_t* out) {
+  for (int64_t j = 0; j < nbytes; ++j) {
+    const scalar_t* a = acc + 8 * j;
+    unsigned byte = 0;
+    for (int t = 0; t < 8; ++t) byte |= static_cast<unsigned>(static_cast<float>(a[t]) >= 0.0f) << t;
+    out[j] = static_cast<uint8_t>(byte);
+  }
+}
+
+// residual = acc - (+scale or -scale), the acc being the residual buffer itself.
+template <typename scalar_t>
+void subtract_signs(scalar_t* acc, float scale, int64_t len) {
+  uint32_t scale_bits;
+  std::memcpy(&scale_bits, &scale, sizeof(scale_bits));
+  for (int64_t i = 0; i < len; ++i) {
+    const float a = static_cast<float>(acc[i]);
+    // Branch-free: signs are random, so a branch would mispredict half the time.
+    const uint32_t sent_bits = scale_bits ^ (static_cast<uint32_t>(!(a >= 0.0f)) << 31);
+    float sent;
+    std::memcpy(&sent, &sent_bits, sizeof(sent));
+    acc[i] = static_cast<scalar_t>(a - sent);
+  }
+}
+
+#if defined(__SSE2__)
+// fp32 fast paths: cmpge (false for NaN, true for -0.0, as above) and movemask give 4 bits at a time.
+template <>
+void pack_signs_bytes<float>(const float* acc, int64_t nbytes, uint8_t* out) {
+  const __m128 zero = _mm_setzero_ps();
+  for (int64_t j = 0; j < nbytes; ++j) {
+    const int low = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(acc + 8 * j), zero));
+    const int high = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(acc + 8 * j + 4), zero));
+    out[j] = static_cast<uint8_t>(low | (high << 4));
+  }
+}
+#endif
+
+template <typename scalar_t>
+void unpack_signs_bytes(const uint8_t* bits, int64_t nbytes, scalar_t plus, scalar_t minus, scalar_t* out) {
+  for (int64_t j = 0; j < nbytes; ++j) {
+    const unsigned byte = bits[j];
+    scalar_t* o = out + 8 * j;
+    for (int t = 0; t < 8; ++t) o[t] = ((byte >> t) & 1u) ? plus : minus;
+  }
 }
 
 }  // namespace
@@ -56,12 +107,14 @@ std::tuple<at::Tensor, at::Tensor> sign_compress_cpu(const at::Tensor& x, const 
         const double total = sum_abs(acc + first, last - first);
         const float scale = static_cast<float>(total / static_cast<double>(last - first));
         sp[c] = scale;
-        for (int64_t i = first; i < last; ++i) {
-          const float a = static_cast<float>(acc[i]);
-          const bool positive = a >= 0.0f;
-          bp[i >> 3] |= static_cast<uint8_t>(positive) << (i & 7);
-          if (rp != nullptr) rp[i] = static_cast<scalar_t>(a - (positive ? scale : -scale));
+        if (first % 8 == 0 && (last - first) % 8 == 0) {
+          pack_signs_bytes(acc + first, (last - first) / 8, bp + first / 8);
+        } else {
+          for (int64_t i = first; i < last; ++i) {
+            bp[i >> 3] |= static_cast<uint8_t>(static_cast<float>(acc[i]) >= 0.0f) << (i & 7);
+          }
         }
+        if (rp != nullptr) subtract_signs(rp + first, scale, last - first);
       }
     });
   });
@@ -88,8 +141,13 @@ at::Tensor sign_decompress_cpu(const at::Tensor& packed, const at::Tensor& scale
       for (int64_t c = lo; c < hi; ++c) {
         const scalar_t plus = static_cast<scalar_t>(sp[c]);
         const scalar_t minus = static_cast<scalar_t>(-sp[c]);
-        const int64_t last = std::min(numel, (c + 1) * chunk);
-        for (int64_t i = c * chunk; i < last; ++i) op[i] = ((bp[i >> 3] >> (i & 7)) & 1) ? plus : minus;
+        const int64_t first = c * chunk;
+        const int64_t last = std::min(numel, first + chunk);
+        if (first % 8 == 0 && (last - first) % 8 == 0) {
+          unpack_signs_bytes(bp + first / 8, (last - first) / 8, plus, minus, op + first);
+        } else {
+          for (int64_t i = first; i < last; ++i) op[i] = ((bp[i >> 3] >> (i & 7)) & 1) ? plus : minus;
+        }
       }
     });
   });
