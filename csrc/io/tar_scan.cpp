@@ -89,7 +89,11 @@ std::vector<TarMember> scan_tar(const std::string& path) {
   std::string long_name;
   int64_t pos = 0;
   unsigned char header[kBlock];
-  while (pos + kBlock <= file_size) {
+  while (pos < file_size) {
+    if (pos + kBlock > file_size) {
+      throw std::runtime_error(path + ": truncated: a partial header at byte " + std::to_string(pos) +
+                               ", the file ends at " + std::to_string(file_size));
+    }
     std::string raw = read_exact(file.fd, pos, kBlock, path);
     std::memcpy(header, raw.data(), kBlock);
     if (header[0] == 0) break;  // end-of-archive marker

@@ -148,16 +148,17 @@ def expand_pattern(pattern: str | Sequence[str]) -> list[str]:
     """
     if not isinstance(pattern, str):
         return [p for item in pattern for p in expand_pattern(item)]
-    match = _RANGE.search(pattern)
-    if match:
-        first, last = match.group(1), match.group(2)
-        width = len(first) if first.startswith("0") or len(first) == len(last) else 0
+    candidates = [m for m in (_RANGE.search(pattern), _ALTERNATIVES.search(pattern)) if m is not None]
+    if candidates:
+        match = min(candidates, key=lambda m: m.start())  # leftmost group first: "{a,b}-{1..2}" -> a-1, a-2, ...
         head, tail = pattern[: match.start()], pattern[match.end() :]
-        return [p for n in range(int(first), int(last) + 1) for p in expand_pattern(f"{head}{n:0{width}d}{tail}")]
-    match = _ALTERNATIVES.search(pattern)
-    if match:
-        head, tail = pattern[: match.start()], pattern[match.end() :]
-        return [p for alt in match.group(1).split(",") for p in expand_pattern(head + alt + tail)]
+        if match.re is _RANGE:
+            first, last = match.group(1), match.group(2)
+            width = len(first) if first.startswith("0") or len(first) == len(last) else 0
+            names = [f"{n:0{width}d}" for n in range(int(first), int(last) + 1)]
+        else:
+            names = match.group(1).split(",")
+        return [p for name in names for p in expand_pattern(head + name + tail)]
     if glob.has_magic(pattern):
         found = sorted(glob.glob(pattern))
         if not found:
