@@ -1,0 +1,97 @@
+"""The CUDA C++ ``topk_select`` kernel (csrc/comm/topk_cuda.cu) against ``fastcomm.reference`` on CPU.
+
+Selection involves no arithmetic beyond ``x + residual`` in x's dtype, so values, indices and the updated
+residual must all equal the reference bit for bit, in exact and in approximate mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastcomm.ops  # noqa: F401  (declares the ops and loads fastcomm._C)
+from fastcomm import reference
+
+pytestmark = pytest.mark.skipif(
+    not (
+        torch.cuda.is_available()
+        and torch._C._dispatch_has_kernel_for_dispatch_key("fastcomm::topk_select", "CUDA")
+    ),
+    reason="needs a CUDA device and fastcomm._C built against a CUDA torch (the CUDA topk_select kernel)",
+)
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _inputs(n: int, kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(n)
+    if kind == "ties":
+        x = torch.randint(-3, 4, (n,), generator=generator).float()
+    elif kind == "sparse":
+        x = torch.randn(n, generator=generator)
+        x[torch.rand(n, generator=generator) < 0.9] = 0.0
+    else:
+        x = torch.randn(n, generator=generator)
+    if kind == "nonfinite" and n > 10:
+        x[3], x[7], x[n // 2] = float("nan"), float("inf"), -float("inf")
+    residual = torch.randn(n, generator=generator) * 0.1
+    return x.to(dtype), residual.to(dtype)
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    actual = actual.cpu()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), nan)
+    assert torch.equal(actual[~nan], expected[~nan])
+
+
+def _check(x: torch.Tensor, residual: torch.Tensor | None, k: int, exact: bool) -> None:
+    ref_residual = residual.clone() if residual is not None else None
+    ref_values, ref_indices = reference.topk_select(x, k, ref_residual, exact)
+    cuda_residual = residual.cuda() if residual is not None else None
+    values, indices = torch.ops.fastcomm.topk_select(x.cuda(), k, cuda_residual, exact)
+    assert indices.dtype == torch.int32 and indices.is_cuda
+    assert torch.equal(indices.cpu(), ref_indices)
+    _assert_same(values, ref_values)
+    if residual is not None:
+        _assert_same(cuda_residual, ref_residual)
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "sparse", "nonfinite"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 1000, 4099, 20_011, 1_000_003])
+def test_exact_matches_reference(n: int, dtype: torch.dtype, kind: str) -> None:
+    x, residual = _inputs(n, kind, dtype)
+    for k in sorted({1, min(n, 3), max(1, n // 100), n // 7, n}):
+        if k:
+            _check(x, residual, k, exact=True)
+    _check(x, None, max(1, n // 10), exact=True)
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "sparse", "nonfinite"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_approximate_matches_reference(dtype: torch.dtype, kind: str) -> None:
+    n = 1_000_003
+    x, residual = _inputs(n, kind, dtype)
+    for k in (20_000, 100_000, 400_000):
+        assert reference.approx_sample_size(n, k) * 2 <= n  # really the sampled threshold, not the fallback
+        _check(x, residual, k, exact=False)
+    _check(x, None, 50_000, exact=False)
+
+
+def test_k_zero_still_accumulates_residual() -> None:
+    x, residual = _inputs(1000, "randn", torch.float32)
+    _check(x, residual, 0, exact=True)
+
+
+def test_non_contiguous_residual() -> None:
+    x = torch.randn(300, 70).t()
+    residual = (torch.randn(300, 70) * 0.1).t()
+    _check(x, residual, 500, exact=True)
+    _check(x, residual, 500, exact=False)
+
+
+def test_opcheck() -> None:
+    x = torch.randn(4099, device="cuda")
+    torch.library.opcheck(torch.ops.fastcomm.topk_select, (x, 50, torch.zeros_like(x), True))
