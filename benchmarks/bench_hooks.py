@@ -143,6 +143,13 @@ def _mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
+def _profile_step(step: Callable[[], None]) -> str:
+    """Run ``step`` once under the CPU profiler; return the ops that took the most time of their own."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        step()
+    return str(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
 def _rank_main(spec: dict[str, Any]) -> None:
     """Run one configuration on one rank and write its median step time and hook stats to ``spec['out']``."""
     from torch.nn.parallel import DistributedDataParallel
@@ -177,10 +184,11 @@ def _rank_main(spec: dict[str, Any]) -> None:
 
         seconds = time_call(step, repeat=spec["steps"], warmup=spec["warmup"])
         stats = state.stats() if state is not None and hasattr(state, "stats") else None
+        profile = _profile_step(step) if spec["profile"] else None
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    result = {"rank": rank, "step_seconds": seconds, "stats": stats}
+    result = {"rank": rank, "step_seconds": seconds, "stats": stats, "profile": profile}
     Path(spec["out"]).write_text(json.dumps(result, default=float))
 
 
@@ -219,6 +227,16 @@ def _free_loopback_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """How each configuration is run."""
+
+    warmup: int
+    steps: int
+    timeout_s: float
+    profile: bool = False
+
+
 @dataclasses.dataclass
 class _Outcome:
     status: str
@@ -242,9 +260,7 @@ def _last_error_line(path: Path) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def _run_config(
-    config: Config, link: netlab.Link | None, port: int, warmup: int, steps: int, timeout_s: float
-) -> _Outcome:
+def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _Settings) -> _Outcome:
     """Run ``config`` on two fresh rank processes and collect the slower rank's median step time."""
     missing = _fastcomm_missing(config)
     if missing:
@@ -256,8 +272,9 @@ def _run_config(
             for rank in range(2):
                 spec = {
                     "config": config.name, "bucket_cap_mb": config.bucket_cap_mb, "rank": rank,
-                    "world_size": 2, "port": port, "warmup": warmup, "steps": steps,
-                    "timeout_s": timeout_s, "out": str(Path(tmp) / f"rank{rank}.json"),
+                    "world_size": 2, "port": port, "warmup": settings.warmup, "steps": settings.steps,
+                    "timeout_s": settings.timeout_s, "profile": settings.profile,
+                    "out": str(Path(tmp) / f"rank{rank}.json"),
                     "master_addr": link.addresses[0] if link else "127.0.0.1",
                 }
                 pythonpath = os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))))
@@ -270,7 +287,7 @@ def _run_config(
                 with logs[-1].open("wb") as log:
                     procs.append(subprocess.Popen(command, cwd=_REPO_ROOT, env=env, stdout=log,
                                                   stderr=subprocess.STDOUT, start_new_session=True))
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + settings.timeout_s
             failed_at: float | None = None
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
@@ -289,8 +306,11 @@ def _run_config(
             code = procs[rank].returncode
             return _Outcome(f"crashed (rank {rank} exit {code}): {_last_error_line(logs[rank])}")
         if hung:
-            return _Outcome(f"hung: rank(s) {hung} still running after {timeout_s:.0f} s, killed")
+            return _Outcome(f"hung: rank(s) {hung} still running after {settings.timeout_s:.0f} s, killed")
         results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
+        if results[0].get("profile"):
+            print(f"[bench_hooks] {config.name}: rank 0 profile of one step\n{results[0]['profile']}",
+                  file=sys.stderr, flush=True)
     return _Outcome("ok", max(r["step_seconds"] for r in results), results[0]["stats"])
 
 
@@ -402,9 +422,7 @@ def _run_network(
     network: str,
     configs: Sequence[Config],
     link: netlab.Link | None,
-    warmup: int,
-    steps: int,
-    timeout_s: float,
+    settings: _Settings,
     link_mb_per_s: float | None,
 ) -> list[Row]:
     """Run every configuration on ``network`` (through ``link`` when given) and return its rows."""
@@ -413,12 +431,12 @@ def _run_network(
         # Fresh namespaces have no other listeners; on loopback ask the kernel for a free port.
         port = 29500 + index if link else _free_loopback_port()
         start = time.perf_counter()
-        outcome = _run_config(config, link, port, warmup, steps, timeout_s)
+        outcome = _run_config(config, link, port, settings)
         outcomes[config.name] = outcome
         shown = f"{outcome.step_seconds:.3f} s/step" if outcome.status == "ok" else outcome.status
         print(f"[bench_hooks] {network:8s} {config.name:26s} {shown}  ({time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
-    return _rows_for(network, outcomes, warmup + steps, link_mb_per_s)
+    return _rows_for(network, outcomes, settings.warmup + settings.steps, link_mb_per_s)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -430,6 +448,8 @@ def main(argv: Sequence[str] | None = None) -> str:
                         help="seconds per configuration before its ranks are killed")
     parser.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                         help="comma-separated subset of the configurations to run (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile one more step on rank 0 and print its top ops")
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.rank_spec:
@@ -438,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> str:
 
     warmup, steps = (2, 2) if args.quick else (2, 5)
     # Generous: a dense step on the 1 Gbit link takes about 1 s; process start and DDP setup about 10 s.
-    timeout_s = args.timeout or 60.0 + 10.0 * (warmup + steps)
+    settings = _Settings(warmup, steps, args.timeout or 60.0 + 10.0 * (warmup + steps), args.profile)
     networks = NETWORKS if args.network == "both" else (args.network,)
     chosen = args.configs.split(",")
     unknown = sorted(set(chosen) - {c.name for c in CONFIGS})
@@ -460,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     rows: list[Row] = []
     for network in networks:
         if network == "loopback":
-            loopback_rows = _run_network(network, configs, None, warmup, steps, timeout_s, None)
+            loopback_rows = _run_network(network, configs, None, settings, None)
             rows += loopback_rows
             notes += _check_targets(network, loopback_rows)
             continue
@@ -474,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             link_mb_per_s = netlab.measure_throughput(link)
             notes.append(f"netlab: veth between two namespaces, tbf {LINK_RATE} each way, measured "
                          f"{link_mb_per_s:.1f} MB/s (TCP, one direction)")
-            net_rows = _run_network(network, configs, link, warmup, steps, timeout_s, link_mb_per_s)
+            net_rows = _run_network(network, configs, link, settings, link_mb_per_s)
         rows += net_rows
         notes += _check_targets(network, net_rows)
     for note in notes:
