@@ -1,7 +1,6 @@
 """Dtype-cast allreduce hook: reduce the bucket in a narrower float type (bf16 by default), on any backend."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import torch
 import torch.distributed as dist
 from torch import Tensor

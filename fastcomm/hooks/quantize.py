@@ -1,7 +1,6 @@
 """Quantized allreduce hook: blockwise 8/4/2-bit codes through a two-phase all-to-all, all-gather exchange."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import math
 
 import torch

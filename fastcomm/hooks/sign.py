@@ -1,7 +1,6 @@
 """1-bit sign hook: signs and per-chunk scales in a two-phase exchange (1-bit Adam's compressed allreduce)."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import math
 
 import torch

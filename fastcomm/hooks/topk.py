@@ -1,7 +1,6 @@
 """Top-k sparsification hook: each rank sends its k largest-magnitude entries (Deep Gradient Compression)."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import math
 
 import torch

@@ -471,7 +471,7 @@ def _check_default_state_per_model(rank: int) -> None:
 
 
 def _recording(hook: Callable, layouts: list) -> Callable:
-    def recording_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def recording_hook(state, bucket):  # no annotations: DDP checks them, and they are strings here
         if bucket.index() == 0:
             layouts.append([])
         layouts[-1].append(bucket.buffer().numel())
@@ -622,6 +622,9 @@ def _check_no_sync(rank: int, world_size: int) -> None:
         local = copy.deepcopy(model)
         ddp = nn.parallel.DistributedDataParallel(model, **config)
         state = fastcomm.register(ddp, "topk", ratio=1.0, min_compress_numel=0)
+        # DDP itself (no hook involved) asserts if a static_graph model's first iteration is a no_sync one,
+        # so every config starts with one synchronised iteration.
+        loss_of(ddp, rank, 99).backward()
         for step in range(3):
             ddp.zero_grad()
             local.zero_grad()
@@ -639,7 +642,7 @@ def _check_no_sync(rank: int, world_size: int) -> None:
                 err = float((p.grad - mean).abs().max())
                 assert err < 1e-5, f"{config} step {step}: sync step did not reduce the accumulation ({err})"
         stats = state.stats()
-        assert stats["steps"] == 3 and stats["compressed_buckets"] == 3, (config, stats)
+        assert stats["steps"] == 4 and stats["compressed_buckets"] == 4, (config, stats)
 
 
 # -------------------------------------------------------------------------------------- stress (W = 4)
@@ -669,7 +672,7 @@ def stress_worker(rank: int, world_size: int, steps: int) -> None:
     ]
     for hook_name, options in cases:
         model = MixedModel()
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.00002)
         layouts: list[list[int]] = []
         state_cls, hook = fastcomm.hooks.HOOKS[fastcomm.HookName(hook_name)]
         state = state_cls(**options)
@@ -685,7 +688,10 @@ def stress_worker(rank: int, world_size: int, steps: int) -> None:
             nn.functional.mse_loss(ddp(x), y).backward()
             optimizer.step()
         assert len(layouts[-1]) >= 20, f"only {len(layouts[-1])} buckets"
-        assert state.stats()["steps"] == steps
+        stats = state.stats()
+        assert stats["steps"] == steps, stats
+        if hook_name != "cast":  # small buckets go dense, the rest compressed: both kinds of collective mix
+            assert stats["dense_buckets"] > 0 and stats["compressed_buckets"] > 0, stats
         for p in model.parameters():
             assert torch.isfinite(p).all()
             assert_same_on_all_ranks(p, f"{hook_name}: parameters after {steps} steps")
@@ -694,7 +700,7 @@ def stress_worker(rank: int, world_size: int, steps: int) -> None:
 # ---------------------------------------------------------------------------------------------- training
 def _blobs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    centers = torch.randn(4, 20, generator=torch.Generator().manual_seed(123)) * 1.2
+    centers = torch.randn(4, 20, generator=torch.Generator().manual_seed(123)) * 0.6
     labels = torch.randint(0, 4, (n,), generator=gen)
     return centers[labels] + torch.randn(n, 20, generator=gen), labels
 

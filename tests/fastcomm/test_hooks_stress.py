@@ -1,0 +1,15 @@
+"""Collective order: 4 gloo ranks, 20+ buckets of mixed sizes, 50 steps, every hook, rank-skewed timing.
+
+A hook that let two collectives reach gloo in different orders on different ranks fails here with a size
+mismatch or a timeout (bounded by the harness), and any silent mix-up shows as ranks whose parameters differ.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _hooks_workers as workers  # noqa: E402
+
+
+def test_collective_order_four_ranks(tmp_path):
+    workers.spawn(tmp_path, 4, workers.stress_worker, 50, timeout_s=170)
