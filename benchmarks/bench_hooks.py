@@ -143,6 +143,21 @@ def _mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
+def _hook_stats(state: object) -> dict[str, float] | None:
+    stats = getattr(state, "stats", None)
+    return {k: float(v) for k, v in stats().items()} if callable(stats) else None
+
+
+def _stats_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """The hook's counters over the timed steps only (warm-up allocates residuals and rebuilds buckets)."""
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in after if k != "compression_ratio"}
+    if delta.get("bytes_sent"):
+        delta["compression_ratio"] = delta.get("dense_bytes", 0.0) / delta["bytes_sent"]
+    return delta
+
+
 def _profile_step(step: Callable[[], None]) -> str:
     """Run ``step`` once under the CPU profiler; return the ops that took the most time of their own."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
@@ -182,8 +197,11 @@ def _rank_main(spec: dict[str, Any]) -> None:
             torch.nn.functional.mse_loss(ddp(inputs), targets).backward()
             optimizer.step()
 
-        seconds = time_call(step, repeat=spec["steps"], warmup=spec["warmup"])
-        stats = state.stats() if state is not None and hasattr(state, "stats") else None
+        for _ in range(spec["warmup"]):
+            step()
+        before = _hook_stats(state)
+        seconds = time_call(step, repeat=spec["steps"], warmup=0)
+        stats = _stats_delta(before, _hook_stats(state))
         profile = _profile_step(step) if spec["profile"] else None
         dist.barrier()
     finally:
@@ -314,7 +332,7 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
     return _Outcome("ok", max(r["step_seconds"] for r in results), results[0]["stats"])
 
 
-def _wire_bytes(config: Config, outcome: _Outcome, steps_run: int) -> float | None:
+def _wire_bytes(config: Config, outcome: _Outcome, timed_steps: int) -> float | None:
     params = _num_params()
     computed = {"allreduce": 4 * params, "noop": 0, "torch_fp16": 2 * params,
                 "torch_powersgd_r4": _powersgd_wire_bytes(),
@@ -322,12 +340,12 @@ def _wire_bytes(config: Config, outcome: _Outcome, steps_run: int) -> float | No
     if config.name in computed:
         return float(computed[config.name])
     if outcome.stats and "bytes_sent" in outcome.stats:
-        return float(outcome.stats["bytes_sent"]) / steps_run
+        return outcome.stats["bytes_sent"] / timed_steps
     return None
 
 
 def _rows_for(
-    network: str, outcomes: dict[str, _Outcome], steps_run: int, link_mb_per_s: float | None
+    network: str, outcomes: dict[str, _Outcome], timed_steps: int, link_mb_per_s: float | None
 ) -> list[Row]:
     """One ``step_time`` row per configuration, with its wire bytes, hook stats and ratios."""
 
@@ -343,7 +361,7 @@ def _rows_for(
         outcome = outcomes[config.name]
         seconds = ok_time(config.name)
         extra: dict[str, Any] = {"status": outcome.status}
-        wire = _wire_bytes(config, outcome, steps_run)
+        wire = _wire_bytes(config, outcome, timed_steps)
         if wire is not None:
             extra["wire_MB/step"] = round(wire / 1e6, 3)
             extra["wire_vs_dense"] = round(wire / (4 * _num_params()), 4)
@@ -351,12 +369,12 @@ def _rows_for(
                 extra["wire_s/step_at_link"] = round(wire / 1e6 / link_mb_per_s, 3)
         if outcome.stats:
             if "compress_seconds" in outcome.stats:
-                extra["compress_s/step"] = round(float(outcome.stats["compress_seconds"]) / steps_run, 4)
+                extra["compress_s/step"] = round(outcome.stats["compress_seconds"] / timed_steps, 4)
             if "compression_ratio" in outcome.stats:
-                extra["compression_ratio"] = round(float(outcome.stats["compression_ratio"]), 2)
+                extra["compression_ratio"] = round(outcome.stats["compression_ratio"], 2)
             if "compressed_buckets" in outcome.stats and "dense_buckets" in outcome.stats:
                 extra["buckets_compressed/dense"] = (
-                    f"{outcome.stats['compressed_buckets']}/{outcome.stats['dense_buckets']}"
+                    f"{outcome.stats['compressed_buckets']:.0f}/{outcome.stats['dense_buckets']:.0f}"
                 )
         if seconds is not None and floor:
             extra["x_noop_floor"] = round(seconds / floor, 2)
@@ -382,7 +400,7 @@ def _check_targets(network: str, rows: list[Row]) -> list[str]:
     def verdict(label: str, needed: Sequence[str], test: Callable[[], tuple[bool, str]]) -> str:
         absent = [n for n in needed if n not in times]
         if absent:
-            return f"{network}: {label}: not evaluated ({', '.join(absent)} has no time)"
+            return f"{network}: {label}: not evaluated (no step time for {', '.join(absent)})"
         passed, detail = test()
         return f"{network}: {label}: {'MET' if passed else 'MISSED'} ({detail})"
 
@@ -436,7 +454,7 @@ def _run_network(
         shown = f"{outcome.step_seconds:.3f} s/step" if outcome.status == "ok" else outcome.status
         print(f"[bench_hooks] {network:8s} {config.name:26s} {shown}  ({time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
-    return _rows_for(network, outcomes, settings.warmup + settings.steps, link_mb_per_s)
+    return _rows_for(network, outcomes, settings.steps, link_mb_per_s)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -474,7 +492,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         "ratio = allreduce step time / this step time (above 1 = faster than dense allreduce); "
         "x_noop_floor = this step time / the no-op hook's",
         "wire bytes: what one rank sends per step (for 2 ranks a ring allreduce and an all-gather both send "
-        "the payload once); computed for torch hooks, stats()['bytes_sent'] / steps run for fastcomm",
+        "the payload once); computed for torch hooks, stats()['bytes_sent'] per timed step for fastcomm "
+        "(fastcomm counters, compress_s/step included, cover the timed steps only)",
         *(f"{c.name}: {c.description}" for c in CONFIGS),
     ]
     rows: list[Row] = []
