@@ -319,7 +319,7 @@ def error_feedback_worker(rank: int, world_size: int) -> None:
     steps = 25
     sizes = [(3000, 1000), (300,), (1,)]
     for name, state in [
-        ("topk", fastcomm.TopKState(ratio=0.02, min_compress_numel=0)),
+        ("topk", fastcomm.TopKState(ratio=0.02, exact=True, min_compress_numel=0)),
         ("quantize", fastcomm.QuantState(bits=2, block=128, min_compress_numel=0)),
         ("sign", fastcomm.SignState(chunk=256, min_compress_numel=0)),
     ]:
@@ -343,6 +343,56 @@ def error_feedback_worker(rank: int, world_size: int) -> None:
         lossy = float((sent[0] - raw[0] / world_size).abs().max())
         assert lossy > 1e-3, f"{name}: the large bucket was sent losslessly, so the check proves nothing"
         assert state.stats()["steps"] == steps
+    _check_approximate_topk(rank, world_size)
+    _check_start_iter(rank, world_size)
+
+
+def _check_approximate_topk(rank: int, world_size: int) -> None:
+    """Sampled threshold (count varies per rank): fixed-size payload, cut entries stay owed."""
+    numel, steps = 140_000, 4  # large enough that topk_select really samples its threshold
+    k = math.ceil(0.02 * numel)
+    assert reference.approx_sample_size(numel, k) * 2 <= numel
+    state = fastcomm.TopKState(ratio=0.02, exact=False, min_compress_numel=0)
+    params = [torch.zeros(numel)]
+    sent = torch.zeros(numel, dtype=torch.float64)
+    raw = torch.zeros(numel, dtype=torch.float64)
+    counts = []
+    for step in range(steps):
+        grad = grad_for(rank, 0, step, numel, torch.float32)
+        owed = state.residual_of(params[0])
+        acc = grad if owed is None else grad + owed
+        counts.append(reference.topk_select(acc, k, exact=False)[0].numel())
+        (out,) = run_hook(fastcomm.topk_hook, state, [FakeBucket(0, params, grad)])
+        assert_same_on_all_ranks(out, "approximate top-k")
+        assert int((out != 0).sum()) <= world_size * k
+        sent += out.double()
+        raw += grad.double()
+    assert any(c != k for c in counts), f"the sampled threshold gave exactly k every time: {counts}"
+    owed = state.residual_of(params[0]).double()
+    dist.all_reduce(owed)
+    dist.all_reduce(raw)
+    err = float((sent + owed / world_size - raw / world_size).abs().max())
+    assert err < 1e-4, f"approximate top-k lost gradient mass: {err}"
+    assert state.stats()["bytes_sent"] == steps * (world_size - 1) * k * 8
+
+
+def _check_start_iter(rank: int, world_size: int) -> None:
+    """Dense (exact mean) for the first start_iter steps, compressed after; small buckets stay dense."""
+    state = fastcomm.SignState(start_iter=2, min_compress_numel=100)
+    params = make_buckets([(500,), (50,)], torch.float32)
+    for step in range(4):
+        grads = [grad_for(rank, b, step, n, torch.float32) for b, n in enumerate((500, 50))]
+        outputs = run_hook(
+            fastcomm.sign_hook, state, [FakeBucket(b, params[b], g) for b, g in enumerate(grads)]
+        )
+        for b, (out, grad) in enumerate(zip(outputs, grads, strict=True)):
+            mean = grad.clone()
+            dist.all_reduce(mean)
+            mean /= world_size
+            lossless = step < 2 or b == 1
+            assert torch.allclose(out, mean, atol=1e-6) == lossless, f"step {step} bucket {b}"
+    stats = state.stats()
+    assert stats["dense_buckets"] == 6 and stats["compressed_buckets"] == 2, stats
 
 
 def validation_worker(rank: int, world_size: int) -> None:
@@ -609,6 +659,17 @@ def _check_half_precision_models(rank: int, world_size: int) -> None:
                 assert_same_on_all_ranks(p.grad, f"{name} {dtype}")
 
 
+class WithUnused(nn.Module):
+    """A model with a parameter that never receives a gradient (for find_unused_parameters=True)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net, self.unused = net, nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def _check_no_sync(rank: int, world_size: int) -> None:
     """Accumulation under no_sync reduces once, on the sync step, also with static_graph (lossless top-k)."""
     configs = [
@@ -616,9 +677,10 @@ def _check_no_sync(rank: int, world_size: int) -> None:
         {"static_graph": True},
         {"gradient_as_bucket_view": True},
         {"static_graph": True, "gradient_as_bucket_view": True},
+        {"find_unused_parameters": True},
     ]
     for config in configs:
-        model = make_mlp(60)
+        model = WithUnused(make_mlp(60)) if config.get("find_unused_parameters") else make_mlp(60)
         local = copy.deepcopy(model)
         ddp = nn.parallel.DistributedDataParallel(model, **config)
         state = fastcomm.register(ddp, "topk", ratio=1.0, min_compress_numel=0)
@@ -636,6 +698,8 @@ def _check_no_sync(rank: int, world_size: int) -> None:
                 else:
                     loss_of(ddp, rank, 10 * step + micro).backward()
             for p, q in zip(model.parameters(), local.parameters(), strict=True):
+                if q.grad is None:  # the unused layer
+                    continue
                 mean = q.grad.clone()
                 dist.all_reduce(mean)
                 mean /= world_size

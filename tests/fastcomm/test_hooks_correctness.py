@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import fastcomm
+
 sys.path.insert(0, str(Path(__file__).parent))
 import _hooks_workers as workers  # noqa: E402
 
@@ -20,3 +22,18 @@ def test_hooks_match_reference_simulation(tmp_path, world_size):
 
 def test_error_feedback_invariant_and_bad_input(tmp_path):
     workers.spawn(tmp_path, 2, workers.error_feedback_and_validation_worker)
+
+
+def test_warmup_schedule_and_fixed_size_payload():
+    import torch
+
+    from fastcomm.hooks.topk import _fit
+
+    state = fastcomm.TopKState(ratio=0.01, warmup_ratios=(0.5, 0.25), warmup_steps=4, start_iter=2)
+    assert [state.ratio_at(step) for step in range(8)] == [0.01, 0.01, 0.5, 0.5, 0.25, 0.25, 0.01, 0.01]
+    values = torch.tensor([0.5, -3.0, 0.1, 2.0])
+    indices = torch.tensor([1, 4, 6, 9], dtype=torch.int32)
+    kept_values, kept_indices = _fit(values, indices, 2)
+    assert kept_indices.tolist() == [4, 9] and kept_values.tolist() == [-3.0, 2.0]
+    padded_values, padded_indices = _fit(values, indices, 6)
+    assert padded_indices.tolist() == [1, 4, 6, 9, 0, 0] and padded_values[4:].tolist() == [0.0, 0.0]
