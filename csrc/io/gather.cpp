@@ -5,11 +5,12 @@
 // shard's mapped length before any byte is copied, so a bad plan raises instead of reading past a mapping.
 #include "io/gather.h"
 
-#include <omp.h>
-
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+
+#include "io/parallel.h"
 
 namespace fastio {
 
@@ -32,9 +33,11 @@ void check_ranges(const int64_t* limits, int64_t num_shards, const int32_t* shar
   }
 }
 
+constexpr int64_t kChunkBytes = int64_t{1} << 17;  // 128 KiB of copying per chunk a thread takes
+
 int pick_threads(int requested, int64_t total_bytes) {
-  // Below ~256 KiB a parallel region costs more than the copy it splits.
-  if (requested <= 1 || total_bytes < (int64_t{1} << 18)) return 1;
+  // Below two chunks, handing work to a helper costs more than the copy.
+  if (requested <= 1 || total_bytes < 2 * kChunkBytes) return 1;
   return requested;
 }
 
@@ -49,11 +52,13 @@ void gather_rows(const int64_t* bases, const int64_t* limits, int64_t num_shards
   }
   check_ranges(limits, num_shards, shard_ids, offsets, nullptr, row_nbytes, batch);
   const int threads = pick_threads(num_threads, batch * row_nbytes);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < batch; ++i) {
-    const auto* src = reinterpret_cast<const uint8_t*>(bases[shard_ids[i]]) + offsets[i];
-    std::memcpy(out + i * row_nbytes, src, static_cast<size_t>(row_nbytes));
-  }
+  const int64_t rows_per_chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(row_nbytes, 1));
+  parallel_chunks(batch, rows_per_chunk, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto* src = reinterpret_cast<const uint8_t*>(bases[shard_ids[i]]) + offsets[i];
+      std::memcpy(out + i * row_nbytes, src, static_cast<size_t>(row_nbytes));
+    }
+  });
 }
 
 void gather_ranges(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
@@ -69,11 +74,13 @@ void gather_ranges(const int64_t* bases, const int64_t* limits, int64_t num_shar
     total += lengths[i];
   }
   const int threads = pick_threads(num_threads, total);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-  for (int64_t i = 0; i < batch; ++i) {
-    const auto* src = reinterpret_cast<const uint8_t*>(bases[shard_ids[i]]) + offsets[i];
-    std::memcpy(out + dst_offsets[i], src, static_cast<size_t>(lengths[i]));
-  }
+  const int64_t items_per_chunk = std::max<int64_t>(1, kChunkBytes * batch / std::max<int64_t>(total, 1));
+  parallel_chunks(batch, items_per_chunk, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto* src = reinterpret_cast<const uint8_t*>(bases[shard_ids[i]]) + offsets[i];
+      std::memcpy(out + dst_offsets[i], src, static_cast<size_t>(lengths[i]));
+    }
+  });
 }
 
 }  // namespace fastio

@@ -107,3 +107,24 @@ def test_writer_refuses_existing_set_and_failed_writer_leaves_no_index(tmp_path)
     assert not (tmp_path / "b" / "index.json").exists()
     with pytest.raises(fastio.MissingIndexError, match="index.json"):
         ShardSet(tmp_path / "b")
+
+
+def test_write_many_equals_write(tmp_path):
+    rng = np.random.default_rng(2)
+    xs = rng.integers(0, 255, size=(29, 2, 3), dtype=np.uint8)
+    toks = [np.arange(i % 4, dtype=np.int32) + i for i in range(29)]
+    with fastio.ShardWriter(tmp_path / "many", max_samples=10, schema={"x": ("uint8", (2, 3)), "t": ("int32", None)}) as writer:
+        writer.write_many({"x": xs[:5], "t": toks[:5]})
+        writer.write_many({"x": xs[5:], "t": toks[5:]})
+    with fastio.ShardWriter(tmp_path / "one", max_samples=10,
+                            schema={"x": ("uint8", (2, 3)), "t": ("int32", None)}) as writer:
+        for x, t in zip(xs, toks):
+            writer.write({"x": x, "t": t})
+    many, one = ShardSet(tmp_path / "many", verify=True), ShardSet(tmp_path / "one", verify=True)
+    assert many.shard_sizes == one.shard_sizes == [10, 10, 9]
+    for a, b in zip(many.readers, one.readers):
+        np.testing.assert_array_equal(a.fixed("x"), b.fixed("x"))
+        for j in range(a.num_samples):
+            np.testing.assert_array_equal(a.variable("t", j), b.variable("t", j))
+    with pytest.raises(ValueError, match="differ in length"):
+        fastio.ShardWriter(tmp_path / "bad").write_many({"x": xs[:3], "t": toks[:2]})

@@ -1,0 +1,342 @@
+"""Loader throughput on built-in synthetic data, every contender on the same bytes, in one run.
+
+Cases (sizes are flags; defaults fit ~4 minutes on 2 shared cores and ~5 GB of /tmp):
+
+* ``fixed``: ``--samples`` (1M) samples of 3x32x32 uint8 + int64 label in one fastio shard. Contenders:
+  numpy memmap random batch gather over the shard's bytes (the limit), ``DataLoader`` over a map-style Dataset
+  on the same memmap (workers 0 and 2, default collate, random sampler), ``StreamLoader`` (shard-aware and
+  full shuffle, workers 0 and 2; 3 epochs with the process's resident memory after each).
+* ``variable``: ``--var-samples`` int32 token sequences of 64-2048 tokens. Memmap per-sample slicing,
+  ``DataLoader`` (list collate) and ``StreamLoader``.
+* ``tar``: the first ``--tar-samples`` samples of ``fixed`` written by ``webdataset.ShardWriter``
+  (``x.npy`` + ``cls``), read by ``webdataset.WebLoader`` (workers 0 and 2) and by ``StreamLoader``.
+* Mosaic Streaming / LitData rows appear only when those optional packages import (install them with
+  ``pip install --no-deps``); otherwise a note says they were skipped.
+
+Every number is samples/s over whole batches of ``--batch`` (256) samples; MB/s counts payload bytes.
+
+Example::
+
+    python -m benchmarks.bench_loader --samples 200000      # a quicker run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.harness import Row, write_results
+
+__all__ = ["main"]
+
+IMAGE_SHAPE = (3, 32, 32)
+IMAGE_BYTES = int(np.prod(IMAGE_SHAPE))
+
+
+def _rss_mb() -> dict[str, float]:
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def _rate(batches: Iterable[Any], count: Callable[[Any], int], limit: int) -> float:
+    """samples/s of iterating ``batches`` until ``limit`` samples (or the end), timing from the first batch on."""
+    it = iter(batches)
+    first = next(it)
+    seen = 0
+    start = time.perf_counter()
+    for batch in it:
+        seen += count(batch)
+        if seen >= limit:
+            break
+    del first
+    return seen / (time.perf_counter() - start)
+
+
+# -- data -----------------------------------------------------------------------------------------------------
+def _write_fixed(root: Path, n: int) -> Path:
+    import fastio
+
+    rng = np.random.default_rng(0)
+    chunk = 100_000
+    with fastio.ShardWriter(root / "fixed", schema={"x": ("uint8", IMAGE_SHAPE), "y": ("int64", ())},
+                            max_samples=n, max_bytes=1 << 40) as writer:
+        for start in range(0, n, chunk):
+            k = min(chunk, n - start)
+            writer.write_many({"x": rng.integers(0, 256, size=(k, *IMAGE_SHAPE), dtype=np.uint8),
+                               "y": np.arange(start, start + k, dtype=np.int64) % 1000})
+    return root / "fixed"
+
+
+def _write_variable(root: Path, n: int) -> Path:
+    import fastio
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(64, 2049, size=n)
+    with fastio.ShardWriter(root / "variable", schema={"tokens": ("int32", None), "y": ("int64", ())},
+                            max_samples=n, max_bytes=1 << 40) as writer:
+        chunk = 20_000
+        for start in range(0, n, chunk):
+            ls = lengths[start : start + chunk]
+            flat = rng.integers(0, 50_000, size=int(ls.sum()), dtype=np.int32)
+            writer.write_many({"tokens": np.split(flat, np.cumsum(ls)[:-1]), "y": np.arange(start, start + len(ls))})
+    return root / "variable"
+
+
+def _write_tar(root: Path, fixed_dir: Path, n: int, per_shard: int) -> str:
+    import webdataset as wds
+
+    from fastio.format.reader import ShardSet
+
+    reader = ShardSet(fixed_dir).readers[0]
+    xs, ys = reader.fixed("x"), reader.fixed("y")
+    (root / "tar").mkdir()
+    with wds.ShardWriter(str(root / "tar" / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"s{i:08d}", "x.npy": np.array(xs[i]), "cls": int(ys[i])})
+    shards = -(-n // per_shard)
+    return str(root / "tar" / f"shard-{{000000..{shards - 1:06d}}}.tar")
+
+
+def _memmap_views(fixed_dir: Path) -> tuple[np.memmap, np.ndarray, int]:
+    from fastio.format.reader import ShardSet
+
+    reader = ShardSet(fixed_dir).readers[0]
+    start, nbytes, _ = reader.sections["x"]["data"]
+    n = reader.num_samples
+    x = np.memmap(reader.path, dtype=np.uint8, mode="r", offset=start, shape=(n, *IMAGE_SHAPE))
+    return x, np.array(reader.fixed("y")), n
+
+
+# -- contenders -----------------------------------------------------------------------------------------------
+class _MemmapImages(torch.utils.data.Dataset):
+    def __init__(self, x: np.memmap, y: np.ndarray) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.from_numpy(np.array(self.x[i])), int(self.y[i])
+
+
+class _MemmapTokens(torch.utils.data.Dataset):
+    def __init__(self, payload: np.ndarray, offsets: np.ndarray) -> None:
+        self.payload, self.offsets = payload, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.payload[self.offsets[i] // 4 : self.offsets[i + 1] // 4]))
+
+
+def _memmap_gather_rate(x: np.memmap, batch: int, limit: int) -> float:
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(x))[:limit]
+    out = np.empty((batch, *IMAGE_SHAPE), np.uint8)
+    start = time.perf_counter()
+    for b in range(0, len(order) - batch + 1, batch):
+        np.take(x, order[b : b + batch], axis=0, out=out)
+    return (len(order) // batch * batch) / (time.perf_counter() - start)
+
+
+def _dataloader_rate(dataset: torch.utils.data.Dataset, batch: int, workers: int, limit: int,
+                     collate: Callable | None = None) -> float:
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers,
+                                         collate_fn=collate, persistent_workers=False)
+    return _rate(loader, lambda b: len(b[1]) if isinstance(b, (list, tuple)) and collate is None else len(b), limit)
+
+
+def _stream_epochs(source: Any, batch: int, epochs: int, **kwargs: Any) -> tuple[float, list[dict[str, float]], Any]:
+    import fastio
+
+    loader = fastio.StreamLoader(source, batch_size=batch, seed=0, **kwargs)
+    for _ in loader:  # warm-up epoch: lazy checksums and page cache, reported in the notes
+        pass
+    first_epoch = loader.stats()
+    rates, rss = [], []
+    for epoch in range(1, epochs + 1):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+        rates.append(loader.stats()["samples_per_s"])
+        gc.collect()
+        rss.append(_rss_mb())
+    return float(np.median(rates)), rss, first_epoch
+
+
+def _webloader_rate(pattern: str, batch: int, workers: int, limit: int) -> float:
+    import webdataset as wds
+
+    dataset = (
+        wds.WebDataset(pattern, shardshuffle=False, empty_check=False)
+        .shuffle(1000)
+        .decode()
+        .to_tuple("x.npy", "cls")
+        .batched(batch)
+    )
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+    return _rate(loader, lambda b: len(b[1]), limit)
+
+
+def _optional_contenders(notes: list[str]) -> None:
+    for module, label in (("streaming", "Mosaic Streaming"), ("litdata", "LitData")):
+        try:
+            __import__(module)
+        except ImportError:
+            notes.append(f"{label}: not installed (optional `compare` extra, install with --no-deps); skipped")
+        else:
+            notes.append(f"{label}: installed but not benchmarked in this version of bench_loader")
+
+
+# -- main -----------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> str:
+    """Run every case and write ``benchmarks/results/bench_loader.{json,md,png}``; returns the Markdown.
+
+    Example::
+
+        print(main(["--samples", "100000", "--var-samples", "20000", "--tar-samples", "10000"]))
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1_000_000)
+    parser.add_argument("--var-samples", type=int, default=100_000)
+    parser.add_argument("--tar-samples", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--dataloader-samples", type=int, default=100_000, help="samples timed per DataLoader run")
+    parser.add_argument("--webloader-samples", type=int, default=20_000, help="samples timed per WebLoader run")
+    args = parser.parse_args(argv)
+
+    import fastio
+
+    rows: list[Row] = []
+    notes = [f"fastio backend: {fastio.backend()}", f"batch size {args.batch}; 2 CPU cores shared with other jobs"]
+    root = Path(tempfile.mkdtemp(prefix="bench_loader_"))
+    try:
+        t0 = time.perf_counter()
+        fixed_dir = _write_fixed(root, args.samples)
+        notes.append(f"fixed: {args.samples:,} samples of {IMAGE_SHAPE} uint8 + int64 label = "
+                     f"{args.samples * (IMAGE_BYTES + 8) / 1e9:.2f} GB, written in {time.perf_counter() - t0:.0f} s")
+        rows += _bench_fixed(fixed_dir, args, notes)
+        t0 = time.perf_counter()
+        var_dir = _write_variable(root, args.var_samples)
+        notes.append(f"variable: {args.var_samples:,} int32 sequences of 64-2048 tokens "
+                     f"({sum(f.stat().st_size for f in var_dir.iterdir()) / 1e9:.2f} GB), "
+                     f"written in {time.perf_counter() - t0:.0f} s")
+        rows += _bench_variable(var_dir, args)
+        t0 = time.perf_counter()
+        pattern = _write_tar(root, fixed_dir, min(args.tar_samples, args.samples), per_shard=10_000)
+        notes.append(f"tar: first {min(args.tar_samples, args.samples):,} samples of `fixed` as webdataset.ShardWriter "
+                     f"shards of 10,000 (x.npy + cls), written in {time.perf_counter() - t0:.0f} s")
+        rows += _bench_tar(pattern, args, notes)
+        _optional_contenders(notes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return write_results("bench_loader", rows, notes=notes, plot_metric="samples/s")
+
+
+def _row(case: str, backend: str, rate: float, sample_bytes: float, ratio_to: tuple[str, float] | None = None,
+         **extra: Any) -> Row:
+    row = Row(case, backend, "samples/s", rate, "samples/s", extra={"MB/s": f"{rate * sample_bytes / 1e6:,.0f}"})
+    if ratio_to is not None:
+        row.ratio, row.ratio_to = rate / ratio_to[1], ratio_to[0]
+    row.extra.update({k: v for k, v in extra.items() if v is not None})
+    return row
+
+
+def _rss_text(rss: list[dict[str, float]]) -> str:
+    return " / ".join(f"{r['RssAnon']:.0f}+{r['RssFile']:.0f}" for r in rss)
+
+
+def _bench_fixed(fixed_dir: Path, args: argparse.Namespace, notes: list[str]) -> list[Row]:
+    x, y, n = _memmap_views(fixed_dir)
+    sample_bytes = IMAGE_BYTES + 8
+    limit = _memmap_gather_rate(x, args.batch, n)
+    rows = [_row("fixed", "numpy memmap gather (limit)", limit, sample_bytes)]
+    dl = {w: _dataloader_rate(_MemmapImages(x, y), args.batch, w, min(args.dataloader_samples, n)) for w in (0, 2)}
+    best_w = max(dl, key=dl.get)
+    for w, rate in dl.items():
+        rows.append(_row("fixed", f"DataLoader workers={w}", rate, sample_bytes, ("memmap", limit)))
+    best = (f"DataLoader w={best_w}", dl[best_w])
+    for shuffle in (True, "full"):
+        for workers in (0, 2):
+            rate, rss, first = _stream_epochs(str(fixed_dir), args.batch, args.epochs, shuffle=shuffle,
+                                              num_workers=workers)
+            label = f"StreamLoader shuffle={'shard' if shuffle is True else shuffle} workers={workers}"
+            rows.append(_row("fixed", label, rate, sample_bytes, best, vs_limit=f"{rate / limit:.2f}",
+                             rss_anon_file_mb_per_epoch=_rss_text(rss)))
+            notes.append(f"{label}: first (warm-up) epoch {first['samples_per_s']:,.0f} samples/s incl. lazy crc32 "
+                         f"of the shard; wait share {first['wait_share']:.0%}")
+    notes.append("rss_anon_file_mb_per_epoch: the benchmark process's RssAnon+RssFile (MB) after each measured "
+                 "epoch; RssFile is the shared page cache of the mmap (bounded by the data size), RssAnon is what "
+                 "copying would grow")
+    return rows
+
+
+def _bench_variable(var_dir: Path, args: argparse.Namespace) -> list[Row]:
+    from fastio.format.reader import ShardSet
+
+    reader = ShardSet(var_dir).readers[0]
+    offsets, base = reader.variable_layout("tokens")
+    payload = reader.file.array[base : base + int(offsets[-1])].view(np.int32)
+    n = reader.num_samples
+    sample_bytes = float(offsets[-1]) / n + 8
+    rng = np.random.default_rng(0)
+    order = rng.permutation(n).tolist()
+    bounds = (offsets // 4).tolist()
+    start = time.perf_counter()
+    done = 0
+    for b in range(0, n - args.batch + 1, args.batch):
+        _ = [payload[bounds[i] : bounds[i + 1]].copy() for i in order[b : b + args.batch]]
+        done += args.batch
+    limit = done / (time.perf_counter() - start)
+    rows = [_row("variable", "numpy memmap slices (limit)", limit, sample_bytes)]
+    dl = {w: _dataloader_rate(_MemmapTokens(payload, offsets), args.batch, w, min(args.dataloader_samples, n),
+                              collate=list) for w in (0, 2)}
+    best_w = max(dl, key=dl.get)
+    for w, rate in dl.items():
+        rows.append(_row("variable", f"DataLoader workers={w}", rate, sample_bytes, ("memmap", limit)))
+    for workers in (0, 2):
+        rate, rss, _ = _stream_epochs(str(var_dir), args.batch, args.epochs, num_workers=workers)
+        rows.append(_row("variable", f"StreamLoader workers={workers}", rate, sample_bytes,
+                         (f"DataLoader w={best_w}", dl[best_w]), vs_limit=f"{rate / limit:.2f}",
+                         rss_anon_file_mb_per_epoch=_rss_text(rss)))
+    return rows
+
+
+def _bench_tar(pattern: str, args: argparse.Namespace, notes: list[str]) -> list[Row]:
+    import fastio
+    from fastio.format.tar import expand_pattern
+
+    sample_bytes = IMAGE_BYTES + 8
+    wl = {w: _webloader_rate(pattern, args.batch, w, args.webloader_samples) for w in (0, 2)}
+    best_w = max(wl, key=wl.get)
+    rows = [_row("tar", f"webdataset.WebLoader workers={w}", rate, sample_bytes) for w, rate in wl.items()]
+    start = time.perf_counter()
+    for path in expand_pattern(pattern):
+        fastio.index_tar(path)
+    notes.append(f"tar: fastio.index_tar of every shard took {time.perf_counter() - start:.2f} s (once; sidecar .fidx)")
+    for workers in (0, 2):
+        rate, rss, _ = _stream_epochs(pattern, args.batch, args.epochs, num_workers=workers)
+        rows.append(_row("tar", f"StreamLoader (tar) workers={workers}", rate, sample_bytes,
+                         (f"WebLoader w={best_w}", wl[best_w]), rss_anon_file_mb_per_epoch=_rss_text(rss)))
+    return rows
+
+
+if __name__ == "__main__":
+    print(main())
