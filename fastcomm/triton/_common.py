@@ -111,5 +111,6 @@ def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tenso
             PER_BYTE=per_byte,
             BYTES=tile.columns // per_byte,
             num_warps=tile.num_warps,
+            enable_fp_fusion=False,
         )
     return out

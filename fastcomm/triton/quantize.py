@@ -264,5 +264,6 @@ def dequantize_blockwise(
             ROWS=tile.rows,
             COLUMNS=tile.columns,
             num_warps=tile.num_warps,
+            enable_fp_fusion=False,
         )
     return out

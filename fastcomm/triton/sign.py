@@ -220,5 +220,6 @@ def sign_decompress(
             ROWS=tile.rows,
             COLUMNS=tile.columns,
             num_warps=tile.num_warps,
+            enable_fp_fusion=False,
         )
     return out
