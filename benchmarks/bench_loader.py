@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import tempfile
 import time
@@ -54,7 +53,7 @@ def _rss_mb() -> dict[str, float]:
 
 
 def _rate(batches: Iterable[Any], count: Callable[[Any], int], limit: int) -> float:
-    """samples/s of iterating ``batches`` until ``limit`` samples (or the end), timing from the first batch on."""
+    """samples/s of iterating ``batches`` until ``limit`` samples (or the end), timed from the first batch."""
     it = iter(batches)
     first = next(it)
     seen = 0
@@ -67,18 +66,26 @@ def _rate(batches: Iterable[Any], count: Callable[[Any], int], limit: int) -> fl
     return seen / (time.perf_counter() - start)
 
 
-# -- data -----------------------------------------------------------------------------------------------------
+# -- data ------------------------------------------------------------------------------------------
 def _write_fixed(root: Path, n: int) -> Path:
     import fastio
 
     rng = np.random.default_rng(0)
     chunk = 100_000
-    with fastio.ShardWriter(root / "fixed", schema={"x": ("uint8", IMAGE_SHAPE), "y": ("int64", ())},
-                            max_samples=n, max_bytes=1 << 40) as writer:
+    with fastio.ShardWriter(
+        root / "fixed",
+        schema={"x": ("uint8", IMAGE_SHAPE), "y": ("int64", ())},
+        max_samples=n,
+        max_bytes=1 << 40,
+    ) as writer:
         for start in range(0, n, chunk):
             k = min(chunk, n - start)
-            writer.write_many({"x": rng.integers(0, 256, size=(k, *IMAGE_SHAPE), dtype=np.uint8),
-                               "y": np.arange(start, start + k, dtype=np.int64) % 1000})
+            writer.write_many(
+                {
+                    "x": rng.integers(0, 256, size=(k, *IMAGE_SHAPE), dtype=np.uint8),
+                    "y": np.arange(start, start + k, dtype=np.int64) % 1000,
+                }
+            )
     return root / "fixed"
 
 
@@ -87,13 +94,19 @@ def _write_variable(root: Path, n: int) -> Path:
 
     rng = np.random.default_rng(1)
     lengths = rng.integers(64, 2049, size=n)
-    with fastio.ShardWriter(root / "variable", schema={"tokens": ("int32", None), "y": ("int64", ())},
-                            max_samples=n, max_bytes=1 << 40) as writer:
+    with fastio.ShardWriter(
+        root / "variable",
+        schema={"tokens": ("int32", None), "y": ("int64", ())},
+        max_samples=n,
+        max_bytes=1 << 40,
+    ) as writer:
         chunk = 20_000
         for start in range(0, n, chunk):
             ls = lengths[start : start + chunk]
             flat = rng.integers(0, 50_000, size=int(ls.sum()), dtype=np.int32)
-            writer.write_many({"tokens": np.split(flat, np.cumsum(ls)[:-1]), "y": np.arange(start, start + len(ls))})
+            writer.write_many(
+                {"tokens": np.split(flat, np.cumsum(ls)[:-1]), "y": np.arange(start, start + len(ls))}
+            )
     return root / "variable"
 
 
@@ -122,7 +135,7 @@ def _memmap_views(fixed_dir: Path) -> tuple[np.memmap, np.ndarray, int]:
     return x, np.array(reader.fixed("y")), n
 
 
-# -- contenders -----------------------------------------------------------------------------------------------
+# -- contenders ------------------------------------------------------------------------------------
 class _MemmapImages(torch.utils.data.Dataset):
     def __init__(self, x: np.memmap, y: np.ndarray) -> None:
         self.x, self.y = x, y
@@ -155,14 +168,25 @@ def _memmap_gather_rate(x: np.memmap, batch: int, limit: int) -> float:
     return (len(order) // batch * batch) / (time.perf_counter() - start)
 
 
-def _dataloader_rate(dataset: torch.utils.data.Dataset, batch: int, workers: int, limit: int,
-                     collate: Callable | None = None) -> float:
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers,
-                                         collate_fn=collate, persistent_workers=False)
-    return _rate(loader, lambda b: len(b[1]) if isinstance(b, (list, tuple)) and collate is None else len(b), limit)
+def _dataloader_rate(
+    dataset: torch.utils.data.Dataset, batch: int, workers: int, limit: int, collate: Callable | None = None
+) -> float:
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=collate,
+        persistent_workers=False,
+    )
+    return _rate(
+        loader, lambda b: len(b[1]) if isinstance(b, (list, tuple)) and collate is None else len(b), limit
+    )
 
 
-def _stream_epochs(source: Any, batch: int, epochs: int, **kwargs: Any) -> tuple[float, list[dict[str, float]], Any]:
+def _stream_epochs(
+    source: Any, batch: int, epochs: int, **kwargs: Any
+) -> tuple[float, list[dict[str, float]], Any]:
     import fastio
 
     loader = fastio.StreamLoader(source, batch_size=batch, seed=0, **kwargs)
@@ -199,12 +223,14 @@ def _optional_contenders(notes: list[str]) -> None:
         try:
             __import__(module)
         except ImportError:
-            notes.append(f"{label}: not installed (optional `compare` extra, install with --no-deps); skipped")
+            notes.append(
+                f"{label}: not installed (optional `compare` extra, install with --no-deps); skipped"
+            )
         else:
             notes.append(f"{label}: installed but not benchmarked in this version of bench_loader")
 
 
-# -- main -----------------------------------------------------------------------------------------------------
+# -- main ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> str:
     """Run every case and write ``benchmarks/results/bench_loader.{json,md,png}``; returns the Markdown.
 
@@ -218,31 +244,45 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--tar-samples", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--dataloader-samples", type=int, default=100_000, help="samples timed per DataLoader run")
-    parser.add_argument("--webloader-samples", type=int, default=20_000, help="samples timed per WebLoader run")
+    parser.add_argument(
+        "--dataloader-samples", type=int, default=100_000, help="samples timed per DataLoader run"
+    )
+    parser.add_argument(
+        "--webloader-samples", type=int, default=20_000, help="samples timed per WebLoader run"
+    )
     args = parser.parse_args(argv)
 
     import fastio
 
     rows: list[Row] = []
-    notes = [f"fastio backend: {fastio.backend()}", f"batch size {args.batch}; 2 CPU cores shared with other jobs"]
+    notes = [
+        f"fastio backend: {fastio.backend()}",
+        f"batch size {args.batch}; 2 CPU cores shared with other jobs",
+    ]
     root = Path(tempfile.mkdtemp(prefix="bench_loader_"))
     try:
         t0 = time.perf_counter()
         fixed_dir = _write_fixed(root, args.samples)
-        notes.append(f"fixed: {args.samples:,} samples of {IMAGE_SHAPE} uint8 + int64 label = "
-                     f"{args.samples * (IMAGE_BYTES + 8) / 1e9:.2f} GB, written in {time.perf_counter() - t0:.0f} s")
+        notes.append(
+            f"fixed: {args.samples:,} samples of {IMAGE_SHAPE} uint8 + int64 label = "
+            f"{args.samples * (IMAGE_BYTES + 8) / 1e9:.2f} GB, written in {time.perf_counter() - t0:.0f} s"
+        )
         rows += _bench_fixed(fixed_dir, args, notes)
         t0 = time.perf_counter()
         var_dir = _write_variable(root, args.var_samples)
-        notes.append(f"variable: {args.var_samples:,} int32 sequences of 64-2048 tokens "
-                     f"({sum(f.stat().st_size for f in var_dir.iterdir()) / 1e9:.2f} GB), "
-                     f"written in {time.perf_counter() - t0:.0f} s")
+        notes.append(
+            f"variable: {args.var_samples:,} int32 sequences of 64-2048 tokens "
+            f"({sum(f.stat().st_size for f in var_dir.iterdir()) / 1e9:.2f} GB), "
+            f"written in {time.perf_counter() - t0:.0f} s"
+        )
         rows += _bench_variable(var_dir, args)
         t0 = time.perf_counter()
         pattern = _write_tar(root, fixed_dir, min(args.tar_samples, args.samples), per_shard=10_000)
-        notes.append(f"tar: first {min(args.tar_samples, args.samples):,} samples of `fixed` as webdataset.ShardWriter "
-                     f"shards of 10,000 (x.npy + cls), written in {time.perf_counter() - t0:.0f} s")
+        notes.append(
+            f"tar: first {min(args.tar_samples, args.samples):,} samples of `fixed` as "
+            "webdataset.ShardWriter "
+            f"shards of 10,000 (x.npy + cls), written in {time.perf_counter() - t0:.0f} s"
+        )
         rows += _bench_tar(pattern, args, notes)
         _optional_contenders(notes)
     finally:
@@ -250,9 +290,17 @@ def main(argv: list[str] | None = None) -> str:
     return write_results("bench_loader", rows, notes=notes, plot_metric="samples/s")
 
 
-def _row(case: str, backend: str, rate: float, sample_bytes: float, ratio_to: tuple[str, float] | None = None,
-         **extra: Any) -> Row:
-    row = Row(case, backend, "samples/s", rate, "samples/s", extra={"MB/s": f"{rate * sample_bytes / 1e6:,.0f}"})
+def _row(
+    case: str,
+    backend: str,
+    rate: float,
+    sample_bytes: float,
+    ratio_to: tuple[str, float] | None = None,
+    **extra: Any,
+) -> Row:
+    row = Row(
+        case, backend, "samples/s", rate, "samples/s", extra={"MB/s": f"{rate * sample_bytes / 1e6:,.0f}"}
+    )
     if ratio_to is not None:
         row.ratio, row.ratio_to = rate / ratio_to[1], ratio_to[0]
     row.extra.update({k: v for k, v in extra.items() if v is not None})
@@ -268,23 +316,40 @@ def _bench_fixed(fixed_dir: Path, args: argparse.Namespace, notes: list[str]) ->
     sample_bytes = IMAGE_BYTES + 8
     limit = _memmap_gather_rate(x, args.batch, n)
     rows = [_row("fixed", "numpy memmap gather (limit)", limit, sample_bytes)]
-    dl = {w: _dataloader_rate(_MemmapImages(x, y), args.batch, w, min(args.dataloader_samples, n)) for w in (0, 2)}
+    dl = {
+        w: _dataloader_rate(_MemmapImages(x, y), args.batch, w, min(args.dataloader_samples, n))
+        for w in (0, 2)
+    }
     best_w = max(dl, key=dl.get)
     for w, rate in dl.items():
         rows.append(_row("fixed", f"DataLoader workers={w}", rate, sample_bytes, ("memmap", limit)))
     best = (f"DataLoader w={best_w}", dl[best_w])
     for shuffle in (True, "full"):
         for workers in (0, 2):
-            rate, rss, first = _stream_epochs(str(fixed_dir), args.batch, args.epochs, shuffle=shuffle,
-                                              num_workers=workers)
+            rate, rss, first = _stream_epochs(
+                str(fixed_dir), args.batch, args.epochs, shuffle=shuffle, num_workers=workers
+            )
             label = f"StreamLoader shuffle={'shard' if shuffle is True else shuffle} workers={workers}"
-            rows.append(_row("fixed", label, rate, sample_bytes, best, vs_limit=f"{rate / limit:.2f}",
-                             rss_anon_file_mb_per_epoch=_rss_text(rss)))
-            notes.append(f"{label}: first (warm-up) epoch {first['samples_per_s']:,.0f} samples/s incl. lazy crc32 "
-                         f"of the shard; wait share {first['wait_share']:.0%}")
-    notes.append("rss_anon_file_mb_per_epoch: the benchmark process's RssAnon+RssFile (MB) after each measured "
-                 "epoch; RssFile is the shared page cache of the mmap (bounded by the data size), RssAnon is what "
-                 "copying would grow")
+            rows.append(
+                _row(
+                    "fixed",
+                    label,
+                    rate,
+                    sample_bytes,
+                    best,
+                    vs_limit=f"{rate / limit:.2f}",
+                    rss_anon_file_mb_per_epoch=_rss_text(rss),
+                )
+            )
+            notes.append(
+                f"{label}: first (warm-up) epoch {first['samples_per_s']:,.0f} samples/s incl. lazy crc32 "
+                f"of the shard; wait share {first['wait_share']:.0%}"
+            )
+    notes.append(
+        "rss_anon_file_mb_per_epoch: the benchmark process's RssAnon+RssFile (MB) after each measured "
+        "epoch; RssFile is the shared page cache of the mmap (bounded by the data size), RssAnon is what "
+        "copying would grow"
+    )
     return rows
 
 
@@ -306,16 +371,28 @@ def _bench_variable(var_dir: Path, args: argparse.Namespace) -> list[Row]:
         done += args.batch
     limit = done / (time.perf_counter() - start)
     rows = [_row("variable", "numpy memmap slices (limit)", limit, sample_bytes)]
-    dl = {w: _dataloader_rate(_MemmapTokens(payload, offsets), args.batch, w, min(args.dataloader_samples, n),
-                              collate=list) for w in (0, 2)}
+    dl = {
+        w: _dataloader_rate(
+            _MemmapTokens(payload, offsets), args.batch, w, min(args.dataloader_samples, n), collate=list
+        )
+        for w in (0, 2)
+    }
     best_w = max(dl, key=dl.get)
     for w, rate in dl.items():
         rows.append(_row("variable", f"DataLoader workers={w}", rate, sample_bytes, ("memmap", limit)))
     for workers in (0, 2):
         rate, rss, _ = _stream_epochs(str(var_dir), args.batch, args.epochs, num_workers=workers)
-        rows.append(_row("variable", f"StreamLoader workers={workers}", rate, sample_bytes,
-                         (f"DataLoader w={best_w}", dl[best_w]), vs_limit=f"{rate / limit:.2f}",
-                         rss_anon_file_mb_per_epoch=_rss_text(rss)))
+        rows.append(
+            _row(
+                "variable",
+                f"StreamLoader workers={workers}",
+                rate,
+                sample_bytes,
+                (f"DataLoader w={best_w}", dl[best_w]),
+                vs_limit=f"{rate / limit:.2f}",
+                rss_anon_file_mb_per_epoch=_rss_text(rss),
+            )
+        )
     return rows
 
 
@@ -330,11 +407,21 @@ def _bench_tar(pattern: str, args: argparse.Namespace, notes: list[str]) -> list
     start = time.perf_counter()
     for path in expand_pattern(pattern):
         fastio.index_tar(path)
-    notes.append(f"tar: fastio.index_tar of every shard took {time.perf_counter() - start:.2f} s (once; sidecar .fidx)")
+    notes.append(
+        f"tar: fastio.index_tar of every shard took {time.perf_counter() - start:.2f} s (once; sidecar .fidx)"
+    )
     for workers in (0, 2):
         rate, rss, _ = _stream_epochs(pattern, args.batch, args.epochs, num_workers=workers)
-        rows.append(_row("tar", f"StreamLoader (tar) workers={workers}", rate, sample_bytes,
-                         (f"WebLoader w={best_w}", wl[best_w]), rss_anon_file_mb_per_epoch=_rss_text(rss)))
+        rows.append(
+            _row(
+                "tar",
+                f"StreamLoader (tar) workers={workers}",
+                rate,
+                sample_bytes,
+                (f"WebLoader w={best_w}", wl[best_w]),
+                rss_anon_file_mb_per_epoch=_rss_text(rss),
+            )
+        )
     return rows
 
 

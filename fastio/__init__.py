@@ -11,7 +11,13 @@ Example::
 """
 
 from fastio._native import backend
-from fastio.errors import CorruptShardError, EmptySourceError, FastIOError, MissingIndexError, SchemaMismatchError
+from fastio.errors import (
+    CorruptShardError,
+    EmptySourceError,
+    FastIOError,
+    MissingIndexError,
+    SchemaMismatchError,
+)
 from fastio.format.decode import decode_default
 from fastio.format.reader import ShardReader, ShardSet
 from fastio.format.schema import Field

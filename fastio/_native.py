@@ -7,7 +7,7 @@ that fails to load (``ImportError``/``OSError`` only) leaves the torch fallback 
 Example::
 
     import fastio
-    print(fastio.backend())   # "native: fastio._C (OpenMP gather, C++ tar scan)" or "torch: ..." with the reason
+    print(fastio.backend())   # "native: fastio._C (...)" or "torch: <why>"
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ else:
     try:
         from fastio import _C  # type: ignore[no-redef]
 
-        _REASON = "native: fastio._C (OpenMP gather, C++ tar scan)"
+        _REASON = "native: fastio._C (threaded C++ gather, C++ tar scan)"
     except (ImportError, OSError) as exc:
         _REASON = (
             f"torch: fastio._C failed to load ({type(exc).__name__}: {exc}); rebuild with "
@@ -150,13 +150,16 @@ def gather_rows(
 
     Example::
 
-        gather_rows(table, np.zeros(2, np.int32), np.array([0, 64]), 64, torch.empty(2, 64, dtype=torch.uint8))
+        out = torch.empty(2, 64, dtype=torch.uint8)
+        gather_rows(table, np.zeros(2, np.int32), np.array([0, 64]), 64, out)
     """
     shard_ids = np.ascontiguousarray(shard_ids, dtype=np.int32)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     flat = _flat_bytes(out)
     if _C is not None:
-        _C.gather_rows(table.bases, table.limits, shard_ids, offsets, int(row_nbytes), flat.numpy(), int(num_threads))
+        _C.gather_rows(
+            table.bases, table.limits, shard_ids, offsets, int(row_nbytes), flat.numpy(), int(num_threads)
+        )
         return
     batch = len(offsets)
     rows = flat[: batch * row_nbytes].view(batch, row_nbytes)
@@ -186,7 +189,8 @@ def gather_ranges(
 
     Example::
 
-        starts = gather_ranges(table, ids, offsets, lengths, torch.empty(int(lengths.sum()), dtype=torch.uint8))
+        out = torch.empty(int(lengths.sum()), dtype=torch.uint8)
+        starts = gather_ranges(table, ids, offsets, lengths, out)
     """
     shard_ids = np.ascontiguousarray(shard_ids, dtype=np.int32)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
@@ -196,11 +200,15 @@ def gather_ranges(
         np.cumsum(lengths[:-1], out=dst[1:])
     flat = _flat_bytes(out)
     if _C is not None:
-        _C.gather_ranges(table.bases, table.limits, shard_ids, offsets, lengths, dst, flat.numpy(), int(num_threads))
+        _C.gather_ranges(
+            table.bases, table.limits, shard_ids, offsets, lengths, dst, flat.numpy(), int(num_threads)
+        )
         return dst
     if int(lengths.sum()) > len(flat):
-        raise ValueError(f"fastio gather_ranges: output holds {len(flat)} bytes, batch needs {int(lengths.sum())}")
-    for i, (shard, start, length, to) in enumerate(zip(shard_ids, offsets, lengths, dst)):
+        raise ValueError(
+            f"fastio gather_ranges: output holds {len(flat)} bytes, batch needs {int(lengths.sum())}"
+        )
+    for i, (shard, start, length, to) in enumerate(zip(shard_ids, offsets, lengths, dst, strict=True)):
         src = table.files[int(shard)]
         if start < 0 or start + length > src.size:
             raise IndexError(f"fastio gather: sample {i} reads past the end of {src.path} ({src.size} bytes)")
@@ -239,7 +247,7 @@ def scan_tar(path: str) -> tuple[list[str], np.ndarray, np.ndarray]:
     except tarfile.TarError as exc:
         raise CorruptShardError(str(path), "tar header", "a well-formed tar archive", str(exc)) from None
     total = os.path.getsize(path)
-    for name, start, size in zip(names, offsets, sizes):
+    for name, start, size in zip(names, offsets, sizes, strict=True):
         if start + size > total:
             raise CorruptShardError(str(path), name, f"{size} bytes at {start}", f"file ends at {total}")
     return names, np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64)

@@ -52,7 +52,7 @@ class SchemaMismatchError(FastIOError):
 
     Example::
 
-        err = SchemaMismatchError("data/train/shard-000001.fio", "x", "uint8 (3, 32, 32)", "uint8 (3, 16, 16)")
+        err = SchemaMismatchError("train/shard-000001.fio", "x", "uint8 (3, 32, 32)", "uint8 (3, 16, 16)")
     """
 
     def __init__(self, path: str, field: str, expected: Any, actual: Any) -> None:

@@ -56,12 +56,14 @@ _STATE_VERSION = 1
 
 
 def collate_samples(samples: list[Any]) -> Any:
-    """Default collate of the Python path: dict samples -> dict of stacked tensors (equal shapes), int64/float64
-    tensors (numbers), or lists (anything else); other samples -> ``torch.utils.data.default_collate``.
+    """Default collate of the Python path: dict samples -> dict of stacked tensors (equal shapes),
+    int64/float64 tensors (numbers), or lists (anything else); other samples ->
+    ``torch.utils.data.default_collate``.
 
     Example::
 
-        collate_samples([{"x": torch.ones(2), "t": b"a"}, {"x": torch.zeros(2), "t": b"b"}])["x"].shape == (2, 2)
+        batch = collate_samples([{"x": torch.ones(2), "t": b"a"}, {"x": torch.zeros(2), "t": b"b"}])
+        assert batch["x"].shape == (2, 2) and batch["t"] == [b"a", b"b"]
     """
     if not samples or not isinstance(samples[0], dict):
         return torch.utils.data.default_collate(samples)
@@ -111,7 +113,8 @@ class _Pipeline:
         self.results: dict[int, tuple[bool, Any]] = {}
         self.stopped = False
         self.threads = [
-            threading.Thread(target=self._work, name=f"fastio-worker-{w}", daemon=True) for w in range(num_workers)
+            threading.Thread(target=self._work, name=f"fastio-worker-{w}", daemon=True)
+            for w in range(num_workers)
         ]
         for t in self.threads:
             t.start()
@@ -119,8 +122,10 @@ class _Pipeline:
     def _work(self) -> None:
         while True:
             with self.cond:
-                while not self.stopped and self.next_job < self.n_batches and (
-                    self.next_job >= self.released + self.slots
+                while (
+                    not self.stopped
+                    and self.next_job < self.n_batches
+                    and (self.next_job >= self.released + self.slots)
                 ):
                     self.cond.wait()
                 if self.stopped or self.next_job >= self.n_batches:
@@ -169,14 +174,18 @@ class _EpochIterator:
         workers = loader.num_workers
         slots = max(1, workers + loader.prefetch if workers else 1)
         specs = loader._source.fixed_specs()
-        self.buffers = [BatchBuffers(specs, loader.batch_size, loader._pin) for _ in range(slots)] if (
-            loader.reuse_buffers
-        ) else None
+        self.buffers = (
+            [BatchBuffers(specs, loader.batch_size, loader._pin) for _ in range(slots)]
+            if (loader.reuse_buffers)
+            else None
+        )
         self.specs = specs
         self.threads_per_gather = loader.threads or max(1, default_threads() // max(1, workers))
-        self.stream = torch.cuda.Stream(loader.device) if loader.device is not None and (
-            loader.device.type == "cuda"
-        ) else None
+        self.stream = (
+            torch.cuda.Stream(loader.device)
+            if loader.device is not None and (loader.device.type == "cuda")
+            else None
+        )
         self.pipeline = _Pipeline(self._produce, self.n_batches, workers, slots) if workers else None
         self.bar = None
         if loader.progress:
@@ -184,7 +193,7 @@ class _EpochIterator:
 
             self.bar = tqdm(total=self.n_batches, desc=f"epoch {epoch}", unit="batch")
 
-    # -- producing (worker threads, or the consumer when num_workers == 0) ------------------------------------
+    # -- producing (worker threads, or the consumer when num_workers == 0) -----------------------------------
     def _produce(self, job: int) -> Any:
         loader = self.loader
         size = loader.batch_size
@@ -192,13 +201,15 @@ class _EpochIterator:
         if self.buffers is not None:
             buffers = self.buffers[job % len(self.buffers)]
             if buffers.event is not None:
-                buffers.event.synchronize()  # the last copy out of this slot must be done before it is refilled
+                buffers.event.synchronize()  # the slot's last copy to the device must finish first
         else:
             buffers = BatchBuffers(self.specs, len(indices), loader._pin)
         batch = loader._source.fetch(indices, buffers, self.threads_per_gather, self.times)
         if loader._python_path:
             start = time.perf_counter()
-            samples = batch if isinstance(loader._source, DatasetSource) else _split_batch(batch, len(indices))
+            samples = (
+                batch if isinstance(loader._source, DatasetSource) else _split_batch(batch, len(indices))
+            )
             if loader.transform is not None:
                 samples = [loader.transform(s) for s in samples]
             collated = time.perf_counter()
@@ -366,7 +377,12 @@ class StreamLoader:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.shuffle = normalize_shuffle(shuffle)
-        self.batch_size, self.seed, self.num_workers, self.prefetch = int(batch_size), int(seed), num_workers, prefetch
+        self.batch_size, self.seed, self.num_workers, self.prefetch = (
+            int(batch_size),
+            int(seed),
+            num_workers,
+            prefetch,
+        )
         self.drop_last, self.transform, self.collate = drop_last, transform, collate
         self.rank, self.world_size = _distributed_defaults(rank, world_size)
         self.device = torch.device(device) if device is not None else None
@@ -376,7 +392,9 @@ class StreamLoader:
         self.progress, self.reuse_buffers, self.threads = progress, reuse_buffers, threads
         self.shuffle_block, self.shuffle_window = shuffle_block, shuffle_window
         self._source = open_source(source, decode=decode, verify=verify)
-        self._python_path = transform is not None or collate is not None or isinstance(self._source, DatasetSource)
+        self._python_path = (
+            transform is not None or collate is not None or isinstance(self._source, DatasetSource)
+        )
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
         self._current: _EpochIterator | None = None
@@ -392,13 +410,19 @@ class StreamLoader:
     def _order(self, epoch: int) -> np.ndarray:
         with self._order_lock:
             if self._order_cache is None or self._order_cache[0] != epoch:
-                order = epoch_order(self._source.shard_sizes, self.seed, epoch, self.shuffle, self.shuffle_block,
-                                    self.shuffle_window)
+                order = epoch_order(
+                    self._source.shard_sizes,
+                    self.seed,
+                    epoch,
+                    self.shuffle,
+                    self.shuffle_block,
+                    self.shuffle_window,
+                )
                 self._order_cache = (epoch, order)
             return self._order_cache[1]
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order from the next ``iter()``; a pending resume point of another epoch is dropped.
+        """Use epoch ``epoch``'s order from the next ``iter()``; drops a pending resume of another epoch.
 
         Example::
 
@@ -411,7 +435,11 @@ class StreamLoader:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        per_rank = -(-self.num_samples // self.world_size) if not self.drop_last else self.num_samples // self.world_size
+        per_rank = (
+            -(-self.num_samples // self.world_size)
+            if not self.drop_last
+            else self.num_samples // self.world_size
+        )
         return num_batches(per_rank, self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[Any]:
@@ -438,8 +466,11 @@ class StreamLoader:
         if self._resume is not None:
             epoch, start, yielded, world = self._resume[0], self._resume[1], 0, self.world_size
         elif self._current is not None:
-            epoch, start, yielded, world = self._current.epoch, self._current.start, self._current.yielded, (
-                self.world_size
+            epoch, start, yielded, world = (
+                self._current.epoch,
+                self._current.start,
+                self._current.yielded,
+                (self.world_size),
             )
         else:
             epoch, start, yielded, world = self.epoch, 0, 0, self.world_size
@@ -473,15 +504,27 @@ class StreamLoader:
         """
         if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
             raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
-        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("shuffle_block", self.shuffle_block),
-                          ("shuffle_window", self.shuffle_window), ("num_samples", self.num_samples)):
+        for key, mine in (
+            ("seed", self.seed),
+            ("shuffle", self.shuffle),
+            ("shuffle_block", self.shuffle_block),
+            ("shuffle_window", self.shuffle_window),
+            ("num_samples", self.num_samples),
+        ):
             if state[key] != mine:
-                raise ValueError(f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
-                                 "the epoch order would differ")
+                raise ValueError(
+                    f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
+                    "the epoch order would differ"
+                )
         if self._current is not None and not self._current.finished and self._current.yielded:
-            warnings.warn("load_state_dict during an iteration: the running iteration continues unchanged; "
-                          "the loaded position applies at the next iter()", stacklevel=2)
-        old_per_rank = len(rank_indices(np.arange(self.num_samples), state["start"], state["world_size"], 0, False))
+            warnings.warn(
+                "load_state_dict during an iteration: the running iteration continues unchanged; "
+                "the loaded position applies at the next iter()",
+                stacklevel=2,
+            )
+        old_per_rank = len(
+            rank_indices(np.arange(self.num_samples), state["start"], state["world_size"], 0, False)
+        )
         consumed = min(state["batches_yielded"] * state["batch_size"], old_per_rank)
         start = advance(state["start"], state["world_size"], consumed, self.num_samples)
         self.epoch = int(state["epoch"])
@@ -491,17 +534,25 @@ class StreamLoader:
     def stats(self) -> dict[str, Any]:
         """Throughput and where the time went, for the current (or last) iteration.
 
-        ``samples_per_s`` and ``mb_per_s`` (bytes gathered) over the consumer's wall time; ``stage_s``: seconds
-        in read, decode_transform, collate and host_to_device (summed over worker threads; host_to_device is
-        the time to issue the copies); ``wait_share``: the share of the consumer's time spent waiting for a
-        batch (near 1: input-bound; near 0: the input keeps up).
+        ``samples_per_s`` and ``mb_per_s`` (bytes gathered) over the consumer's wall time; ``stage_s``:
+        seconds in read, decode_transform, collate and host_to_device (summed over worker threads;
+        host_to_device is the time to issue the copies); ``wait_share``: the share of the consumer's time
+        spent waiting for a batch (near 1: input-bound; near 0: the input keeps up).
 
         Example::
 
             s = loader.stats(); print(f"{s['samples_per_s']:.0f} samples/s, waiting {s['wait_share']:.0%}")
         """
         if self._current is None:
-            return {"epoch": self.epoch, "batches": 0, "samples": 0, "elapsed_s": 0.0, "samples_per_s": 0.0,
-                    "mb_per_s": 0.0, "stage_s": dict.fromkeys(StageTimes.STAGES, 0.0), "wait_s": 0.0,
-                    "wait_share": 0.0}
+            return {
+                "epoch": self.epoch,
+                "batches": 0,
+                "samples": 0,
+                "elapsed_s": 0.0,
+                "samples_per_s": 0.0,
+                "mb_per_s": 0.0,
+                "stage_s": dict.fromkeys(StageTimes.STAGES, 0.0),
+                "wait_s": 0.0,
+                "wait_share": 0.0,
+            }
         return self._current.stats()

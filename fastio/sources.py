@@ -75,10 +75,13 @@ class BatchBuffers:
         out = buffers.fixed("x", 100)   # a view of the first 100 rows
     """
 
-    def __init__(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], batch_size: int, pin: bool) -> None:
+    def __init__(
+        self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], batch_size: int, pin: bool
+    ) -> None:
         self.pin = pin
         self._fixed = {
-            name: torch.empty((batch_size, *shape), dtype=dtype, pin_memory=pin) for name, (dtype, shape) in specs.items()
+            name: torch.empty((batch_size, *shape), dtype=dtype, pin_memory=pin)
+            for name, (dtype, shape) in specs.items()
         }
         self._payload: dict[str, torch.Tensor] = {}
         self.event: Any = None  # a CUDA event: the last host-to-device copy out of these buffers
@@ -135,7 +138,9 @@ class ShardSource(_MappedSource):
             if f.kind == "fixed"
         }
         self._variable = {
-            name: [r.variable_layout(name) for r in shards.readers] for name, f in self.schema.items() if f.is_variable
+            name: [r.variable_layout(name) for r in shards.readers]
+            for name, f in self.schema.items()
+            if f.is_variable
         }
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -149,7 +154,9 @@ class ShardSource(_MappedSource):
                     self.shards.readers[int(s)].ensure_verified()
                     self._verified[s] = True
 
-    def fetch(self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes) -> dict[str, Any]:
+    def fetch(
+        self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes
+    ) -> dict[str, Any]:
         start = time.perf_counter()
         shard_ids, local = _locate(self.cumulative, indices)
         self._verify(shard_ids)
@@ -159,7 +166,9 @@ class ShardSource(_MappedSource):
             if field.kind == "fixed":
                 out = buffers.fixed(name, len(indices))
                 row = field.row_nbytes
-                gather_rows(self.table, shard_ids, self._fixed_start[name][shard_ids] + local * row, row, out, threads)
+                gather_rows(
+                    self.table, shard_ids, self._fixed_start[name][shard_ids] + local * row, row, out, threads
+                )
                 batch[name] = out
                 nbytes += out.numel() * out.element_size()
             else:
@@ -168,8 +177,15 @@ class ShardSource(_MappedSource):
         times.add("read", time.perf_counter() - start, nbytes)
         return batch
 
-    def _fetch_variable(self, name: str, field: Any, shard_ids: np.ndarray, local: np.ndarray,
-                        buffers: BatchBuffers, threads: int) -> tuple[list[Any], int]:
+    def _fetch_variable(
+        self,
+        name: str,
+        field: Any,
+        shard_ids: np.ndarray,
+        local: np.ndarray,
+        buffers: BatchBuffers,
+        threads: int,
+    ) -> tuple[list[Any], int]:
         src = np.empty(len(local), dtype=np.int64)
         lengths = np.empty(len(local), dtype=np.int64)
         for s in np.unique(shard_ids):
@@ -181,8 +197,10 @@ class ShardSource(_MappedSource):
         total = int(lengths.sum())
         if field.kind in ("bytes", "str"):
             files = self.table.files
-            raw = [files[s].array[a : a + n].tobytes() for s, a, n in zip(shard_ids.tolist(), src.tolist(),
-                                                                          lengths.tolist())]
+            raw = [
+                files[s].array[a : a + n].tobytes()
+                for s, a, n in zip(shard_ids.tolist(), src.tolist(), lengths.tolist(), strict=True)
+            ]
             return (raw if field.kind == "bytes" else [r.decode("utf-8") for r in raw]), total
         payload = buffers.payload(name, total)
         gather_ranges(self.table, shard_ids, src, lengths, payload, threads)
@@ -210,7 +228,9 @@ class TarSource(_MappedSource):
         if decode is not None and decode != "pil" and not callable(decode):
             raise ValueError(f"decode must be None, 'pil' or a callable, got {decode!r}")
         self.shards = shards
-        self.name = shards.paths[0] if len(shards.paths) == 1 else f"{shards.paths[0]} (+{len(shards.paths) - 1})"
+        self.name = (
+            shards.paths[0] if len(shards.paths) == 1 else f"{shards.paths[0]} (+{len(shards.paths) - 1})"
+        )
         self.decode = decode
         self.shard_sizes = shards.shard_sizes
         self.num_samples = shards.num_samples
@@ -234,7 +254,9 @@ class TarSource(_MappedSource):
                 elif kind in INT_EXTENSIONS:
                     self._ints[field] = self._decode_ints(offsets, sizes)
 
-    def _uniform_npy(self, offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.dtype, tuple[int, ...], int] | None:
+    def _uniform_npy(
+        self, offsets: np.ndarray, sizes: np.ndarray
+    ) -> tuple[np.dtype, tuple[int, ...], int] | None:
         if (sizes != sizes[0]).any():
             return None
         shard0 = self.table.files[int(self._shard_of[0])]
@@ -252,8 +274,10 @@ class TarSource(_MappedSource):
     def _decode_ints(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         files = self.table.files
         return np.array(
-            [int(files[s].array[o : o + n].tobytes()) for s, o, n in zip(self._shard_of.tolist(), offsets.tolist(),
-                                                                          sizes.tolist())],
+            [
+                int(files[s].array[o : o + n].tobytes())
+                for s, o, n in zip(self._shard_of.tolist(), offsets.tolist(), sizes.tolist(), strict=True)
+            ],
             dtype=np.int64,
         )
 
@@ -262,12 +286,14 @@ class TarSource(_MappedSource):
         specs.update({name: (torch.int64, ()) for name in self._ints})
         return specs
 
-    def fetch(self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes) -> dict[str, Any]:
+    def fetch(
+        self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes
+    ) -> dict[str, Any]:
         start = time.perf_counter()
         shard_ids = self._shard_of[indices]
         batch: dict[str, Any] = {"__key__": self.keys[indices].tolist()}
         nbytes = 0
-        for name, (dtype, shape, header) in self._npy_fixed.items():
+        for name, (_, _, header) in self._npy_fixed.items():
             out = buffers.fixed(name, len(indices))
             offsets, sizes = self.columns[name]
             row = int(sizes[0]) - header
@@ -287,7 +313,8 @@ class TarSource(_MappedSource):
                 continue
             offsets, sizes = self.columns[name]
             values = []
-            for s, o, n in zip(shard_ids.tolist(), offsets[indices].tolist(), sizes[indices].tolist()):
+            columns = (shard_ids.tolist(), offsets[indices].tolist(), sizes[indices].tolist())
+            for s, o, n in zip(*columns, strict=True):
                 if n < 0:
                     values.append(None)
                     continue
@@ -313,7 +340,9 @@ class DatasetSource:
 
     def __init__(self, dataset: Any) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"{type(dataset).__name__} is not a map-style Dataset (needs __len__ and __getitem__)")
+            raise TypeError(
+                f"{type(dataset).__name__} is not a map-style Dataset (needs __len__ and __getitem__)"
+            )
         self.dataset = dataset
         self.name = type(dataset).__name__
         self.num_samples = len(dataset)
@@ -331,8 +360,9 @@ class DatasetSource:
         return samples
 
 
-def open_source(source: Any, decode: Callable[[str, bytes], Any] | str | None = None,
-                verify: bool | None = None) -> ShardSource | TarSource | DatasetSource:
+def open_source(
+    source: Any, decode: Callable[[str, bytes], Any] | str | None = None, verify: bool | None = None
+) -> ShardSource | TarSource | DatasetSource:
     """The batch source for what :class:`fastio.StreamLoader` was given.
 
     A directory -> :class:`ShardSource`; a ``.tar`` path, glob or brace pattern (or a list of them) ->

@@ -44,7 +44,9 @@ def npy_header(data: bytes | memoryview | np.ndarray) -> tuple[np.dtype, tuple[i
     if head[:6] != b"\x93NUMPY":
         raise ValueError("not a .npy payload (bad magic)")
     major = head[6]
-    length = int.from_bytes(head[8:10], "little") + 10 if major == 1 else int.from_bytes(head[8:12], "little") + 12
+    length = (
+        int.from_bytes(head[8:10], "little") + 10 if major == 1 else int.from_bytes(head[8:12], "little") + 12
+    )
     fp = io.BytesIO(bytes(memoryview(data)[:length]))
     version = np.lib.format.read_magic(fp)
     if version == (1, 0):

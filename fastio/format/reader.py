@@ -64,14 +64,22 @@ class ShardReader:
         if magic != MAGIC:
             raise CorruptShardError(self.path, "magic", MAGIC, magic, "not a fastio shard")
         if version != VERSION:
-            raise CorruptShardError(self.path, "version", VERSION, version, "written by another fastio version")
+            raise CorruptShardError(
+                self.path, "version", VERSION, version, "written by another fastio version"
+            )
         if file_nbytes != self.file.size:
-            raise CorruptShardError(self.path, "file size", f"{file_nbytes} bytes", f"{self.file.size} bytes",
-                                    "truncated or appended to")
+            raise CorruptShardError(
+                self.path,
+                "file size",
+                f"{file_nbytes} bytes",
+                f"{self.file.size} bytes",
+                "truncated or appended to",
+            )
         header_bytes = bytes(raw[file_nbytes - header_nbytes : file_nbytes])
         if zlib.crc32(header_bytes) != header_crc:
-            raise CorruptShardError(self.path, "header", f"crc32 {header_crc:#010x}",
-                                    f"crc32 {zlib.crc32(header_bytes):#010x}")
+            raise CorruptShardError(
+                self.path, "header", f"crc32 {header_crc:#010x}", f"crc32 {zlib.crc32(header_bytes):#010x}"
+            )
         header = json.loads(header_bytes)
         self.num_samples = int(header["num_samples"])
         self.schema: Schema = schema_from_json(header["schema"])
@@ -81,25 +89,37 @@ class ShardReader:
             sec = self.sections[name]
             for part, (start, nbytes, _) in sec.items():
                 if start < 0 or start + nbytes > file_nbytes - header_nbytes:
-                    raise CorruptShardError(self.path, f"{name}.{part}", f"bytes [{start}, {start + nbytes}) inside "
-                                            f"the data area", f"data area ends at {file_nbytes - header_nbytes}")
+                    raise CorruptShardError(
+                        self.path,
+                        f"{name}.{part}",
+                        f"bytes [{start}, {start + nbytes}) inside the data area",
+                        f"data area ends at {file_nbytes - header_nbytes}",
+                    )
             start, nbytes, _ = sec["data"]
             if field.kind == "fixed":
                 expected = self.num_samples * field.row_nbytes
                 if nbytes != expected:
                     raise CorruptShardError(self.path, name, f"{expected} bytes", f"{nbytes} bytes")
-                self._views[name] = raw[start : start + nbytes].view(field.np_dtype).reshape(
-                    (self.num_samples, *field.shape)
+                self._views[name] = (
+                    raw[start : start + nbytes].view(field.np_dtype).reshape((self.num_samples, *field.shape))
                 )
             else:
                 ostart, onbytes, _ = sec["offsets"]
                 if onbytes != 8 * (self.num_samples + 1):
-                    raise CorruptShardError(self.path, f"{name}.offsets", f"{8 * (self.num_samples + 1)} bytes",
-                                            f"{onbytes} bytes")
+                    raise CorruptShardError(
+                        self.path,
+                        f"{name}.offsets",
+                        f"{8 * (self.num_samples + 1)} bytes",
+                        f"{onbytes} bytes",
+                    )
                 offsets = raw[ostart : ostart + onbytes].view(np.int64)
                 if offsets[0] != 0 or offsets[-1] != nbytes or (np.diff(offsets) < 0).any():
-                    raise CorruptShardError(self.path, f"{name}.offsets", f"monotone from 0 to {nbytes}",
-                                            f"from {offsets[0]} to {offsets[-1]}")
+                    raise CorruptShardError(
+                        self.path,
+                        f"{name}.offsets",
+                        f"monotone from 0 to {nbytes}",
+                        f"from {offsets[0]} to {offsets[-1]}",
+                    )
                 self._views[name] = (offsets, start)
         if verify:
             self.ensure_verified()
@@ -192,12 +212,17 @@ class ShardSet:
         if not self.directory.exists():
             raise FileNotFoundError(f"{self.directory}: no such shard directory")
         if not self.directory.is_dir():
-            raise NotADirectoryError(f"{self.directory}: expected a shard directory written by fastio.ShardWriter")
+            raise NotADirectoryError(
+                f"{self.directory}: expected a shard directory written by fastio.ShardWriter"
+            )
         index_path = self.directory / INDEX_NAME
         if not index_path.exists():
             if any(p.suffix == SHARD_SUFFIX for p in self.directory.iterdir()):
-                raise MissingIndexError(str(index_path), "the shards are there but the set was never closed "
-                                        "(ShardWriter.close() writes index.json)")
+                raise MissingIndexError(
+                    str(index_path),
+                    "the shards are there but the set was never closed "
+                    "(ShardWriter.close() writes index.json)",
+                )
             raise EmptySourceError(f"{self.directory}: empty directory (no {INDEX_NAME} and no shards)")
         try:
             index = json.loads(index_path.read_text())
@@ -213,8 +238,12 @@ class ShardSet:
                 raise FileNotFoundError(f"{path}: listed in {index_path} but missing")
             actual_size = path.stat().st_size
             if actual_size != entry["file_nbytes"]:
-                raise CorruptShardError(str(path), "file size", f"{entry['file_nbytes']} bytes (index.json)",
-                                        f"{actual_size} bytes")
+                raise CorruptShardError(
+                    str(path),
+                    "file size",
+                    f"{entry['file_nbytes']} bytes (index.json)",
+                    f"{actual_size} bytes",
+                )
             reader = ShardReader(path, verify=verify)
             for name, field in self.schema.items():
                 if reader.schema.get(name) != field:
@@ -222,10 +251,13 @@ class ShardSet:
                     raise SchemaMismatchError(str(path), name, f"{field.describe()} (index.json)", found)
             if set(reader.schema) != set(self.schema):
                 extra = sorted(set(reader.schema) - set(self.schema))
-                raise SchemaMismatchError(str(path), ", ".join(extra), "no such field (index.json)", "present")
+                raise SchemaMismatchError(
+                    str(path), ", ".join(extra), "no such field (index.json)", "present"
+                )
             if reader.num_samples != entry["num_samples"]:
-                raise CorruptShardError(str(path), "num_samples", f"{entry['num_samples']} (index.json)",
-                                        reader.num_samples)
+                raise CorruptShardError(
+                    str(path), "num_samples", f"{entry['num_samples']} (index.json)", reader.num_samples
+                )
             self.readers.append(reader)
         self.shard_sizes = [r.num_samples for r in self.readers]
         self.num_samples = int(sum(self.shard_sizes))

@@ -24,9 +24,10 @@ KINDS = ("fixed", "array", "bytes", "str")
 class Field:
     """One column of a shard.
 
-    ``kind`` is ``"fixed"`` (every sample an array of ``dtype`` and exactly ``shape``, stored as one contiguous
-    ``[N, *shape]`` array), ``"array"`` (a ``dtype`` array whose first dimension varies, trailing dims
-    ``shape``; stored as int64 byte offsets plus a payload), ``"bytes"`` or ``"str"`` (offsets plus payload).
+    ``kind`` is ``"fixed"`` (every sample an array of ``dtype`` and exactly ``shape``, stored as one
+    contiguous ``[N, *shape]`` array), ``"array"`` (a ``dtype`` array whose first dimension varies,
+    trailing dims ``shape``; stored as int64 byte offsets plus a payload), ``"bytes"`` or ``"str"``
+    (offsets plus payload).
 
     Example::
 
@@ -78,8 +79,10 @@ class Field:
         if self.kind == "fixed":
             return f"{self.np_dtype.name} {self.shape}"
         if self.kind == "array":
-            return f"{self.np_dtype.name} (*, {', '.join(map(str, self.shape))})" if self.shape else (
-                f"{self.np_dtype.name} (*,)"
+            return (
+                f"{self.np_dtype.name} (*, {', '.join(map(str, self.shape))})"
+                if self.shape
+                else (f"{self.np_dtype.name} (*,)")
             )
         return self.kind
 
@@ -98,7 +101,8 @@ def _field_from_spec(name: str, spec: Any) -> Field:
         dtype, shape = spec
         return Field.array(dtype) if shape is None else Field.fixed(dtype, tuple(shape))
     raise ValueError(
-        f"schema field {name!r}: expected a Field, (dtype, shape), (dtype, None) or 'bytes'/'str', got {spec!r}"
+        f"schema field {name!r}: expected a Field, (dtype, shape), (dtype, None) or 'bytes'/'str', "
+        f"got {spec!r}"
     )
 
 

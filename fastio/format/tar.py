@@ -43,7 +43,9 @@ class TarIndex:
         start, size = idx.offsets[0, idx.fields.index("cls")], idx.sizes[0, idx.fields.index("cls")]
     """
 
-    def __init__(self, path: str, keys: np.ndarray, fields: list[str], offsets: np.ndarray, sizes: np.ndarray):
+    def __init__(
+        self, path: str, keys: np.ndarray, fields: list[str], offsets: np.ndarray, sizes: np.ndarray
+    ):
         self.path, self.keys, self.fields, self.offsets, self.sizes = path, keys, fields, offsets, sizes
 
     @property
@@ -101,8 +103,14 @@ def index_tar(path: str | os.PathLike[str], write: bool = True) -> TarIndex:
         tmp = f"{os.path.dirname(sidecar) or '.'}/.{os.path.basename(sidecar)}.tmp-{os.getpid()}"
         try:
             with open(tmp, "wb") as fh:
-                np.savez(fh, identity=_tar_identity(path), keys=index.keys, fields=np.array(index.fields, dtype=str),
-                         offsets=offsets, sizes=sizes)
+                np.savez(
+                    fh,
+                    identity=_tar_identity(path),
+                    keys=index.keys,
+                    fields=np.array(index.fields, dtype=str),
+                    offsets=offsets,
+                    sizes=sizes,
+                )
             os.replace(tmp, sidecar)
         except OSError:
             Path(tmp).unlink(missing_ok=True)  # a read-only dataset directory: keep the index in memory only
@@ -124,12 +132,15 @@ def load_tar_index(path: str | os.PathLike[str], build: bool = True) -> TarIndex
         try:
             with np.load(sidecar, allow_pickle=False) as data:
                 if np.array_equal(data["identity"], _tar_identity(path)):
-                    return TarIndex(path, data["keys"], [str(f) for f in data["fields"]], data["offsets"],
-                                    data["sizes"])
+                    return TarIndex(
+                        path, data["keys"], [str(f) for f in data["fields"]], data["offsets"], data["sizes"]
+                    )
         except (OSError, ValueError, KeyError):
             pass  # unreadable sidecar: treat as stale
         if not build:
-            raise MissingIndexError(sidecar, f"stale or unreadable for {path}; run fastio.index_tar({path!r})")
+            raise MissingIndexError(
+                sidecar, f"stale or unreadable for {path}; run fastio.index_tar({path!r})"
+            )
     elif not build:
         raise MissingIndexError(sidecar, f"run fastio.index_tar({path!r}) or let StreamLoader build it")
     return index_tar(path)
@@ -150,7 +161,9 @@ def expand_pattern(pattern: str | Sequence[str]) -> list[str]:
         return [p for item in pattern for p in expand_pattern(item)]
     candidates = [m for m in (_RANGE.search(pattern), _ALTERNATIVES.search(pattern)) if m is not None]
     if candidates:
-        match = min(candidates, key=lambda m: m.start())  # leftmost group first: "{a,b}-{1..2}" -> a-1, a-2, ...
+        match = min(
+            candidates, key=lambda m: m.start()
+        )  # leftmost group first: "{a,b}-{1..2}" -> a-1, a-2, ...
         head, tail = pattern[: match.start()], pattern[match.end() :]
         if match.re is _RANGE:
             first, last = match.group(1), match.group(2)
@@ -185,10 +198,12 @@ class TarShardSet:
                 raise FileNotFoundError(f"{p}: no such tar shard")
         self.indexes = [load_tar_index(p, build=build_index) for p in self.paths]
         self.files = [MappedFile(p) for p in self.paths]
-        for index, file in zip(self.indexes, self.files):
+        for index, file in zip(self.indexes, self.files, strict=True):
             ends = index.offsets + index.sizes
             if index.num_samples and ends.max() > file.size:
-                raise CorruptShardError(file.path, "tar data", f">= {int(ends.max())} bytes", f"{file.size} bytes")
+                raise CorruptShardError(
+                    file.path, "tar data", f">= {int(ends.max())} bytes", f"{file.size} bytes"
+                )
         fields: dict[str, None] = {}
         for index in self.indexes:
             fields.update(dict.fromkeys(index.fields))

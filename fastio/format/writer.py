@@ -74,7 +74,9 @@ class ShardWriter:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         if (self.directory / INDEX_NAME).exists() and not overwrite:
-            raise FileExistsError(f"{self.directory / INDEX_NAME} exists; pass overwrite=True to replace the set")
+            raise FileExistsError(
+                f"{self.directory / INDEX_NAME} exists; pass overwrite=True to replace the set"
+            )
         self.schema: Schema | None = normalize_schema(schema) if schema is not None else None
         self.max_samples, self.max_bytes, self.prefix = int(max_samples), int(max_bytes), prefix
         self._columns: dict[str, list[Any]] = {}
@@ -144,8 +146,12 @@ class ShardWriter:
             self.schema = infer_schema(sample)
         if set(sample) != set(self.schema):
             missing, extra = sorted(set(self.schema) - set(sample)), sorted(set(sample) - set(self.schema))
-            raise SchemaMismatchError(str(self.directory), ", ".join(missing + extra) or "?",
-                                      f"fields {sorted(self.schema)}", f"fields {sorted(sample)}")
+            raise SchemaMismatchError(
+                str(self.directory),
+                ", ".join(missing + extra) or "?",
+                f"fields {sorted(self.schema)}",
+                f"fields {sorted(sample)}",
+            )
         if not self._columns:
             self._columns = {name: [] for name in self.schema}
 
@@ -163,13 +169,18 @@ class ShardWriter:
         arr = np.asarray(value)
         dtype = field.np_dtype
         if arr.dtype != dtype and not np.can_cast(arr.dtype, dtype, casting="same_kind"):
-            raise SchemaMismatchError(str(self.directory), name, field.describe(), f"{arr.dtype.name} {arr.shape}")
+            raise SchemaMismatchError(
+                str(self.directory), name, field.describe(), f"{arr.dtype.name} {arr.shape}"
+            )
         if field.kind == "fixed":
             if (arr.shape[1:] if leading else arr.shape) != field.shape or (leading and arr.ndim == 0):
-                raise SchemaMismatchError(str(self.directory), name, field.describe(),
-                                          f"{arr.dtype.name} {arr.shape}")
+                raise SchemaMismatchError(
+                    str(self.directory), name, field.describe(), f"{arr.dtype.name} {arr.shape}"
+                )
         elif arr.ndim < 1 or arr.shape[1:] != field.shape:
-            raise SchemaMismatchError(str(self.directory), name, field.describe(), f"{arr.dtype.name} {arr.shape}")
+            raise SchemaMismatchError(
+                str(self.directory), name, field.describe(), f"{arr.dtype.name} {arr.shape}"
+            )
         return np.ascontiguousarray(arr, dtype=dtype)
 
     # -- writing shards --------------------------------------------------------------------------------
@@ -190,14 +201,19 @@ class ShardWriter:
                     if field.kind == "fixed":
                         sections[fname] = {"data": self._write_section(fh, values)}
                     else:
-                        lengths = np.array([len(v) if isinstance(v, bytes) else v.nbytes for v in values], np.int64)
+                        lengths = np.array(
+                            [len(v) if isinstance(v, bytes) else v.nbytes for v in values], np.int64
+                        )
                         offsets = np.zeros(len(values) + 1, dtype=np.int64)
                         np.cumsum(lengths, out=offsets[1:])
                         sections[fname] = {"offsets": self._write_section(fh, [offsets])}
                         sections[fname]["data"] = self._write_section(fh, values)
                 header = json.dumps(
-                    {"num_samples": self._pending_samples, "schema": schema_to_json(self.schema),
-                     "sections": sections}
+                    {
+                        "num_samples": self._pending_samples,
+                        "schema": schema_to_json(self.schema),
+                        "sections": sections,
+                    }
                 ).encode("utf-8")
                 fh.write(header)
                 file_nbytes = fh.tell()

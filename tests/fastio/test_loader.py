@@ -36,8 +36,17 @@ def test_exactly_once_across_ranks_and_workers(shard_dir, fio, world):
     reference = None
     for workers in range(4):
         per_rank = [
-            _epoch(fastio.StreamLoader(shard_dir, batch_size=8, shuffle=True, seed=2, num_workers=workers,
-                                       rank=r, world_size=world))
+            _epoch(
+                fastio.StreamLoader(
+                    shard_dir,
+                    batch_size=8,
+                    shuffle=True,
+                    seed=2,
+                    num_workers=workers,
+                    rank=r,
+                    world_size=world,
+                )
+            )
             for r in range(world)
         ]
         assert len({len(b) for b in per_rank}) == 1, "every rank must get the same number of batches"
@@ -52,8 +61,10 @@ def test_exactly_once_across_ranks_and_workers(shard_dir, fio, world):
 
 
 def test_drop_last_gives_full_equal_batches(shard_dir):
-    per_rank = [_epoch(fastio.StreamLoader(shard_dir, batch_size=8, drop_last=True, rank=r, world_size=3))
-                for r in range(3)]
+    per_rank = [
+        _epoch(fastio.StreamLoader(shard_dir, batch_size=8, drop_last=True, rank=r, world_size=3))
+        for r in range(3)
+    ]
     assert [len(b) for b in per_rank] == [4, 4, 4]
     assert all(len(batch) == 8 for rank in per_rank for batch in rank)
     assert len(set(_flat([y for r in per_rank for y in r]))) == 96
@@ -171,7 +182,9 @@ def test_transform_and_collate(shard_dir, fio):
         np.testing.assert_array_equal(batch["x"][:, 0, 0].numpy(), np.array(ys, dtype=np.float32))
         seen += ys
     assert sorted(seen) == list(range(117))
-    custom = fastio.StreamLoader(shard_dir, batch_size=7, collate=lambda samples: [int(s["y"]) for s in samples])
+    custom = fastio.StreamLoader(
+        shard_dir, batch_size=7, collate=lambda samples: [int(s["y"]) for s in samples]
+    )
     assert sorted(_flat(list(custom))) == list(range(117))
 
 
@@ -203,7 +216,10 @@ def test_map_style_dataset_source(batched):
         seen += i.tolist()
     other = [i.tolist() for _, i in fastio.StreamLoader(dataset, batch_size=8, seed=1, rank=0, world_size=2)]
     assert sorted(set(seen) | set(_flat(other))) == list(range(53))
-    assert dataset.calls["items" if batched else "item"] > 0 and dataset.calls["item" if batched else "items"] == 0
+    assert (
+        dataset.calls["items" if batched else "item"] > 0
+        and dataset.calls["item" if batched else "items"] == 0
+    )
 
 
 def test_stats_and_progress(shard_dir, capsys):
@@ -218,8 +234,12 @@ def test_stats_and_progress(shard_dir, capsys):
 
 
 def test_bad_arguments(shard_dir):
-    for kwargs, word in [({"batch_size": 0}, "batch_size"), ({"num_workers": -1}, "num_workers"),
-                         ({"shuffle": "sometimes"}, "shuffle"), ({"rank": 2, "world_size": 2}, "rank")]:
+    for kwargs, word in [
+        ({"batch_size": 0}, "batch_size"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"shuffle": "sometimes"}, "shuffle"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+    ]:
         with pytest.raises(ValueError, match=word):
             fastio.StreamLoader(shard_dir, **{"batch_size": 4, **kwargs})
 

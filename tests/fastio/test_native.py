@@ -46,7 +46,7 @@ def test_gather_rows_matches_fallback(monkeypatch, table, row, threads):
         return out
 
     native, reference = _with_fallback(monkeypatch, run)
-    expected = np.stack([table.files[i].array[o : o + row] for i, o in zip(ids, offsets)])
+    expected = np.stack([table.files[i].array[o : o + row] for i, o in zip(ids, offsets, strict=True)])
     np.testing.assert_array_equal(native.numpy(), expected)
     np.testing.assert_array_equal(reference.numpy(), expected)
 
@@ -55,7 +55,9 @@ def test_gather_ranges_matches_fallback(monkeypatch, table):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 3, size=40).astype(np.int32)
     lengths = rng.integers(0, 30, size=40).astype(np.int64)
-    offsets = np.array([rng.integers(0, table.limits[i] - n + 1) for i, n in zip(ids, lengths)], dtype=np.int64)
+    offsets = np.array(
+        [rng.integers(0, table.limits[i] - n + 1) for i, n in zip(ids, lengths, strict=True)], dtype=np.int64
+    )
 
     def run():
         out = torch.zeros(int(lengths.sum()), dtype=torch.uint8)
@@ -63,7 +65,8 @@ def test_gather_ranges_matches_fallback(monkeypatch, table):
         return out, starts
 
     (native, starts), (reference, _) = _with_fallback(monkeypatch, run)
-    expected = b"".join(table.files[i].array[o : o + n].tobytes() for i, o, n in zip(ids, offsets, lengths))
+    pieces = zip(ids, offsets, lengths, strict=True)
+    expected = b"".join(table.files[i].array[o : o + n].tobytes() for i, o, n in pieces)
     assert native.numpy().tobytes() == expected == reference.numpy().tobytes()
     assert starts[0] == 0 and starts[-1] == lengths[:-1].sum()
 
@@ -95,3 +98,32 @@ def test_scan_tar_matches_tarfile(tmp_path):
     assert names == [m.name for m in members]
     assert offsets.tolist() == [m.offset_data for m in members]
     assert sizes.tolist() == [m.size for m in members]
+
+
+def test_parallel_gather_from_many_threads(tmp_path):
+    """Big enough to split across helper threads, called from several Python threads at once."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "big.bin"
+    path.write_bytes(rng.integers(0, 256, size=3_000_000, dtype=np.uint8).tobytes())
+    table = MappedTable([MappedFile(path)])
+    row, batch = 4099, 300
+    errors = []
+
+    def run(seed: int) -> None:
+        local = np.random.default_rng(seed)
+        for _ in range(5):
+            offsets = local.integers(0, table.limits[0] - row, size=batch).astype(np.int64)
+            out = torch.empty(batch, row, dtype=torch.uint8)
+            _native.gather_rows(table, np.zeros(batch, np.int32), offsets, row, out, 3)
+            expected = np.stack([table.files[0].array[o : o + row] for o in offsets])
+            if not np.array_equal(out.numpy(), expected):
+                errors.append(seed)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

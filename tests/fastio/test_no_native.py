@@ -30,7 +30,9 @@ def test_data_order_and_resume(shard_dir, fio, workers):
     for batch in loader:
         fio.check_batch(batch)
         full.append(batch["y"].tolist())
-    other = [b["y"].tolist() for b in fastio.StreamLoader(shard_dir, batch_size=9, seed=7, rank=0, world_size=2)]
+    other = [
+        b["y"].tolist() for b in fastio.StreamLoader(shard_dir, batch_size=9, seed=7, rank=0, world_size=2)
+    ]
     assert sorted({y for b in full + other for y in b}) == list(range(fio.NUM_SAMPLES))
     for k in (0, 3, len(full)):
         it = iter(loader)

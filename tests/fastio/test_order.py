@@ -1,4 +1,4 @@
-"""The global order: a permutation, repeatable per (seed, epoch), different across epochs, local when asked."""
+"""The global order: a permutation, repeatable per (seed, epoch), new each epoch, local when asked."""
 
 from __future__ import annotations
 

@@ -33,7 +33,9 @@ def test_truncated_shard(fresh_set):
     with pytest.raises(fastio.CorruptShardError, match=r"shard-000003\.fio.*file size.*expected") as info:
         ShardSet(fresh_set)
     assert info.value.path.endswith("shard-000003.fio")
-    with pytest.raises(fastio.CorruptShardError, match=rf"file size.*{len(data)} bytes.*{len(data) - 100} bytes"):
+    with pytest.raises(
+        fastio.CorruptShardError, match=rf"file size.*{len(data)} bytes.*{len(data) - 100} bytes"
+    ):
         ShardReader(victim)
 
 

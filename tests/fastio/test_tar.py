@@ -90,13 +90,23 @@ def test_user_decode_and_images(tmp_path):
             buf = io.BytesIO()
             Image.fromarray(np.full((4, 6, 3), 40 * i, np.uint8)).save(buf, format="PNG")
             sink.write({"__key__": f"k{i}", "png": buf.getvalue(), "cls": i})
-    pil = next(iter(fastio.StreamLoader(str(tmp_path / "img.tar"), batch_size=5, shuffle=False, decode="pil")))
+    pil = next(
+        iter(fastio.StreamLoader(str(tmp_path / "img.tar"), batch_size=5, shuffle=False, decode="pil"))
+    )
     assert [img.shape for img in pil["png"]] == [(4, 6, 3)] * 5
     assert [int(img[0, 0, 0]) for img in pil["png"]] == [0, 40, 80, 120, 160]
     raw = next(iter(fastio.StreamLoader(str(tmp_path / "img.tar"), batch_size=5, shuffle=False)))
     assert raw["png"][0].startswith(b"\x89PNG")
-    custom = next(iter(fastio.StreamLoader(str(tmp_path / "img.tar"), batch_size=5, shuffle=False,
-                                           decode=lambda field, data: (field, len(data)))))
+    custom = next(
+        iter(
+            fastio.StreamLoader(
+                str(tmp_path / "img.tar"),
+                batch_size=5,
+                shuffle=False,
+                decode=lambda field, data: (field, len(data)),
+            )
+        )
+    )
     assert custom["cls"][3] == ("cls", 1)
 
 

@@ -11,8 +11,21 @@ import torch
 import fastio
 from fastio.format.reader import ShardSet
 
-DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
-          "float64", "complex64"]
+DTYPES = [
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+]
 SHAPES = [(), (1,), (7,), (3, 5), (2, 1, 3)]
 
 
@@ -29,7 +42,9 @@ def _values(dtype: str, shape: tuple[int, ...], i: int) -> np.ndarray:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fixed_round_trip_every_dtype_and_shape(tmp_path, dtype):
     schema = {f"f{k}": (dtype, shape) for k, shape in enumerate(SHAPES)}
-    samples = [{f"f{k}": _values(dtype, shape, 31 * i + k) for k, shape in enumerate(SHAPES)} for i in range(11)]
+    samples = [
+        {f"f{k}": _values(dtype, shape, 31 * i + k) for k, shape in enumerate(SHAPES)} for i in range(11)
+    ]
     with fastio.ShardWriter(tmp_path, schema=schema, max_samples=4) as writer:
         for s in samples:
             writer.write(s)
@@ -52,7 +67,12 @@ def test_variable_fields_round_trip(tmp_path):
         }
         for _ in range(23)
     ]
-    schema = {"tokens": ("int32", None), "pairs": fastio.Field.array("float32", (2,)), "raw": "bytes", "name": "str"}
+    schema = {
+        "tokens": ("int32", None),
+        "pairs": fastio.Field.array("float32", (2,)),
+        "raw": "bytes",
+        "name": "str",
+    }
     with fastio.ShardWriter(tmp_path, schema=schema, max_samples=5) as writer:
         for s in samples:
             writer.write(s)
@@ -67,7 +87,9 @@ def test_variable_fields_round_trip(tmp_path):
 
 def test_schema_inferred_from_first_sample(tmp_path):
     with fastio.ShardWriter(tmp_path) as writer:
-        writer.write({"x": torch.arange(6, dtype=torch.float32).view(2, 3), "y": 3, "s": 0.5, "t": b"ab", "u": "z"})
+        writer.write(
+            {"x": torch.arange(6, dtype=torch.float32).view(2, 3), "y": 3, "s": 0.5, "t": b"ab", "u": "z"}
+        )
     schema = json.loads((tmp_path / "index.json").read_text())["schema"]
     assert schema["x"] == {"kind": "fixed", "dtype": "<f4", "shape": [2, 3]}
     assert schema["y"]["dtype"] == "<i8" and schema["s"]["dtype"] == "<f8"
@@ -113,16 +135,19 @@ def test_write_many_equals_write(tmp_path):
     rng = np.random.default_rng(2)
     xs = rng.integers(0, 255, size=(29, 2, 3), dtype=np.uint8)
     toks = [np.arange(i % 4, dtype=np.int32) + i for i in range(29)]
-    with fastio.ShardWriter(tmp_path / "many", max_samples=10, schema={"x": ("uint8", (2, 3)), "t": ("int32", None)}) as writer:
+    with fastio.ShardWriter(
+        tmp_path / "many", max_samples=10, schema={"x": ("uint8", (2, 3)), "t": ("int32", None)}
+    ) as writer:
         writer.write_many({"x": xs[:5], "t": toks[:5]})
         writer.write_many({"x": xs[5:], "t": toks[5:]})
-    with fastio.ShardWriter(tmp_path / "one", max_samples=10,
-                            schema={"x": ("uint8", (2, 3)), "t": ("int32", None)}) as writer:
-        for x, t in zip(xs, toks):
+    with fastio.ShardWriter(
+        tmp_path / "one", max_samples=10, schema={"x": ("uint8", (2, 3)), "t": ("int32", None)}
+    ) as writer:
+        for x, t in zip(xs, toks, strict=True):
             writer.write({"x": x, "t": t})
     many, one = ShardSet(tmp_path / "many", verify=True), ShardSet(tmp_path / "one", verify=True)
     assert many.shard_sizes == one.shard_sizes == [10, 10, 9]
-    for a, b in zip(many.readers, one.readers):
+    for a, b in zip(many.readers, one.readers, strict=True):
         np.testing.assert_array_equal(a.fixed("x"), b.fixed("x"))
         for j in range(a.num_samples):
             np.testing.assert_array_equal(a.variable("t", j), b.variable("t", j))
