@@ -3,8 +3,9 @@
 One program quantizes ``rows`` whole blocks, laid out as a ``[rows, bytes, codes_per_byte]`` tile, so the
 block's absmax is a reduction over the last two axes and the codes of one byte are summed into it along the
 last axis. Every float operation is the reference's single fp32 operation in the same order; launches pass
-``enable_fp_fusion=False`` so ``x * inv + (qmax + u)`` is never contracted into an FMA, and divisions use
-``tl.math.div_rn`` (IEEE round-to-nearest) rather than the approximate default.
+``enable_fp_fusion=False`` so ``x * inv + (qmax + u)`` is never contracted into an FMA (the sm_90 PTX holds
+``mul.rn.f32``/``add.rn.f32``), and divisions use ``tl.math.div_rn`` (``div.rn.f32``) rather than ``/``,
+whose fp32 lowering is not promised to round correctly.
 """
 
 from __future__ import annotations
@@ -241,10 +242,15 @@ def dequantize_blockwise(
     Returns:
         A 1-D tensor of ``numel`` values on ``codes``' device.
 
+    Raises:
+        ValueError: ``scales`` is on another device than ``codes``.
+
     Example::
 
         >>> out = dequantize_blockwise(*quantize_blockwise(g), numel=g.numel())
     """
+    if scales.device != codes.device:
+        raise ValueError(f"scales must be on codes' device {codes.device}, got {scales.device}")
     out = torch.empty(numel, dtype=dtype, device=codes.device)
     if numel == 0:
         return out

@@ -200,10 +200,15 @@ def sign_decompress(
     Returns:
         A 1-D tensor of ``numel`` values on ``packed``'s device.
 
+    Raises:
+        ValueError: ``scales`` is on another device than ``packed``.
+
     Example::
 
         >>> out = sign_decompress(*sign_compress(g), numel=g.numel())
     """
+    if scales.device != packed.device:
+        raise ValueError(f"scales must be on packed's device {packed.device}, got {scales.device}")
     out = torch.empty(numel, dtype=dtype, device=packed.device)
     if numel == 0:
         return out
