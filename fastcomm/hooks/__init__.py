@@ -1,6 +1,6 @@
 """DDP communication hooks, one family per file, each with its State class beside its hook function."""
 
-from fastcomm.hooks._state import CompressionState, HookState
+from fastcomm.hooks._state import CompressionState, HookState, default_state
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
 from fastcomm.hooks.registry import HOOKS, HookName, register
@@ -17,6 +17,7 @@ __all__ = [
     "SignState",
     "TopKState",
     "cast_hook",
+    "default_state",
     "quantize_hook",
     "register",
     "sign_hook",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["CompressionState", "HookState", "resolve_state"]
+__all__ = ["CompressionState", "HookState", "default_state", "resolve_state"]
 
 BucketKey = tuple[int, ...]
 
@@ -251,7 +251,21 @@ class HookState:
         """Everything needed to resume bit-identically, without the process group.
 
         Parameters are identified by the order in which this state first saw them, which is the same in a
-        fresh process for the same model and DDP configuration.
+        fresh process for the same model and DDP configuration. Compression works per bucket, so gradients
+        after a restore are bit-identical when the restored DDP's bucket layout equals the one the checkpoint
+        was taken with: a fresh DDP uses its initial layout for its first iteration and rebuilds after it
+        (with ``find_unused_parameters=True`` it keeps one layout throughout). Residuals themselves move to
+        any new layout, so nothing owed is lost either way.
+
+        Returns:
+            A dict of plain Python values and CPU-clonable tensors, for ``torch.save``.
+
+        Example::
+
+            torch.save({"model": model.state_dict(), "comm": state.state_dict()}, path)
+            ...
+            state = fastcomm.register(ddp, "topk", ratio=0.01)
+            state.load_state_dict(torch.load(path)["comm"])
         """
         self._finish_iteration()
         return {
@@ -366,7 +380,7 @@ class CompressionState(HookState):
             for name, tensor in old.tensors.items():
                 if name == "server_residual":
                     continue
-                target = entry.tensors.setdefault(name, torch.zeros(entry.numel, dtype=tensor.dtype))
+                target = entry.tensors.setdefault(name, tensor.new_zeros(entry.numel))
                 target[new_offset : new_offset + numel] = tensor[old_offset : old_offset + numel]
             server = old.tensors.get("server_residual")
             if server is not None and "residual" in old.tensors:
@@ -381,12 +395,19 @@ class CompressionState(HookState):
             if all(self._param_loc[p][0] != old_key for p in old_key):
                 del self._buckets[old_key]
 
-    def _current(self, entry: _BucketEntry, name: str, numel: int, dtype: torch.dtype) -> Tensor:
-        """The committed tensor ``name`` of a bucket, zeros when it has none yet (or its shape changed)."""
+    def _current(self, entry: _BucketEntry, name: str, like: Tensor, numel: int | None = None) -> Tensor:
+        """The committed tensor ``name`` of a bucket, on ``like``'s device and dtype.
+
+        ``numel`` defaults to ``like.numel()``. A missing tensor, or one of another length, starts as zeros;
+        one restored from a checkpoint on another device is moved there.
+        """
+        numel = like.numel() if numel is None else numel
         tensor = entry.tensors.get(name)
-        if tensor is None or tensor.numel() != numel or tensor.dtype != dtype:
-            tensor = torch.zeros(numel, dtype=dtype)
-            entry.tensors[name] = tensor
+        if tensor is None or tensor.numel() != numel:
+            tensor = like.new_zeros(numel)
+        elif tensor.dtype != like.dtype or tensor.device != like.device:
+            tensor = tensor.to(device=like.device, dtype=like.dtype)
+        entry.tensors[name] = tensor
         return tensor
 
     def _stage(self, key: BucketKey, name: str, tensor: Tensor) -> None:
@@ -402,6 +423,28 @@ class CompressionState(HookState):
     def _use_compression(self, numel: int) -> bool:
         return self._steps >= self.start_iter and numel >= max(1, self.min_compress_numel)
 
+    def scale_residuals(self, factor: float) -> None:
+        """Multiply every per-bucket tensor (residuals, velocity) by ``factor``.
+
+        Residuals hold gradients in the units they were computed in. Under AMP those are loss-scaled
+        gradients, so when ``GradScaler`` changes its scale the owed gradient must be rescaled with it.
+
+        Args:
+            factor: ``new_scale / old_scale``.
+
+        Example::
+
+            old = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() != old:
+                state.scale_residuals(scaler.get_scale() / old)
+        """
+        self._finish_iteration()
+        for entry in self._buckets.values():
+            for tensor in entry.tensors.values():
+                tensor.mul_(factor)
+
     def residual_of(self, param: Tensor) -> Tensor | None:
         """What this rank still owes for ``param``'s gradient (fp32, shaped like ``param``), or ``None``.
 
@@ -416,8 +459,8 @@ class CompressionState(HookState):
         key, offset = self._param_loc[pkey]
         entry = self._buckets[key]
         numel = param.numel()
-        out = torch.zeros(numel, dtype=torch.float32)
         residual = entry.tensors.get("residual")
+        out = torch.zeros(numel, dtype=torch.float32, device=None if residual is None else residual.device)
         if residual is not None:
             out += residual[offset : offset + numel].float()
         server = entry.tensors.get("server_residual")
@@ -522,8 +565,23 @@ def resolve_state(state: HookState | None, bucket: dist.GradBucket, cls: type) -
     return found
 
 
-def default_state(module: torch.nn.Module, cls: type) -> HookState | None:
-    """The default state a ``state=None`` hook of type ``cls`` created for ``module``, if any."""
+def default_state(model: torch.nn.Module, cls: type) -> HookState | None:
+    """The state a hook registered with ``state=None`` made for ``model`` (a DDP model or its module).
+
+    Args:
+        model: the DDP model, or the module it wraps.
+        cls: the hook's state class, e.g. ``fastcomm.TopKState``.
+
+    Returns:
+        The state, or ``None`` before the hook first ran for this model.
+
+    Example::
+
+        ddp.register_comm_hook(None, fastcomm.topk_hook)
+        ...  # after a backward pass
+        print(fastcomm.hooks.default_state(ddp, fastcomm.TopKState).stats())
+    """
+    module = getattr(model, "module", model)
     owners = _DEFAULT_STATES.get(cls)
     if owners is None:
         return None

@@ -91,7 +91,7 @@ def two_phase_allreduce(
         x = _pad(flat, total)
         residual = None
         if state.error_feedback:
-            residual = _pad(state._current(entry, "residual", numel, dtype), total)
+            residual = _pad(state._current(entry, "residual", flat), total)
         data, scales = codec.compress(x, residual, seed_for(seed, step, key, rank, 1))
         if residual is not None:
             state._stage(key, "residual", residual[:numel])
@@ -99,7 +99,7 @@ def two_phase_allreduce(
         recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     with timer:
-        mean = torch.zeros(segment, dtype=torch.float32)
+        mean = torch.zeros(segment, dtype=torch.float32, device=flat.device)
         for source in range(world_size):
             payload = recv[source]
             scales_in = payload[data_bytes:].clone().view(torch.float32)
@@ -108,7 +108,7 @@ def two_phase_allreduce(
         entry.segment_start, entry.world_size = rank * segment, world_size
         server = None
         if state.error_feedback:
-            server = state._current(entry, "server_residual", segment, torch.float32).clone()
+            server = state._current(entry, "server_residual", mean, segment).clone()
         data2, scales2 = codec.compress(mean, server, seed_for(seed, step, key, rank, 2))
         if server is not None:
             state._stage(key, "server_residual", server)
@@ -124,7 +124,7 @@ def two_phase_allreduce(
             rows = gathered.view(world_size, -1)
             all_scales = rows[:, data_bytes:].contiguous().view(torch.float32)
             state._note_output(torch.isfinite(all_scales).all())
-            out = torch.empty(total, dtype=dtype)
+            out = torch.empty(total, dtype=dtype, device=flat.device)
             for source in range(world_size):
                 part = codec.decompress(
                     rows[source, :data_bytes].contiguous(), all_scales[source], segment, dtype

@@ -142,10 +142,10 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         k = min(numel, max(1, math.ceil(state.ratio_at(state._steps) * numel)))
         source = flat
         if state.momentum > 0.0:
-            velocity = state._current(entry, "velocity", numel, flat.dtype) * state.momentum + flat
+            velocity = state._current(entry, "velocity", flat) * state.momentum + flat
             source = velocity
         if state.error_feedback:
-            acc = source + state._current(entry, "residual", numel, flat.dtype)
+            acc = source + state._current(entry, "residual", flat)
         else:
             acc = source
         values, indices = ops.topk_select(acc, k, exact=state.exact)
@@ -177,7 +177,7 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
             all_indices = rows[:, : 4 * k].contiguous().view(torch.int32).reshape(-1)
             all_values = rows[:, 4 * k :].contiguous().view(dtype).reshape(-1)
             state._note_output(torch.isfinite(all_values).all())
-            out = torch.zeros(numel, dtype=torch.float32)
+            out = torch.zeros(numel, dtype=torch.float32, device=flat.device)
             ops.sparse_accumulate(out, all_indices, all_values)
             result = out.div_(world_size).to(dtype)
         state._compress_seconds += decompress_timer.seconds

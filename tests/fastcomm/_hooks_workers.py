@@ -77,6 +77,7 @@ def spawn(workdir: Path, world_size: int, worker: Callable, *args: object, timeo
             break
         time.sleep(0.05)
     hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    crashed = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
     for proc in procs:
         if proc.is_alive():
             proc.kill()
@@ -88,6 +89,8 @@ def spawn(workdir: Path, world_size: int, worker: Callable, *args: object, timeo
     ]
     if errors:
         raise AssertionError("rank failures:\n" + "\n".join(errors))
+    if hung and crashed:
+        raise AssertionError(f"(rank, exit code) {crashed} died without a traceback; ranks {hung} stopped")
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s (hang)")
     bad = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
@@ -513,9 +516,7 @@ def _check_default_state_per_model(rank: int) -> None:
             optimizers[i].step()
         for p_twin, p_model in zip(twin.parameters(), models[0].parameters(), strict=True):
             assert torch.equal(p_twin, p_model), f"default-state model diverged from its twin at step {step}"
-    from fastcomm.hooks._state import default_state
-
-    states = [default_state(m.module, fastcomm.TopKState) for m in models]
+    states = [fastcomm.hooks.default_state(m, fastcomm.TopKState) for m in models]
     assert states[0] is not None and states[1] is not None and states[0] is not states[1]
     assert states[0].stats()["steps"] == 5 and states[1].stats()["steps"] == 5
 
@@ -630,6 +631,9 @@ def _check_grad_scaler_skip(rank: int, name: str) -> None:
             for before, p in zip(owed_before, model.parameters(), strict=True):
                 after = state.residual_of(p)
                 assert torch.equal(before, after), f"{name}: the skipped step changed a residual"
+            state.scale_residuals(scaler.get_scale() / scale_before)  # owed gradients follow the loss scale
+            for before, p in zip(owed_before, model.parameters(), strict=True):
+                assert torch.equal(before * 0.5, state.residual_of(p)), f"{name}: scale_residuals"
         else:
             assert all(torch.isfinite(p.grad).all() for p in model.parameters()), f"{name} step {step}"
     stats = state.stats()
