@@ -79,7 +79,7 @@ def round_to(value, dtype: tl.constexpr):
         return value.to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes"])
 def _pack_kernel(
     codes_ptr, out_ptr, n, nbytes, BITS: tl.constexpr, PER_BYTE: tl.constexpr, BYTES: tl.constexpr
 ):

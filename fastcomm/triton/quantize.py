@@ -67,7 +67,9 @@ def _encode(
     return tl.sum(code << (lane * BITS)[None, None, :], axis=2).to(tl.uint8)
 
 
-@triton.jit(do_not_specialize=["seed"])  # seed == 1 would otherwise become a constexpr
+# Lengths and the seed are not specialised (a new compile per divisibility class, or for the value 1, buys
+# nothing: they only bound masks); block is, since block % 16 == 0 lets loads vectorise.
+@triton.jit(do_not_specialize=["n", "nblocks", "seed"])
 def _quantize_kernel(
     x_ptr,
     out_ptr,
@@ -132,7 +134,7 @@ def _quantize_kernel(
         tl.store(out_ptr + rows[:, None] * block_bytes + bc, packed, mask=byte_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nblocks"])
 def _dequantize_kernel(
     codes_ptr,
     scales_ptr,

@@ -38,7 +38,7 @@ def _encode(acc, scale, index, mask, lane, residual_ptr, HAS_RESIDUAL: tl.conste
     return tl.sum(bit << lane[None, None, :], axis=2).to(tl.uint8)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nchunks"])  # lengths only bound masks
 def _sign_compress_kernel(
     x_ptr,
     residual_ptr,
@@ -96,7 +96,7 @@ def _sign_compress_kernel(
         tl.store(out_ptr + rows[:, None] * chunk_bytes + bc, packed, mask=byte_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nchunks"])
 def _sign_decompress_kernel(
     packed_ptr, scales_ptr, out_ptr, n, chunk, nchunks, ROWS: tl.constexpr, COLUMNS: tl.constexpr
 ):
