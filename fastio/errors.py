@@ -30,8 +30,12 @@ class CorruptShardError(FastIOError):
 
     def __init__(self, path: str, field: str, expected: Any, actual: Any, detail: str = "") -> None:
         self.path, self.field, self.expected, self.actual = str(path), field, expected, actual
+        self.detail = detail
         msg = f"{self.path}: field {field!r}: expected {expected}, found {actual}"
         super().__init__(msg + (f" ({detail})" if detail else ""))
+
+    def __reduce__(self) -> tuple:  # rebuilt from its fields when it crosses from a worker process
+        return (type(self), (self.path, self.field, self.expected, self.actual, self.detail))
 
 
 class MissingIndexError(FastIOError, FileNotFoundError):
@@ -43,8 +47,11 @@ class MissingIndexError(FastIOError, FileNotFoundError):
     """
 
     def __init__(self, path: str, hint: str) -> None:
-        self.path = str(path)
+        self.path, self.hint = str(path), hint
         super().__init__(f"{self.path}: index not found; {hint}")
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.path, self.hint))
 
 
 class SchemaMismatchError(FastIOError):
@@ -58,6 +65,9 @@ class SchemaMismatchError(FastIOError):
     def __init__(self, path: str, field: str, expected: Any, actual: Any) -> None:
         self.path, self.field, self.expected, self.actual = str(path), field, expected, actual
         super().__init__(f"{self.path}: field {field!r}: schema says {expected}, found {actual}")
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.path, self.field, self.expected, self.actual))
 
 
 class EmptySourceError(FastIOError, ValueError):

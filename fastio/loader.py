@@ -7,13 +7,16 @@ How a batch is made:
    resume position); it never depends on ``num_workers``.
 2. Batch ``i`` is gathered by its source (:mod:`fastio.sources`) into the output buffers of ring slot
    ``i % (num_workers + prefetch)``: fixed-size fields straight from the mmap by the native multi-threaded
-   gather, GIL released. Nothing is pickled and nothing goes through ``/dev/shm``.
-3. ``num_workers`` threads fill slots ahead of the consumer (at most ``num_workers + prefetch`` batches in
-   flight); ``num_workers=0`` gathers in the consumer's thread. Batches always come out in order.
+   gather, GIL released.
+3. ``num_workers`` workers fill slots ahead of the consumer (at most ``num_workers + prefetch`` batches in
+   flight); ``num_workers=0`` gathers in the consumer's thread. Batches always come out in order. Workers
+   are threads for native gathering and forked processes for Python transforms (``worker_mode``); processes
+   write tensors into shared slot files in a temp dir (:mod:`fastio.workers`): nothing is pickled but a
+   small description, and nothing depends on the size of ``/dev/shm``.
 4. With ``transform``/``collate``, or a ``Dataset`` source, samples go through the Python path: per-sample
    ``transform``, then ``collate`` (default: stack equal-shape tensors, lists otherwise) in the worker thread.
 5. With ``device=`` (CUDA), the pinned batch is copied on a side stream; the consumer's stream waits on an
-   event, so the copy overlaps the previous step's compute.
+   event, so the copy overlaps the previous step's compute (with worker processes the consumer copies).
 
 Buffer reuse (``reuse_buffers=True``, the default): a yielded batch's tensors are views of a ring slot and
 stay valid until the next batch is requested; ``.clone()`` what you keep, or pass ``reuse_buffers=False``.
@@ -48,6 +51,7 @@ import torch
 from fastio._native import default_threads
 from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
 from fastio.sources import BatchBuffers, DatasetSource, StageTimes, open_source
+from fastio.workers import ProcessPipeline, ThreadPipeline
 
 __all__ = ["StreamLoader", "collate_samples"]
 
@@ -101,59 +105,58 @@ def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int
     return int(rank), int(world_size)
 
 
-class _Pipeline:
-    """Worker threads filling ring slots ahead of the consumer; holds no reference to the iterator, so an
-    abandoned iterator is collected and stops its threads."""
+class _Producer:
+    """Makes batch ``job`` of one epoch pass; called by worker threads, worker processes or the consumer.
 
-    def __init__(self, produce: Callable[[int], Any], n_batches: int, num_workers: int, slots: int) -> None:
-        self.produce, self.n_batches, self.slots = produce, n_batches, slots
-        self.cond = threading.Condition()
-        self.next_job = 0
-        self.released = 0
-        self.results: dict[int, tuple[bool, Any]] = {}
-        self.stopped = False
-        self.threads = [
-            threading.Thread(target=self._work, name=f"fastio-worker-{w}", daemon=True)
-            for w in range(num_workers)
-        ]
-        for t in self.threads:
-            t.start()
+    Holds no reference to the iterator, so an abandoned iterator is collected and stops its workers."""
 
-    def _work(self) -> None:
-        while True:
-            with self.cond:
-                while (
-                    not self.stopped
-                    and self.next_job < self.n_batches
-                    and (self.next_job >= self.released + self.slots)
-                ):
-                    self.cond.wait()
-                if self.stopped or self.next_job >= self.n_batches:
-                    return
-                job = self.next_job
-                self.next_job += 1
-            try:
-                result = (True, self.produce(job))
-            except BaseException as exc:  # handed to the consumer, which re-raises it
-                result = (False, exc)
-            with self.cond:
-                self.results[job] = result
-                self.cond.notify_all()
+    def __init__(
+        self, loader: StreamLoader, indices: np.ndarray, slots: int, threads: int, device_copy: bool
+    ):
+        self.source, self.batch_size, self.pin = loader._source, loader.batch_size, loader._pin
+        self.transform, self.collate, self.python_path = loader.transform, loader.collate, loader._python_path
+        self.indices, self.threads = indices, threads
+        self.times = StageTimes()
+        self.specs = self.source.fixed_specs()
+        self.buffers = (
+            [BatchBuffers(self.specs, self.batch_size, self.pin) for _ in range(slots)]
+            if loader.reuse_buffers
+            else None
+        )
+        self.device = loader.device if device_copy else None
+        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
 
-    def get(self, job: int) -> tuple[bool, Any]:
-        with self.cond:
-            self.released = job  # the consumer moved past job - 1: its slot may be refilled
-            self.cond.notify_all()
-            while job not in self.results:
-                if not any(t.is_alive() for t in self.threads):
-                    return False, RuntimeError(f"fastio: worker threads exited before batch {job}")
-                self.cond.wait(timeout=1.0)
-            return self.results.pop(job)
+    def __call__(self, job: int) -> tuple[Any, int]:
+        indices = self.indices[job * self.batch_size : (job + 1) * self.batch_size]
+        if self.buffers is not None:
+            buffers = self.buffers[job % len(self.buffers)]
+            if buffers.event is not None:
+                buffers.event.synchronize()  # the slot's last copy to the device must finish first
+        else:
+            buffers = BatchBuffers(self.specs, len(indices), self.pin)
+        batch = self.source.fetch(indices, buffers, self.threads, self.times)
+        if self.python_path:
+            start = time.perf_counter()
+            samples = batch if isinstance(self.source, DatasetSource) else _split_batch(batch, len(indices))
+            if self.transform is not None:
+                samples = [self.transform(s) for s in samples]
+            collated = time.perf_counter()
+            self.times.add("decode_transform", collated - start)
+            batch = (self.collate or collate_samples)(samples)
+            self.times.add("collate", time.perf_counter() - collated)
+        if self.stream is not None:
+            batch = self._to_device(batch, buffers)
+        return batch, len(indices)
 
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
+    def _to_device(self, batch: Any, buffers: BatchBuffers) -> tuple[Any, Any]:
+        start = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            moved = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        buffers.event = event
+        self.times.add("host_to_device", time.perf_counter() - start)
+        return moved, event
 
 
 class _EpochIterator:
@@ -162,74 +165,33 @@ class _EpochIterator:
     def __init__(self, loader: StreamLoader, epoch: int, start: int) -> None:
         self.loader, self.epoch, self.start = loader, epoch, start
         order = loader._order(epoch)
-        self.indices = rank_indices(order, start, loader.world_size, loader.rank, loader.drop_last)
-        self.n_batches = num_batches(len(self.indices), loader.batch_size, loader.drop_last)
+        indices = rank_indices(order, start, loader.world_size, loader.rank, loader.drop_last)
+        self.n_batches = num_batches(len(indices), loader.batch_size, loader.drop_last)
         self.yielded = 0
-        self.times = StageTimes()
         self.samples = 0
         self.wait_s = 0.0
         self.begun: float | None = None
         self.ended: float | None = None
         self.finished = False
         workers = loader.num_workers
-        slots = max(1, workers + loader.prefetch if workers else 1)
-        specs = loader._source.fixed_specs()
-        self.buffers = (
-            [BatchBuffers(specs, loader.batch_size, loader._pin) for _ in range(slots)]
-            if (loader.reuse_buffers)
-            else None
-        )
-        self.specs = specs
-        self.threads_per_gather = loader.threads or max(1, default_threads() // max(1, workers))
-        self.stream = (
-            torch.cuda.Stream(loader.device)
-            if loader.device is not None and (loader.device.type == "cuda")
-            else None
-        )
-        self.pipeline = _Pipeline(self._produce, self.n_batches, workers, slots) if workers else None
+        slots = workers + loader.prefetch if workers else 1
+        processes = workers > 0 and loader.worker_mode == "process"
+        threads = loader.threads or max(1, default_threads() // max(1, 1 if processes else workers))
+        cuda = loader.device is not None and loader.device.type == "cuda"
+        # Worker processes cannot hand CUDA tensors over: the consumer copies their batches itself.
+        self.producer = _Producer(loader, indices, 1 if processes else slots, threads, cuda and not processes)
+        self.copy_in_consumer = cuda and processes
+        self.times = self.producer.times
+        self.pipeline: ThreadPipeline | ProcessPipeline | None = None
+        if processes:
+            self.pipeline = ProcessPipeline(self.producer, self.n_batches, workers, slots, self.times)
+        elif workers:
+            self.pipeline = ThreadPipeline(self.producer, self.n_batches, workers, slots)
         self.bar = None
         if loader.progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.n_batches, desc=f"epoch {epoch}", unit="batch")
-
-    # -- producing (worker threads, or the consumer when num_workers == 0) -----------------------------------
-    def _produce(self, job: int) -> Any:
-        loader = self.loader
-        size = loader.batch_size
-        indices = self.indices[job * size : (job + 1) * size]
-        if self.buffers is not None:
-            buffers = self.buffers[job % len(self.buffers)]
-            if buffers.event is not None:
-                buffers.event.synchronize()  # the slot's last copy to the device must finish first
-        else:
-            buffers = BatchBuffers(self.specs, len(indices), loader._pin)
-        batch = loader._source.fetch(indices, buffers, self.threads_per_gather, self.times)
-        if loader._python_path:
-            start = time.perf_counter()
-            samples = (
-                batch if isinstance(loader._source, DatasetSource) else _split_batch(batch, len(indices))
-            )
-            if loader.transform is not None:
-                samples = [loader.transform(s) for s in samples]
-            collated = time.perf_counter()
-            self.times.add("decode_transform", collated - start)
-            batch = (loader.collate or collate_samples)(samples)
-            self.times.add("collate", time.perf_counter() - collated)
-        if self.stream is not None:
-            batch = self._to_device(batch, buffers)
-        return batch, len(indices)
-
-    def _to_device(self, batch: Any, buffers: BatchBuffers) -> Any:
-        start = time.perf_counter()
-        device = self.loader.device
-        with torch.cuda.stream(self.stream):
-            moved = _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        buffers.event = event
-        self.times.add("host_to_device", time.perf_counter() - start)
-        return moved, event
 
     # -- consuming -----------------------------------------------------------------------------------------
     def __iter__(self) -> _EpochIterator:
@@ -247,7 +209,7 @@ class _EpochIterator:
             ok, value = self.pipeline.get(job)
         else:
             try:
-                ok, value = True, self._produce(job)
+                ok, value = True, self.producer(job)
             except BaseException as exc:
                 ok, value = False, exc
         self.wait_s += time.perf_counter() - waited
@@ -255,7 +217,11 @@ class _EpochIterator:
             self.close()
             raise value
         batch, size = value
-        if self.stream is not None:
+        if self.copy_in_consumer:
+            start = time.perf_counter()
+            batch = _map_tensors(batch, lambda t: t.to(self.loader.device))
+            self.times.add("host_to_device", time.perf_counter() - start)
+        elif self.producer.stream is not None:
             batch, event = batch
             current = torch.cuda.current_stream(self.loader.device)
             current.wait_event(event)
@@ -278,7 +244,7 @@ class _EpochIterator:
             self.bar.close()
 
     def __del__(self) -> None:
-        if self.pipeline is not None:
+        if getattr(self, "pipeline", None) is not None:
             self.pipeline.stop()
 
     def stats(self) -> dict[str, Any]:
@@ -331,6 +297,9 @@ class StreamLoader:
         progress: show a tqdm progress bar per epoch.
         reuse_buffers: yield views of reused buffers (valid until the next batch is requested).
         threads: threads per native gather (default: CPUs / max(1, num_workers), at most 8).
+        worker_mode: ``"thread"``, ``"process"`` (forked, batches handed over through slot files, see
+            :mod:`fastio.workers`) or ``"auto"``: processes when Python code runs per sample (``transform``,
+            ``collate`` or a Dataset source), threads otherwise.
         shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
 
     Returns batches: for shard and tar sources a dict field -> tensor ``[B, ...]`` (fixed shapes) or list
@@ -364,6 +333,7 @@ class StreamLoader:
         verify: bool | None = None,
         progress: bool = False,
         reuse_buffers: bool = True,
+        worker_mode: str = "auto",
         threads: int | None = None,
         shuffle_block: int = 256,
         shuffle_window: int = 4,
@@ -390,11 +360,16 @@ class StreamLoader:
             raise ValueError(f"device={device!r} but CUDA is not available")
         self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.progress, self.reuse_buffers, self.threads = progress, reuse_buffers, threads
+        if worker_mode not in ("auto", "thread", "process"):
+            raise ValueError(f"worker_mode must be 'auto', 'thread' or 'process', got {worker_mode!r}")
         self.shuffle_block, self.shuffle_window = shuffle_block, shuffle_window
         self._source = open_source(source, decode=decode, verify=verify)
         self._python_path = (
             transform is not None or collate is not None or isinstance(self._source, DatasetSource)
         )
+        if worker_mode == "auto":
+            worker_mode = "process" if self._python_path else "thread"
+        self.worker_mode = worker_mode
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
         self._current: _EpochIterator | None = None
