@@ -1,4 +1,26 @@
-"""DDP communication hooks, one family per file, each with its State class beside its hook function."""
+"""DDP communication hooks, one family per file, each with its State class beside its hook function.
+
+=================  =====================  ==========================================================
+hook               state                  on the wire (per bucket, per rank)
+=================  =====================  ==========================================================
+``topk_hook``      ``TopKState``          one all-gather of k (int32 index, value) pairs
+``quantize_hook``  ``QuantState``         all-to-all then all-gather of 8/4/2-bit codes + fp32 scales
+``sign_hook``      ``SignState``          all-to-all then all-gather of sign bits + fp32 scales
+``cast_hook``      ``CastState``          one allreduce in bf16 (or fp16)
+=================  =====================  ==========================================================
+
+Collective order: every collective of a bucket is issued inside the hook call, and DDP calls hooks in
+bucket order on every rank, so all ranks issue the same collectives in the same order. The two-phase hooks
+therefore wait for phase 1 inside the hook (which blocks the backward pass for that exchange) and return
+phase 2 as the future; top-k sends a payload whose size is fixed before any communication.
+
+Example::
+
+    import fastcomm
+    state = fastcomm.register(ddp, "sign", start_iter=100)
+    ...
+    print(state.stats())
+"""
 
 from fastcomm.hooks._state import CompressionState, HookState, default_state
 from fastcomm.hooks.cast import CastState, cast_hook

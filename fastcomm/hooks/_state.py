@@ -28,7 +28,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["CompressionState", "HookState", "default_state", "resolve_state"]
+__all__ = [
+    "CompressedCall",
+    "CompressionState",
+    "HookState",
+    "begin_compressed",
+    "default_state",
+    "resolve_state",
+]
 
 BucketKey = tuple[int, ...]
 
@@ -78,6 +85,14 @@ class HookState:
 
     Subclasses list their user-facing options in ``_OPTIONS`` (constructor keyword names); those, not the
     process group, are what pickling keeps.
+
+    Args:
+        process_group: the group to reduce over; ``None`` for the default group.
+
+    Example::
+
+        state = fastcomm.CastState(torch.bfloat16)
+        restored = pickle.loads(pickle.dumps(state))  # same options and counters, default process group
     """
 
     _OPTIONS: tuple[str, ...] = ()
@@ -233,6 +248,11 @@ class HookState:
             would have sent), ``compression_ratio`` (``dense_bytes / bytes_sent``, 1.0 when nothing was
             sent), ``compress_seconds`` (time in compression and decompression, not in collectives),
             ``compressed_buckets`` and ``dense_buckets`` (hook calls of each kind).
+
+        Example::
+
+            stats = state.stats()
+            print(f"{stats['compression_ratio']:.1f}x less traffic, {stats['skipped_steps']} steps skipped")
         """
         self._finish_iteration()
         ratio = self._dense_bytes / self._bytes_sent if self._bytes_sent else 1.0
@@ -313,6 +333,11 @@ class CompressionState(HookState):
         start_iter: plain (dense) allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
         process_group: the group to reduce over; ``None`` for the default group.
+
+    Example::
+
+        state = fastcomm.register(ddp, "quantize", bits=4, start_iter=10, min_compress_numel=4096)
+        owed = state.residual_of(next(ddp.module.parameters()))  # what error feedback still has to send
     """
 
     _OPTIONS = ("error_feedback", "start_iter", "min_compress_numel")
@@ -563,6 +588,44 @@ def resolve_state(state: HookState | None, bucket: dist.GradBucket, cls: type) -
     for param in params:
         owners[param] = found
     return found
+
+
+@dataclass
+class CompressedCall:
+    """What a compressing hook works with once :func:`begin_compressed` has decided to compress."""
+
+    state: CompressionState
+    key: BucketKey
+    entry: _BucketEntry
+    flat: Tensor
+    world_size: int
+    rank: int
+
+
+def begin_compressed(
+    state: CompressionState | None, bucket: dist.GradBucket, cls: type
+) -> CompressedCall | torch.futures.Future[Tensor]:
+    """The common start of the compressing hooks.
+
+    1. Resolve the state (the per-model default when ``None``) and open the iteration at bucket 0.
+    2. World size 1: a completed future holding the gradient as is.
+    3. Before ``start_iter`` or below ``min_compress_numel``: the dense allreduce's future.
+    4. Otherwise the bucket's state entry and everything the hook needs to compress it.
+
+    Returns:
+        A :class:`CompressedCall`, or the future to return as is.
+    """
+    resolved = resolve_state(state, bucket, cls)
+    assert isinstance(resolved, CompressionState)
+    key = resolved._begin_bucket(bucket)
+    buffer = bucket.buffer()
+    world_size, rank = world_of(resolved.process_group)
+    if world_size == 1:
+        return resolved._local(buffer)
+    if not resolved._use_compression(buffer.numel()):
+        return resolved._dense_allreduce(buffer, world_size)
+    entry = resolved._entry(key, bucket, world_size)
+    return CompressedCall(resolved, key, entry, buffer.reshape(-1), world_size, rank)
 
 
 def default_state(model: torch.nn.Module, cls: type) -> HookState | None:

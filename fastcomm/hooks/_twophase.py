@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.hooks._state import BucketKey, CompressionState, Timer, _BucketEntry, all_gather_flat, seed_for
+from fastcomm.hooks._state import CompressedCall, Timer, all_gather_flat, seed_for
 
 __all__ = ["Codec", "two_phase_allreduce"]
 
@@ -51,13 +51,7 @@ def _pad(tensor: Tensor, total: int) -> Tensor:
 
 
 def two_phase_allreduce(
-    state: CompressionState,
-    key: BucketKey,
-    entry: _BucketEntry,
-    flat: Tensor,
-    segment: int,
-    codec: Codec,
-    seed: int,
+    call: CompressedCall, segment: int, codec: Codec, seed: int
 ) -> torch.futures.Future[Tensor]:
     """Mean over ranks of ``flat`` through ``codec``, with error feedback on both phases.
 
@@ -69,10 +63,7 @@ def two_phase_allreduce(
        and records whether any scale was non-finite (inf/NaN anywhere makes its block's scale non-finite).
 
     Args:
-        state: the hook's state (residuals, statistics, process group).
-        key: the bucket's parameter key.
-        entry: the bucket's state entry.
-        flat: the 1-D gradient bucket.
+        call: the hook's state, the bucket's key and entry, the 1-D gradient bucket, world size and rank.
         segment: elements per rank's segment, a multiple of ``codec.block`` and of 8.
         codec: the compressor.
         seed: the stochastic-rounding seed base (mixed with step, bucket, rank and phase).
@@ -80,8 +71,8 @@ def two_phase_allreduce(
     Returns:
         A future holding the averaged bucket, in ``flat``'s dtype.
     """
-    group = state.process_group
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    state, key, entry, flat = call.state, call.key, call.entry, call.flat
+    group, world_size, rank = state.process_group, call.world_size, call.rank
     numel, dtype = flat.numel(), flat.dtype
     total = segment * world_size
     data_bytes = segment * codec.bits // 8

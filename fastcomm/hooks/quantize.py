@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops, reference
-from fastcomm.hooks._state import CompressionState, resolve_state, segment_layout, world_of
+from fastcomm.hooks._state import CompressedCall, CompressionState, begin_compressed, segment_layout
 from fastcomm.hooks._twophase import Codec, two_phase_allreduce
 
 __all__ = ["QuantState", "quantize_hook"]
@@ -113,14 +113,10 @@ def quantize_hook(state: QuantState | None, bucket: dist.GradBucket) -> torch.fu
 
         ddp.register_comm_hook(fastcomm.QuantState(bits=8), fastcomm.quantize_hook)
     """
-    state = resolve_state(state, bucket, QuantState)
-    key = state._begin_bucket(bucket)
-    buffer = bucket.buffer()
-    world_size, _ = world_of(state.process_group)
-    if world_size == 1:
-        return state._local(buffer)
-    if not state._use_compression(buffer.numel()):
-        return state._dense_allreduce(buffer, world_size)
-    entry = state._entry(key, bucket, world_size)
-    segment = segment_layout(buffer.numel(), world_size, math.lcm(state.block, 8))
-    return two_phase_allreduce(state, key, entry, buffer.reshape(-1), segment, state.codec(), state.seed)
+    call = begin_compressed(state, bucket, QuantState)
+    if not isinstance(call, CompressedCall):
+        return call
+    options = call.state
+    assert isinstance(options, QuantState)
+    segment = segment_layout(call.flat.numel(), call.world_size, math.lcm(options.block, 8))
+    return two_phase_allreduce(call, segment, options.codec(), options.seed)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops
-from fastcomm.hooks._state import CompressionState, resolve_state, segment_layout, world_of
+from fastcomm.hooks._state import CompressedCall, CompressionState, begin_compressed, segment_layout
 from fastcomm.hooks._twophase import Codec, two_phase_allreduce
 
 __all__ = ["SignState", "sign_hook", "sign_layout"]
@@ -93,16 +93,11 @@ def sign_hook(state: SignState | None, bucket: dist.GradBucket) -> torch.futures
 
         ddp.register_comm_hook(fastcomm.SignState(), fastcomm.sign_hook)
     """
-    state = resolve_state(state, bucket, SignState)
-    key = state._begin_bucket(bucket)
-    buffer = bucket.buffer()
-    world_size, _ = world_of(state.process_group)
-    if world_size == 1:
-        return state._local(buffer)
-    if not state._use_compression(buffer.numel()):
-        return state._dense_allreduce(buffer, world_size)
-    entry = state._entry(key, bucket, world_size)
-    segment, chunk = sign_layout(buffer.numel(), world_size, state.chunk)
+    call = begin_compressed(state, bucket, SignState)
+    if not isinstance(call, CompressedCall):
+        return call
+    assert isinstance(call.state, SignState)
+    segment, chunk = sign_layout(call.flat.numel(), call.world_size, call.state.chunk)
 
     def compress(x: Tensor, residual: Tensor | None, seed: int) -> tuple[Tensor, Tensor]:
         return ops.sign_compress(x, residual, chunk)
@@ -111,4 +106,4 @@ def sign_hook(state: SignState | None, bucket: dist.GradBucket) -> torch.futures
         return ops.sign_decompress(packed, scales, numel, chunk, dtype)
 
     codec = Codec(block=chunk, bits=1, compress=compress, decompress=decompress)
-    return two_phase_allreduce(state, key, entry, buffer.reshape(-1), segment, codec, 0)
+    return two_phase_allreduce(call, segment, codec, 0)

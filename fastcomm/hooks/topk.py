@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops
-from fastcomm.hooks._state import CompressionState, Timer, all_gather_flat, resolve_state, world_of
+from fastcomm.hooks._state import CompressedCall, CompressionState, Timer, all_gather_flat, begin_compressed
 
 __all__ = ["TopKState", "topk_hook"]
 
@@ -126,19 +126,14 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
 
         ddp.register_comm_hook(fastcomm.TopKState(ratio=0.01), fastcomm.topk_hook)
     """
-    state = resolve_state(state, bucket, TopKState)
-    key = state._begin_bucket(bucket)
-    buffer = bucket.buffer()
-    world_size, rank = world_of(state.process_group)
-    if world_size == 1:
-        return state._local(buffer)
-    numel = buffer.numel()
-    if not state._use_compression(numel):
-        return state._dense_allreduce(buffer, world_size)
-    entry = state._entry(key, bucket, world_size)
+    call = begin_compressed(state, bucket, TopKState)
+    if not isinstance(call, CompressedCall):
+        return call
+    state, key, entry, flat, world_size = call.state, call.key, call.entry, call.flat, call.world_size
+    assert isinstance(state, TopKState)
+    numel = flat.numel()
     timer = Timer()
     with timer:
-        flat = buffer.reshape(-1)
         k = min(numel, max(1, math.ceil(state.ratio_at(state._steps) * numel)))
         source = flat
         if state.momentum > 0.0:
