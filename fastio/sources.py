@@ -131,6 +131,7 @@ class ShardSource(_MappedSource):
         self._init_locator()
         self.table = MappedTable([r.file for r in shards.readers])
         self._verified = np.zeros(len(shards.readers), dtype=bool)
+        self._all_verified = False
         self._verify_lock = threading.Lock()
         self._fixed_start = {
             name: np.array([r.sections[name]["data"][0] for r in shards.readers], dtype=np.int64)
@@ -147,12 +148,15 @@ class ShardSource(_MappedSource):
         return {n: (torch_dtype(f.np_dtype), f.shape) for n, f in self.schema.items() if f.kind == "fixed"}
 
     def _verify(self, shard_ids: np.ndarray) -> None:
+        if self._all_verified:
+            return
         todo = np.unique(shard_ids[~self._verified[shard_ids]])
         for s in todo:
             with self._verify_lock:
                 if not self._verified[s]:
                     self.shards.readers[int(s)].ensure_verified()
                     self._verified[s] = True
+                    self._all_verified = bool(self._verified.all())
 
     def fetch(
         self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes

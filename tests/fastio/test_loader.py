@@ -251,3 +251,16 @@ def test_abandoned_iterators_do_not_block(shard_dir):
         for _ in range(5):
             next(iter(loader))
     assert sum(len(b) for b in _epoch(loader)) == 117
+
+
+def test_rank_and_world_size_come_from_torch_distributed(shard_dir, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 3)
+    implicit = fastio.StreamLoader(shard_dir, batch_size=8, seed=2)
+    assert (implicit.rank, implicit.world_size) == (1, 3) and len(implicit) == 5
+    explicit = _epoch(fastio.StreamLoader(shard_dir, batch_size=8, seed=2, rank=1, world_size=3))
+    assert _epoch(implicit) == explicit
+    overridden = fastio.StreamLoader(shard_dir, batch_size=8, seed=2, rank=0, world_size=1)
+    assert len(_flat(_epoch(overridden))) == 117
