@@ -501,7 +501,6 @@ class CompressionState(HookState):
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["param_count"] = self._next_param_key
         state["buckets"] = [
             {
                 "params": list(key),
