@@ -111,9 +111,11 @@ class _Producer:
     Holds no reference to the iterator, so an abandoned iterator is collected and stops its workers."""
 
     def __init__(
-        self, loader: StreamLoader, indices: np.ndarray, slots: int, threads: int, device_copy: bool
+        self, loader: StreamLoader, indices: np.ndarray, slots: int, threads: int, cuda_allowed: bool
     ):
-        self.source, self.batch_size, self.pin = loader._source, loader.batch_size, loader._pin
+        # In forked worker processes CUDA is off limits (no pinned buffers, no copies): the consumer copies.
+        self.source, self.batch_size = loader._source, loader.batch_size
+        self.pin = loader._pin and cuda_allowed
         self.transform, self.collate, self.python_path = loader.transform, loader.collate, loader._python_path
         self.indices, self.threads = indices, threads
         self.times = StageTimes()
@@ -123,7 +125,8 @@ class _Producer:
             if loader.reuse_buffers
             else None
         )
-        self.device = loader.device if device_copy else None
+        cuda = loader.device is not None and loader.device.type == "cuda"
+        self.device = loader.device if cuda and cuda_allowed else None
         self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
 
     def __call__(self, job: int) -> tuple[Any, int]:
@@ -177,10 +180,8 @@ class _EpochIterator:
         slots = workers + loader.prefetch if workers else 1
         processes = workers > 0 and loader.worker_mode == "process"
         threads = loader.threads or max(1, default_threads() // max(1, 1 if processes else workers))
-        cuda = loader.device is not None and loader.device.type == "cuda"
-        # Worker processes cannot hand CUDA tensors over: the consumer copies their batches itself.
-        self.producer = _Producer(loader, indices, 1 if processes else slots, threads, cuda and not processes)
-        self.copy_in_consumer = cuda and processes
+        self.producer = _Producer(loader, indices, 1 if processes else slots, threads, not processes)
+        self.copy_in_consumer = processes and loader.device is not None and loader.device.type == "cuda"
         self.times = self.producer.times
         self.pipeline: ThreadPipeline | ProcessPipeline | None = None
         if processes:
