@@ -14,7 +14,7 @@ How a batch is made:
    write tensors into shared slot files in a temp dir (:mod:`fastio.workers`): nothing is pickled but a
    small description, and nothing depends on the size of ``/dev/shm``.
 4. With ``transform``/``collate``, or a ``Dataset`` source, samples go through the Python path: per-sample
-   ``transform``, then ``collate`` (default: stack equal-shape tensors, lists otherwise) in the worker thread.
+   ``transform``, then ``collate`` (default: stack equal-shape tensors, lists otherwise) in the worker.
 5. With ``device=`` (CUDA), the pinned batch is copied on a side stream; the consumer's stream waits on an
    event, so the copy overlaps the previous step's compute (with worker processes the consumer copies).
 
@@ -24,8 +24,8 @@ stay valid until the next batch is requested; ``.clone()`` what you keep, or pas
 Resume: ``state_dict()`` says how far the epoch went; ``load_state_dict()`` takes effect at the next
 ``iter()`` (never the running one: an iteration in progress is not restarted or altered), and continues
 with exactly the batches that would have come, for any ``num_workers``; with another world size or batch
-size it splits the remainder of the epoch, losing and repeating nothing. ``set_epoch(e)`` with a different
-epoch drops a pending resume point.
+size it splits the remainder of the epoch, losing nothing and repeating nothing beyond the padding that
+``DistributedSampler`` also adds. ``set_epoch(e)`` with a different epoch drops a pending resume point.
 
 Example::
 

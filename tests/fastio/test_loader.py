@@ -264,3 +264,14 @@ def test_rank_and_world_size_come_from_torch_distributed(shard_dir, monkeypatch)
     assert _epoch(implicit) == explicit
     overridden = fastio.StreamLoader(shard_dir, batch_size=8, seed=2, rank=0, world_size=1)
     assert len(_flat(_epoch(overridden))) == 117
+
+
+def test_resume_with_another_batch_size_and_worker_processes(shard_dir, fio):
+    loader = fastio.StreamLoader(shard_dir, batch_size=10, seed=8)
+    it = iter(loader)
+    head = _flat([next(it)["y"].tolist() for _ in range(3)])
+    resumed = fastio.StreamLoader(shard_dir, batch_size=7, seed=8, num_workers=2, transform=lambda s: s)
+    resumed.load_state_dict(loader.state_dict())
+    rest = _flat(_epoch(resumed))
+    assert head + rest == _flat(_epoch(loader))
+    assert sorted(head + rest) == list(range(fio.NUM_SAMPLES))
