@@ -260,6 +260,7 @@ class _EpochIterator:
             "stage_s": dict(self.times.seconds),
             "wait_s": self.wait_s,
             "wait_share": self.wait_s / elapsed if elapsed > 0 else 0.0,
+            "input_bound": elapsed > 0 and self.wait_s / elapsed >= 0.5,
         }
 
 
@@ -513,7 +514,8 @@ class StreamLoader:
         ``samples_per_s`` and ``mb_per_s`` (bytes gathered) over the consumer's wall time; ``stage_s``:
         seconds in read, decode_transform, collate and host_to_device (summed over worker threads;
         host_to_device is the time to issue the copies); ``wait_share``: the share of the consumer's time
-        spent waiting for a batch (near 1: input-bound; near 0: the input keeps up).
+        spent waiting for a batch (near 1: input-bound; near 0: the input keeps up); ``input_bound``:
+        ``wait_share >= 0.5``.
 
         Example::
 
@@ -530,5 +532,6 @@ class StreamLoader:
                 "stage_s": dict.fromkeys(StageTimes.STAGES, 0.0),
                 "wait_s": 0.0,
                 "wait_share": 0.0,
+                "input_bound": False,
             }
         return self._current.stats()

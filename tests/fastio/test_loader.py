@@ -231,6 +231,11 @@ def test_stats_and_progress(shard_dir, capsys):
     assert stats["samples_per_s"] > 0 and stats["mb_per_s"] > 0 and stats["stage_s"]["read"] > 0
     assert 0 <= stats["wait_share"] <= 1
     assert "12/12" in capsys.readouterr().err
+    inline = fastio.StreamLoader(shard_dir, batch_size=10, num_workers=0)
+    for _ in inline:
+        pass
+    # Gathering inline, the consumer's time is all gathering but for an empty loop body.
+    assert inline.stats()["input_bound"] is True
 
 
 def test_bad_arguments(shard_dir):
