@@ -445,6 +445,21 @@ class CompressionState(HookState):
             if entry is not None:
                 entry.tensors[name] = tensor
 
+    def _flush_owed(self, key: BucketKey, bucket: dist.GradBucket, world_size: int, buffer: Tensor) -> Tensor:
+        """``buffer`` plus what its parameters still owe from compressed steps, for a bucket that goes dense.
+
+        Only after a bucket rebuild put compressed parameters into a bucket below ``min_compress_numel`` do
+        such residuals exist; they are sent with the dense allreduce instead of being stranded.
+        """
+        if not self.error_feedback or not any(pkey in self._param_loc for pkey in key):
+            return buffer
+        entry = self._entry(key, bucket, world_size)
+        owed = entry.tensors.get("residual")
+        if owed is None or not bool(owed.any()):
+            return buffer
+        self._stage(key, "residual", torch.zeros_like(owed))
+        return buffer + owed.to(buffer.dtype)
+
     def _use_compression(self, numel: int) -> bool:
         return self._steps >= self.start_iter and numel >= max(1, self.min_compress_numel)
 
@@ -622,7 +637,7 @@ def begin_compressed(
     if world_size == 1:
         return resolved._local(buffer)
     if not resolved._use_compression(buffer.numel()):
-        return resolved._dense_allreduce(buffer, world_size)
+        return resolved._dense_allreduce(resolved._flush_owed(key, bucket, world_size, buffer), world_size)
     entry = resolved._entry(key, bucket, world_size)
     return CompressedCall(resolved, key, entry, buffer.reshape(-1), world_size, rank)
 

@@ -348,6 +348,7 @@ def error_feedback_worker(rank: int, world_size: int) -> None:
         assert state.stats()["steps"] == steps
     _check_approximate_topk(rank, world_size)
     _check_start_iter(rank, world_size)
+    _check_owed_gradient_follows_rebuild_into_dense_bucket(rank, world_size)
 
 
 def _check_approximate_topk(rank: int, world_size: int) -> None:
@@ -377,6 +378,31 @@ def _check_approximate_topk(rank: int, world_size: int) -> None:
     err = float((sent + owed / world_size - raw / world_size).abs().max())
     assert err < 1e-4, f"approximate top-k lost gradient mass: {err}"
     assert state.stats()["bytes_sent"] == steps * (world_size - 1) * k * 8
+
+
+def _check_owed_gradient_follows_rebuild_into_dense_bucket(rank: int, world_size: int) -> None:
+    """A rebuild that splits a compressed bucket into small (dense) ones sends what was owed, once."""
+    for state, hook in [
+        (fastcomm.TopKState(ratio=0.05, min_compress_numel=100), fastcomm.topk_hook),
+        (fastcomm.SignState(min_compress_numel=100), fastcomm.sign_hook),
+    ]:
+        params = [torch.zeros(60), torch.zeros(70)]
+        sent = torch.zeros(130, dtype=torch.float64)
+        raw = torch.zeros(130, dtype=torch.float64)
+        for step in range(6):
+            grads = [grad_for(rank, p, step, n, torch.float32) for p, n in enumerate((60, 70))]
+            if step < 3:  # one bucket of 130 elements: compressed
+                buckets = [FakeBucket(0, params, torch.cat(grads))]
+            else:  # rebuilt: one bucket per parameter, each below min_compress_numel
+                buckets = [FakeBucket(b, [params[b]], grads[b]) for b in range(2)]
+            outputs = run_hook(hook, state, buckets)
+            sent += torch.cat(outputs).double()
+            raw += torch.cat(grads).double()
+        dist.all_reduce(raw)
+        err = float((sent - raw / world_size).abs().max())
+        assert err < 1e-4, (
+            f"{type(state).__name__}: owed gradient lost or sent twice after the rebuild ({err})"
+        )
 
 
 def _check_start_iter(rank: int, world_size: int) -> None:
