@@ -268,11 +268,13 @@ class TarSource(_MappedSource):
         if fortran or dtype.hasobject or not dtype.isnative:
             return None
         reference = shard0.array[offsets[0] : offsets[0] + header]
+        span = np.arange(header)
         for s, file in enumerate(self.table.files):
-            rows = offsets[self._shard_of == s]
-            heads = file.array[rows[:, None] + np.arange(header)]
-            if (heads != reference).any():
-                return None
+            rows = offsets[self.cumulative[s] : self.cumulative[s + 1]]
+            for chunk in range(0, len(rows), 1 << 16):  # bounded scratch memory for huge shards
+                heads = file.array[rows[chunk : chunk + (1 << 16), None] + span]
+                if (heads != reference).any():
+                    return None
         return dtype, shape, header
 
     def _decode_ints(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:

@@ -133,3 +133,14 @@ def test_truncated_and_corrupt_tar(tmp_path, tar_dir):
     (tmp_path / "bad.tar").write_bytes(bytes(bad))
     with pytest.raises(fastio.CorruptShardError, match=r"bad\.tar"):
         fastio.StreamLoader(str(tmp_path / "bad.tar"), batch_size=4)
+
+
+def test_npy_members_of_equal_size_but_another_dtype_are_not_stacked(tmp_path):
+    with wds.TarWriter(str(tmp_path / "mixed.tar")) as sink:
+        for i in range(6):
+            dtype = np.int32 if i == 4 else np.float32  # same byte size, another header
+            sink.write({"__key__": f"k{i}", "x.npy": np.full((3, 4), i, dtype)})
+    batch = next(iter(fastio.StreamLoader(str(tmp_path / "mixed.tar"), batch_size=6, shuffle=False)))
+    assert isinstance(batch["x.npy"], list)
+    assert [t.dtype for t in batch["x.npy"]] == [torch.float32] * 4 + [torch.int32, torch.float32]
+    assert [int(t[2, 3]) for t in batch["x.npy"]] == list(range(6))
