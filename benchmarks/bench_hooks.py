@@ -311,10 +311,12 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
                                                   stderr=subprocess.STDOUT, start_new_session=True))
             deadline = time.monotonic() + settings.timeout_s
             failed_at: float | None = None
+            first_failed: int | None = None  # its error is the cause; its peer reports "connection reset"
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
-                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                    failed_at = now
+                failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if failed_at is None and failed:
+                    failed_at, first_failed = now, failed[0]
                 # A rank that died leaves its peer blocked in a collective: give it a moment to report.
                 if now > deadline or (failed_at is not None and now > failed_at + 10):
                     break
@@ -324,7 +326,7 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
             _kill(procs)
         crashed = [r for r, p in enumerate(procs) if p.returncode not in (0, None) and r not in hung]
         if crashed:
-            rank = crashed[0]
+            rank = first_failed if first_failed in crashed else crashed[0]
             code = procs[rank].returncode
             return _Outcome(f"crashed (rank {rank} exit {code}): {_last_error_line(logs[rank])}")
         if hung:
