@@ -63,24 +63,26 @@ class Pool {
   }
 
  private:
+  // Under mutex_: take a share of a job that still has chunks left and wants helpers.
+  std::shared_ptr<Job> claim() {
+    for (auto& j : queue_) {
+      if (j->helpers_wanted > 0 && j->next.load() < j->n) {
+        --j->helpers_wanted;
+        return j;
+      }
+    }
+    return nullptr;
+  }
+
   void helper() {
     while (true) {
       std::shared_ptr<Job> job;
       {
+        // Claimed inside the wait's predicate, so what woke the helper is what it works on. The job may be
+        // used up by the time work() runs (the caller takes chunks too, without the lock): work() then
+        // returns at once.
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] {
-          for (auto& j : queue_) {
-            if (j->helpers_wanted > 0 && j->next.load() < j->n) return true;
-          }
-          return false;
-        });
-        for (auto& j : queue_) {
-          if (j->helpers_wanted > 0 && j->next.load() < j->n) {
-            --j->helpers_wanted;
-            job = j;
-            break;
-          }
-        }
+        wake_.wait(lock, [&] { return (job = claim()) != nullptr; });
       }
       job->work();
     }

@@ -127,3 +127,24 @@ def test_parallel_gather_from_many_threads(tmp_path):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_many_small_parallel_gathers(tmp_path):
+    """Jobs of two or three chunks, back to back: the caller often takes the last chunk while a helper is
+    waking up for it (a helper that found the job used up once dereferenced nothing)."""
+    rng = np.random.default_rng(4)
+    path = tmp_path / "mid.bin"
+    path.write_bytes(rng.integers(0, 256, size=1_000_000, dtype=np.uint8).tobytes())
+    table = MappedTable([MappedFile(path)])
+    row, batch = 1024, 300  # 300 KiB: just above the two-chunk threshold
+    ids = np.zeros(batch, np.int32)
+    out = torch.empty(batch, row, dtype=torch.uint8)
+    for k in range(20_000):
+        offsets = ((np.arange(batch, dtype=np.int64) * 7919 + k * 31) % (table.limits[0] - row)).astype(
+            np.int64
+        )
+        _native.gather_rows(table, ids, offsets, row, out, 2 + k % 3)
+        if k % 2000 == 0:
+            np.testing.assert_array_equal(
+                out[-1].numpy(), table.files[0].array[offsets[-1] : offsets[-1] + row]
+            )
