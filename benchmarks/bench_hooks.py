@@ -5,8 +5,9 @@ The question: how much of a training step does each hook save, on a slow link an
 1. The model is an MLP 1024-4096-4096-1024 with biases (25.2M fp32 parameters, 100.7 MB of gradients),
    trained with SGD on one fixed random batch of 64 per rank; each rank uses one thread (2 ranks share
    the machine's cores).
-2. Each configuration runs in its own pair of rank processes with its own process group and a timeout, so
-   a crash or a hang is reported as such and the next configuration still runs.
+2. Each configuration runs in its own pair of rank processes with its own process group, killed at a
+   timeout or once neither rank has used CPU for 20 s (blocked in a mismatched collective), so a crash or a
+   hang is reported as such and the next configuration still runs.
 3. A step is ``zero_grad``, forward, backward (which runs the hook on every bucket) and ``optimizer.step``;
    the reported time is the slower rank's median over the timed steps, after warm-up steps.
 4. Configurations: dense allreduce (no hook), a no-op hook (returns the bucket untouched without
@@ -60,6 +61,9 @@ POWERSGD_MIN_COMPRESSION_RATE = 2.0
 LINK_RATE = "1gbit"
 NETWORKS = ("loopback", "netlab")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+# Ranks blocked in a mismatched collective use no CPU; a healthy run never idles this long (a dense step
+# on the 1 Gbit/s link waits about 1 s for the network).
+_IDLE_HANG_S = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +278,18 @@ def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
         proc.wait()
 
 
+def _cpu_seconds(procs: Sequence[subprocess.Popen[bytes]]) -> float | None:
+    """CPU time the rank processes have used so far (Linux ``/proc``), or ``None`` where unknown."""
+    total = 0.0
+    for proc in procs:
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
 def _last_error_line(path: Path) -> str:
     """The last line of a rank's log that names an error (else its last line), shortened."""
     lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
@@ -309,19 +325,26 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
                 with logs[-1].open("wb") as log:
                     procs.append(subprocess.Popen(command, cwd=_REPO_ROOT, env=env, stdout=log,
                                                   stderr=subprocess.STDOUT, start_new_session=True))
-            deadline = time.monotonic() + settings.timeout_s
+            start = time.monotonic()
+            deadline = start + settings.timeout_s
+            cpu_seconds, busy_at = _cpu_seconds(procs), start
             failed_at: float | None = None
+            idle = False
             first_failed: int | None = None  # its error is the cause; its peer reports "connection reset"
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
                 failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
                 if failed_at is None and failed:
                     failed_at, first_failed = now, failed[0]
+                if _cpu_seconds(procs) != cpu_seconds:
+                    cpu_seconds, busy_at = _cpu_seconds(procs), now
                 # A rank that died leaves its peer blocked in a collective: give it a moment to report.
-                if now > deadline or (failed_at is not None and now > failed_at + 10):
+                idle = now - busy_at > _IDLE_HANG_S
+                if now > deadline or idle or (failed_at is not None and now > failed_at + 10):
                     break
-                time.sleep(0.1)
+                time.sleep(0.2)
             hung = [r for r, p in enumerate(procs) if p.poll() is None]
+            waited = time.monotonic() - start
         finally:
             _kill(procs)
         crashed = [r for r, p in enumerate(procs) if p.returncode not in (0, None) and r not in hung]
@@ -330,7 +353,8 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
             code = procs[rank].returncode
             return _Outcome(f"crashed (rank {rank} exit {code}): {_last_error_line(logs[rank])}")
         if hung:
-            return _Outcome(f"hung: rank(s) {hung} still running after {settings.timeout_s:.0f} s, killed")
+            why = f"no CPU used for {_IDLE_HANG_S} s" if idle else "timeout"
+            return _Outcome(f"hung: rank(s) {hung} still running after {waited:.0f} s ({why}), killed")
         results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
         if results[0].get("profile"):
             print(f"[bench_hooks] {config.name}: rank 0 profile of one step\n{results[0]['profile']}",
