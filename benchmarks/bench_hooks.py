@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import netlab
 from benchmarks.harness import Row, time_call, write_results
@@ -172,8 +173,6 @@ def _profile_step(step: Callable[[], None]) -> str:
 
 def _rank_main(spec: dict[str, Any]) -> None:
     """Run one configuration on one rank and write its median step time and hook stats to ``spec['out']``."""
-    from torch.nn.parallel import DistributedDataParallel
-
     torch.set_num_threads(1)
     rank = spec["rank"]
     dist.init_process_group(
