@@ -179,7 +179,7 @@ class _EpochIterator:
         workers = loader.num_workers
         slots = workers + loader.prefetch if workers else 1
         processes = workers > 0 and loader.worker_mode == "process"
-        threads = loader.threads or max(1, default_threads() // max(1, 1 if processes else workers))
+        threads = loader.threads or max(1, default_threads() // max(1, workers))
         self.producer = _Producer(loader, indices, 1 if processes else slots, threads, not processes)
         self.copy_in_consumer = processes and loader.device is not None and loader.device.type == "cuda"
         self.times = self.producer.times
