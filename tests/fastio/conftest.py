@@ -61,3 +61,11 @@ class Helpers:
 @pytest.fixture(scope="session")
 def fio() -> type[Helpers]:
     return Helpers
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process group another test file left initialised must not split these tests' data across ranks."""
+    import torch
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
