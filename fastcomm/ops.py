@@ -55,8 +55,8 @@ OP_NAMES = (
 _LIB = torch.library.Library("fastcomm", "DEF")
 _LIB.define("topk_select(Tensor x, int k, Tensor(a!)? residual=None, bool exact=True) -> (Tensor, Tensor)")
 _LIB.define(
-    "quantize_blockwise(Tensor x, int bits=8, int block=256, bool stochastic=False, int seed=0)"
-    " -> (Tensor, Tensor)"
+    "quantize_blockwise(Tensor x, int bits=8, int block=256, bool stochastic=False, int seed=0,"
+    " Tensor(a!)? residual=None) -> (Tensor, Tensor)"
 )
 _LIB.define(
     "dequantize_blockwise(Tensor codes, Tensor scales, int numel, int bits=8, int block=256,"
@@ -100,7 +100,7 @@ def _num_blocks(n: int, block: int) -> int:
 
 
 @torch.library.register_fake("fastcomm::quantize_blockwise")
-def _quantize_fake(x, bits=8, block=256, stochastic=False, seed=0):
+def _quantize_fake(x, bits=8, block=256, stochastic=False, seed=0, residual=None):
     n = x.numel()
     return x.new_empty(_num_blocks(n * bits, 8), dtype=torch.uint8), x.new_empty(
         _num_blocks(n, block), dtype=torch.float32
@@ -275,10 +275,17 @@ def topk_select(x: Tensor, k: int, residual: Tensor | None = None, exact: bool =
 
 
 def quantize_blockwise(
-    x: Tensor, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0
+    x: Tensor,
+    bits: int = 8,
+    block: int = 256,
+    stochastic: bool = False,
+    seed: int = 0,
+    residual: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Quantize to ``bits``-wide signed codes with one absmax fp32 scale per block, packed into bytes.
 
+    0. With ``residual`` (error feedback), ``x + residual`` is quantized and ``residual`` is updated in
+       place to what the codes did not carry (``acc - dequantize(codes)``), in the same pass.
     1. ``scale = max|x| / qmax`` per block of ``block`` elements, ``qmax = 2**(bits-1) - 1``.
     2. ``q = round(x / scale)`` (``stochastic=False``) or ``floor(x / scale + u)`` with ``u`` uniform from a
        hash of ``(index, seed)``, which is unbiased: ``E[dequantize(quantize(x))] == x``.
@@ -291,6 +298,7 @@ def quantize_blockwise(
         block: elements per scale.
         stochastic: stochastic (unbiased) instead of nearest rounding.
         seed: stochastic rounding seed; the same seed gives the same codes on every backend.
+        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
 
     Returns:
         ``(codes uint8 of ceil(numel * bits / 8), scales float32 of ceil(numel / block))``.
@@ -302,12 +310,13 @@ def quantize_blockwise(
         torch.Size([1000])
     """
     _check_float("x", x)
+    _check_residual(x, residual)
     _check_bits(bits)
     _check_positive("block", block)
     if not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
         raise ValueError(f"seed must be an int64, got {seed!r}")
     _warn_if_unexpectedly_slow(x)
-    return torch.ops.fastcomm.quantize_blockwise(x, bits, block, bool(stochastic), seed)
+    return torch.ops.fastcomm.quantize_blockwise(x, bits, block, bool(stochastic), seed, residual)
 
 
 def dequantize_blockwise(

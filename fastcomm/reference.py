@@ -150,21 +150,34 @@ def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
 
 
 def quantize_blockwise(
-    x: Tensor, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0
+    x: Tensor,
+    bits: int = 8,
+    block: int = 256,
+    stochastic: bool = False,
+    seed: int = 0,
+    residual: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Absmax blockwise quantization to signed ``bits``-wide codes, packed into uint8.
 
-    With ``qmax = 2**(bits-1) - 1``, for each block of ``block`` elements:
+    With ``qmax = 2**(bits-1) - 1`` and ``x`` replaced by ``acc = x + residual`` (rounded in ``x``'s dtype)
+    when a residual is given, for each block of ``block`` elements:
 
     1. ``absmax = max |x|`` (NaN if the block holds inf/NaN); ``scale = absmax / qmax`` (fp32).
-    2. ``inv = qmax / absmax`` when absmax is finite and positive, else 0; ``v = x * inv`` (0 where inv is 0).
+    2. ``inv = qmax / absmax`` when absmax is finite and positive and the quotient finite (a subnormal
+       absmax overflows it), else 0; ``v = x * inv`` (0 where inv is 0).
     3. ``code = clamp(trunc(v + (qmax + u)), 0, 2*qmax) + 1`` with ``u = 0.5`` (round to nearest) or, when
        ``stochastic``, ``u = uniform_hash(i, seed)``, which makes ``floor(v + u)`` unbiased: E[deq] = x.
+
+    4. With a residual (error feedback), it becomes ``acc - dequantize(codes)`` computed in fp32 and rounded
+       once to ``x``'s dtype, in place.
 
     Codes ``1 .. 2*qmax+1`` stand for ``-qmax .. qmax`` (code 0 is unused). Returns ``(packed codes of
     ceil(n * bits / 8) bytes, fp32 scales of ceil(n / block))``.
     """
-    flat = x.reshape(-1).float()
+    acc = x.reshape(-1)
+    if residual is not None:
+        acc = acc + residual.reshape(-1)
+    flat = acc.float()
     n = flat.numel()
     qmax = float(2 ** (bits - 1) - 1)
     absmax = _block_absmax(flat, block)
@@ -174,6 +187,8 @@ def quantize_blockwise(
     scales = absmax / qmax_t
     usable = torch.isfinite(absmax) & (absmax > 0)
     inv = torch.where(usable, qmax_t / absmax, torch.zeros_like(absmax))
+    usable = usable & torch.isfinite(inv)
+    inv = torch.where(usable, inv, torch.zeros_like(inv))
     block_of = torch.arange(n, device=x.device) // block
     v = torch.where(usable[block_of], flat * inv[block_of], torch.zeros_like(flat))
     if stochastic:
@@ -182,7 +197,11 @@ def quantize_blockwise(
         u = torch.full_like(flat, 0.5)
     w = v + (qmax + u)
     codes = torch.clamp(w, 0.0, 2 * qmax).to(torch.int32) + 1
-    return _pack(codes, bits), scales
+    packed = _pack(codes, bits)
+    if residual is not None:
+        sent = dequantize_blockwise(packed, scales, n, bits, block, torch.float32)
+        residual.copy_((flat - sent).to(x.dtype).view_as(residual))
+    return packed, scales
 
 
 def dequantize_blockwise(

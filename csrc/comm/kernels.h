@@ -48,7 +48,8 @@ inline int64_t approx_sample_size(int64_t n, int64_t k) {
 std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t k,
                                                    const std::optional<at::Tensor>& residual, bool exact);
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, int64_t bits, int64_t block,
-                                                          bool stochastic, int64_t seed);
+                                                          bool stochastic, int64_t seed,
+                                                          const std::optional<at::Tensor>& residual);
 at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes, const at::Tensor& scales, int64_t numel,
                                     int64_t bits, int64_t block, at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> sign_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,

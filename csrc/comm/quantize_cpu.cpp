@@ -125,15 +125,46 @@ void decode_block8(const uint8_t* codes, float scale, int offset, int64_t len, s
   }
 }
 
+// Error feedback after encoding: residual (holding acc) becomes acc - dequantized, in fp32, rounded once.
+template <typename scalar_t>
+void subtract_dequantized(const uint8_t* codes, int64_t first, int64_t len, int64_t bits, float scale,
+                          scalar_t* acc) {
+  const int offset = 1 << (bits - 1);
+  if (bits == 8) {
+    const uint8_t* c = codes + first;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      const float sent = static_cast<float>(static_cast<int>(c[j]) - offset) * scale;
+      acc[j] = static_cast<scalar_t>(static_cast<float>(acc[j]) - sent);
+    }
+    return;
+  }
+  const int64_t per_byte = 8 / bits;
+  const int mask = (1 << bits) - 1;
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t i = first + j;
+    const int code = (codes[i / per_byte] >> ((i % per_byte) * bits)) & mask;
+    const float sent = static_cast<float>(code - offset) * scale;
+    acc[j] = static_cast<scalar_t>(static_cast<float>(acc[j]) - sent);
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, int64_t bits, int64_t block,
-                                                          bool stochastic, int64_t seed) {
+                                                          bool stochastic, int64_t seed,
+                                                          const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "quantize_blockwise: bits must be 8, 4 or 2, got ", bits);
   TORCH_CHECK(block > 0, "quantize_blockwise: block must be positive, got ", block);
   const at::Tensor flat = x.contiguous().view(-1);
   const int64_t n = flat.numel();
   const int64_t nblocks = ceil_div(n, block);
+  at::Tensor work;  // the residual buffer the kernel updates (a contiguous copy when the caller's is not)
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "quantize_blockwise: residual must match x in shape and dtype");
+    work = residual->is_contiguous() ? *residual : residual->contiguous();
+  }
   at::Tensor codes = bits == 8 ? at::empty({n}, x.options().dtype(at::kByte))
                                : at::zeros({ceil_div(n * bits, 8)}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nblocks}, x.options().dtype(at::kFloat));
@@ -144,19 +175,32 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, i
   const int64_t grain = std::max<int64_t>(1, 65536 / (unit * block));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize_blockwise_cpu", [&] {
     const scalar_t* xp = flat.const_data_ptr<scalar_t>();
+    scalar_t* rp = work.defined() ? work.data_ptr<scalar_t>() : nullptr;
     uint8_t* cp = codes.data_ptr<uint8_t>();
     float* sp = scales.data_ptr<float>();
     at::parallel_for(0, units, grain, [&](int64_t lo, int64_t hi) {
       for (int64_t blk = lo * unit; blk < std::min(nblocks, hi * unit); ++blk) {
         const int64_t first = blk * block;
         const int64_t len = std::min(block, n - first);
-        const float absmax = block_absmax(xp + first, len);
-        sp[blk] = absmax / qmax;
-        const float inv = (absmax > 0.0f && std::isfinite(absmax)) ? qmax / absmax : 0.0f;
-        encode_block(xp + first, first, len, inv, qmax, stochastic, s32, bits, cp);
+        const scalar_t* acc = xp + first;
+        if (rp != nullptr) {
+          scalar_t* r = rp + first;
+          for (int64_t j = 0; j < len; ++j) {
+            r[j] = static_cast<scalar_t>(static_cast<float>(acc[j]) + static_cast<float>(r[j]));
+          }
+          acc = r;
+        }
+        const float absmax = block_absmax(acc, len);
+        const float scale = absmax / qmax;
+        sp[blk] = scale;
+        float inv = (absmax > 0.0f && std::isfinite(absmax)) ? qmax / absmax : 0.0f;
+        if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal absmax: qmax / absmax overflows
+        encode_block(acc, first, len, inv, qmax, stochastic, s32, bits, cp);
+        if (rp != nullptr) subtract_dequantized(cp, first, len, bits, scale, rp + first);
       }
     });
   });
+  if (work.defined() && !work.is_same(*residual)) residual->copy_(work);
   return {codes, scales};
 }
 

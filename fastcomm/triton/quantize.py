@@ -60,8 +60,6 @@ def _encode(
         w = v + (QMAX + _uniform_hash(index, seed32))
     else:
         w = v + (QMAX + 0.5)
-    # NaN only from 0 * inf when qmax / absmax overflows; it becomes code 1, as the reference's cast gives.
-    w = tl.where(w == w, w, 0.0)
     w = tl.minimum(tl.maximum(w, 0.0), 2.0 * QMAX)
     code = tl.where(mask, w.to(tl.int32) + 1, 0)
     return tl.sum(code << (lane * BITS)[None, None, :], axis=2).to(tl.uint8)
@@ -116,6 +114,8 @@ def _quantize_kernel(
     absmax = tl.where(bad != 0, float("nan"), absmax)
     tl.store(scales_ptr + rows, tl.math.div_rn(absmax, qmax), mask=rows < nblocks)
     inv = tl.where(usable, tl.math.div_rn(qmax, tl.where(usable, absmax, 1.0)), 0.0)
+    usable = usable & (inv != float("inf"))  # a subnormal absmax overflows qmax / absmax
+    inv = tl.where(usable, inv, 0.0)
 
     if LOOPS:
         for start in range(0, block, COLUMNS):
@@ -163,7 +163,12 @@ def _dequantize_kernel(
 
 
 def quantize_blockwise(
-    x: torch.Tensor, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0
+    x: torch.Tensor,
+    bits: int = 8,
+    block: int = 256,
+    stochastic: bool = False,
+    seed: int = 0,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`fastcomm.reference.quantize_blockwise` (same arguments, same bits out).
 
@@ -177,6 +182,8 @@ def quantize_blockwise(
         block: elements per scale, any positive int.
         stochastic: ``u`` from the counter hash of ``(index, seed)`` instead of 0.5.
         seed: int64 seed, folded to 32 bits as ``(seed ^ (seed >> 32)) & 0xFFFFFFFF``.
+        residual: error-feedback buffer like ``x``: ``x + residual`` is quantized and ``residual`` becomes
+            ``acc - dequantized`` (fp32, rounded once), with torch ops around the kernel (not fused yet).
 
     Returns:
         ``(codes uint8 of ceil(n * bits / 8), scales float32 of ceil(n / block))`` on ``x``'s device.
@@ -185,6 +192,12 @@ def quantize_blockwise(
 
         >>> codes, scales = quantize_blockwise(torch.randn(1000, device="cuda"), bits=4)
     """
+    if residual is not None:
+        acc = x.reshape(-1) + residual.reshape(-1)
+        codes, scales = quantize_blockwise(acc, bits, block, stochastic, seed)
+        sent = dequantize_blockwise(codes, scales, acc.numel(), bits, block, torch.float32)
+        residual.copy_((acc.float() - sent).to(x.dtype).view_as(residual))
+        return codes, scales
     flat = x.reshape(-1).contiguous()
     n = flat.numel()
     nblocks = triton.cdiv(n, block)

@@ -146,6 +146,38 @@ def test_stochastic_rounding_is_unbiased(device, bits):
     assert (nearest - x.cpu().double()).abs().max() > 6 * step.max() / (2 * trials**0.5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_blockwise_error_feedback(device, dtype, bits):
+    n = 20011
+    x = _randn(n, dtype, device, _seed("qef", bits))
+    for block, stochastic in ((256, True), (7, False)):
+        residual = _randn(n, dtype, device, _seed("qres", bits, block)) * 0.1
+        residual_ref = residual.cpu().clone()
+        acc = (x + residual).cpu()
+        codes, scales = ops.quantize_blockwise(x, bits, block, stochastic, 5, residual=residual)
+        codes_ref, scales_ref = ref.quantize_blockwise(x.cpu(), bits, block, stochastic, 5, residual=residual_ref)
+        torch.testing.assert_close(codes.cpu(), codes_ref, rtol=0, atol=0)
+        torch.testing.assert_close(scales.cpu(), scales_ref, rtol=0, atol=0)
+        torch.testing.assert_close(residual.cpu(), residual_ref, rtol=0, atol=0)
+        # The codes are those of acc = x + residual, and residual = acc - sent up to one rounding in dtype.
+        assert torch.equal(codes_ref, ref.quantize_blockwise(acc, bits, block, stochastic, 5)[0])
+        sent = ref.dequantize_blockwise(codes_ref, scales_ref, n, bits, block).double()
+        error = (sent + residual_ref.double() - acc.double()).abs()
+        # One rounding to dtype: relative EPS for normal results, absolute below (subnormal spacing).
+        assert (error <= EPS[dtype] * (acc.double() - sent).abs() + torch.finfo(dtype).smallest_normal * EPS[dtype]).all()
+
+
+def test_quantize_subnormal_block_encodes_zero():
+    x = _randn(512, torch.float32, "cpu", 17)
+    x[:256] *= 1e-44  # absmax subnormal: qmax / absmax overflows fp32
+    codes, scales = ops.quantize_blockwise(x, bits=8)
+    out = ops.dequantize_blockwise(codes, scales, 512)
+    assert (codes[:256] == 128).all() and (out[:256] == 0).all()
+    assert (out[256:] != 0).any()
+
+
 def test_quantize_seed_changes_codes_and_repeats():
     x = _randn(4099, torch.float32, "cpu", 7)
     a = ops.quantize_blockwise(x, bits=4, stochastic=True, seed=1)[0]
@@ -194,7 +226,7 @@ def test_sign_compress_error_feedback_invariant(dtype):
     sent = ops.sign_decompress(packed, scales, n, chunk=512).double()
     # residual = fl(acc - sent): exact in real arithmetic, so the invariant holds up to that one rounding.
     error = (sent + residual.double() - acc).abs()
-    assert (error <= EPS[dtype] * (acc - sent).abs() + 1e-30).all()
+    assert (error <= EPS[dtype] * (acc - sent).abs() + torch.finfo(dtype).smallest_normal * EPS[dtype]).all()
     assert torch.equal(sent > 0, acc >= 0)
 
 
@@ -238,7 +270,8 @@ def _opcheck_cases():
     packed, sign_scales = ref.sign_compress(x, chunk=128)
     return [
         ("topk_select", (x, 50, x.clone() * 0.1, True)),
-        ("quantize_blockwise", (x, 4, 64, True, 3)),
+        ("quantize_blockwise", (x, 4, 64, True, 3, None)),
+        ("quantize_blockwise", (x, 8, 64, True, 3, x.clone() * 0.1)),
         ("dequantize_blockwise", (codes, scales, 1031, 4, 64, torch.float16)),
         ("sign_compress", (x, x.clone() * 0.1, 128)),
         ("sign_decompress", (packed, sign_scales, 1031, 128, torch.float32)),
@@ -272,6 +305,7 @@ def test_opcheck_approximate_topk_dynamic_size():
         (lambda: ops.quantize_blockwise(torch.randn(10), bits=3), ValueError, "bits"),
         (lambda: ops.quantize_blockwise(torch.randn(10), block=0), ValueError, "block"),
         (lambda: ops.quantize_blockwise(torch.randn(10).double()), TypeError, "x"),
+        (lambda: ops.quantize_blockwise(torch.randn(10), residual=torch.zeros(5)), ValueError, "residual"),
         (lambda: ops.dequantize_blockwise(torch.zeros(3, dtype=torch.uint8), torch.ones(1), 10), ValueError, "codes"),
         (lambda: ops.dequantize_blockwise(torch.zeros(10), torch.ones(1), 10), TypeError, "codes"),
         (lambda: ops.sign_compress(torch.randn(10), chunk=-2), ValueError, "chunk"),

@@ -129,3 +129,19 @@ def test_opcheck_cuda() -> None:
     torch.library.opcheck(
         torch.ops.fastcomm.dequantize_blockwise, (codes, scales, 4099, 4, 100, torch.bfloat16)
     )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_with_residual_matches_reference(device, dtype, bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(4099, generator=g).to(dtype)
+    residual = (torch.randn(4099, generator=g) * 0.1).to(dtype)
+    residual_ref = residual.clone()
+    residual_dev = residual.to(device)
+    codes, scales = quantize_blockwise(x.to(device), bits, 256, True, 9, residual=residual_dev)
+    codes_ref, scales_ref = reference.quantize_blockwise(x, bits, 256, True, 9, residual=residual_ref)
+    assert torch.equal(codes.cpu(), codes_ref)
+    _assert_same_floats(scales, scales_ref)
+    _assert_same_floats(residual_dev, residual_ref)
