@@ -9,25 +9,9 @@
 #include <optional>
 #include <tuple>
 
+#include "comm/hash.h"
+
 namespace fastcomm {
-
-// MurmurHash3's 32-bit finaliser; with hash32 it is the counter-based RNG of reference.uniform_hash.
-inline uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return h;
-}
-
-inline uint32_t seed32(int64_t seed) { return static_cast<uint32_t>(seed ^ (seed >> 32)); }
-
-inline uint32_t hash32(uint64_t index, uint32_t seed) {
-  return fmix32((static_cast<uint32_t>(index) * 0x9E3779B1u) ^ seed);
-}
-
-inline float uniform_from_hash(uint32_t h) { return static_cast<float>(h >> 8) * 5.9604644775390625e-08f; }
 
 // Order key of |v|: the bit pattern of fabs(float(v)) as an unsigned int (NaN above +inf).
 inline uint32_t magnitude_key(float v) {

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "hash.h"
+
 namespace fastcomm {
 namespace topk_cuda {
 
@@ -24,17 +26,6 @@ constexpr uint32_t kLevelPrefixMask[kLevels] = {0u, 0x7FF00000u, 0x7FFFFE00u};
 template <typename scalar_t>
 __device__ __forceinline__ uint32_t magnitude_key(scalar_t v) {
   return __float_as_uint(static_cast<float>(v)) & 0x7FFFFFFFu;
-}
-
-// reference._hash32: fmix32((index * golden) mod 2^32 XOR seed32).
-__device__ __forceinline__ uint32_t hash32(uint64_t index, uint32_t seed32) {
-  uint32_t h = (static_cast<uint32_t>(index) * 0x9E3779B1u) ^ seed32;
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return h;
 }
 
 // acc = x + residual in scalar_t (one fp32 add rounded once), written over the residual.
