@@ -9,10 +9,11 @@ hook               state                  on the wire (per bucket, per rank)
 ``cast_hook``      ``CastState``          one allreduce in bf16 (or fp16)
 =================  =====================  ==========================================================
 
-Collective order: every collective of a bucket is issued inside the hook call, and DDP calls hooks in
-bucket order on every rank, so all ranks issue the same collectives in the same order. The two-phase hooks
-therefore wait for phase 1 inside the hook (which blocks the backward pass for that exchange) and return
-phase 2 as the future; top-k sends a payload whose size is fixed before any communication.
+Collective order: every collective is issued inside a hook call, never from a callback, and DDP calls hooks
+in bucket order on every rank, so all ranks issue the same collectives in the same order. The two-phase hooks
+pipeline across buckets: the call for bucket ``i`` issues phase 1 of bucket ``i`` and phase 2 of bucket
+``i - 1`` (whose phase 1 ran during bucket ``i``'s backward), and the last bucket finishes its own phase 2.
+Top-k sends a payload whose size is fixed before any communication.
 
 Example::
 

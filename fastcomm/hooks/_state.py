@@ -32,6 +32,8 @@ __all__ = [
     "CompressedCall",
     "CompressionState",
     "HookState",
+    "PendingPhase",
+    "all_finite",
     "begin_compressed",
     "default_state",
     "resolve_state",
@@ -71,6 +73,17 @@ def ring_bytes(numel: int, element_size: int, world_size: int) -> int:
 
 # all_gather_into_tensor was renamed all_gather_single; use whichever this torch has, without a warning.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_finite(tensor: Tensor) -> Tensor | bool:
+    """Whether every element is finite, by one min/max pass (NaN propagates into both, inf into one).
+
+    ``torch.isfinite(t).all()`` allocates a mask and makes several passes: tens of times slower on CPU.
+    """
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor.reshape(-1))
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def completed(tensor: Tensor) -> torch.futures.Future[Tensor]:
@@ -208,7 +221,7 @@ class HookState:
 
     def _dense_allreduce(self, buffer: Tensor, world_size: int) -> torch.futures.Future[Tensor]:
         """Mean over ranks by one async allreduce (divided first, so fp16 cannot overflow in the sum)."""
-        tensor = buffer.div(world_size)
+        tensor = buffer.div_(world_size)
         work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
         self._count(
             ring_bytes(tensor.numel(), tensor.element_size(), world_size),
@@ -219,14 +232,14 @@ class HookState:
 
         def finish(future: torch.futures.Future[list[Tensor]]) -> Tensor:
             result = future.value()[0]
-            self._note_output(torch.isfinite(result).all())
+            self._note_output(all_finite(result))
             return result
 
         return work.get_future().then(finish)
 
     def _local(self, buffer: Tensor) -> torch.futures.Future[Tensor]:
         """World size 1: the gradient is already the mean; only the step accounting runs."""
-        self._note_output(torch.isfinite(buffer).all())
+        self._note_output(all_finite(buffer))
         self._count(0, 0, 0.0, compressed=False)
         return completed(buffer)
 
@@ -368,6 +381,10 @@ class CompressionState(HookState):
         self._buckets: dict[BucketKey, _BucketEntry] = {}
         # parameter key -> (bucket key, offset of the parameter in that bucket)
         self._param_loc: dict[int, tuple[BucketKey, int]] = {}
+        # tensors replaced at the last commit, reused as the next staged copies (no allocation per step)
+        self._spares: dict[tuple[BucketKey, str], Tensor] = {}
+        # a two-phase bucket whose phase 1 is in flight; its phase 2 is issued by the next hook call
+        self._pending: PendingPhase | None = None
 
     # -------------------------------------------------------------------------------- per-bucket state
     def _entry(self, key: BucketKey, bucket: dist.GradBucket, world_size: int) -> _BucketEntry:
@@ -439,11 +456,27 @@ class CompressionState(HookState):
         """Keep ``tensor`` as the bucket's new ``name`` if this iteration turns out finite."""
         self._staged[(key, name)] = tensor
 
+    def _staging_copy(self, key: BucketKey, name: str, current: Tensor) -> Tensor:
+        """A copy of ``current`` to update in place and then stage, in the buffer it replaced last time."""
+        spare = self._spares.pop((key, name), None)
+        if (
+            spare is None
+            or spare.shape != current.shape
+            or spare.dtype != current.dtype
+            or spare.device != current.device
+            or spare.data_ptr() == current.data_ptr()
+        ):
+            return current.clone()
+        return spare.copy_(current)
+
     def _commit(self, staged: dict[tuple[BucketKey, str], Tensor]) -> None:
         for (key, name), tensor in staged.items():
             entry = self._buckets.get(key)
             if entry is not None:
+                old = entry.tensors.get(name)
                 entry.tensors[name] = tensor
+                if old is not None and old.data_ptr() != tensor.data_ptr():
+                    self._spares[(key, name)] = old
 
     def _flush_owed(self, key: BucketKey, bucket: dist.GradBucket, world_size: int, buffer: Tensor) -> Tensor:
         """``buffer`` plus what its parameters still owe from compressed steps, for a bucket that goes dense.
@@ -459,6 +492,18 @@ class CompressionState(HookState):
             return buffer
         self._stage(key, "residual", torch.zeros_like(owed))
         return buffer + owed.to(buffer.dtype)
+
+    def _begin_bucket(self, bucket: dist.GradBucket) -> BucketKey:
+        if bucket.index() == 0:
+            # a last bucket DDP did not mark: its phase 2 must still go out before the new iteration
+            self._flush_pending()
+        return super()._begin_bucket(bucket)
+
+    def _flush_pending(self) -> None:
+        """Issue the phase 2 of the two-phase bucket whose phase 1 is in flight, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
 
     def _use_compression(self, numel: int) -> bool:
         return self._steps >= self.start_iter and numel >= max(1, self.min_compress_numel)
@@ -547,6 +592,14 @@ class CompressionState(HookState):
                 offset += numel
 
 
+class PendingPhase:
+    """A bucket whose first collective is in flight and whose second is issued by a later hook call."""
+
+    def finish(self) -> None:
+        """Wait for the first collective, then issue the second (from the hook thread, in bucket order)."""
+        raise NotImplementedError
+
+
 def seed_for(base: int, step: int, key: BucketKey, rank: int, phase: int) -> int:
     """A stochastic-rounding seed unique to (seed option, step, bucket, rank, phase), identical on resume."""
     first = key[0] if key else 0
@@ -623,7 +676,8 @@ def begin_compressed(
 
     1. Resolve the state (the per-model default when ``None``) and open the iteration at bucket 0.
     2. World size 1: a completed future holding the gradient as is.
-    3. Before ``start_iter`` or below ``min_compress_numel``: the dense allreduce's future.
+    3. Before ``start_iter`` or below ``min_compress_numel``: the dense allreduce's future (a last bucket
+       also issues the phase 2 a two-phase bucket before it still owes).
     4. Otherwise the bucket's state entry and everything the hook needs to compress it.
 
     Returns:
@@ -637,7 +691,10 @@ def begin_compressed(
     if world_size == 1:
         return resolved._local(buffer)
     if not resolved._use_compression(buffer.numel()):
-        return resolved._dense_allreduce(resolved._flush_owed(key, bucket, world_size, buffer), world_size)
+        future = resolved._dense_allreduce(resolved._flush_owed(key, bucket, world_size, buffer), world_size)
+        if bucket.is_last():
+            resolved._flush_pending()
+        return future
     entry = resolved._entry(key, bucket, world_size)
     return CompressedCall(resolved, key, entry, buffer.reshape(-1), world_size, rank)
 

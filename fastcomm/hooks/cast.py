@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.hooks._state import HookState, Timer, resolve_state, ring_bytes, world_of
+from fastcomm.hooks._state import HookState, Timer, all_finite, resolve_state, ring_bytes, world_of
 
 __all__ = ["CastState", "cast_hook"]
 
@@ -39,9 +39,9 @@ class CastState(HookState):
 def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP comm hook: mean over ranks computed by an allreduce in ``state.dtype``.
 
-    1. ``wire = (bucket / W).to(dtype)``: divided first, so the sum cannot overflow.
+    1. ``wire = (bucket / W).to(dtype)`` in one pass: divided first, so the sum cannot overflow.
     2. One async allreduce of ``wire``.
-    3. Cast the result back to the bucket's dtype; record whether it is finite (for step accounting).
+    3. Cast the result back into the bucket's buffer; record whether it is finite (for step accounting).
 
     Unlike PyTorch's ``bf16_compress_hook`` this works over gloo as well as NCCL.
 
@@ -64,7 +64,7 @@ def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures
         return state._local(buffer)
     timer = Timer()
     with timer:
-        wire = buffer.div(world_size).to(state.dtype)
+        wire = torch.div(buffer, world_size, out=buffer.new_empty(buffer.shape, dtype=state.dtype))
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
     state._count(
         ring_bytes(wire.numel(), wire.element_size(), world_size),
@@ -74,8 +74,8 @@ def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures
     )
 
     def finish(future: torch.futures.Future[list[Tensor]]) -> Tensor:
-        result = future.value()[0].to(buffer.dtype)
-        state._note_output(torch.isfinite(result).all())
-        return result
+        result = future.value()[0]
+        state._note_output(all_finite(result))
+        return buffer.copy_(result)
 
     return work.get_future().then(finish)

@@ -119,4 +119,4 @@ def quantize_hook(state: QuantState | None, bucket: dist.GradBucket) -> torch.fu
     options = call.state
     assert isinstance(options, QuantState)
     segment = segment_layout(call.flat.numel(), call.world_size, math.lcm(options.block, 8))
-    return two_phase_allreduce(call, segment, options.codec(), options.seed)
+    return two_phase_allreduce(call, segment, options.codec(), options.seed, bucket.is_last())

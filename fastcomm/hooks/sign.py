@@ -106,4 +106,4 @@ def sign_hook(state: SignState | None, bucket: dist.GradBucket) -> torch.futures
         return ops.sign_decompress(packed, scales, numel, chunk, dtype)
 
     codec = Codec(block=chunk, bits=1, compress=compress, decompress=decompress)
-    return two_phase_allreduce(call, segment, codec, 0)
+    return two_phase_allreduce(call, segment, codec, 0, bucket.is_last())

@@ -8,7 +8,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops
-from fastcomm.hooks._state import CompressedCall, CompressionState, Timer, all_gather_flat, begin_compressed
+from fastcomm.hooks._state import (
+    CompressedCall,
+    CompressionState,
+    Timer,
+    all_finite,
+    all_gather_flat,
+    begin_compressed,
+)
 
 __all__ = ["TopKState", "topk_hook"]
 
@@ -109,7 +116,7 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
        rank's payload has the same size, fixed before any communication.
     3. The new residual is ``acc`` with the sent entries zeroed (staged: dropped if the step is skipped).
     4. One all-gather of the packed ``(indices, values)`` rows; then scatter-add every rank's entries in rank
-       order into fp32 zeros, divide by the world size and cast to the bucket's dtype.
+       order into fp32 zeros, divide by the world size and cast to the bucket's dtype, in the bucket's buffer.
 
     One collective per bucket, issued inside the hook call, so every rank issues the same collectives in
     the same (bucket) order. Traffic per rank is ``(W - 1) * k * (4 + element size)`` bytes: unlike a ring
@@ -139,20 +146,21 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         if state.momentum > 0.0:
             velocity = state._current(entry, "velocity", flat) * state.momentum + flat
             source = velocity
-        if state.error_feedback:
-            acc = source + state._current(entry, "residual", flat)
-        else:
-            acc = source
-        values, indices = ops.topk_select(acc, k, exact=state.exact)
-        sent = indices.long() if indices.numel() <= k else None
-        values, indices = _fit(values, indices, k)
-        if sent is None:  # cut to k: the dropped entries stay in the residual
-            sent = indices.long()
-        if state.error_feedback:
-            state._stage(key, "residual", acc.index_fill_(0, sent, 0))
+        residual = None
+        if state.error_feedback:  # the op turns a copy of the residual into acc with the sent entries zeroed
+            residual = state._staging_copy(key, "residual", state._current(entry, "residual", flat))
+        selected_values, selected = ops.topk_select(source, k, residual=residual, exact=state.exact)
+        values, indices = _fit(selected_values, selected, k)
+        sent = indices if selected.numel() > k else selected
+        if selected.numel() > k and residual is not None:  # cut to k: the dropped entries stay owed
+            dropped = torch.ones(selected.numel(), dtype=torch.bool, device=flat.device)
+            dropped[torch.searchsorted(selected, indices)] = False
+            residual[selected[dropped].long()] = selected_values[dropped]
+        if residual is not None:
+            state._stage(key, "residual", residual)
         if state.momentum > 0.0:
             state._stage(
-                key, "velocity", velocity.index_fill_(0, sent, 0) if state.error_feedback else velocity
+                key, "velocity", velocity.index_fill_(0, sent.long(), 0) if state.error_feedback else velocity
             )
         row = torch.cat([indices.view(torch.uint8), values.contiguous().view(torch.uint8)])
         gathered = row.new_empty(world_size * row.numel())
@@ -171,12 +179,17 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
             rows = gathered.view(world_size, -1)
             all_indices = rows[:, : 4 * k].contiguous().view(torch.int32).reshape(-1)
             all_values = rows[:, 4 * k :].contiguous().view(dtype).reshape(-1)
-            state._note_output(torch.isfinite(all_values).all())
-            out = torch.zeros(numel, dtype=torch.float32, device=flat.device)
+            state._note_output(all_finite(all_values))
+            out = flat if dtype == torch.float32 else flat.new_empty(numel, dtype=torch.float32)
+            out.zero_()
             ops.sparse_accumulate(out, all_indices, all_values)
-            result = out.div_(world_size).to(dtype)
+            # only the gathered positions are non-zero: divide just those (duplicates write the same value)
+            touched = all_indices.long()
+            out[touched] = out[touched] / world_size
+            if out is not flat:
+                flat.copy_(out)
         state._compress_seconds += decompress_timer.seconds
-        return result
+        return flat
 
     return work.get_future().then(decompress)
 

@@ -100,10 +100,15 @@ def spawn(workdir: Path, world_size: int, worker: Callable, *args: object, timeo
 
 # ------------------------------------------------------------------------------------------------ helpers
 class FakeBucket:
-    """What a hook uses of ``dist.GradBucket``: index, flat buffer, parameters laid out back to back."""
+    """What a hook uses of ``dist.GradBucket``: index, flat buffer, parameters laid out back to back.
+
+    Like DDP's bucket it owns its buffer (hooks may write the result into it), and :func:`run_hook` marks
+    the last bucket of an iteration.
+    """
 
     def __init__(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor) -> None:
-        self._index, self._params, self._buffer = index, params, buffer
+        self._index, self._params, self._buffer = index, params, buffer.clone()
+        self.last = False
 
     def index(self) -> int:
         return self._index
@@ -115,7 +120,7 @@ class FakeBucket:
         return self._params
 
     def is_last(self) -> bool:
-        return False
+        return self.last
 
 
 def grad_for(rank: int, bucket: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -136,6 +141,8 @@ def assert_same_on_all_ranks(tensor: torch.Tensor, what: str) -> None:
 
 def run_hook(hook: Callable, state: object, buckets: list[FakeBucket]) -> list[torch.Tensor]:
     """Call the hook on every bucket in order (as DDP does), then wait for all results."""
+    for position, bucket in enumerate(buckets):
+        bucket.last = position == len(buckets) - 1
     futures = [hook(state, bucket) for bucket in buckets]
     return [future.wait() for future in futures]
 
