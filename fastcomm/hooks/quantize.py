@@ -72,13 +72,7 @@ class QuantState(CompressionState):
         bits, block, stochastic = self.bits, self.block, self.stochastic
 
         def compress(x: Tensor, residual: Tensor | None, seed: int) -> tuple[Tensor, Tensor]:
-            acc = x if residual is None else x + residual
-            codes, scales = ops.quantize_blockwise(acc, bits, block, stochastic, seed)
-            if residual is not None:
-                residual.copy_(
-                    acc - ops.dequantize_blockwise(codes, scales, acc.numel(), bits, block, acc.dtype)
-                )
-            return codes, scales
+            return ops.quantize_blockwise(x, bits, block, stochastic, seed, residual=residual)
 
         def decompress(codes: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
             return ops.dequantize_blockwise(codes, scales, numel, bits, block, dtype)
@@ -93,8 +87,9 @@ def quantize_hook(state: QuantState | None, bucket: dist.GradBucket) -> torch.fu
        gradient as is when the world size is 1.
     2. Split the bucket into ``W`` segments of whole blocks (``ceil(numel / W)`` rounded up to
        ``lcm(block, 8)``, zero padded at the end).
-    3. Phase 1: quantize ``grad + residual`` (``bits`` per element, one fp32 scale per ``block``), keep
-       ``acc - dequantized`` as the residual, all-to-all the segments.
+    3. Phase 1: quantize ``acc = grad + residual`` (``bits`` per element, one fp32 scale per ``block``) and
+       keep ``acc - dequantized`` (in fp32, rounded once) as the residual, in one fused pass; all-to-all the
+       segments.
     4. Each rank dequantizes the ``W`` copies of its segment, averages them in fp32, adds its phase-2
        residual and quantizes again; phase 2 all-gathers those codes, which every rank dequantizes.
 

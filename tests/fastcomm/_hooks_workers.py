@@ -225,11 +225,7 @@ def nearest_quant_codec(numel: int, world_size: int, bits: int, block: int) -> t
     segment = _segment(numel, world_size, math.lcm(block, 8))
 
     def compress(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        acc = x + residual
-        codes, scales = reference.quantize_blockwise(acc, bits, block, stochastic=False)
-        sent = reference.dequantize_blockwise(codes, scales, acc.numel(), bits, block, acc.dtype)
-        residual.copy_(acc - sent)
-        return codes, scales
+        return reference.quantize_blockwise(x, bits, block, stochastic=False, residual=residual)
 
     def decompress(codes, scales, n, dtype):
         return reference.dequantize_blockwise(codes, scales, n, bits, block, dtype)
