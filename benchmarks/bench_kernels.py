@@ -42,9 +42,19 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
     return [
         ("topk_select exact 1%", 8.0, lambda m: m.topk_select(x, k), ">=5x torch.topk"),
         ("topk_select approx 1%", 4.0, lambda m: m.topk_select(x, k, exact=False), ">=15x torch.topk"),
-        ("topk_select exact 1% +residual", 16.0, lambda m: m.topk_select(x, k, residual=residual.clone()), None),
+        (
+            "topk_select exact 1% +residual",
+            16.0,
+            lambda m: m.topk_select(x, k, residual=residual.clone()),
+            None,
+        ),
         ("quantize_blockwise 8-bit", 5.0, lambda m: m.quantize_blockwise(x, bits=8), ">=0.4x memcpy"),
-        ("quantize_blockwise 8-bit stochastic", 5.0, lambda m: m.quantize_blockwise(x, 8, 256, True, 1), None),
+        (
+            "quantize_blockwise 8-bit stochastic",
+            5.0,
+            lambda m: m.quantize_blockwise(x, 8, 256, True, 1),
+            None,
+        ),
         ("quantize_blockwise 4-bit", 4.5, lambda m: m.quantize_blockwise(x, bits=4), None),
         ("quantize_blockwise 2-bit", 4.25, lambda m: m.quantize_blockwise(x, bits=2), None),
         ("dequantize_blockwise 8-bit", 5.0, lambda m: m.dequantize_blockwise(q8[0], q8[1], n, 8), None),
@@ -52,7 +62,12 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
         ("sign_compress", 4.125, lambda m: m.sign_compress(x), ">=0.4x memcpy"),
         ("sign_compress +residual", 12.125, lambda m: m.sign_compress(x, residual.clone()), None),
         ("sign_decompress", 4.125, lambda m: m.sign_decompress(packed, sign_scales, n), None),
-        (f"sparse_accumulate {2 * k} entries", 12.0 * 2 * k / n, lambda m: m.sparse_accumulate(out, idx, vals), None),
+        (
+            f"sparse_accumulate {2 * k} entries",
+            12.0 * 2 * k / n,
+            lambda m: m.sparse_accumulate(out, idx, vals),
+            None,
+        ),
     ]
 
 
@@ -77,10 +92,22 @@ def main(argv: list[str] | None = None) -> str:
     memcpy_traffic = 2 * input_gb / memcpy_s
     topk_s = time_call(lambda: torch.topk(x.abs(), k), repeat=max(2, args.repeat // 2), sync=sync)
     rows = [
-        Row("memcpy (Tensor.copy_)", "torch", "throughput", input_gb / memcpy_s, "GB/s input",
-            extra={"ms": round(memcpy_s * 1e3, 2), "traffic GB/s": round(memcpy_traffic, 2)}),
-        Row(f"torch.topk(x.abs(), {k})", "torch", "throughput", input_gb / topk_s, "GB/s input",
-            extra={"ms": round(topk_s * 1e3, 2)}),
+        Row(
+            "memcpy (Tensor.copy_)",
+            "torch",
+            "throughput",
+            input_gb / memcpy_s,
+            "GB/s input",
+            extra={"ms": round(memcpy_s * 1e3, 2), "traffic GB/s": round(memcpy_traffic, 2)},
+        ),
+        Row(
+            f"torch.topk(x.abs(), {k})",
+            "torch",
+            "throughput",
+            input_gb / topk_s,
+            "GB/s input",
+            extra={"ms": round(topk_s * 1e3, 2)},
+        ),
     ]
     backends: list[tuple[str, object, int]] = []
     if device == "cpu" and ops.native_error() is not None:
@@ -108,10 +135,24 @@ def main(argv: list[str] | None = None) -> str:
                 need = float(target[2:].split("x")[0])
                 extra["target"] = target
                 extra["met"] = "yes" if ratio >= need else "NO"
-            rows.append(Row(name, backend_name, "throughput", input_gb / seconds, "GB/s input",
-                            ratio=ratio, ratio_to=ratio_to, extra=extra))
-    return write_results(f"bench_kernels_{device}" if device != "cpu" else "bench_kernels", rows, notes=notes,
-                         plot_metric="throughput")
+            rows.append(
+                Row(
+                    name,
+                    backend_name,
+                    "throughput",
+                    input_gb / seconds,
+                    "GB/s input",
+                    ratio=ratio,
+                    ratio_to=ratio_to,
+                    extra=extra,
+                )
+            )
+    return write_results(
+        f"bench_kernels_{device}" if device != "cpu" else "bench_kernels",
+        rows,
+        notes=notes,
+        plot_metric="throughput",
+    )
 
 
 if __name__ == "__main__":

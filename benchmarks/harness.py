@@ -55,7 +55,9 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def time_call(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None) -> float:
+def time_call(
+    fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None
+) -> float:
     """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
     for _ in range(warmup):
         fn()
@@ -110,14 +112,22 @@ def _plot(name: str, rows: list[Row], path: Path, metric: str | None) -> None:
     plt.close(fig)
 
 
-def write_results(name: str, rows: list[Row], *, notes: list[str] | None = None, plot_metric: str | None = None) -> str:
+def write_results(
+    name: str, rows: list[Row], *, notes: list[str] | None = None, plot_metric: str | None = None
+) -> str:
     """Write ``<name>.json/.md/.png`` to ``benchmarks/results`` and return the Markdown table."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     info = machine_info()
-    payload = {"benchmark": name, "machine": info, "notes": notes or [], "rows": [dataclasses.asdict(r) for r in rows]}
+    payload = {
+        "benchmark": name,
+        "machine": info,
+        "notes": notes or [],
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
     table = markdown_table(rows)
-    text = f"# {name}\n\nMachine: {info['machine']}, {info['cpus']} CPUs, torch {info['torch']}, CUDA: {info['cuda']}\n\n{table}\n"
+    machine = f"{info['machine']}, {info['cpus']} CPUs, torch {info['torch']}, CUDA: {info['cuda']}"
+    text = f"# {name}\n\nMachine: {machine}\n\n{table}\n"
     if notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     (RESULTS_DIR / f"{name}.md").write_text(text)

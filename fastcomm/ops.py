@@ -64,7 +64,8 @@ _LIB.define(
 )
 _LIB.define("sign_compress(Tensor x, Tensor(a!)? residual=None, int chunk=2048) -> (Tensor, Tensor)")
 _LIB.define(
-    "sign_decompress(Tensor packed, Tensor scales, int numel, int chunk=2048, ScalarType dtype=float) -> Tensor"
+    "sign_decompress(Tensor packed, Tensor scales, int numel, int chunk=2048, ScalarType dtype=float)"
+    " -> Tensor"
 )
 _LIB.define("sparse_accumulate(Tensor(a!) out, Tensor indices, Tensor values) -> ()")
 
@@ -191,7 +192,12 @@ _warned_slow = False
 def _warn_if_unexpectedly_slow(x: Tensor) -> None:
     """One warning when the native build is missing by accident: the reference works but is slower."""
     global _warned_slow
-    if _warned_slow or x.device.type != "cpu" or _native_error is None or _native_error.startswith("disabled"):
+    if (
+        _warned_slow
+        or x.device.type != "cpu"
+        or _native_error is None
+        or _native_error.startswith("disabled")
+    ):
         return
     _warned_slow = True
     warnings.warn(
@@ -217,7 +223,8 @@ def _check_residual(x: Tensor, residual: Tensor | None) -> None:
     _check_float("residual", residual)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
         raise ValueError(
-            f"residual must match x in shape, dtype and device: x is {tuple(x.shape)} {x.dtype} on {x.device}, "
+            "residual must match x in shape, dtype and device: "
+            f"x is {tuple(x.shape)} {x.dtype} on {x.device}, "
             f"residual is {tuple(residual.shape)} {residual.dtype} on {residual.device}"
         )
 
@@ -240,7 +247,9 @@ def _check_payload(name: str, t: Tensor, dtype: torch.dtype, expected: int) -> N
 
 
 # -------------------------------------------------------------------------------------------- public ops
-def topk_select(x: Tensor, k: int, residual: Tensor | None = None, exact: bool = True) -> tuple[Tensor, Tensor]:
+def topk_select(
+    x: Tensor, k: int, residual: Tensor | None = None, exact: bool = True
+) -> tuple[Tensor, Tensor]:
     """Select the k largest-magnitude entries of ``x + residual``, with error feedback.
 
     1. ``acc = x + residual`` (the residual is updated in place to hold ``acc`` minus what is sent).

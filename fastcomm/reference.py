@@ -134,7 +134,8 @@ def _block_absmax(flat32: Tensor, block: int) -> Tensor:
 
 
 def _pack(codes: Tensor, bits: int) -> Tensor:
-    """Pack unsigned ``bits``-wide codes, element ``i`` at bit ``(i % (8 // bits)) * bits`` of byte ``i // (8 // bits)``."""
+    """Pack unsigned ``bits``-wide codes, ``p = 8 // bits`` a byte: element ``i`` at bit ``(i % p) * bits``
+    of byte ``i // p``."""
     per_byte = 8 // bits
     n = codes.numel()
     padded = torch.nn.functional.pad(codes.to(torch.int32), (0, (-n) % per_byte))

@@ -117,12 +117,16 @@ def test_quantize_blockwise_matches_reference(device, dtype, n, bits):
         out_ref = ref.dequantize_blockwise(codes_ref, scales_ref, n, bits, block, dtype)
         torch.testing.assert_close(out.cpu(), out_ref, rtol=0, atol=0)
         # Analytic bound: half a step (nearest) or one step (stochastic); x * inv and the scale are each
-        # rounded in fp32, which moves |v| <= qmax by up to ~3 qmax eps steps; plus the output dtype's rounding.
+        # rounded in fp32, which moves |v| <= qmax by up to ~3 qmax eps steps; plus the output dtype's
+        # rounding.
         step = scales_ref[torch.arange(n) // block]
         qmax = 2 ** (bits - 1) - 1
         fp32_slack = 4 * qmax * EPS[torch.float32]
         x32, out32 = x.cpu().float(), out.cpu().float()
-        bound = step * ((1.0 if stochastic else 0.5) + fp32_slack) + torch.maximum(x32.abs(), out32.abs()) * EPS[dtype]
+        bound = (
+            step * ((1.0 if stochastic else 0.5) + fp32_slack)
+            + torch.maximum(x32.abs(), out32.abs()) * EPS[dtype]
+        )
         assert ((out32 - x32).abs() <= bound).all()
 
 
@@ -157,7 +161,9 @@ def test_quantize_blockwise_error_feedback(device, dtype, bits):
         residual_ref = residual.cpu().clone()
         acc = (x + residual).cpu()
         codes, scales = ops.quantize_blockwise(x, bits, block, stochastic, 5, residual=residual)
-        codes_ref, scales_ref = ref.quantize_blockwise(x.cpu(), bits, block, stochastic, 5, residual=residual_ref)
+        codes_ref, scales_ref = ref.quantize_blockwise(
+            x.cpu(), bits, block, stochastic, 5, residual=residual_ref
+        )
         torch.testing.assert_close(codes.cpu(), codes_ref, rtol=0, atol=0)
         torch.testing.assert_close(scales.cpu(), scales_ref, rtol=0, atol=0)
         torch.testing.assert_close(residual.cpu(), residual_ref, rtol=0, atol=0)
@@ -166,7 +172,10 @@ def test_quantize_blockwise_error_feedback(device, dtype, bits):
         sent = ref.dequantize_blockwise(codes_ref, scales_ref, n, bits, block).double()
         error = (sent + residual_ref.double() - acc.double()).abs()
         # One rounding to dtype: relative EPS for normal results, absolute below (subnormal spacing).
-        assert (error <= EPS[dtype] * (acc.double() - sent).abs() + torch.finfo(dtype).smallest_normal * EPS[dtype]).all()
+        assert (
+            error
+            <= EPS[dtype] * (acc.double() - sent).abs() + torch.finfo(dtype).smallest_normal * EPS[dtype]
+        ).all()
 
 
 def test_quantize_subnormal_block_encodes_zero():
@@ -301,17 +310,37 @@ def test_opcheck_approximate_topk_dynamic_size():
         (lambda: ops.topk_select(torch.randn(10), 11), ValueError, "k"),
         (lambda: ops.topk_select(torch.randn(10), -1), ValueError, "k"),
         (lambda: ops.topk_select(torch.randn(10), 2, torch.zeros(9)), ValueError, "residual"),
-        (lambda: ops.topk_select(torch.randn(10), 2, torch.zeros(10, dtype=torch.float16)), ValueError, "residual"),
+        (
+            lambda: ops.topk_select(torch.randn(10), 2, torch.zeros(10, dtype=torch.float16)),
+            ValueError,
+            "residual",
+        ),
         (lambda: ops.quantize_blockwise(torch.randn(10), bits=3), ValueError, "bits"),
         (lambda: ops.quantize_blockwise(torch.randn(10), block=0), ValueError, "block"),
         (lambda: ops.quantize_blockwise(torch.randn(10).double()), TypeError, "x"),
         (lambda: ops.quantize_blockwise(torch.randn(10), residual=torch.zeros(5)), ValueError, "residual"),
-        (lambda: ops.dequantize_blockwise(torch.zeros(3, dtype=torch.uint8), torch.ones(1), 10), ValueError, "codes"),
+        (
+            lambda: ops.dequantize_blockwise(torch.zeros(3, dtype=torch.uint8), torch.ones(1), 10),
+            ValueError,
+            "codes",
+        ),
         (lambda: ops.dequantize_blockwise(torch.zeros(10), torch.ones(1), 10), TypeError, "codes"),
         (lambda: ops.sign_compress(torch.randn(10), chunk=-2), ValueError, "chunk"),
-        (lambda: ops.sign_decompress(torch.zeros(2, dtype=torch.uint8), torch.ones(2), 10), ValueError, "scales"),
-        (lambda: ops.sparse_accumulate(torch.zeros(4), torch.tensor([4]), torch.ones(1)), ValueError, "indices"),
-        (lambda: ops.sparse_accumulate(torch.zeros(4), torch.tensor([1.0]), torch.ones(1)), TypeError, "indices"),
+        (
+            lambda: ops.sign_decompress(torch.zeros(2, dtype=torch.uint8), torch.ones(2), 10),
+            ValueError,
+            "scales",
+        ),
+        (
+            lambda: ops.sparse_accumulate(torch.zeros(4), torch.tensor([4]), torch.ones(1)),
+            ValueError,
+            "indices",
+        ),
+        (
+            lambda: ops.sparse_accumulate(torch.zeros(4), torch.tensor([1.0]), torch.ones(1)),
+            TypeError,
+            "indices",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(call, exc, word):
