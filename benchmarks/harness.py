@@ -112,6 +112,16 @@ def _plot(name: str, rows: list[Row], path: Path, metric: str | None) -> None:
     plt.close(fig)
 
 
+def _without_nan(value: Any) -> Any:
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _without_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_nan(v) for v in value]
+    return value
+
+
 def write_results(
     name: str, rows: list[Row], *, notes: list[str] | None = None, plot_metric: str | None = None
 ) -> str:
@@ -124,7 +134,9 @@ def write_results(
         "notes": notes or [],
         "rows": [dataclasses.asdict(r) for r in rows],
     }
-    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
+    # A crashed or skipped configuration has no number: null in JSON (NaN is not JSON).
+    text_json = json.dumps(_without_nan(payload), indent=2, default=str, allow_nan=False)
+    (RESULTS_DIR / f"{name}.json").write_text(text_json)
     table = markdown_table(rows)
     machine = f"{info['machine']}, {info['cpus']} CPUs, torch {info['torch']}, CUDA: {info['cuda']}"
     text = f"# {name}\n\nMachine: {machine}\n\n{table}\n"
