@@ -385,6 +385,8 @@ class CompressionState(HookState):
         self._spares: dict[tuple[BucketKey, str], Tensor] = {}
         # a two-phase bucket whose phase 1 is in flight; its phase 2 is issued by the next hook call
         self._pending: PendingPhase | None = None
+        # per-bucket wire buffers (send, receive), reused every step: large fresh tensors cost page faults
+        self._wire_buffers: dict[tuple[BucketKey, str], Tensor] = {}
 
     # -------------------------------------------------------------------------------- per-bucket state
     def _entry(self, key: BucketKey, bucket: dist.GradBucket, world_size: int) -> _BucketEntry:
@@ -436,6 +438,9 @@ class CompressionState(HookState):
         for old_key in {source[0] for source in sources}:
             if all(self._param_loc[p][0] != old_key for p in old_key):
                 del self._buckets[old_key]
+                for buffers in (self._spares, self._wire_buffers):
+                    for stale in [k for k in buffers if k[0] == old_key]:
+                        del buffers[stale]
 
     def _current(self, entry: _BucketEntry, name: str, like: Tensor, numel: int | None = None) -> Tensor:
         """The committed tensor ``name`` of a bucket, on ``like``'s device and dtype.
@@ -468,6 +473,19 @@ class CompressionState(HookState):
         ):
             return current.clone()
         return spare.copy_(current)
+
+    def _wire_buffer(self, key: BucketKey, name: str, like: Tensor, numel: int) -> Tensor:
+        """Bucket ``key``'s buffer ``name`` of ``numel`` elements like ``like``, kept for the next step.
+
+        A hook may reuse it from its next call on the same bucket: by then DDP has waited for every
+        collective and callback of the previous iteration.
+        """
+        buffer = self._wire_buffers.get((key, name))
+        wanted = (numel, like.dtype, like.device)
+        if buffer is None or (buffer.numel(), buffer.dtype, buffer.device) != wanted:
+            buffer = like.new_empty(numel)
+            self._wire_buffers[(key, name)] = buffer
+        return buffer
 
     def _commit(self, staged: dict[tuple[BucketKey, str], Tensor]) -> None:
         for (key, name), tensor in staged.items():

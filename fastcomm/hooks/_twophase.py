@@ -10,7 +10,7 @@ then waits for phase 1 of bucket ``i - 1`` (usually done while bucket ``i``'s gr
 issues its phase 2; the last bucket also finishes its own phase 2 in its call. Every rank therefore issues
 ``p1(0), p1(1), p2(0), p1(2), p2(1), ..., p1(last), p2(last - 1), p2(last)``, all from hook calls (never from
 a callback, whose order could differ between ranks: the bug that breaks PyTorch's PowerSGD over gloo). The
-future of bucket ``i`` is completed by its phase-2 callback, which decompresses into the bucket's buffer.
+future of bucket ``i`` is completed by its phase-2 callback, which decompresses the gathered payloads.
 """
 
 from __future__ import annotations
@@ -79,8 +79,11 @@ class _TwoPhase(PendingPhase):
             if residual is not None:
                 state._stage(key, "residual", residual if numel == total else residual[:numel])
             rows = (data.view(world_size, -1), scales.view(world_size, -1).view(torch.uint8))
-            self.send = torch.cat(rows, dim=1)
-            self.recv = torch.empty_like(self.send)
+            row_bytes = rows[0].shape[1] + rows[1].shape[1]
+            send = state._wire_buffer(key, "send", data, world_size * row_bytes)
+            self.send = torch.cat(rows, dim=1, out=send.view(world_size, row_bytes))
+            recv = state._wire_buffer(key, "recv", data, world_size * row_bytes)
+            self.recv = recv.view(world_size, row_bytes)
         self.work = dist.all_to_all_single(self.recv, self.send, group=state.process_group, async_op=True)
 
     def finish(self) -> None:
@@ -109,7 +112,7 @@ class _TwoPhase(PendingPhase):
             if server is not None:
                 state._stage(key, "server_residual", server)
             row = torch.cat([data2, scales2.view(torch.uint8)])
-            gathered = row.new_empty(world_size * row.numel())
+            gathered = state._wire_buffer(key, "gathered", row, world_size * row.numel())
         work = all_gather_flat(gathered, row, group=state.process_group, async_op=True)
         sent = (world_size - 1) * self.send.numel() // world_size + (world_size - 1) * row.numel()
         dense = 2 * (world_size - 1) * numel * flat.element_size() // world_size
@@ -122,15 +125,12 @@ class _TwoPhase(PendingPhase):
                 rows = gathered.view(world_size, -1)
                 all_scales = rows[:, data_bytes:].contiguous().view(torch.float32)
                 state._note_output(all_finite(all_scales))
-                for source in range(world_size):
-                    start = source * segment
-                    stop = min(numel, start + segment)
-                    if start >= stop:
-                        break
-                    part = codec.decompress(rows[source, :data_bytes], all_scales[source], segment, dtype)
-                    flat[start:stop] = part[: stop - start]
+                # segments are whole blocks and whole bytes, so the rows' codes side by side are the codes of
+                # the whole padded bucket: one decode, no per-segment copies
+                all_codes = rows[:, :data_bytes].contiguous()
+                out = codec.decompress(all_codes, all_scales.reshape(-1), segment * world_size, dtype)
             state._compress_seconds += decompress_timer.seconds
-            return flat
+            return out[:numel]
 
         def complete(future: torch.futures.Future) -> None:
             try:
@@ -152,8 +152,8 @@ def two_phase_allreduce(
     4. Phase 2 (now if ``last``, else in the next hook call): wait for phase 1; decompress the ``W`` received
        copies of this rank's segment in fp32, sum in rank order, divide by ``W``; add the phase-2 residual;
        compress again (new phase-2 residual staged); all-gather the phase-2 payloads (async).
-    5. The returned future decompresses them into the bucket's buffer, in its dtype, and records whether any
-       scale was non-finite (inf/NaN anywhere makes its block's scale non-finite).
+    5. The returned future decompresses them in the bucket's dtype (one decode of all segments) and records
+       whether any scale was non-finite (inf/NaN anywhere makes its block's scale non-finite).
 
     Args:
         call: the hook's state, the bucket's key and entry, the 1-D gradient bucket, world size and rank.
@@ -163,7 +163,7 @@ def two_phase_allreduce(
         last: the bucket is the last of the iteration (``bucket.is_last()``): finish its phase 2 now.
 
     Returns:
-        A future holding the averaged bucket (the bucket's buffer), completed once phase 2 is done.
+        A future holding the averaged bucket, completed once phase 2 is done.
     """
     state = call.state
     mine = _TwoPhase(call, segment, codec, seed)

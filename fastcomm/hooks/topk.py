@@ -163,7 +163,7 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
                 key, "velocity", velocity.index_fill_(0, sent.long(), 0) if state.error_feedback else velocity
             )
         row = torch.cat([indices.view(torch.uint8), values.contiguous().view(torch.uint8)])
-        gathered = row.new_empty(world_size * row.numel())
+        gathered = state._wire_buffer(key, "gathered", row, world_size * row.numel())
     work = all_gather_flat(gathered, row, group=state.process_group, async_op=True)
     state._count(
         (world_size - 1) * row.numel(),
