@@ -146,7 +146,7 @@ def _pack(codes: Tensor, bits: int) -> Tensor:
 def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
     per_byte = 8 // bits
     shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    codes = (packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    codes = (packed.reshape(-1).to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(-1)[:numel]
 
 
@@ -217,7 +217,7 @@ def dequantize_blockwise(
     qmax = 2 ** (bits - 1) - 1
     signed = _unpack(codes, bits, numel) - (qmax + 1)
     block_of = torch.arange(numel, device=codes.device) // block
-    return (signed.to(torch.float32) * scales[block_of]).to(dtype)
+    return (signed.to(torch.float32) * scales.reshape(-1)[block_of]).to(dtype)
 
 
 def sign_compress(x: Tensor, residual: Tensor | None = None, chunk: int = 2048) -> tuple[Tensor, Tensor]:
@@ -254,7 +254,7 @@ def sign_decompress(
 ) -> Tensor:
     """Inverse of :func:`sign_compress`: ``+scale`` where the bit is 1, ``-scale`` where it is 0."""
     bits = _unpack(packed, 1, numel).bool()
-    magnitude = scales[torch.arange(numel, device=packed.device) // chunk]
+    magnitude = scales.reshape(-1)[torch.arange(numel, device=packed.device) // chunk]
     return torch.where(bits, magnitude, -magnitude).to(dtype)
 
 

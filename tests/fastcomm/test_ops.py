@@ -273,6 +273,22 @@ def test_ops_accept_noncontiguous_inputs():
     assert torch.equal(packed, packed_ref)
 
 
+def test_decompress_accepts_any_payload_shape():
+    # Payloads arrive as rows of a gathered buffer: only numel counts, as in the native kernels.
+    x = _randn(1000, torch.float32, "cpu", 18)
+    codes, scales = ops.quantize_blockwise(x, bits=4, block=100)
+    packed, sign_scales = ops.sign_compress(x, chunk=100)
+    for module in (ops, ref):
+        assert torch.equal(
+            module.dequantize_blockwise(codes.view(2, -1), scales.view(2, 5), 1000, 4, 100),
+            ref.dequantize_blockwise(codes, scales, 1000, 4, 100),
+        )
+        assert torch.equal(
+            module.sign_decompress(packed.view(5, -1), sign_scales.view(2, 5), 1000, 100),
+            ref.sign_decompress(packed, sign_scales, 1000, 100),
+        )
+
+
 def _opcheck_cases():
     x = _randn(1031, torch.float32, "cpu", 15)
     codes, scales = ref.quantize_blockwise(x, 4, 64)
