@@ -385,8 +385,8 @@ class CompressionState(HookState):
         self._spares: dict[tuple[BucketKey, str], Tensor] = {}
         # a two-phase bucket whose phase 1 is in flight; its phase 2 is issued by the next hook call
         self._pending: PendingPhase | None = None
-        # per-bucket wire buffers (send, receive), reused every step: large fresh tensors cost page faults
-        self._wire_buffers: dict[tuple[BucketKey, str], Tensor] = {}
+        # per-bucket buffers (send, receive, results), reused every step: large fresh tensors cost page faults
+        self._buffers: dict[tuple[BucketKey, str], Any] = {}
 
     # -------------------------------------------------------------------------------- per-bucket state
     def _entry(self, key: BucketKey, bucket: dist.GradBucket, world_size: int) -> _BucketEntry:
@@ -438,7 +438,7 @@ class CompressionState(HookState):
         for old_key in {source[0] for source in sources}:
             if all(self._param_loc[p][0] != old_key for p in old_key):
                 del self._buckets[old_key]
-                for buffers in (self._spares, self._wire_buffers):
+                for buffers in (self._spares, self._buffers):
                     for stale in [k for k in buffers if k[0] == old_key]:
                         del buffers[stale]
 
@@ -480,11 +480,11 @@ class CompressionState(HookState):
         A hook may reuse it from its next call on the same bucket: by then DDP has waited for every
         collective and callback of the previous iteration.
         """
-        buffer = self._wire_buffers.get((key, name))
+        buffer = self._buffers.get((key, name))
         wanted = (numel, like.dtype, like.device)
-        if buffer is None or (buffer.numel(), buffer.dtype, buffer.device) != wanted:
+        if not isinstance(buffer, Tensor) or (buffer.numel(), buffer.dtype, buffer.device) != wanted:
             buffer = like.new_empty(numel)
-            self._wire_buffers[(key, name)] = buffer
+            self._buffers[(key, name)] = buffer
         return buffer
 
     def _commit(self, staged: dict[tuple[BucketKey, str], Tensor]) -> None:

@@ -116,7 +116,8 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
        rank's payload has the same size, fixed before any communication.
     3. The new residual is ``acc`` with the sent entries zeroed (staged: dropped if the step is skipped).
     4. One all-gather of the packed ``(indices, values)`` rows; then scatter-add every rank's entries in rank
-       order into fp32 zeros, divide by the world size and cast to the bucket's dtype, in the bucket's buffer.
+       order into fp32 zeros, divide by the world size and cast to the bucket's dtype (in a result buffer
+       kept per bucket, of which only the previous step's entries need clearing).
 
     One collective per bucket, issued inside the hook call, so every rank issues the same collectives in
     the same (bucket) order. Traffic per rank is ``(W - 1) * k * (4 + element size)`` bytes: unlike a ring
@@ -172,6 +173,9 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         compressed=True,
     )
     dtype = flat.dtype
+    result = state._buffers.get((key, "result"))
+    if not isinstance(result, _SparseResult) or not result.fits(flat):
+        result = state._buffers[(key, "result")] = _SparseResult(flat)
 
     def decompress(_: torch.futures.Future) -> Tensor:
         decompress_timer = Timer()
@@ -180,18 +184,42 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
             all_indices = rows[:, : 4 * k].contiguous().view(torch.int32).reshape(-1)
             all_values = rows[:, 4 * k :].contiguous().view(dtype).reshape(-1)
             state._note_output(all_finite(all_values))
-            out = flat if dtype == torch.float32 else flat.new_empty(numel, dtype=torch.float32)
-            out.zero_()
-            ops.sparse_accumulate(out, all_indices, all_values)
-            # only the gathered positions are non-zero: divide just those (duplicates write the same value)
-            touched = all_indices.long()
-            out[touched] = out[touched] / world_size
-            if out is not flat:
-                flat.copy_(out)
+            out = result.fill(all_indices, all_values, world_size)
         state._compress_seconds += decompress_timer.seconds
-        return flat
+        return out
 
     return work.get_future().then(decompress)
+
+
+class _SparseResult:
+    """A bucket's dense result, kept between steps: zero except where the last result was written.
+
+    Each step clears only the entries the previous step set (at most ``W * k``) instead of the whole bucket.
+    DDP copies a hook's result into the gradients before the bucket's next hook call, so reuse is safe.
+    """
+
+    def __init__(self, like: Tensor) -> None:
+        self.sums = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        self.out = self.sums if like.dtype == torch.float32 else torch.zeros_like(like)
+        self.touched: Tensor | None = None
+
+    def fits(self, like: Tensor) -> bool:
+        return (self.out.numel(), self.out.dtype, self.out.device) == (like.numel(), like.dtype, like.device)
+
+    def fill(self, indices: Tensor, values: Tensor, world_size: int) -> Tensor:
+        """Sum the gathered entries in rank order in fp32, divide by ``W``, cast to the bucket's dtype."""
+        if self.touched is not None:
+            self.out[self.touched] = 0
+        ops.sparse_accumulate(self.sums, indices, values)
+        touched = indices.long()
+        means = self.sums[touched] / world_size
+        if self.out is self.sums:
+            self.sums[touched] = means  # duplicates write the same value
+        else:
+            self.sums[touched] = 0
+            self.out[touched] = means.to(self.out.dtype)
+        self.touched = touched
+        return self.out
 
 
 def _fit(values: Tensor, indices: Tensor, k: int) -> tuple[Tensor, Tensor]:
