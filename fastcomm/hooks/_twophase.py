@@ -95,14 +95,20 @@ class _TwoPhase(PendingPhase):
         self.work.wait()
         timer = self.timer
         with timer:
+            # dividing by a power of two commutes with every rounding here (barring subnormals), so the
+            # mean's division folds into the received scales instead of a pass over the segment
+            fold = world_size & (world_size - 1) == 0
             mean = None
             for source in range(world_size):
                 payload = self.recv[source]
                 scales_in = payload[data_bytes:].clone().view(torch.float32)
+                if fold:
+                    scales_in /= world_size
                 part = codec.decompress(payload[:data_bytes], scales_in, segment, torch.float32)
                 mean = part if mean is None else mean.add_(part)
             assert mean is not None
-            mean /= world_size
+            if not fold:
+                mean /= world_size
             entry.segment_start, entry.world_size = rank * segment, world_size
             server = None
             if state.error_feedback:
