@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
+
+from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
 
 __all__ = [
     "CompressedCall",
@@ -345,6 +348,9 @@ class CompressionState(HookState):
         error_feedback: keep what compression dropped, per bucket, and add it to the next gradient.
         start_iter: plain (dense) allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
+        wire_chunk_bytes: each collective is issued as back-to-back chunks of about this many bytes per
+            peer (at most 64 chunks): gloo keeps a TCP link busy only with several transfers in flight (on
+            a 1 Gbit/s link one 8 MB all-to-all moved 61 MB/s each way, 16 chunks 115 MB/s).
         process_group: the group to reduce over; ``None`` for the default group.
 
     Example::
@@ -353,7 +359,7 @@ class CompressionState(HookState):
         owed = state.residual_of(next(ddp.module.parameters()))  # what error feedback still has to send
     """
 
-    _OPTIONS = ("error_feedback", "start_iter", "min_compress_numel")
+    _OPTIONS = ("error_feedback", "start_iter", "min_compress_numel", "wire_chunk_bytes")
 
     def __init__(
         self,
@@ -361,6 +367,7 @@ class CompressionState(HookState):
         error_feedback: bool = True,
         start_iter: int = 0,
         min_compress_numel: int = 1024,
+        wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(start_iter, int) or isinstance(start_iter, bool) or start_iter < 0:
@@ -371,7 +378,11 @@ class CompressionState(HookState):
             or min_compress_numel < 0
         ):
             raise ValueError(f"min_compress_numel must be a non-negative int, got {min_compress_numel!r}")
+        chunk = wire_chunk_bytes
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(f"wire_chunk_bytes must be a positive int, got {wire_chunk_bytes!r}")
         self.error_feedback = bool(error_feedback)
+        self.wire_chunk_bytes = wire_chunk_bytes
         self.start_iter = start_iter
         self.min_compress_numel = min_compress_numel
         super().__init__(process_group)
@@ -463,6 +474,14 @@ class CompressionState(HookState):
 
     def _staging_copy(self, key: BucketKey, name: str, current: Tensor) -> Tensor:
         """A copy of ``current`` to update in place and then stage, in the buffer it replaced last time."""
+        return self._spare(key, name, current).copy_(current)
+
+    def _spare(self, key: BucketKey, name: str, current: Tensor) -> Tensor:
+        """An uninitialised buffer like ``current`` (the one it replaced last time) for its successor.
+
+        Ops that read the committed tensor and write the new one in the same pass (``residual_source``)
+        stage this buffer instead of copying ``current`` first.
+        """
         spare = self._spares.pop((key, name), None)
         if (
             spare is None
@@ -471,8 +490,8 @@ class CompressionState(HookState):
             or spare.device != current.device
             or spare.data_ptr() == current.data_ptr()
         ):
-            return current.clone()
-        return spare.copy_(current)
+            return torch.empty_like(current)
+        return spare
 
     def _wire_buffer(self, key: BucketKey, name: str, like: Tensor, numel: int) -> Tensor:
         """Bucket ``key``'s buffer ``name`` of ``numel`` elements like ``like``, kept for the next step.
@@ -486,6 +505,15 @@ class CompressionState(HookState):
             buffer = like.new_empty(numel)
             self._buffers[(key, name)] = buffer
         return buffer
+
+    def _scratch(self, key: BucketKey, device: torch.device) -> Callable[[str, int], Tensor]:
+        """``scratch(name, numel)``: bucket ``key``'s reusable uint8 buffers for chunked collectives."""
+        like = torch.empty(0, dtype=torch.uint8, device=device)
+
+        def scratch(name: str, numel: int) -> Tensor:
+            return self._wire_buffer(key, name, like, numel)
+
+        return scratch
 
     def _commit(self, staged: dict[tuple[BucketKey, str], Tensor]) -> None:
         for (key, name), tensor in staged.items():

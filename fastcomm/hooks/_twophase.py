@@ -1,16 +1,24 @@
 """The two-phase compressed allreduce (reduce-scatter, then all-gather) of the quantized and sign hooks.
 
 Each rank owns one segment of the bucket. Phase 1 compresses the whole bucket and sends segment ``j`` to
-rank ``j`` (one all-to-all); each rank decompresses the ``W`` copies of its own segment, averages them,
+rank ``j`` (all-to-all); each rank decompresses the ``W`` copies of its own segment, averages them,
 compresses the average again and phase 2 all-gathers the result. Like a ring allreduce, a rank sends about
 twice its compressed bucket whatever the world size.
 
+Pieces: a segment is cut into pieces of whole blocks (about ``wire_chunk_bytes`` of payload each). Piece
+``c`` of phase 1 carries sub-range ``c`` of every segment in its own all-to-all, so a rank can average,
+re-compress and all-gather piece ``c`` as soon as it arrives, while later pieces are still on the wire;
+and several collectives in flight keep a TCP link busy (one large transfer does not: see
+:mod:`fastcomm.hooks._wire`). Blocks are independent, so compressing piece by piece gives the codes that
+compressing the whole segment would (stochastic rounding draws from a per-piece seed).
+
 Pipelined, in a fixed collective order: the hook call of bucket ``i`` issues phase 1 of bucket ``i`` (async),
-then waits for phase 1 of bucket ``i - 1`` (usually done while bucket ``i``'s gradients were computed) and
-issues its phase 2; the last bucket also finishes its own phase 2 in its call. Every rank therefore issues
-``p1(0), p1(1), p2(0), p1(2), p2(1), ..., p1(last), p2(last - 1), p2(last)``, all from hook calls (never from
-a callback, whose order could differ between ranks: the bug that breaks PyTorch's PowerSGD over gloo). The
-future of bucket ``i`` is completed by its phase-2 callback, which decompresses the gathered payloads.
+then finishes bucket ``i - 1`` (waiting for each of its pieces in turn, usually already there) by issuing
+its phase 2; the last bucket also finishes itself. Every rank therefore issues ``p1(0), p1(1), p2(0), p1(2),
+p2(1), ..., p1(last), p2(last - 1), p2(last)`` (each a run of pieces), all from hook calls: never from a
+callback, whose order could differ between ranks (the bug that breaks PyTorch's PowerSGD over gloo). Each
+arriving phase-2 piece is decoded straight into the bucket's buffer by its callback; the bucket's future
+completes when every piece is decoded.
 """
 
 from __future__ import annotations
@@ -23,8 +31,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm.hooks._state import CompressedCall, PendingPhase, Timer, all_finite, all_gather_flat, seed_for
+from fastcomm.hooks._wire import MAX_CHUNKS
 
-__all__ = ["Codec", "two_phase_allreduce"]
+__all__ = ["Codec", "piece_ranges", "two_phase_allreduce"]
 
 
 @dataclass(frozen=True)
@@ -32,17 +41,40 @@ class Codec:
     """A compressor seen by the two-phase allreduce.
 
     Attributes:
-        block: elements per fp32 scale; segments are whole blocks.
+        block: elements per fp32 scale; pieces and segments are whole blocks.
         bits: wire bits per element (8, 4, 2 or 1).
-        compress: ``(x, residual or None, seed) -> (packed uint8, fp32 scales)``; ``residual`` is updated in
-            place to ``x + residual - sent``.
-        decompress: ``(packed, scales, numel, dtype) -> values``.
+        compress: ``(x, residual_out, residual_in, seed) -> (packed uint8, fp32 scales)``. With error
+            feedback ``residual_out`` receives ``x + residual_in - sent`` (the two may be the same tensor);
+            both are ``None`` without it.
+        decompress_into: ``(out, packed, scales, accumulate)``: decode ``out.numel()`` values into ``out``
+            (added to it when ``accumulate``); the payload may be longer than ``out`` needs.
     """
 
     block: int
     bits: int
-    compress: Callable[[Tensor, Tensor | None, int], tuple[Tensor, Tensor]]
-    decompress: Callable[[Tensor, Tensor, int, torch.dtype], Tensor]
+    compress: Callable[[Tensor, Tensor | None, Tensor | None, int], tuple[Tensor, Tensor]]
+    decompress_into: Callable[[Tensor, Tensor, Tensor, bool], None]
+
+
+def piece_ranges(segment: int, unit: int, payload_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Element ranges ``[start, stop)`` cutting a segment into pieces of whole ``unit``\\ s.
+
+    Args:
+        segment: elements per segment, a multiple of ``unit``.
+        unit: the granularity, ``lcm(block, 8)``: whole blocks and whole bytes.
+        payload_bytes: compressed bytes of one segment (codes and scales).
+        chunk_bytes: the wanted payload per piece; at most ``MAX_CHUNKS`` pieces.
+
+    Example::
+
+        >>> piece_ranges(1024, 256, 1040, 512)
+        [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    """
+    units = max(1, segment // unit)
+    count = max(1, min(units, MAX_CHUNKS, -(-payload_bytes // max(1, chunk_bytes))))
+    edges = [units * i // count * unit for i in range(count + 1)]
+    edges[-1] = segment
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def _padded(tensor: Tensor, total: int) -> Tensor:
@@ -52,127 +84,178 @@ def _padded(tensor: Tensor, total: int) -> Tensor:
     return torch.cat([tensor, tensor.new_zeros(total - tensor.numel())])
 
 
+def _piece_seed(base: int, index: int) -> int:
+    return (base ^ (index * 0x9E3779B97F4A7C15)) % (2**62)
+
+
 class _TwoPhase(PendingPhase):
     """One bucket's two-phase allreduce: phase 1 issued at construction, phase 2 by :meth:`finish`."""
 
-    def __init__(self, call: CompressedCall, segment: int, codec: Codec, seed: int) -> None:
+    def __init__(self, call: CompressedCall, segment: int, codec: Codec, seed: int, unit: int) -> None:
         self.call, self.segment, self.codec, self.seed = call, segment, codec, seed
         state, key, entry, flat = call.state, call.key, call.entry, call.flat
         world_size, rank = call.world_size, call.rank
         numel = flat.numel()
+        bits, block = codec.bits, codec.block
         self.step = state._steps
-        self.data_bytes = segment * codec.bits // 8
         self.future: torch.futures.Future[Tensor] = torch.futures.Future()
         self.timer = Timer()
         with self.timer:
             total = segment * world_size
-            residual = None
+            residual_out = residual_in = None
             if state.error_feedback:
                 current = state._current(entry, "residual", flat)
                 if numel == total:
-                    residual = state._staging_copy(key, "residual", current)
+                    residual_in, residual_out = current, state._spare(key, "residual", current)
                 else:
-                    residual = _padded(current, total)
+                    residual_in = residual_out = _padded(current, total)
             data, scales = codec.compress(
-                _padded(flat, total), residual, seed_for(seed, self.step, key, rank, 1)
+                _padded(flat, total), residual_out, residual_in, seed_for(seed, self.step, key, rank, 1)
             )
-            if residual is not None:
-                state._stage(key, "residual", residual if numel == total else residual[:numel])
-            rows = (data.view(world_size, -1), scales.view(world_size, -1).view(torch.uint8))
-            row_bytes = rows[0].shape[1] + rows[1].shape[1]
+            if residual_out is not None:
+                state._stage(key, "residual", residual_out if numel == total else residual_out[:numel])
+            data_rows = data.view(world_size, -1)
+            scale_rows = scales.view(world_size, -1).view(torch.uint8)
+            row_bytes = data_rows.shape[1] + scale_rows.shape[1]
+            self.ranges = piece_ranges(segment, unit, row_bytes, state.wire_chunk_bytes)
             send = state._wire_buffer(key, "send", data, world_size * row_bytes)
-            self.send = torch.cat(rows, dim=1, out=send.view(world_size, row_bytes))
             recv = state._wire_buffer(key, "recv", data, world_size * row_bytes)
-            self.recv = recv.view(world_size, row_bytes)
-        self.work = dist.all_to_all_single(self.recv, self.send, group=state.process_group, async_op=True)
+            self.pieces: list[tuple[int, int, int, Tensor, dist.Work]] = []
+            offset = 0
+            for start, stop in self.ranges:
+                data_lo, data_hi = start * bits // 8, stop * bits // 8
+                scale_lo, scale_hi = start // block * 4, -(-stop // block) * 4
+                data_width = data_hi - data_lo
+                width = data_width + scale_hi - scale_lo
+                piece_send = send[world_size * offset : world_size * (offset + width)].view(world_size, width)
+                piece_send[:, :data_width].copy_(data_rows[:, data_lo:data_hi])
+                piece_send[:, data_width:].copy_(scale_rows[:, scale_lo:scale_hi])
+                piece_recv = recv[world_size * offset : world_size * (offset + width)].view(world_size, width)
+                work = dist.all_to_all_single(
+                    piece_recv.view(-1), piece_send.view(-1), group=state.process_group, async_op=True
+                )
+                self.pieces.append((start, stop, data_width, piece_recv, work))
+                offset += width
+        self.row_bytes = row_bytes
 
     def finish(self) -> None:
-        """Wait for phase 1, average this rank's segment, re-compress it and issue phase 2 (async)."""
+        """Per piece: wait for phase 1, average this rank's copies, re-compress, issue phase 2 (async)."""
         call, segment, codec = self.call, self.segment, self.codec
         state, key, entry, flat = call.state, call.key, call.entry, call.flat
-        world_size, rank, data_bytes = call.world_size, call.rank, self.data_bytes
-        numel, dtype = flat.numel(), flat.dtype
-        self.work.wait()
+        world_size, rank, row_bytes = call.world_size, call.rank, self.row_bytes
+        numel = flat.numel()
+        group = state.process_group
         timer = self.timer
+        # dividing by a power of two commutes with every rounding here (barring subnormals), so the mean's
+        # division folds into the received scales instead of a pass over the segment
+        fold = world_size & (world_size - 1) == 0
         with timer:
-            # dividing by a power of two commutes with every rounding here (barring subnormals), so the
-            # mean's division folds into the received scales instead of a pass over the segment
-            fold = world_size & (world_size - 1) == 0
-            mean = None
-            for source in range(world_size):
-                payload = self.recv[source]
-                scales_in = payload[data_bytes:].clone().view(torch.float32)
-                if fold:
-                    scales_in /= world_size
-                part = codec.decompress(payload[:data_bytes], scales_in, segment, torch.float32)
-                mean = part if mean is None else mean.add_(part)
-            assert mean is not None
-            if not fold:
-                mean /= world_size
+            fp32 = torch.empty(0, dtype=torch.float32, device=flat.device)
+            mean = state._wire_buffer(key, "mean", fp32, segment)
             entry.segment_start, entry.world_size = rank * segment, world_size
-            server = None
+            server_in = server_out = None
             if state.error_feedback:
-                current = state._current(entry, "server_residual", mean, segment)
-                server = state._staging_copy(key, "server_residual", current)
-            data2, scales2 = codec.compress(mean, server, seed_for(self.seed, self.step, key, rank, 2))
-            if server is not None:
-                state._stage(key, "server_residual", server)
-            row = torch.cat([data2, scales2.view(torch.uint8)])
-            gathered = state._wire_buffer(key, "gathered", row, world_size * row.numel())
-        work = all_gather_flat(gathered, row, group=state.process_group, async_op=True)
-        sent = (world_size - 1) * self.send.numel() // world_size + (world_size - 1) * row.numel()
+                server_in = state._current(entry, "server_residual", mean, segment)
+                server_out = state._spare(key, "server_residual", server_in)
+            row = state._wire_buffer(key, "row", self.pieces[0][3], row_bytes)
+            gathered = state._wire_buffer(key, "gathered", self.pieces[0][3], world_size * row_bytes)
+        decoded: list[torch.futures.Future[float]] = []
+        sent_bytes = 0
+        offset = 0
+        for index, (start, stop, data_width, piece_recv, work) in enumerate(self.pieces):
+            work.wait()
+            with timer:
+                width = piece_recv.shape[1]
+                part = mean[start:stop]
+                for source in range(world_size):
+                    payload = piece_recv[source]
+                    scales_in = payload[data_width:].clone().view(torch.float32)
+                    if fold:
+                        scales_in /= world_size
+                    codec.decompress_into(part, payload[:data_width], scales_in, source > 0)
+                if not fold:
+                    part /= world_size
+                data2, scales2 = codec.compress(
+                    part,
+                    None if server_out is None else server_out[start:stop],
+                    None if server_in is None else server_in[start:stop],
+                    _piece_seed(seed_for(self.seed, self.step, key, rank, 2), index),
+                )
+                piece_row = row[offset : offset + width]
+                piece_row[:data_width].copy_(data2)
+                piece_row[data_width:].copy_(scales2.view(torch.uint8))
+                piece_out = gathered[world_size * offset : world_size * (offset + width)]
+                future = all_gather_flat(piece_out, piece_row, group=group, async_op=True).get_future()
+            decoder = self._decoder(piece_out.view(world_size, width), start, stop, data_width)
+            decoded.append(future.then(decoder))
+            sent_bytes += 2 * (world_size - 1) * width
+            offset += width
+        if server_out is not None:
+            state._stage(key, "server_residual", server_out)
         dense = 2 * (world_size - 1) * numel * flat.element_size() // world_size
-        state._count(sent, dense, timer.seconds, True)
-        self.send = self.recv = None  # type: ignore[assignment]
+        state._count(sent_bytes, dense, timer.seconds, True)
+        self.pieces = []
 
-        def decompress(_: torch.futures.Future) -> Tensor:
-            decompress_timer = Timer()
-            with decompress_timer:
-                rows = gathered.view(world_size, -1)
-                all_scales = rows[:, data_bytes:].contiguous().view(torch.float32)
-                state._note_output(all_finite(all_scales))
-                # segments are whole blocks and whole bytes, so the rows' codes side by side are the codes of
-                # the whole padded bucket: one decode, no per-segment copies
-                all_codes = rows[:, :data_bytes].contiguous()
-                out = codec.decompress(all_codes, all_scales.reshape(-1), segment * world_size, dtype)
-            state._compress_seconds += decompress_timer.seconds
-            return out[:numel]
-
-        def complete(future: torch.futures.Future) -> None:
+        def complete(done: torch.futures.Future[list[torch.futures.Future[float]]]) -> None:
             try:
-                self.future.set_result(future.value())
+                state._compress_seconds += sum(piece.value() for piece in done.value())
+                self.future.set_result(flat)
             except Exception as error:  # a failed collective or decompression reaches DDP's wait
                 self.future.set_exception(error)
 
-        work.get_future().then(decompress).add_done_callback(complete)
+        torch.futures.collect_all(decoded).add_done_callback(complete)
+
+    def _decoder(
+        self, rows: Tensor, start: int, stop: int, data_width: int
+    ) -> Callable[[torch.futures.Future], float]:
+        """The callback that decodes one gathered piece into the bucket; returns the seconds it took."""
+        flat, segment, codec, state = self.call.flat, self.segment, self.codec, self.call.state
+        numel = flat.numel()
+
+        def decode(_: torch.futures.Future) -> float:
+            timer = Timer()
+            with timer:
+                scales = rows[:, data_width:].contiguous().view(torch.float32)
+                state._note_output(all_finite(scales))
+                for owner in range(rows.shape[0]):
+                    lo = owner * segment + start
+                    hi = min(owner * segment + stop, numel)
+                    if lo < hi:
+                        codec.decompress_into(flat[lo:hi], rows[owner, :data_width], scales[owner], False)
+            return timer.seconds
+
+        return decode
 
 
 def two_phase_allreduce(
-    call: CompressedCall, segment: int, codec: Codec, seed: int, last: bool
+    call: CompressedCall, segment: int, codec: Codec, seed: int, last: bool, unit: int
 ) -> torch.futures.Future[Tensor]:
     """Mean over ranks of ``flat`` through ``codec``, with error feedback on both phases.
 
     1. ``x`` = the bucket zero-padded to ``W * segment``; with error feedback, plus the phase-1 residual.
-    2. Compress ``x`` (new phase-1 residual staged) and issue the all-to-all of the per-segment payloads.
-    3. Issue phase 2 of the bucket before this one, if it is pending (see the module docstring).
-    4. Phase 2 (now if ``last``, else in the next hook call): wait for phase 1; decompress the ``W`` received
-       copies of this rank's segment in fp32, sum in rank order, divide by ``W``; add the phase-2 residual;
-       compress again (new phase-2 residual staged); all-gather the phase-2 payloads (async).
-    5. The returned future decompresses them in the bucket's dtype (one decode of all segments) and records
-       whether any scale was non-finite (inf/NaN anywhere makes its block's scale non-finite).
+    2. Compress ``x`` (new phase-1 residual staged) and issue one all-to-all per piece (see the module
+       docstring) of the per-segment payloads.
+    3. Finish the bucket before this one, if it is pending.
+    4. Finishing (now if ``last``, else in the next hook call), piece by piece: wait for its phase 1;
+       decompress the ``W`` received copies of this rank's sub-range in fp32, summed in rank order, divided
+       by ``W``; add the phase-2 residual; compress again (new phase-2 residual staged); all-gather (async).
+    5. Each gathered piece is decoded into the bucket's own buffer, in its dtype, and checked for
+       non-finite scales (inf/NaN anywhere makes its block's scale non-finite); the returned future holds
+       the buffer once all pieces are in.
 
     Args:
         call: the hook's state, the bucket's key and entry, the 1-D gradient bucket, world size and rank.
-        segment: elements per rank's segment, a multiple of ``codec.block`` and of 8.
+        segment: elements per rank's segment, a multiple of ``unit``.
         codec: the compressor.
-        seed: the stochastic-rounding seed base (mixed with step, bucket, rank and phase).
-        last: the bucket is the last of the iteration (``bucket.is_last()``): finish its phase 2 now.
+        seed: the stochastic-rounding seed base (mixed with step, bucket, rank, phase and piece).
+        last: the bucket is the last of the iteration (``bucket.is_last()``): finish it now.
+        unit: the piece granularity, ``lcm(codec.block, 8)`` (or the whole segment).
 
     Returns:
         A future holding the averaged bucket, completed once phase 2 is done.
     """
     state = call.state
-    mine = _TwoPhase(call, segment, codec, seed)
+    mine = _TwoPhase(call, segment, codec, seed, unit)
     state._flush_pending()
     if last:
         mine.finish()

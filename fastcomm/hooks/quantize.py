@@ -10,6 +10,7 @@ from torch import Tensor
 from fastcomm import ops, reference
 from fastcomm.hooks._state import CompressedCall, CompressionState, begin_compressed, segment_layout
 from fastcomm.hooks._twophase import Codec, two_phase_allreduce
+from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
 
 __all__ = ["QuantState", "quantize_hook"]
 
@@ -28,6 +29,8 @@ class QuantState(CompressionState):
         error_feedback: per-bucket residuals on both phases (what quantization dropped is sent later).
         start_iter: dense allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
+        wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
+            :class:`~fastcomm.hooks._state.CompressionState`).
         process_group: the group to reduce over; ``None`` for the default group.
 
     Example::
@@ -48,6 +51,7 @@ class QuantState(CompressionState):
         error_feedback: bool = True,
         start_iter: int = 0,
         min_compress_numel: int = 1024,
+        wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if bits not in reference.QUANT_BITS or isinstance(bits, bool):
@@ -64,6 +68,7 @@ class QuantState(CompressionState):
             error_feedback=error_feedback,
             start_iter=start_iter,
             min_compress_numel=min_compress_numel,
+            wire_chunk_bytes=wire_chunk_bytes,
             process_group=process_group,
         )
 
@@ -71,13 +76,22 @@ class QuantState(CompressionState):
         """The blockwise quantizer as the two-phase allreduce uses it."""
         bits, block, stochastic = self.bits, self.block, self.stochastic
 
-        def compress(x: Tensor, residual: Tensor | None, seed: int) -> tuple[Tensor, Tensor]:
-            return ops.quantize_blockwise(x, bits, block, stochastic, seed, residual=residual)
+        def compress(
+            x: Tensor, residual_out: Tensor | None, residual_in: Tensor | None, seed: int
+        ) -> tuple[Tensor, Tensor]:
+            if residual_out is not None and residual_in is not residual_out:  # TEMP until fused op
+                residual_out.copy_(residual_in)
+            return ops.quantize_blockwise(x, bits, block, stochastic, seed, residual=residual_out)
 
-        def decompress(codes: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
-            return ops.dequantize_blockwise(codes, scales, numel, bits, block, dtype)
+        def decompress_into(out: Tensor, codes: Tensor, scales: Tensor, accumulate: bool) -> None:
+            n = out.numel()  # TEMP until fused op
+            got = ops.dequantize_blockwise(
+                codes[: -(-n * bits // 8)], scales[: -(-n // block)], n, bits, block,
+                torch.float32 if accumulate else out.dtype,
+            )
+            out.add_(got) if accumulate else out.copy_(got)
 
-        return Codec(block=block, bits=bits, compress=compress, decompress=decompress)
+        return Codec(block=block, bits=bits, compress=compress, decompress_into=decompress_into)
 
 
 def quantize_hook(state: QuantState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -113,5 +127,6 @@ def quantize_hook(state: QuantState | None, bucket: dist.GradBucket) -> torch.fu
         return call
     options = call.state
     assert isinstance(options, QuantState)
-    segment = segment_layout(call.flat.numel(), call.world_size, math.lcm(options.block, 8))
-    return two_phase_allreduce(call, segment, options.codec(), options.seed, bucket.is_last())
+    unit = math.lcm(options.block, 8)
+    segment = segment_layout(call.flat.numel(), call.world_size, unit)
+    return two_phase_allreduce(call, segment, options.codec(), options.seed, bucket.is_last(), unit)

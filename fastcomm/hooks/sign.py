@@ -10,6 +10,7 @@ from torch import Tensor
 from fastcomm import ops
 from fastcomm.hooks._state import CompressedCall, CompressionState, begin_compressed, segment_layout
 from fastcomm.hooks._twophase import Codec, two_phase_allreduce
+from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
 
 __all__ = ["SignState", "sign_hook", "sign_layout"]
 
@@ -26,6 +27,8 @@ class SignState(CompressionState):
         error_feedback: per-bucket residuals on both phases.
         start_iter: dense allreduce for the first ``start_iter`` steps (1-bit Adam's warmup stage).
         min_compress_numel: buckets with fewer elements go dense.
+        wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
+            :class:`~fastcomm.hooks._state.CompressionState`).
         process_group: the group to reduce over; ``None`` for the default group.
 
     Example::
@@ -43,6 +46,7 @@ class SignState(CompressionState):
         error_feedback: bool = True,
         start_iter: int = 0,
         min_compress_numel: int = 1024,
+        wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
@@ -52,6 +56,7 @@ class SignState(CompressionState):
             error_feedback=error_feedback,
             start_iter=start_iter,
             min_compress_numel=min_compress_numel,
+            wire_chunk_bytes=wire_chunk_bytes,
             process_group=process_group,
         )
 
@@ -99,11 +104,18 @@ def sign_hook(state: SignState | None, bucket: dist.GradBucket) -> torch.futures
     assert isinstance(call.state, SignState)
     segment, chunk = sign_layout(call.flat.numel(), call.world_size, call.state.chunk)
 
-    def compress(x: Tensor, residual: Tensor | None, seed: int) -> tuple[Tensor, Tensor]:
-        return ops.sign_compress(x, residual, chunk)
+    def compress(
+        x: Tensor, residual_out: Tensor | None, residual_in: Tensor | None, seed: int
+    ) -> tuple[Tensor, Tensor]:
+        if residual_out is not None and residual_in is not residual_out:  # TEMP until fused op
+            residual_out.copy_(residual_in)
+        return ops.sign_compress(x, residual_out, chunk)
 
-    def decompress(packed: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
-        return ops.sign_decompress(packed, scales, numel, chunk, dtype)
+    def decompress_into(out: Tensor, packed: Tensor, scales: Tensor, accumulate: bool) -> None:
+        n = out.numel()  # TEMP until fused op
+        dtype = torch.float32 if accumulate else out.dtype
+        got = ops.sign_decompress(packed[: -(-n // 8)], scales[: -(-n // chunk)], n, chunk, dtype)
+        out.add_(got) if accumulate else out.copy_(got)
 
-    codec = Codec(block=chunk, bits=1, compress=compress, decompress=decompress)
-    return two_phase_allreduce(call, segment, codec, 0, bucket.is_last())
+    codec = Codec(block=chunk, bits=1, compress=compress, decompress_into=decompress_into)
+    return two_phase_allreduce(call, segment, codec, 0, bucket.is_last(), math.lcm(chunk, 8))

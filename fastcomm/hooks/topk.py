@@ -13,9 +13,9 @@ from fastcomm.hooks._state import (
     CompressionState,
     Timer,
     all_finite,
-    all_gather_flat,
     begin_compressed,
 )
+from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES, all_gather_rows
 
 __all__ = ["TopKState", "topk_hook"]
 
@@ -43,6 +43,8 @@ class TopKState(CompressionState):
         error_feedback: keep unsent entries in a per-bucket residual and add them to the next gradient.
         start_iter: dense allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
+        wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
+            :class:`~fastcomm.hooks._state.CompressionState`).
         process_group: the group to reduce over; ``None`` for the default group.
 
     Example::
@@ -72,6 +74,7 @@ class TopKState(CompressionState):
         error_feedback: bool = True,
         start_iter: int = 0,
         min_compress_numel: int = 1024,
+        wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 < ratio <= 1.0:
@@ -94,6 +97,7 @@ class TopKState(CompressionState):
             error_feedback=error_feedback,
             start_iter=start_iter,
             min_compress_numel=min_compress_numel,
+            wire_chunk_bytes=wire_chunk_bytes,
             process_group=process_group,
         )
 
@@ -165,7 +169,13 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
             )
         row = torch.cat([indices.view(torch.uint8), values.contiguous().view(torch.uint8)])
         gathered = state._wire_buffer(key, "gathered", row, world_size * row.numel())
-    work = all_gather_flat(gathered, row, group=state.process_group, async_op=True)
+    gathered_future = all_gather_rows(
+        gathered.view(world_size, -1),
+        row,
+        group=state.process_group,
+        chunk_bytes=state.wire_chunk_bytes,
+        scratch=state._scratch(key, flat.device),
+    )
     state._count(
         (world_size - 1) * row.numel(),
         2 * (world_size - 1) * numel * flat.element_size() // world_size,
@@ -188,7 +198,7 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         state._compress_seconds += decompress_timer.seconds
         return out
 
-    return work.get_future().then(decompress)
+    return gathered_future.then(decompress)
 
 
 class _SparseResult:

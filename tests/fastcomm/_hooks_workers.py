@@ -243,16 +243,23 @@ def correctness_worker(rank: int, world_size: int) -> None:
     """Each hook's result against the test's own simulation of all ranks from the reference ops."""
     steps = 3
     for dtype in DTYPES:
-        for family in ("topk", "sign", "quant_nearest", "quant_stochastic"):
+        # "+pieces": collectives cut into many small pieces (the layout large buckets get by default)
+        variants = ("topk", "sign", "quant_nearest", "quant_stochastic")
+        variants += ("sign+pieces", "quant_nearest+pieces")
+        for variant in variants:
+            family, pieces = variant.removesuffix("+pieces"), variant.endswith("+pieces")
+            wire = {"wire_chunk_bytes": 200} if pieces else {}
             params = make_buckets(BUCKET_SIZES, dtype)
             if family == "topk":
                 state = fastcomm.TopKState(ratio=0.05, exact=True, min_compress_numel=0)
                 hook = fastcomm.topk_hook
             elif family == "sign":
-                state, hook = fastcomm.SignState(chunk=512, min_compress_numel=0), fastcomm.sign_hook
+                state, hook = fastcomm.SignState(chunk=512, min_compress_numel=0, **wire), fastcomm.sign_hook
             else:
                 stochastic = family == "quant_stochastic"
-                state = fastcomm.QuantState(bits=4, block=64, stochastic=stochastic, min_compress_numel=0)
+                state = fastcomm.QuantState(
+                    bits=4, block=64, stochastic=stochastic, min_compress_numel=0, **wire
+                )
                 hook = fastcomm.quantize_hook
             sims = [
                 {
@@ -271,7 +278,7 @@ def correctness_worker(rank: int, world_size: int) -> None:
                 ]
                 outputs = run_hook(hook, state, buckets)
                 for b, (out, grads) in enumerate(zip(outputs, all_grads, strict=True)):
-                    what = f"{family} {dtype} bucket {BUCKET_SIZES[b]} W={world_size} step {step}"
+                    what = f"{variant} {dtype} bucket {BUCKET_SIZES[b]} W={world_size} step {step}"
                     assert out.dtype == dtype and out.shape == (grads[0].numel(),), what
                     assert_same_on_all_ranks(out, what)
                     sim = sims[b]
