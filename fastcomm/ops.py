@@ -19,6 +19,7 @@ Example::
     values, indices = fastcomm.ops.topk_select(grad, k=10_000, residual=residual)
     codes, scales = fastcomm.ops.quantize_blockwise(grad, bits=4, stochastic=True, seed=7)
     approx = fastcomm.ops.dequantize_blockwise(codes, scales, grad.numel(), bits=4)
+    fastcomm.ops.dequantize_blockwise_into(grad, codes, scales, bits=4, accumulate=True)  # grad += approx
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ __all__ = [
     "OP_NAMES",
     "backend",
     "dequantize_blockwise",
+    "dequantize_blockwise_into",
     "native_error",
     "quantize_blockwise",
     "sign_compress",
     "sign_decompress",
+    "sign_decompress_into",
     "sparse_accumulate",
     "topk_select",
 ]
@@ -47,8 +50,10 @@ OP_NAMES = (
     "topk_select",
     "quantize_blockwise",
     "dequantize_blockwise",
+    "dequantize_blockwise_into",
     "sign_compress",
     "sign_decompress",
+    "sign_decompress_into",
     "sparse_accumulate",
 )
 
@@ -56,16 +61,27 @@ _LIB = torch.library.Library("fastcomm", "DEF")
 _LIB.define("topk_select(Tensor x, int k, Tensor(a!)? residual=None, bool exact=True) -> (Tensor, Tensor)")
 _LIB.define(
     "quantize_blockwise(Tensor x, int bits=8, int block=256, bool stochastic=False, int seed=0,"
-    " Tensor(a!)? residual=None) -> (Tensor, Tensor)"
+    " Tensor(a!)? residual=None, Tensor? residual_source=None) -> (Tensor, Tensor)"
 )
 _LIB.define(
     "dequantize_blockwise(Tensor codes, Tensor scales, int numel, int bits=8, int block=256,"
     " ScalarType dtype=float) -> Tensor"
 )
-_LIB.define("sign_compress(Tensor x, Tensor(a!)? residual=None, int chunk=2048) -> (Tensor, Tensor)")
+_LIB.define(
+    "dequantize_blockwise_into(Tensor(a!) out, Tensor codes, Tensor scales, int bits=8, int block=256,"
+    " bool accumulate=False) -> ()"
+)
+_LIB.define(
+    "sign_compress(Tensor x, Tensor(a!)? residual=None, int chunk=2048, Tensor? residual_source=None)"
+    " -> (Tensor, Tensor)"
+)
 _LIB.define(
     "sign_decompress(Tensor packed, Tensor scales, int numel, int chunk=2048, ScalarType dtype=float)"
     " -> Tensor"
+)
+_LIB.define(
+    "sign_decompress_into(Tensor(a!) out, Tensor packed, Tensor scales, int chunk=2048,"
+    " bool accumulate=False) -> ()"
 )
 _LIB.define("sparse_accumulate(Tensor(a!) out, Tensor indices, Tensor values) -> ()")
 
@@ -78,8 +94,10 @@ _REFERENCE_KERNELS = {
     "topk_select": reference.topk_select,
     "quantize_blockwise": reference.quantize_blockwise,
     "dequantize_blockwise": reference.dequantize_blockwise,
+    "dequantize_blockwise_into": reference.dequantize_blockwise_into,
     "sign_compress": reference.sign_compress,
     "sign_decompress": reference.sign_decompress,
+    "sign_decompress_into": reference.sign_decompress_into,
     "sparse_accumulate": _sparse_accumulate_reference,
 }
 for _name, _fn in _REFERENCE_KERNELS.items():
@@ -101,7 +119,7 @@ def _num_blocks(n: int, block: int) -> int:
 
 
 @torch.library.register_fake("fastcomm::quantize_blockwise")
-def _quantize_fake(x, bits=8, block=256, stochastic=False, seed=0, residual=None):
+def _quantize_fake(x, bits=8, block=256, stochastic=False, seed=0, residual=None, residual_source=None):
     n = x.numel()
     return x.new_empty(_num_blocks(n * bits, 8), dtype=torch.uint8), x.new_empty(
         _num_blocks(n, block), dtype=torch.float32
@@ -113,8 +131,13 @@ def _dequantize_fake(codes, scales, numel, bits=8, block=256, dtype=torch.float3
     return codes.new_empty(numel, dtype=dtype)
 
 
+@torch.library.register_fake("fastcomm::dequantize_blockwise_into")
+def _dequantize_into_fake(out, codes, scales, bits=8, block=256, accumulate=False):
+    return None
+
+
 @torch.library.register_fake("fastcomm::sign_compress")
-def _sign_compress_fake(x, residual=None, chunk=2048):
+def _sign_compress_fake(x, residual=None, chunk=2048, residual_source=None):
     n = x.numel()
     return x.new_empty(_num_blocks(n, 8), dtype=torch.uint8), x.new_empty(
         _num_blocks(n, chunk), dtype=torch.float32
@@ -124,6 +147,11 @@ def _sign_compress_fake(x, residual=None, chunk=2048):
 @torch.library.register_fake("fastcomm::sign_decompress")
 def _sign_decompress_fake(packed, scales, numel, chunk=2048, dtype=torch.float32):
     return packed.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("fastcomm::sign_decompress_into")
+def _sign_decompress_into_fake(out, packed, scales, chunk=2048, accumulate=False):
+    return None
 
 
 @torch.library.register_fake("fastcomm::sparse_accumulate")
@@ -169,13 +197,16 @@ def backend() -> dict[str, str]:
     Example::
 
         >>> fastcomm.backend()["quantize_blockwise"]
-        'cpu: native C++ (OpenMP, 2 threads); cuda: reference (no CUDA device)'
+        'cpu: native C++ (OpenMP, 2 threads, avx2 loops); cuda: reference (no CUDA device)'
     """
     report = {}
     for op in OP_NAMES:
         if _has_kernel(op, "CPU"):
-            threads = _native_module.openmp_threads() if _native_module is not None else "?"
-            cpu = f"native C++ (OpenMP, {threads} threads)"
+            if _native_module is not None:
+                threads, isa = _native_module.openmp_threads(), _native_module.cpu_isa()
+            else:
+                threads, isa = "?", "?"
+            cpu = f"native C++ (OpenMP, {threads} threads, {isa} loops)"
         else:
             cpu = f"reference ({_native_error})"
         if _has_kernel(op, "CUDA"):
@@ -227,6 +258,64 @@ def _check_residual(x: Tensor, residual: Tensor | None) -> None:
             f"x is {tuple(x.shape)} {x.dtype} on {x.device}, "
             f"residual is {tuple(residual.shape)} {residual.dtype} on {residual.device}"
         )
+
+
+def _extent(t: Tensor) -> tuple[int, int]:
+    """The byte range ``[first, last)`` that a strided tensor's elements lie in."""
+    span = (
+        sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+        if t.numel()
+        else 0
+    )
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _check_residual_source(x: Tensor, residual: Tensor | None, residual_source: Tensor | None) -> None:
+    if residual_source is None:
+        return
+    if residual is None:
+        raise ValueError(
+            "residual_source needs residual: x + residual_source is quantized and acc - sent is written to "
+            "residual, so pass both (residual_source=residual is the in-place form)"
+        )
+    _check_float("residual_source", residual_source)
+    if (
+        residual_source.shape != x.shape
+        or residual_source.dtype != x.dtype
+        or residual_source.device != x.device
+    ):
+        raise ValueError(
+            "residual_source must match x in shape, dtype and device: "
+            f"x is {tuple(x.shape)} {x.dtype} on {x.device}, residual_source is "
+            f"{tuple(residual_source.shape)} {residual_source.dtype} on {residual_source.device}"
+        )
+    same_view = (
+        residual_source.data_ptr() == residual.data_ptr() and residual_source.stride() == residual.stride()
+    )
+    (a0, a1), (b0, b1) = _extent(residual_source), _extent(residual)
+    if not same_view and a0 < b1 and b0 < a1:
+        raise ValueError(
+            "residual_source must be residual itself or lie apart from it: the two overlap in memory, so the "
+            "kernel would read values it has already overwritten"
+        )
+
+
+def _check_out(out: Tensor) -> None:
+    _check_float("out", out)
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: it is written in place through out.view(-1)")
+
+
+def _check_payload_prefix(name: str, t: Tensor, dtype: torch.dtype, needed: int, out: Tensor) -> None:
+    """``t`` holds at least ``needed`` elements of ``dtype`` on ``out``'s device (any extra is ignored)."""
+    if not isinstance(t, Tensor) or t.dtype != dtype:
+        raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.numel() < needed:
+        raise ValueError(
+            f"{name} has {t.numel()} elements, needs at least {needed} to fill out ({out.numel()} elements)"
+        )
+    if t.device != out.device:
+        raise ValueError(f"{name} is on {t.device} but out is on {out.device}")
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -290,11 +379,15 @@ def quantize_blockwise(
     stochastic: bool = False,
     seed: int = 0,
     residual: Tensor | None = None,
+    residual_source: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Quantize to ``bits``-wide signed codes with one absmax fp32 scale per block, packed into bytes.
 
-    0. With ``residual`` (error feedback), ``x + residual`` is quantized and ``residual`` is updated in
-       place to what the codes did not carry (``acc - dequantize(codes)``), in the same pass.
+    0. With ``residual`` (error feedback), ``acc = x + residual`` is quantized and ``residual`` is updated in
+       place to what the codes did not carry (``acc - dequantize(codes)``), in the same pass. With
+       ``residual_source`` as well, ``acc = x + residual_source`` and ``residual`` is only written: the
+       bits of ``residual.copy_(residual_source)`` followed by the in-place call, without the copy (so two
+       buffers can alternate between steps).
     1. ``scale = max|x| / qmax`` per block of ``block`` elements, ``qmax = 2**(bits-1) - 1``.
     2. ``q = round(x / scale)`` (``stochastic=False``) or ``floor(x / scale + u)`` with ``u`` uniform from a
        hash of ``(index, seed)``, which is unbiased: ``E[dequantize(quantize(x))] == x``.
@@ -308,6 +401,8 @@ def quantize_blockwise(
         stochastic: stochastic (unbiased) instead of nearest rounding.
         seed: stochastic rounding seed; the same seed gives the same codes on every backend.
         residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
+        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
+            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
 
     Returns:
         ``(codes uint8 of ceil(numel * bits / 8), scales float32 of ceil(numel / block))``.
@@ -317,15 +412,21 @@ def quantize_blockwise(
         >>> codes, scales = quantize_blockwise(torch.randn(1000), bits=8)
         >>> dequantize_blockwise(codes, scales, 1000).shape
         torch.Size([1000])
+        >>> g = torch.randn(1000); r = [torch.zeros_like(g), torch.zeros_like(g)]  # double-buffered
+        >>> for step in range(2):
+        ...     codes, scales = quantize_blockwise(g, residual=r[step % 2], residual_source=r[1 - step % 2])
     """
     _check_float("x", x)
     _check_residual(x, residual)
+    _check_residual_source(x, residual, residual_source)
     _check_bits(bits)
     _check_positive("block", block)
     if not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
         raise ValueError(f"seed must be an int64, got {seed!r}")
     _warn_if_unexpectedly_slow(x)
-    return torch.ops.fastcomm.quantize_blockwise(x, bits, block, bool(stochastic), seed, residual)
+    return torch.ops.fastcomm.quantize_blockwise(
+        x, bits, block, bool(stochastic), seed, residual, residual_source
+    )
 
 
 def dequantize_blockwise(
@@ -355,10 +456,57 @@ def dequantize_blockwise(
     return torch.ops.fastcomm.dequantize_blockwise(codes, scales, numel, bits, block, dtype)
 
 
-def sign_compress(x: Tensor, residual: Tensor | None = None, chunk: int = 2048) -> tuple[Tensor, Tensor]:
+def dequantize_blockwise_into(
+    out: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    bits: int = 8,
+    block: int = 256,
+    accumulate: bool = False,
+) -> Tensor:
+    """:func:`dequantize_blockwise` straight into a caller's buffer, optionally adding to what it holds.
+
+    1. ``numel = out.numel()``; only the first ``ceil(numel * bits / 8)`` codes and ``ceil(numel / block)``
+       scales are read, so a zero-padded payload decodes into an unpadded buffer.
+    2. ``accumulate=False``: ``out`` gets the bits of ``dequantize_blockwise(codes, scales, numel, bits,
+       block, out.dtype)``. ``accumulate=True``: ``out = (out.float() + dequantized_fp32).to(out.dtype)``,
+       one fp32 addition rounded once (for fp32 exactly ``out.add_(dequantized)``).
+
+    Args:
+        out: contiguous fp32/fp16/bf16 tensor of any shape, written in place.
+        codes: uint8 codes from :func:`quantize_blockwise`, at least ``ceil(out.numel() * bits / 8)``.
+        scales: fp32 scales, at least ``ceil(out.numel() / block)``.
+        bits: 8, 4 or 2.
+        block: elements per scale.
+        accumulate: add to ``out`` instead of overwriting it.
+
+    Returns:
+        ``out``.
+
+    Example::
+
+        >>> g = torch.randn(1000); total = torch.zeros(1000)
+        >>> codes, scales = quantize_blockwise(g, bits=4)
+        >>> dequantize_blockwise_into(total, codes, scales, bits=4, accumulate=True).shape
+        torch.Size([1000])
+    """
+    _check_out(out)
+    _check_bits(bits)
+    _check_positive("block", block)
+    _check_payload_prefix("codes", codes, torch.uint8, _num_blocks(out.numel() * bits, 8), out)
+    _check_payload_prefix("scales", scales, torch.float32, _num_blocks(out.numel(), block), out)
+    _warn_if_unexpectedly_slow(out)
+    torch.ops.fastcomm.dequantize_blockwise_into(out, codes, scales, bits, block, bool(accumulate))
+    return out
+
+
+def sign_compress(
+    x: Tensor, residual: Tensor | None = None, chunk: int = 2048, residual_source: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """1-bit sign compression with one fp32 scale (mean magnitude) per chunk and error feedback.
 
-    1. ``acc = x + residual``.
+    1. ``acc = x + residual``, or ``x + residual_source`` when given (``residual`` is then only written:
+       the bits of ``residual.copy_(residual_source)`` followed by the in-place call, without the copy).
     2. Per chunk: ``scale = mean |acc|``; one bit per element, 1 where ``acc >= 0``.
     3. ``residual = acc - scale * sign(acc)`` in place (``sent + residual == acc`` up to one rounding).
 
@@ -366,6 +514,8 @@ def sign_compress(x: Tensor, residual: Tensor | None = None, chunk: int = 2048) 
         x: fp32/fp16/bf16 tensor of any shape (flattened).
         residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
         chunk: elements per scale.
+        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
+            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
 
     Returns:
         ``(packed uint8 of ceil(numel / 8), scales float32 of ceil(numel / chunk))``.
@@ -376,12 +526,15 @@ def sign_compress(x: Tensor, residual: Tensor | None = None, chunk: int = 2048) 
         >>> packed, scales = sign_compress(g, r)
         >>> sign_decompress(packed, scales, g.numel()).shape
         torch.Size([5000])
+        >>> r_next = torch.empty_like(g)  # double-buffered: r is read, r_next written
+        >>> packed, scales = sign_compress(g, r_next, residual_source=r)
     """
     _check_float("x", x)
     _check_residual(x, residual)
+    _check_residual_source(x, residual, residual_source)
     _check_positive("chunk", chunk)
     _warn_if_unexpectedly_slow(x)
-    return torch.ops.fastcomm.sign_compress(x, residual, chunk)
+    return torch.ops.fastcomm.sign_compress(x, residual, chunk, residual_source)
 
 
 def sign_decompress(
@@ -403,6 +556,42 @@ def sign_decompress(
     if dtype not in reference.FLOAT_DTYPES:
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     return torch.ops.fastcomm.sign_decompress(packed, scales, numel, chunk, dtype)
+
+
+def sign_decompress_into(
+    out: Tensor, packed: Tensor, scales: Tensor, chunk: int = 2048, accumulate: bool = False
+) -> Tensor:
+    """:func:`sign_decompress` straight into a caller's buffer, optionally adding to what it holds.
+
+    1. ``numel = out.numel()``; only the first ``ceil(numel / 8)`` bytes and ``ceil(numel / chunk)`` scales
+       are read, so a zero-padded payload decodes into an unpadded buffer.
+    2. ``accumulate=False``: ``out`` gets the bits of ``sign_decompress(packed, scales, numel, chunk,
+       out.dtype)``. ``accumulate=True``: ``out = (out.float() + (±scale)).to(out.dtype)``, one fp32
+       addition rounded once.
+
+    Args:
+        out: contiguous fp32/fp16/bf16 tensor of any shape, written in place.
+        packed: uint8 sign bits from :func:`sign_compress`, at least ``ceil(out.numel() / 8)``.
+        scales: fp32 scales, at least ``ceil(out.numel() / chunk)``.
+        chunk: elements per scale.
+        accumulate: add to ``out`` instead of overwriting it.
+
+    Returns:
+        ``out``.
+
+    Example::
+
+        >>> packed, scales = sign_compress(torch.tensor([1.0, -3.0]))
+        >>> sign_decompress_into(torch.ones(2), packed, scales, accumulate=True)
+        tensor([ 3., -1.])
+    """
+    _check_out(out)
+    _check_positive("chunk", chunk)
+    _check_payload_prefix("packed", packed, torch.uint8, _num_blocks(out.numel(), 8), out)
+    _check_payload_prefix("scales", scales, torch.float32, _num_blocks(out.numel(), chunk), out)
+    _warn_if_unexpectedly_slow(out)
+    torch.ops.fastcomm.sign_decompress_into(out, packed, scales, chunk, bool(accumulate))
+    return out
 
 
 def sparse_accumulate(out: Tensor, indices: Tensor, values: Tensor) -> Tensor:

@@ -25,9 +25,11 @@ __all__ = [
     "QUANT_BITS",
     "approx_sample_size",
     "dequantize_blockwise",
+    "dequantize_blockwise_into",
     "quantize_blockwise",
     "sign_compress",
     "sign_decompress",
+    "sign_decompress_into",
     "sparse_accumulate",
     "topk_select",
     "uniform_hash",
@@ -150,6 +152,15 @@ def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
     return codes.reshape(-1)[:numel]
 
 
+def _residual_source(residual: Tensor | None, residual_source: Tensor | None) -> Tensor | None:
+    """The buffer ``acc = x + source`` reads: ``residual_source`` if given, else the residual itself."""
+    if residual_source is None:
+        return residual
+    if residual is None:
+        raise ValueError("residual_source needs residual: acc - sent is written to residual")
+    return residual_source
+
+
 def quantize_blockwise(
     x: Tensor,
     bits: int = 8,
@@ -157,11 +168,13 @@ def quantize_blockwise(
     stochastic: bool = False,
     seed: int = 0,
     residual: Tensor | None = None,
+    residual_source: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Absmax blockwise quantization to signed ``bits``-wide codes, packed into uint8.
 
     With ``qmax = 2**(bits-1) - 1`` and ``x`` replaced by ``acc = x + residual`` (rounded in ``x``'s dtype)
-    when a residual is given, for each block of ``block`` elements:
+    when a residual is given, or ``acc = x + residual_source`` when that is given too, for each block of
+    ``block`` elements:
 
     1. ``absmax = max |x|`` (NaN if the block holds inf/NaN); ``scale = absmax / qmax`` (fp32).
     2. ``inv = qmax / absmax`` when absmax is finite and positive and the quotient finite (a subnormal
@@ -170,14 +183,16 @@ def quantize_blockwise(
        ``stochastic``, ``u = uniform_hash(i, seed)``, which makes ``floor(v + u)`` unbiased: E[deq] = x.
 
     4. With a residual (error feedback), it becomes ``acc - dequantize(codes)`` computed in fp32 and rounded
-       once to ``x``'s dtype, in place.
+       once to ``x``'s dtype, in place. ``residual_source`` (which may be ``residual`` itself) is only read:
+       the result is that of ``residual.copy_(residual_source)`` followed by the call without it.
 
     Codes ``1 .. 2*qmax+1`` stand for ``-qmax .. qmax`` (code 0 is unused). Returns ``(packed codes of
     ceil(n * bits / 8) bytes, fp32 scales of ceil(n / block))``.
     """
+    source = _residual_source(residual, residual_source)
     acc = x.reshape(-1)
-    if residual is not None:
-        acc = acc + residual.reshape(-1)
+    if source is not None:
+        acc = acc + source.reshape(-1)
     flat = acc.float()
     n = flat.numel()
     qmax = float(2 ** (bits - 1) - 1)
@@ -220,18 +235,53 @@ def dequantize_blockwise(
     return (signed.to(torch.float32) * scales.reshape(-1)[block_of]).to(dtype)
 
 
-def sign_compress(x: Tensor, residual: Tensor | None = None, chunk: int = 2048) -> tuple[Tensor, Tensor]:
+def _decode_into(out: Tensor, decoded: Tensor, accumulate: bool) -> None:
+    """``out = decoded`` or, accumulating, ``out = out + decoded`` added in fp32 and rounded once."""
+    view = out.view(-1)
+    if accumulate:
+        view.copy_(view.float() + decoded)
+    else:
+        view.copy_(decoded)
+
+
+def dequantize_blockwise_into(
+    out: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    bits: int = 8,
+    block: int = 256,
+    accumulate: bool = False,
+) -> None:
+    """:func:`dequantize_blockwise` of ``out.numel()`` values written into (or added to) ``out``, contiguous.
+
+    Only the first ``ceil(numel * bits / 8)`` codes and ``ceil(numel / block)`` scales are read; longer
+    payloads (zero padding) are allowed. ``accumulate=True`` gives ``(out.float() + dequantized).to(dtype)``:
+    one fp32 addition rounded once (for fp32 ``out`` exactly ``out.add_(dequantized)``).
+    """
+    n = out.numel()
+    codes = codes.reshape(-1)[: -(-n * bits // 8)]
+    scales = scales.reshape(-1)[: -(-n // block)]
+    decoded = dequantize_blockwise(codes, scales, n, bits, block, torch.float32 if accumulate else out.dtype)
+    _decode_into(out, decoded, accumulate)
+
+
+def sign_compress(
+    x: Tensor, residual: Tensor | None = None, chunk: int = 2048, residual_source: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """1-bit compression with a per-chunk scale and error feedback (EF-SignSGD, 1-bit Adam).
 
-    1. ``acc = x + residual`` in ``x``'s dtype.
+    1. ``acc = x + residual`` in ``x``'s dtype, or ``x + residual_source`` when that is given (it is only
+       read, and may be ``residual`` itself: the result is that of ``residual.copy_(residual_source)``
+       followed by the call without it).
     2. Per chunk of ``chunk`` elements: ``scale = mean |acc|`` (summed in fp64, rounded to fp32 once);
        bit ``1`` where ``acc >= 0``, packed 8 per byte, element ``i`` at bit ``i % 8``.
     3. ``residual = acc - scale * sign`` (in ``x``'s dtype): what the sign did not carry.
 
     Returns ``(packed uint8 of ceil(n / 8) bytes, fp32 scales of ceil(n / chunk))``.
     """
+    source = _residual_source(residual, residual_source)
     flat = x.reshape(-1)
-    acc = flat + residual.reshape(-1) if residual is not None else flat
+    acc = flat + source.reshape(-1) if source is not None else flat
     n = acc.numel()
     nchunks = -(-n // chunk)
     acc64 = acc.double()
@@ -256,6 +306,21 @@ def sign_decompress(
     bits = _unpack(packed, 1, numel).bool()
     magnitude = scales.reshape(-1)[torch.arange(numel, device=packed.device) // chunk]
     return torch.where(bits, magnitude, -magnitude).to(dtype)
+
+
+def sign_decompress_into(
+    out: Tensor, packed: Tensor, scales: Tensor, chunk: int = 2048, accumulate: bool = False
+) -> None:
+    """:func:`sign_decompress` of ``out.numel()`` values written into (or added to) ``out``, contiguous.
+
+    Only the first ``ceil(numel / 8)`` bytes and ``ceil(numel / chunk)`` scales are read. ``accumulate=True``
+    gives ``(out.float() + decompressed).to(dtype)``: one fp32 addition rounded once.
+    """
+    n = out.numel()
+    packed = packed.reshape(-1)[: -(-n // 8)]
+    scales = scales.reshape(-1)[: -(-n // chunk)]
+    decoded = sign_decompress(packed, scales, n, chunk, torch.float32 if accumulate else out.dtype)
+    _decode_into(out, decoded, accumulate)
 
 
 def sparse_accumulate(out: Tensor, indices: Tensor, values: Tensor) -> Tensor:

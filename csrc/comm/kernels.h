@@ -33,13 +33,18 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t 
                                                    const std::optional<at::Tensor>& residual, bool exact);
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, int64_t bits, int64_t block,
                                                           bool stochastic, int64_t seed,
-                                                          const std::optional<at::Tensor>& residual);
+                                                          const std::optional<at::Tensor>& residual,
+                                                          const std::optional<at::Tensor>& residual_source);
 at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes, const at::Tensor& scales, int64_t numel,
                                     int64_t bits, int64_t block, at::ScalarType dtype);
+void dequantize_blockwise_into_cpu(const at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales,
+                                   int64_t bits, int64_t block, bool accumulate);
 std::tuple<at::Tensor, at::Tensor> sign_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                                                     int64_t chunk);
+                                                     int64_t chunk, const std::optional<at::Tensor>& residual_source);
 at::Tensor sign_decompress_cpu(const at::Tensor& packed, const at::Tensor& scales, int64_t numel, int64_t chunk,
                                at::ScalarType dtype);
+void sign_decompress_into_cpu(const at::Tensor& out, const at::Tensor& packed, const at::Tensor& scales,
+                              int64_t chunk, bool accumulate);
 void sparse_accumulate_cpu(const at::Tensor& out, const at::Tensor& indices, const at::Tensor& values);
 
 }  // namespace fastcomm

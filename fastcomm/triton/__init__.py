@@ -33,8 +33,10 @@ def register_cuda_kernels(lib: torch.library.Library) -> None:
     kernels = {
         "quantize_blockwise": quantize.quantize_blockwise,
         "dequantize_blockwise": quantize.dequantize_blockwise,
+        "dequantize_blockwise_into": quantize.dequantize_blockwise_into,
         "sign_compress": sign.sign_compress,
         "sign_decompress": sign.sign_decompress,
+        "sign_decompress_into": sign.sign_decompress_into,
     }
     for name, kernel in kernels.items():
         lib.impl(name, kernel, "CUDA")

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Tile", "device_guard", "pack_codes", "round_to", "tile_for", "to_float32"]
+__all__ = ["Tile", "device_guard", "pack_codes", "round_to", "store_decoded", "tile_for", "to_float32"]
 
 # A row wider than this is walked in column tiles of this width (two passes: reduce, then encode).
 MAX_COLUMNS = 4096
@@ -47,6 +47,21 @@ def tile_for(row_length: int, align: int = 1) -> Tile:
     rows = max(1, TARGET_ELEMENTS // columns)
     num_warps = max(1, min(8, rows * columns // 256))
     return Tile(rows=rows, columns=columns, num_warps=num_warps, loops=row_length > columns)
+
+
+def store_decoded(out: torch.Tensor, decoded: torch.Tensor, accumulate: bool) -> None:
+    """``out = decoded`` or, accumulating, ``out = out + decoded`` added in fp32 and rounded once.
+
+    The ``*_into`` ops are composed from the functional kernels: ``decoded`` is 1-D, in ``out.dtype`` when
+    overwriting and in fp32 when accumulating (for fp32 ``out`` that is exactly ``out.add_(decoded)``).
+    """
+    flat = out.view(-1)
+    if not accumulate:
+        flat.copy_(decoded)
+    elif out.dtype == torch.float32:
+        flat.add_(decoded)
+    else:
+        flat.copy_(flat.float() + decoded)
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcomm.triton._common import device_guard, pack_codes, round_to, tile_for, to_float32
+from fastcomm.triton._common import device_guard, pack_codes, round_to, store_decoded, tile_for, to_float32
 
-__all__ = ["dequantize_blockwise", "quantize_blockwise"]
+__all__ = ["dequantize_blockwise", "dequantize_blockwise_into", "quantize_blockwise"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -169,6 +169,7 @@ def quantize_blockwise(
     stochastic: bool = False,
     seed: int = 0,
     residual: torch.Tensor | None = None,
+    residual_source: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`fastcomm.reference.quantize_blockwise` (same arguments, same bits out).
 
@@ -184,6 +185,8 @@ def quantize_blockwise(
         seed: int64 seed, folded to 32 bits as ``(seed ^ (seed >> 32)) & 0xFFFFFFFF``.
         residual: error-feedback buffer like ``x``: ``x + residual`` is quantized and ``residual`` becomes
             ``acc - dequantized`` (fp32, rounded once), with torch ops around the kernel (not fused yet).
+        residual_source: read instead of ``residual`` for ``acc``; composed as
+            ``residual.copy_(residual_source)`` followed by the in-place path (needs ``residual``).
 
     Returns:
         ``(codes uint8 of ceil(n * bits / 8), scales float32 of ceil(n / block))`` on ``x``'s device.
@@ -192,6 +195,10 @@ def quantize_blockwise(
 
         >>> codes, scales = quantize_blockwise(torch.randn(1000, device="cuda"), bits=4)
     """
+    if residual_source is not None:
+        if residual is None:
+            raise ValueError("residual_source needs residual: acc - sent is written to residual")
+        residual.copy_(residual_source)  # a no-op when they are the same tensor
     if residual is not None:
         acc = x.reshape(-1) + residual.reshape(-1)
         codes, scales = quantize_blockwise(acc, bits, block, stochastic, seed)
@@ -288,3 +295,35 @@ def dequantize_blockwise(
             enable_fp_fusion=False,
         )
     return out
+
+
+def dequantize_blockwise_into(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int = 8,
+    block: int = 256,
+    accumulate: bool = False,
+) -> None:
+    """Triton twin of :func:`fastcomm.reference.dequantize_blockwise_into`, composed from the kernel above.
+
+    The first ``ceil(numel * bits / 8)`` codes and ``ceil(numel / block)`` scales of the payload are decoded
+    (in ``out.dtype``, or in fp32 when accumulating) and stored with :func:`store_decoded`.
+
+    Args:
+        out: contiguous fp32/fp16/bf16 tensor; ``numel = out.numel()``.
+        codes: packed uint8 codes, at least as many as ``numel`` values need.
+        scales: fp32 scales, at least ``ceil(numel / block)``.
+        bits: 8, 4 or 2.
+        block: elements per scale.
+        accumulate: add to ``out`` (in fp32, rounded once) instead of overwriting it.
+
+    Example::
+
+        >>> dequantize_blockwise_into(grad, *quantize_blockwise(g), accumulate=True)
+    """
+    n = out.numel()
+    codes = codes.reshape(-1)[: triton.cdiv(n * bits, 8)]
+    scales = scales.reshape(-1)[: triton.cdiv(n, block)]
+    dtype = torch.float32 if accumulate else out.dtype
+    store_decoded(out, dequantize_blockwise(codes, scales, n, bits, block, dtype), accumulate)

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcomm.triton._common import device_guard, pack_codes, round_to, tile_for, to_float32
+from fastcomm.triton._common import device_guard, pack_codes, round_to, store_decoded, tile_for, to_float32
 
-__all__ = ["sign_compress", "sign_decompress"]
+__all__ = ["sign_compress", "sign_decompress", "sign_decompress_into"]
 
 
 @triton.jit
@@ -114,7 +114,10 @@ def _sign_decompress_kernel(
 
 
 def sign_compress(
-    x: torch.Tensor, residual: torch.Tensor | None = None, chunk: int = 2048
+    x: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    chunk: int = 2048,
+    residual_source: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`fastcomm.reference.sign_compress`; ``residual`` is updated in place.
 
@@ -127,6 +130,8 @@ def sign_compress(
         x: fp32/fp16/bf16 tensor of any shape and strides (flattened).
         residual: error-feedback buffer like ``x`` or ``None``.
         chunk: elements per scale, any positive int.
+        residual_source: read instead of ``residual`` for ``acc``; composed as
+            ``residual.copy_(residual_source)`` followed by the in-place path (needs ``residual``).
 
     Returns:
         ``(packed uint8 of ceil(n / 8), scales float32 of ceil(n / chunk))`` on ``x``'s device.
@@ -136,6 +141,10 @@ def sign_compress(
         >>> g = torch.randn(5000, device="cuda"); r = torch.zeros_like(g)
         >>> packed, scales = sign_compress(g, r)
     """
+    if residual_source is not None:
+        if residual is None:
+            raise ValueError("residual_source needs residual: acc - sent is written to residual")
+        residual.copy_(residual_source)  # a no-op when they are the same tensor
     flat = x.reshape(-1).contiguous()
     n = flat.numel()
     nchunks = triton.cdiv(n, chunk)
@@ -228,3 +237,33 @@ def sign_decompress(
             enable_fp_fusion=False,
         )
     return out
+
+
+def sign_decompress_into(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    chunk: int = 2048,
+    accumulate: bool = False,
+) -> None:
+    """Triton twin of :func:`fastcomm.reference.sign_decompress_into`, composed from the kernel above.
+
+    The first ``ceil(numel / 8)`` bytes and ``ceil(numel / chunk)`` scales of the payload are decoded (in
+    ``out.dtype``, or in fp32 when accumulating) and stored with :func:`store_decoded`.
+
+    Args:
+        out: contiguous fp32/fp16/bf16 tensor; ``numel = out.numel()``.
+        packed: uint8 sign bits, at least ``ceil(numel / 8)``.
+        scales: fp32 scales, at least ``ceil(numel / chunk)``.
+        chunk: elements per scale.
+        accumulate: add to ``out`` (in fp32, rounded once) instead of overwriting it.
+
+    Example::
+
+        >>> sign_decompress_into(grad, *sign_compress(g), accumulate=True)
+    """
+    n = out.numel()
+    packed = packed.reshape(-1)[: triton.cdiv(n, 8)]
+    scales = scales.reshape(-1)[: triton.cdiv(n, chunk)]
+    dtype = torch.float32 if accumulate else out.dtype
+    store_decoded(out, sign_decompress(packed, scales, n, chunk, dtype), accumulate)

@@ -16,7 +16,11 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 import fastcomm.ops  # noqa: E402,F401  (declares the fastcomm ops the registration test looks up)
 from fastcomm import reference  # noqa: E402
 from fastcomm.triton import register_cuda_kernels  # noqa: E402
-from fastcomm.triton.quantize import dequantize_blockwise, quantize_blockwise  # noqa: E402
+from fastcomm.triton.quantize import (  # noqa: E402
+    dequantize_blockwise,
+    dequantize_blockwise_into,
+    quantize_blockwise,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # interpreter's numpy on inf
 
@@ -109,13 +113,23 @@ def test_empty(device: str) -> None:
     assert dequantize_blockwise(codes, scales, 0, 4, 256, torch.float16).shape == (0,)
 
 
-def test_register_cuda_kernels_registers_all_four() -> None:
+_TRITON_OPS = (
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "dequantize_blockwise_into",
+    "sign_compress",
+    "sign_decompress",
+    "sign_decompress_into",
+)
+
+
+def test_register_cuda_kernels_registers_all_six() -> None:
     lib = torch.library.Library("fastcomm_triton_test", "DEF")
-    for op in ("quantize_blockwise", "dequantize_blockwise", "sign_compress", "sign_decompress"):
+    for op in _TRITON_OPS:
         schema = getattr(torch.ops.fastcomm, op).default._schema
         lib.define(str(schema).replace("fastcomm::", "", 1))
     register_cuda_kernels(lib)
-    for op in ("quantize_blockwise", "dequantize_blockwise", "sign_compress", "sign_decompress"):
+    for op in _TRITON_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastcomm_triton_test::{op}", "CUDA")
 
 
@@ -145,3 +159,42 @@ def test_quantize_with_residual_matches_reference(device, dtype, bits):
     assert torch.equal(codes.cpu(), codes_ref)
     _assert_same_floats(scales, scales_ref)
     _assert_same_floats(residual_dev, residual_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("same", [False, True])
+def test_quantize_residual_source_matches_reference(device, bits, same):
+    """``residual_source``: the bits of ``residual.copy_(residual_source)`` and the in-place call."""
+    g = torch.Generator().manual_seed(10 + bits)
+    x = torch.randn(1000, generator=g).to(torch.bfloat16)
+    source = (torch.randn(1000, generator=g) * 0.1).to(torch.bfloat16)
+    expected = source.clone()
+    codes_ref, scales_ref = reference.quantize_blockwise(x, bits, 100, True, 3, residual=expected)
+    source_dev = source.to(device)
+    residual = source_dev if same else torch.randn(1000).to(torch.bfloat16).to(device)
+    codes, scales = quantize_blockwise(x.to(device), bits, 100, True, 3, residual, source_dev)
+    assert torch.equal(codes.cpu(), codes_ref)
+    _assert_same_floats(scales, scales_ref)
+    _assert_same_floats(residual, expected)
+    if not same:
+        _assert_same_floats(source_dev, source)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_dequantize_into_matches_reference(device, bits, dtype, accumulate):
+    """Decoded into a caller's buffer (overwritten, or added to in fp32), from a longer payload."""
+    g = torch.Generator().manual_seed(bits)
+    n, block = 999, 100
+    codes, scales = reference.quantize_blockwise(torch.randn(n, generator=g), bits, block, True, 1)
+    long_codes = torch.cat([codes, torch.full((5,), 255, dtype=torch.uint8)])
+    long_scales = torch.cat([scales, torch.full((2,), float("nan"))])
+    out = torch.randn(n, generator=g).to(dtype).view(333, 3)
+    expected = out.clone()
+    reference.dequantize_blockwise_into(expected, long_codes, long_scales, bits, block, accumulate)
+    out_dev = out.to(device)
+    dequantize_blockwise_into(out_dev, long_codes.to(device), long_scales.to(device), bits, block, accumulate)
+    _assert_same_floats(out_dev, expected)

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from fastcomm import reference  # noqa: E402
-from fastcomm.triton.sign import sign_compress, sign_decompress  # noqa: E402
+from fastcomm.triton.sign import sign_compress, sign_decompress, sign_decompress_into  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # interpreter's numpy on inf
 
@@ -125,3 +125,38 @@ def test_opcheck_cuda() -> None:
     torch.library.opcheck(torch.ops.fastcomm.sign_compress, (x, torch.zeros_like(x), 100))
     packed, scales = torch.ops.fastcomm.sign_compress(x, None, 100)
     torch.library.opcheck(torch.ops.fastcomm.sign_decompress, (packed, scales, 4099, 100, torch.float16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("same", [False, True])
+def test_residual_source_is_copy_then_in_place(device: str, same: bool) -> None:
+    torch.manual_seed(5)
+    x = torch.randn(4099).to(device)
+    source = torch.randn(4099).to(device)
+    expected = source.clone()
+    packed_ip, scales_ip = sign_compress(x, expected, 100)
+    residual = source if same else torch.randn(4099).to(device)
+    before = source.clone()
+    packed, scales = sign_compress(x, residual, 100, residual_source=source)
+    assert torch.equal(packed.cpu(), packed_ip.cpu())
+    _assert_same_floats(scales.cpu(), scales_ip.cpu())
+    _assert_same_floats(residual.cpu(), expected.cpu())
+    if not same:
+        _assert_same_floats(source.cpu(), before.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_decompress_into_matches_reference(device: str, dtype: torch.dtype, accumulate: bool) -> None:
+    torch.manual_seed(6)
+    n, chunk = 1001, 100
+    packed, scales = reference.sign_compress(torch.randn(n), chunk=chunk)
+    long_packed = torch.cat([packed, torch.full((3,), 255, dtype=torch.uint8)])
+    long_scales = torch.cat([scales, torch.full((2,), float("nan"))])
+    out = torch.randn(n).to(dtype).view(143, 7)
+    expected = out.clone()
+    reference.sign_decompress_into(expected, long_packed, long_scales, chunk, accumulate)
+    out_dev = out.to(device)
+    sign_decompress_into(out_dev, long_packed.to(device), long_scales.to(device), chunk, accumulate)
+    _assert_same_floats(out_dev.cpu(), expected)

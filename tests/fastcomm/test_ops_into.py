@@ -1,0 +1,389 @@
+"""``residual_source`` and the ``*_into`` decompression ops, on every device here, against fastcomm.reference.
+
+The specification of each feature is a composition of existing ops, and the tests hold every backend to it
+bit for bit:
+
+* ``quantize_blockwise(x, ..., residual=r, residual_source=s)`` is ``r.copy_(s)`` followed by the in-place
+  call, and ``s`` is left as it was.
+* ``dequantize_blockwise_into(out, codes, scales, ...)`` is ``out.copy_(dequantize_blockwise(codes[:need],
+  ...))``; with ``accumulate=True`` it is ``(out.float() + dequantized_fp32).to(out.dtype)``. Likewise for
+  ``sign_compress`` and ``sign_decompress_into``.
+
+The one tolerance is sign_compress's scale against the reference (an fp64 sum in another order: one fp32
+ulp, as in test_ops.py); the native ``residual_source`` form is still compared bit for bit with the native
+in-place form. Native CPU kernels run in both of their builds (AVX2 and baseline) where the machine has AVX2.
+Run under FASTCOMM_NO_NATIVE=1 as well (``make test`` does): the checks then exercise the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastcomm import ops
+from fastcomm import reference as ref
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 7, 255, 257, 4099, 100_003]
+BITS = [8, 4, 2]
+EPS32 = 2.0**-23
+_INTS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _native():
+    if ops.native_error() is not None:
+        return None
+    from fastcomm import _C
+
+    return _C
+
+
+# The native CPU loops exist in an AVX2 build and a baseline build; both run here when the machine has AVX2.
+_NATIVE = _native()
+ISAS = ["default"] + (["baseline"] if _NATIVE is not None and _NATIVE.cpu_isa() == "avx2" else [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Runs a test with the native CPU kernels' default build of their loops, then with the baseline build."""
+    if request.param == "baseline":
+        _NATIVE._set_avx2(False)
+    yield request.param
+    if _NATIVE is not None:
+        _NATIVE._set_avx2(True)
+
+
+def _randn(n: int, dtype: torch.dtype, device: str, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g)) * scale
+    return x.to(dtype).to(device)
+
+
+def _shaped(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view where the size allows, since only numel counts."""
+    n = t.numel()
+    return t.view(n // 3, 3) if n % 3 == 0 and n > 3 else t
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bit patterns (any NaN matches any NaN)."""
+    actual, expected = actual.cpu().reshape(-1), expected.cpu().reshape(-1)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype not in _INTS:
+        assert torch.equal(actual, expected)
+        return
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), nan)
+    assert torch.equal(actual[~nan].view(_INTS[actual.dtype]), expected[~nan].view(_INTS[actual.dtype]))
+
+
+def _padded(t: torch.Tensor, extra: int, seed: int) -> torch.Tensor:
+    """``t`` followed by ``extra`` random elements, which the ``*_into`` ops must ignore."""
+    g = torch.Generator().manual_seed(seed)
+    tail = torch.randint(0, 256, (extra,), generator=g, dtype=torch.uint8).to(t.dtype)
+    return torch.cat([t.reshape(-1), tail.to(t.device)])
+
+
+# ------------------------------------------------------------------------------------------ residual_source
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_residual_source(isa, device, dtype, n, bits):
+    x = _shaped(_randn(n, dtype, device, n + bits))
+    source = _shaped(_randn(n, dtype, device, n + bits + 1, 0.1))
+    source_before = source.clone()
+    for block, stochastic in ((256, True), (256, False), (7, True)):
+        residual = _shaped(_randn(n, dtype, device, n + block))  # stale values: overwritten, never read
+        codes, scales = ops.quantize_blockwise(x, bits, block, stochastic, 11, residual, source)
+        expected = source.cpu().clone()  # the specification: residual.copy_(source), then in place
+        codes_ref, scales_ref = ref.quantize_blockwise(
+            x.cpu(), bits, block, stochastic, 11, residual=expected
+        )
+        _assert_same(codes, codes_ref)
+        _assert_same(scales, scales_ref)
+        _assert_same(residual, expected)
+        _assert_same(source, source_before)
+        # The reference's own residual_source path, and residual_source=residual (the in-place form).
+        stale = residual.cpu().clone()
+        ref_out = ref.quantize_blockwise(x.cpu(), bits, block, stochastic, 11, stale, source.cpu())
+        _assert_same(ref_out[0], codes_ref)
+        _assert_same(stale, expected)
+        same = source.clone()
+        ops.quantize_blockwise(x, bits, block, stochastic, 11, residual=same, residual_source=same)
+        _assert_same(same, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_sign_residual_source(isa, device, dtype, n):
+    x = _shaped(_randn(n, dtype, device, n))
+    source = _shaped(_randn(n, dtype, device, n + 1, 0.5))
+    source_before = source.clone()
+    for chunk in (2048, 5, 64):
+        residual = _shaped(_randn(n, dtype, device, n + chunk))
+        packed, scales = ops.sign_compress(x, residual, chunk, residual_source=source)
+        _assert_same(source, source_before)
+        # Bit for bit the same backend's copy-then-in-place result.
+        in_place = source.clone()
+        packed_ip, scales_ip = ops.sign_compress(x, in_place, chunk)
+        _assert_same(packed, packed_ip)
+        _assert_same(scales, scales_ip)
+        _assert_same(residual, in_place)
+        same = source.clone()
+        ops.sign_compress(x, same, chunk, residual_source=same)
+        _assert_same(same, in_place)
+        # Against the reference: bits exact, scales within one ulp (fp64 sums in another order).
+        expected = source.cpu().clone()
+        packed_ref, scales_ref = ref.sign_compress(x.cpu(), expected, chunk)
+        stale = residual.cpu().clone()
+        ref_out = ref.sign_compress(x.cpu(), stale, chunk, residual_source=source.cpu())
+        _assert_same(ref_out[0], packed_ref)
+        _assert_same(stale, expected)
+        _assert_same(packed, packed_ref)
+        torch.testing.assert_close(scales.cpu(), scales_ref, rtol=EPS32, atol=0)
+        if torch.equal(scales.cpu(), scales_ref):
+            _assert_same(residual, expected)
+
+
+# ---------------------------------------------------------------------------------------------- *_into ops
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_into(isa, device, dtype, n, bits):
+    x = _randn(n, torch.float32, "cpu", 3 * n + bits)
+    for block in (256, 7):
+        codes, scales = ref.quantize_blockwise(x, bits, block, True, 5)
+        codes_long = _padded(codes, 13, n).to(device)
+        scales_long = _padded(scales, 3, n).to(device)
+        for accumulate in (False, True):
+            out = _shaped(_randn(n, dtype, device, n + block))
+            before = out.cpu().clone()
+            if accumulate:
+                decoded = ref.dequantize_blockwise(codes, scales, n, bits, block, torch.float32)
+                expected = (before.reshape(-1).float() + decoded).to(dtype)
+            else:
+                expected = ref.dequantize_blockwise(codes, scales, n, bits, block, dtype)
+            result = ops.dequantize_blockwise_into(out, codes_long, scales_long, bits, block, accumulate)
+            assert result is out and out.shape == before.shape
+            _assert_same(out, expected)
+            again = before.clone()
+            ref.dequantize_blockwise_into(again, codes_long.cpu(), scales_long.cpu(), bits, block, accumulate)
+            _assert_same(again, expected)
+            if accumulate and dtype == torch.float32:  # one fp32 add: exactly out.add_(dequantized)
+                _assert_same(out, before.reshape(-1).add_(decoded))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_sign_decompress_into(isa, device, dtype, n):
+    x = _randn(n, torch.float32, "cpu", 7 * n)
+    for chunk in (2048, 5, 64):
+        packed, scales = ref.sign_compress(x, chunk=chunk)
+        packed_long = _padded(packed, 9, n).to(device)
+        scales_long = _padded(scales, 2, n).to(device)
+        for accumulate in (False, True):
+            out = _shaped(_randn(n, dtype, device, n + chunk))
+            before = out.cpu().clone()
+            if accumulate:
+                decoded = ref.sign_decompress(packed, scales, n, chunk, torch.float32)
+                expected = (before.reshape(-1).float() + decoded).to(dtype)
+            else:
+                expected = ref.sign_decompress(packed, scales, n, chunk, dtype)
+            result = ops.sign_decompress_into(out, packed_long, scales_long, chunk, accumulate)
+            assert result is out and out.shape == before.shape
+            _assert_same(out, expected)
+            again = before.clone()
+            ref.sign_decompress_into(again, packed_long.cpu(), scales_long.cpu(), chunk, accumulate)
+            _assert_same(again, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_into_ops_decode_a_padded_payload_into_an_unpadded_bucket(device):
+    # What a hook does: quantize a zero-padded bucket, decode the padded payload straight into the bucket.
+    n, padded_n = 1000, 1024
+    g = _randn(n, torch.float32, device, 1)
+    codes, scales = ops.quantize_blockwise(torch.nn.functional.pad(g, (0, padded_n - n)), bits=4, block=128)
+    bucket = torch.empty(n, device=device)
+    ops.dequantize_blockwise_into(bucket, codes, scales, bits=4, block=128)
+    _assert_same(bucket, ops.dequantize_blockwise(codes, scales, padded_n, bits=4, block=128)[:n])
+    packed, sign_scales = ops.sign_compress(torch.nn.functional.pad(g, (0, padded_n - n)), chunk=128)
+    ops.sign_decompress_into(bucket, packed, sign_scales, chunk=128, accumulate=True)
+
+
+def test_empty_out_is_a_no_op():
+    out = torch.empty(0)
+    assert ops.dequantize_blockwise_into(out, torch.empty(0, dtype=torch.uint8), torch.empty(0)) is out
+    assert ops.sign_decompress_into(out, torch.empty(0, dtype=torch.uint8), torch.empty(0)) is out
+
+
+# -------------------------------------------------------------------------------------------- bad inputs
+_U8 = torch.uint8
+
+
+@pytest.mark.parametrize(
+    "call,exc,words",
+    [
+        (
+            lambda: ops.quantize_blockwise(torch.randn(8), residual_source=torch.zeros(8)),
+            ValueError,
+            ("residual_source", "residual"),
+        ),
+        (
+            lambda: ops.sign_compress(torch.randn(8), residual_source=torch.zeros(8)),
+            ValueError,
+            ("residual_source", "residual"),
+        ),
+        (
+            lambda: ops.quantize_blockwise(
+                torch.randn(8), residual=torch.zeros(8), residual_source=torch.zeros(9)
+            ),
+            ValueError,
+            ("residual_source",),
+        ),
+        (
+            lambda: ops.sign_compress(torch.randn(8), torch.zeros(8), residual_source=torch.zeros(8).half()),
+            ValueError,
+            ("residual_source",),
+        ),
+        (
+            lambda: ops.sign_compress(torch.randn(8), torch.zeros(8), residual_source=torch.zeros(8).int()),
+            TypeError,
+            ("residual_source",),
+        ),
+        (
+            lambda: ops.dequantize_blockwise_into(
+                torch.zeros(8, 2).t(), torch.zeros(16, dtype=_U8), torch.ones(1)
+            ),
+            ValueError,
+            ("out",),
+        ),
+        (
+            lambda: ops.dequantize_blockwise_into(
+                torch.zeros(8).double(), torch.zeros(8, dtype=_U8), torch.ones(1)
+            ),
+            TypeError,
+            ("out",),
+        ),
+        (
+            lambda: ops.dequantize_blockwise_into(
+                torch.zeros(8), torch.zeros(3, dtype=_U8), torch.ones(1), bits=4
+            ),
+            ValueError,
+            ("codes",),
+        ),
+        (
+            lambda: ops.dequantize_blockwise_into(torch.zeros(8), torch.zeros(8), torch.ones(1)),
+            TypeError,
+            ("codes",),
+        ),
+        (
+            lambda: ops.dequantize_blockwise_into(
+                torch.zeros(8), torch.zeros(8, dtype=_U8), torch.ones(1), block=4
+            ),
+            ValueError,
+            ("scales",),
+        ),
+        (
+            lambda: ops.dequantize_blockwise_into(
+                torch.zeros(8), torch.zeros(8, dtype=_U8), torch.ones(1).half()
+            ),
+            TypeError,
+            ("scales",),
+        ),
+        (
+            lambda: ops.dequantize_blockwise_into(
+                torch.zeros(8), torch.zeros(8, dtype=_U8), torch.ones(1), bits=3
+            ),
+            ValueError,
+            ("bits",),
+        ),
+        (
+            lambda: ops.dequantize_blockwise_into(
+                torch.zeros(8), torch.zeros(8, dtype=_U8), torch.ones(1), block=0
+            ),
+            ValueError,
+            ("block",),
+        ),
+        (
+            lambda: ops.sign_decompress_into(torch.zeros(9), torch.zeros(1, dtype=_U8), torch.ones(1)),
+            ValueError,
+            ("packed",),
+        ),
+        (
+            lambda: ops.sign_decompress_into(
+                torch.zeros(9), torch.zeros(2, dtype=_U8), torch.ones(1), chunk=4
+            ),
+            ValueError,
+            ("scales",),
+        ),
+        (
+            lambda: ops.sign_decompress_into(torch.zeros(4, 4).t(), torch.zeros(2, dtype=_U8), torch.ones(1)),
+            ValueError,
+            ("out",),
+        ),
+        (
+            lambda: ops.sign_decompress_into(
+                torch.zeros(8), torch.zeros(1, dtype=_U8), torch.ones(1), chunk=0
+            ),
+            ValueError,
+            ("chunk",),
+        ),
+    ],
+)
+def test_bad_input_names_the_argument(call, exc, words):
+    with pytest.raises(exc) as info:
+        call()
+    for word in words:
+        assert f"{word}" in str(info.value), (word, str(info.value))
+
+
+def test_overlapping_residual_source_is_refused():
+    buffer = torch.zeros(20)
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="overlap"):
+        ops.quantize_blockwise(x, residual=buffer[:10], residual_source=buffer[5:15])
+    with pytest.raises(ValueError, match="overlap"):
+        ops.sign_compress(x, buffer[::2], residual_source=buffer[1::2])
+    # Two halves of one buffer (double-buffered residuals) are fine, and so is one tensor passed twice.
+    ops.quantize_blockwise(x, residual=buffer[:10], residual_source=buffer[10:])
+    ops.sign_compress(x, buffer[:10], residual_source=buffer[:10])
+
+
+def test_native_kernels_check_their_arguments():
+    """The raw ops (no wrapper) refuse what the wrappers refuse, with the same exception types."""
+    with pytest.raises(ValueError, match="residual_source"):
+        torch.ops.fastcomm.quantize_blockwise(torch.randn(8), 8, 256, False, 0, None, torch.zeros(8))
+    with pytest.raises(ValueError, match="residual_source"):
+        torch.ops.fastcomm.sign_compress(torch.randn(8), None, 2048, torch.zeros(8))
+
+
+# ---------------------------------------------------------------------------------------- opcheck, report
+def _opcheck_cases():
+    x = _randn(1031, torch.float32, "cpu", 15)
+    codes, scales = ref.quantize_blockwise(x, 4, 64)
+    packed, sign_scales = ref.sign_compress(x, chunk=128)
+    return [
+        ("quantize_blockwise", (x, 8, 64, True, 3, torch.zeros_like(x), x.clone() * 0.1)),
+        ("quantize_blockwise", (x, 2, 7, False, 3, torch.zeros_like(x), x.clone() * 0.1)),
+        ("sign_compress", (x, torch.zeros_like(x), 128, x.clone() * 0.1)),
+        ("dequantize_blockwise_into", (torch.zeros(1031), codes, scales, 4, 64, False)),
+        ("dequantize_blockwise_into", (torch.ones(1031, dtype=torch.bfloat16), codes, scales, 4, 64, True)),
+        ("sign_decompress_into", (torch.zeros(1031), packed, sign_scales, 128, True)),
+    ]
+
+
+@pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.fastcomm, name).default, args)
+
+
+def test_backend_reports_the_new_ops():
+    report = ops.backend()
+    for op in ("dequantize_blockwise_into", "sign_decompress_into"):
+        assert op in ops.OP_NAMES and op in ops.__all__
+        assert ("cpu: native C++" in report[op]) == (ops.native_error() is None)
