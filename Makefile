@@ -28,7 +28,7 @@ install: $(STAMP)
 # The whole suite with the native kernels, then the op tests again on the pure-PyTorch fallback
 # (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build time).
 test: $(STAMP)
-	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastio/test_no_native.py
+	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
