@@ -30,6 +30,7 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
     """(name, bytes of traffic per element, function taking the op module, args factory, target)."""
     n = x.numel()
     residual = torch.randn_like(x) * 0.01
+    written = torch.empty_like(x)  # residual_source: last step's residual is read, this one written
     codes8, scales8 = ref.quantize_blockwise(x[: min(n, 1 << 20)], 8)  # warm the reference path cheaply
     del codes8, scales8
     q8 = ops.quantize_blockwise(x, bits=8)
@@ -39,6 +40,7 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
     idx = torch.randint(0, n, (2 * k,), generator=g, dtype=torch.int32).to(x.device)
     vals = torch.randn(2 * k, generator=g).to(x.device)
     out = torch.zeros_like(x)
+    into = torch.zeros_like(x)  # a warm buffer the *_into ops decode into
     return [
         ("topk_select exact 1%", 8.0, lambda m: m.topk_select(x, k), ">=5x torch.topk"),
         ("topk_select approx 1%", 4.0, lambda m: m.topk_select(x, k, exact=False), ">=15x torch.topk"),
@@ -55,13 +57,49 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
             lambda m: m.quantize_blockwise(x, 8, 256, True, 1),
             None,
         ),
+        (
+            "quantize_blockwise 8-bit stochastic +residual_source",
+            13.0,
+            lambda m: m.quantize_blockwise(x, 8, 256, True, 1, written, residual),
+            None,
+        ),
         ("quantize_blockwise 4-bit", 4.5, lambda m: m.quantize_blockwise(x, bits=4), None),
+        (
+            "quantize_blockwise 4-bit stochastic +residual_source",
+            12.5,
+            lambda m: m.quantize_blockwise(x, 4, 256, True, 1, written, residual),
+            None,
+        ),
         ("quantize_blockwise 2-bit", 4.25, lambda m: m.quantize_blockwise(x, bits=2), None),
         ("dequantize_blockwise 8-bit", 5.0, lambda m: m.dequantize_blockwise(q8[0], q8[1], n, 8), None),
         ("dequantize_blockwise 4-bit", 4.5, lambda m: m.dequantize_blockwise(q4[0], q4[1], n, 4), None),
+        (
+            "dequantize_blockwise_into 8-bit accumulate",
+            9.0,
+            lambda m: m.dequantize_blockwise_into(into, q8[0], q8[1], 8, 256, True),
+            None,
+        ),
+        (
+            "dequantize_blockwise_into 4-bit accumulate",
+            8.5,
+            lambda m: m.dequantize_blockwise_into(into, q4[0], q4[1], 4, 256, True),
+            None,
+        ),
         ("sign_compress", 4.125, lambda m: m.sign_compress(x), ">=0.4x memcpy"),
         ("sign_compress +residual", 12.125, lambda m: m.sign_compress(x, residual.clone()), None),
+        (
+            "sign_compress +residual_source",
+            12.125,
+            lambda m: m.sign_compress(x, written, 2048, residual),
+            None,
+        ),
         ("sign_decompress", 4.125, lambda m: m.sign_decompress(packed, sign_scales, n), None),
+        (
+            "sign_decompress_into accumulate",
+            8.125,
+            lambda m: m.sign_decompress_into(into, packed, sign_scales, 2048, True),
+            None,
+        ),
         (
             f"sparse_accumulate {2 * k} entries",
             12.0 * 2 * k / n,
