@@ -30,6 +30,7 @@ Run::
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -210,6 +211,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
         profile = _profile_step(step) if spec["profile"] else None
         dist.barrier()
     finally:
+        gc.collect()  # free DDP's reference cycles before gloo is torn down, not during finalization
         dist.destroy_process_group()
     result = {"rank": rank, "step_seconds": seconds, "stats": stats, "profile": profile}
     Path(spec["out"]).write_text(json.dumps(result, default=float))

@@ -155,11 +155,11 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         if state.error_feedback:  # the op turns a copy of the residual into acc with the sent entries zeroed
             residual = state._staging_copy(key, "residual", state._current(entry, "residual", flat))
         selected_values, selected = ops.topk_select(source, k, residual=residual, exact=state.exact)
-        values, indices = _fit(selected_values, selected, k)
+        values, indices, kept = _fit(selected_values, selected, k)
         sent = indices if selected.numel() > k else selected
-        if selected.numel() > k and residual is not None:  # cut to k: the dropped entries stay owed
+        if kept is not None and residual is not None:  # cut to k: the dropped entries stay owed
             dropped = torch.ones(selected.numel(), dtype=torch.bool, device=flat.device)
-            dropped[torch.searchsorted(selected, indices)] = False
+            dropped[kept] = False
             residual[selected[dropped].long()] = selected_values[dropped]
         if residual is not None:
             state._stage(key, "residual", residual)
@@ -232,13 +232,19 @@ class _SparseResult:
         return self.out
 
 
-def _fit(values: Tensor, indices: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Exactly k entries: keep the k largest magnitudes of an over-full selection, zero-pad a short one."""
+def _fit(values: Tensor, indices: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Exactly k entries: keep the k largest magnitudes of an over-full selection, zero-pad a short one.
+
+    Returns ``(values, indices, kept)``: ``kept`` holds the positions (ascending, int64) of the entries an
+    over-full selection kept, else ``None``. Ties in magnitude keep the lower index.
+    """
     count = indices.numel()
     if count > k:
-        keep = torch.topk(values.float().abs(), k).indices.sort().values
-        return values[keep], indices[keep]
+        # the op's exact mode is an O(count) radix select returning ascending positions: no sort needed
+        _, positions = ops.topk_select(values, k, exact=True)
+        kept = positions.long()
+        return values[kept], indices[kept], kept
     if count < k:
         pad = k - count
-        return torch.cat([values, values.new_zeros(pad)]), torch.cat([indices, indices.new_zeros(pad)])
-    return values, indices
+        return torch.cat([values, values.new_zeros(pad)]), torch.cat([indices, indices.new_zeros(pad)]), None
+    return values, indices, None

@@ -9,6 +9,7 @@ generated names). Every worker asserts; a failure on any rank fails the test wit
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import json
 import math
@@ -44,6 +45,9 @@ def _entry(rank: int, world_size: int, workdir: str, worker: Callable, args: tup
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         worker(rank, world_size, *args)
+        # free the workers' DDP models (reference cycles) while the interpreter is alive: left to
+        # finalization, gloo tears down with live work objects and aborts the process now and then
+        gc.collect()
         dist.barrier()
     except BaseException:
         error_file.write_text(traceback.format_exc())

@@ -33,7 +33,13 @@ def test_warmup_schedule_and_fixed_size_payload():
     assert [state.ratio_at(step) for step in range(8)] == [0.01, 0.01, 0.5, 0.5, 0.25, 0.25, 0.01, 0.01]
     values = torch.tensor([0.5, -3.0, 0.1, 2.0])
     indices = torch.tensor([1, 4, 6, 9], dtype=torch.int32)
-    kept_values, kept_indices = _fit(values, indices, 2)
-    assert kept_indices.tolist() == [4, 9] and kept_values.tolist() == [-3.0, 2.0]
-    padded_values, padded_indices = _fit(values, indices, 6)
+    kept_values, kept_indices, kept = _fit(values, indices, 2)
+    assert kept_indices.tolist() == [4, 9] and kept_values.tolist() == [-3.0, 2.0] and kept.tolist() == [1, 3]
+    padded_values, padded_indices, none = _fit(values, indices, 6)
     assert padded_indices.tolist() == [1, 4, 6, 9, 0, 0] and padded_values[4:].tolist() == [0.0, 0.0]
+    assert none is None
+    # ties in magnitude keep the lower index, in every dtype
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        tied = torch.tensor([1.0, -2.0, 2.0, 0.5, -2.0], dtype=dtype)
+        _, tied_indices, tied_kept = _fit(tied, torch.arange(10, 15, dtype=torch.int32), 2)
+        assert tied_indices.tolist() == [11, 12] and tied_kept.tolist() == [1, 2]
