@@ -79,17 +79,12 @@ class QuantState(CompressionState):
         def compress(
             x: Tensor, residual_out: Tensor | None, residual_in: Tensor | None, seed: int
         ) -> tuple[Tensor, Tensor]:
-            if residual_out is not None and residual_in is not residual_out:  # TEMP until fused op
-                residual_out.copy_(residual_in)
-            return ops.quantize_blockwise(x, bits, block, stochastic, seed, residual=residual_out)
+            return ops.quantize_blockwise(
+                x, bits, block, stochastic, seed, residual=residual_out, residual_source=residual_in
+            )
 
         def decompress_into(out: Tensor, codes: Tensor, scales: Tensor, accumulate: bool) -> None:
-            n = out.numel()  # TEMP until fused op
-            got = ops.dequantize_blockwise(
-                codes[: -(-n * bits // 8)], scales[: -(-n // block)], n, bits, block,
-                torch.float32 if accumulate else out.dtype,
-            )
-            out.add_(got) if accumulate else out.copy_(got)
+            ops.dequantize_blockwise_into(out, codes, scales, bits, block, accumulate)
 
         return Codec(block=block, bits=bits, compress=compress, decompress_into=decompress_into)
 

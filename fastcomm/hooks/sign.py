@@ -107,15 +107,10 @@ def sign_hook(state: SignState | None, bucket: dist.GradBucket) -> torch.futures
     def compress(
         x: Tensor, residual_out: Tensor | None, residual_in: Tensor | None, seed: int
     ) -> tuple[Tensor, Tensor]:
-        if residual_out is not None and residual_in is not residual_out:  # TEMP until fused op
-            residual_out.copy_(residual_in)
-        return ops.sign_compress(x, residual_out, chunk)
+        return ops.sign_compress(x, residual_out, chunk, residual_source=residual_in)
 
     def decompress_into(out: Tensor, packed: Tensor, scales: Tensor, accumulate: bool) -> None:
-        n = out.numel()  # TEMP until fused op
-        dtype = torch.float32 if accumulate else out.dtype
-        got = ops.sign_decompress(packed[: -(-n // 8)], scales[: -(-n // chunk)], n, chunk, dtype)
-        out.add_(got) if accumulate else out.copy_(got)
+        ops.sign_decompress_into(out, packed, scales, chunk, accumulate)
 
     codec = Codec(block=chunk, bits=1, compress=compress, decompress_into=decompress_into)
     return two_phase_allreduce(call, segment, codec, 0, bucket.is_last(), math.lcm(chunk, 8))
