@@ -10,7 +10,8 @@ Pieces: a segment is cut into pieces of whole blocks (about ``wire_chunk_bytes``
 re-compress and all-gather piece ``c`` as soon as it arrives, while later pieces are still on the wire;
 and several collectives in flight keep a TCP link busy (one large transfer does not: see
 :mod:`fastcomm.hooks._wire`). Blocks are independent, so compressing piece by piece gives the codes that
-compressing the whole segment would (stochastic rounding draws from a per-piece seed).
+compressing the whole segment would (stochastic rounding draws from a per-piece seed). Phase 1 compresses
+and sends piece by piece too, so the link starts working after the first piece's compression.
 
 Pipelined, in a fixed collective order: the hook call of bucket ``i`` issues phase 1 of bucket ``i`` (async),
 then finishes bucket ``i - 1`` (waiting for each of its pieces in turn, usually already there) by issuing
@@ -109,33 +110,41 @@ class _TwoPhase(PendingPhase):
                     residual_in, residual_out = current, state._spare(key, "residual", current)
                 else:
                     residual_in = residual_out = _padded(current, total)
-            data, scales = codec.compress(
-                _padded(flat, total), residual_out, residual_in, seed_for(seed, self.step, key, rank, 1)
-            )
-            if residual_out is not None:
-                state._stage(key, "residual", residual_out if numel == total else residual_out[:numel])
-            data_rows = data.view(world_size, -1)
-            scale_rows = scales.view(world_size, -1).view(torch.uint8)
-            row_bytes = data_rows.shape[1] + scale_rows.shape[1]
+            x_rows = _padded(flat, total).view(world_size, segment)
+            out_rows = None if residual_out is None else residual_out.view(world_size, segment)
+            in_rows = None if residual_in is None else residual_in.view(world_size, segment)
+            data_bytes, scale_bytes = segment * bits // 8, segment // block * 4
+            row_bytes = data_bytes + scale_bytes
             self.ranges = piece_ranges(segment, unit, row_bytes, state.wire_chunk_bytes)
-            send = state._wire_buffer(key, "send", data, world_size * row_bytes)
-            recv = state._wire_buffer(key, "recv", data, world_size * row_bytes)
+            uint8 = torch.empty(0, dtype=torch.uint8, device=flat.device)
+            send = state._wire_buffer(key, "send", uint8, world_size * row_bytes)
+            recv = state._wire_buffer(key, "recv", uint8, world_size * row_bytes)
+            base_seed = seed_for(seed, self.step, key, rank, 1)
             self.pieces: list[tuple[int, int, int, Tensor, dist.Work]] = []
             offset = 0
-            for start, stop in self.ranges:
-                data_lo, data_hi = start * bits // 8, stop * bits // 8
-                scale_lo, scale_hi = start // block * 4, -(-stop // block) * 4
-                data_width = data_hi - data_lo
-                width = data_width + scale_hi - scale_lo
+            # compress piece by piece and send each at once: the link starts after the first piece, not after
+            # the whole bucket
+            for index, (start, stop) in enumerate(self.ranges):
+                data_width = (stop - start) * bits // 8
+                width = data_width + (stop - start) // block * 4
                 piece_send = send[world_size * offset : world_size * (offset + width)].view(world_size, width)
-                piece_send[:, :data_width].copy_(data_rows[:, data_lo:data_hi])
-                piece_send[:, data_width:].copy_(scale_rows[:, scale_lo:scale_hi])
+                for row in range(world_size):
+                    data, scales = codec.compress(
+                        x_rows[row, start:stop],
+                        None if out_rows is None else out_rows[row, start:stop],
+                        None if in_rows is None else in_rows[row, start:stop],
+                        _piece_seed(base_seed, index * world_size + row),
+                    )
+                    piece_send[row, :data_width].copy_(data)
+                    piece_send[row, data_width:].copy_(scales.view(torch.uint8))
                 piece_recv = recv[world_size * offset : world_size * (offset + width)].view(world_size, width)
                 work = dist.all_to_all_single(
                     piece_recv.view(-1), piece_send.view(-1), group=state.process_group, async_op=True
                 )
                 self.pieces.append((start, stop, data_width, piece_recv, work))
                 offset += width
+            if residual_out is not None:
+                state._stage(key, "residual", residual_out if numel == total else residual_out[:numel])
         self.row_bytes = row_bytes
 
     def finish(self) -> None:
