@@ -19,6 +19,7 @@ consistent across three things that PyTorch's own hooks trip over:
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,7 +128,8 @@ class HookState:
         self._iteration_open = False
         self._iteration_nonfinite = False
         self._staged: dict[tuple[BucketKey, str], Tensor] = {}
-        # statistics
+        # statistics (updated from DDP's hook thread, gloo's callback threads and the phase-2 thread)
+        self._stats_lock = threading.Lock()
         self._steps = 0
         self._skipped_steps = 0
         self._bytes_sent = 0
@@ -214,13 +216,19 @@ class HookState:
             self._iteration_nonfinite = True
 
     def _count(self, bytes_sent: int, dense_bytes: int, seconds: float, compressed: bool) -> None:
-        self._bytes_sent += bytes_sent
-        self._dense_bytes += dense_bytes
-        self._compress_seconds += seconds
-        if compressed:
-            self._compressed_buckets += 1
-        else:
-            self._dense_buckets += 1
+        with self._stats_lock:
+            self._bytes_sent += bytes_sent
+            self._dense_bytes += dense_bytes
+            self._compress_seconds += seconds
+            if compressed:
+                self._compressed_buckets += 1
+            else:
+                self._dense_buckets += 1
+
+    def _add_seconds(self, seconds: float) -> None:
+        """Add compression time measured on another thread (a collective's callback)."""
+        with self._stats_lock:
+            self._compress_seconds += seconds
 
     def _dense_allreduce(self, buffer: Tensor, world_size: int) -> torch.futures.Future[Tensor]:
         """Mean over ranks by one async allreduce (divided first, so fp16 cannot overflow in the sum)."""

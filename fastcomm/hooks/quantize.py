@@ -8,14 +8,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops, reference
-from fastcomm.hooks._state import CompressedCall, CompressionState, begin_compressed, segment_layout
-from fastcomm.hooks._twophase import Codec, two_phase_allreduce
+from fastcomm.hooks._state import CompressedCall, begin_compressed, segment_layout
+from fastcomm.hooks._twophase import Codec, TwoPhaseState, two_phase_allreduce
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
 
 __all__ = ["QuantState", "quantize_hook"]
 
 
-class QuantState(CompressionState):
+class QuantState(TwoPhaseState):
     """State of :func:`quantize_hook`: code width, block size, rounding, residuals of both phases, statistics.
 
     Stochastic rounding draws from ``seed`` mixed with the step, the bucket, the rank and the phase, so ranks
@@ -31,6 +31,9 @@ class QuantState(CompressionState):
         min_compress_numel: buckets with fewer elements go dense.
         wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
             :class:`~fastcomm.hooks._state.CompressionState`).
+        overlap_phase2: finish each bucket on a background thread, with phase 2 on a second process group
+            over the same ranks, as soon as its phase 1 arrives (CPU buckets); else in the next hook call
+            (see :class:`~fastcomm.hooks._twophase.TwoPhaseState`).
         process_group: the group to reduce over; ``None`` for the default group.
 
     Example::
@@ -39,7 +42,7 @@ class QuantState(CompressionState):
         ddp.register_comm_hook(state, fastcomm.quantize_hook)
     """
 
-    _OPTIONS = ("bits", "block", "stochastic", "seed", *CompressionState._OPTIONS)
+    _OPTIONS = ("bits", "block", "stochastic", "seed", *TwoPhaseState._OPTIONS)
 
     def __init__(
         self,
@@ -52,6 +55,7 @@ class QuantState(CompressionState):
         start_iter: int = 0,
         min_compress_numel: int = 1024,
         wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        overlap_phase2: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if bits not in reference.QUANT_BITS or isinstance(bits, bool):
@@ -69,6 +73,7 @@ class QuantState(CompressionState):
             start_iter=start_iter,
             min_compress_numel=min_compress_numel,
             wire_chunk_bytes=wire_chunk_bytes,
+            overlap_phase2=overlap_phase2,
             process_group=process_group,
         )
 

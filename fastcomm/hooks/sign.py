@@ -8,14 +8,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops
-from fastcomm.hooks._state import CompressedCall, CompressionState, begin_compressed, segment_layout
-from fastcomm.hooks._twophase import Codec, two_phase_allreduce
+from fastcomm.hooks._state import CompressedCall, begin_compressed, segment_layout
+from fastcomm.hooks._twophase import Codec, TwoPhaseState, two_phase_allreduce
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
 
 __all__ = ["SignState", "sign_hook", "sign_layout"]
 
 
-class SignState(CompressionState):
+class SignState(TwoPhaseState):
     """State of :func:`sign_hook`: chunk size, residuals of both phases (worker and server), statistics.
 
     Error feedback is what makes 1-bit compression converge (EF-SignSGD, 1-bit Adam); turning it off is
@@ -29,6 +29,9 @@ class SignState(CompressionState):
         min_compress_numel: buckets with fewer elements go dense.
         wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
             :class:`~fastcomm.hooks._state.CompressionState`).
+        overlap_phase2: finish each bucket on a background thread, with phase 2 on a second process group
+            over the same ranks, as soon as its phase 1 arrives (CPU buckets); else in the next hook call
+            (see :class:`~fastcomm.hooks._twophase.TwoPhaseState`).
         process_group: the group to reduce over; ``None`` for the default group.
 
     Example::
@@ -37,7 +40,7 @@ class SignState(CompressionState):
         ddp.register_comm_hook(state, fastcomm.sign_hook)
     """
 
-    _OPTIONS = ("chunk", *CompressionState._OPTIONS)
+    _OPTIONS = ("chunk", *TwoPhaseState._OPTIONS)
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class SignState(CompressionState):
         start_iter: int = 0,
         min_compress_numel: int = 1024,
         wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        overlap_phase2: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
@@ -57,6 +61,7 @@ class SignState(CompressionState):
             start_iter=start_iter,
             min_compress_numel=min_compress_numel,
             wire_chunk_bytes=wire_chunk_bytes,
+            overlap_phase2=overlap_phase2,
             process_group=process_group,
         )
 

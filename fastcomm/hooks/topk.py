@@ -195,7 +195,7 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
             all_values = rows[:, 4 * k :].contiguous().view(dtype).reshape(-1)
             state._note_output(all_finite(all_values))
             out = result.fill(all_indices, all_values, world_size)
-        state._compress_seconds += decompress_timer.seconds
+        state._add_seconds(decompress_timer.seconds)
         return out
 
     return gathered_future.then(decompress)

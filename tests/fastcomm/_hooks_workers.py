@@ -249,10 +249,13 @@ def correctness_worker(rank: int, world_size: int) -> None:
     for dtype in DTYPES:
         # "+pieces": collectives cut into many small pieces (the layout large buckets get by default)
         variants = ("topk", "sign", "quant_nearest", "quant_stochastic")
-        variants += ("sign+pieces", "quant_nearest+pieces")
+        # "+deferred": phase 2 from the next hook call instead of the background thread
+        variants += ("sign+pieces", "quant_nearest+pieces", "sign+deferred", "quant_nearest+deferred")
         for variant in variants:
-            family, pieces = variant.removesuffix("+pieces"), variant.endswith("+pieces")
-            wire = {"wire_chunk_bytes": 200} if pieces else {}
+            family, _, suffix = variant.partition("+")
+            wire = {"wire_chunk_bytes": 200} if suffix == "pieces" else {}
+            if suffix == "deferred":
+                wire = {"overlap_phase2": False}
             params = make_buckets(BUCKET_SIZES, dtype)
             if family == "topk":
                 state = fastcomm.TopKState(ratio=0.05, exact=True, min_compress_numel=0)
@@ -453,6 +456,9 @@ def validation_worker(rank: int, world_size: int) -> None:
             fastcomm.SignState(**kwargs)
     with pytest.raises(ValueError, match="chunk"):
         fastcomm.SignState(chunk=0)
+    for bad in ({"wire_chunk_bytes": 0}, {"overlap_phase2": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            fastcomm.QuantState(**bad)
     with pytest.raises(ValueError, match="momentum"):
         fastcomm.TopKState(momentum=1.0)
     with pytest.raises(ValueError, match="dtype"):
@@ -754,8 +760,24 @@ def _check_no_sync(rank: int, world_size: int) -> None:
 
 
 # -------------------------------------------------------------------------------------- stress (W = 4)
+class _MeanInBackward(torch.autograd.Function):
+    """Identity forward; backward averages the gradient over ranks (a collective mid-backward, as
+    SyncBatchNorm's backward issues on the default group between DDP's hook calls)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+
+
 class MixedModel(nn.Module):
-    """24 parameters from 1 to ~2000 elements, so a tiny bucket cap gives 20+ buckets."""
+    """24 parameters from 1 to ~2000 elements, so a tiny bucket cap gives 20+ buckets; one collective of
+    the model's own in the middle of its backward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -764,8 +786,10 @@ class MixedModel(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:], strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers[:-1]:
+        for i, layer in enumerate(self.layers[:-1]):
             x = torch.tanh(layer(x))
+            if i == 5:
+                x = _MeanInBackward.apply(x)
         return self.layers[-1](x)
 
 
@@ -776,6 +800,8 @@ def stress_worker(rank: int, world_size: int, steps: int) -> None:
         ("topk", {"ratio": 0.05, "exact": False, "min_compress_numel": 16}),
         ("quantize", {"bits": 2, "block": 32, "min_compress_numel": 16}),
         ("sign", {"chunk": 64, "min_compress_numel": 16}),
+        ("quantize", {"bits": 8, "block": 32, "min_compress_numel": 16, "overlap_phase2": False}),
+        ("sign", {"chunk": 64, "min_compress_numel": 16, "overlap_phase2": False}),
         ("cast", {}),
     ]
     for hook_name, options in cases:
