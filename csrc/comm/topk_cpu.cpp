@@ -6,14 +6,25 @@
 // largest key is found by a scan from the top; pass 2 collects every index above that bin plus the (few)
 // candidates inside it, and the exact threshold among candidates is found by nth_element.
 // Approximate: the threshold comes from a hashed sample (reference._approx_threshold), so one pass suffices.
+//
+// The fp32 loops also have an AVX2 build (cpu_isa.h) that takes 8 elements a step: the add, the keys, their
+// comparison and the residual update stay in vector registers, and a movemask, almost always zero, says
+// which lanes are selected; those are appended in ascending order by their set bits. fp16/bf16 and machines
+// without AVX2 run the scalar loops, which give the same bits (the same IEEE fp32 add, the same integer keys).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "comm/cpu_isa.h"
 #include "comm/kernels.h"
+
+#if FASTCOMM_HAVE_AVX2
+#include <immintrin.h>
+#endif
 
 namespace fastcomm {
 namespace {
@@ -110,6 +121,75 @@ inline void threshold_range(const SelectJob<scalar_t>& job, uint32_t threshold, 
   }
 }
 
+#if FASTCOMM_HAVE_AVX2
+// The fp32 loops above, 8 elements a step, the tail by the scalar loops. Keys are below 2^31, so the signed
+// 32-bit compares of AVX2 order them as the unsigned scalar compares do.
+inline __attribute__((target("avx2"))) __m256i keys8(__m256 a) {
+  return _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7FFFFFFF));
+}
+
+template <bool FEEDBACK>
+FASTCOMM_AVX2 void histogram_range_avx2(const SelectJob<float>& job, int64_t b, int64_t e, uint32_t* hist) {
+  alignas(32) uint32_t bins[8];
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    __m256 a = _mm256_loadu_ps(job.x + i);
+    if (FEEDBACK) {
+      a = _mm256_add_ps(a, _mm256_loadu_ps(job.source + i));
+      _mm256_storeu_ps(job.residual + i, a);
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bins), _mm256_srli_epi32(keys8(a), kBinShift));
+    for (int t = 0; t < 8; ++t) ++hist[bins[t]];
+  }
+  histogram_range<float, FEEDBACK>(job, i, e, hist);
+}
+
+FASTCOMM_AVX2 void collect_range_avx2(const float* acc, uint32_t cut, int64_t b, int64_t e,
+                                      std::vector<int32_t>& sure, std::vector<int32_t>& candidates) {
+  const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(cut) - 1);  // high >= cut
+  alignas(32) uint32_t highs[8];
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    const __m256i high = _mm256_srli_epi32(keys8(_mm256_loadu_ps(acc + i)), kBinShift);
+    int mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(high, below)));
+    if (mask != 0) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(highs), high);
+      do {
+        const int t = __builtin_ctz(static_cast<unsigned>(mask));
+        (highs[t] > cut ? sure : candidates).push_back(static_cast<int32_t>(i + t));
+        mask &= mask - 1;
+      } while (mask != 0);
+    }
+  }
+  collect_range(acc, cut, i, e, sure, candidates);
+}
+
+template <bool FEEDBACK>
+FASTCOMM_AVX2 void threshold_range_avx2(const SelectJob<float>& job, uint32_t threshold, int64_t b, int64_t e,
+                                        Picked<float>& out) {
+  const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(threshold) - 1);  // key >= threshold
+  alignas(32) float lanes[8];
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    __m256 a = _mm256_loadu_ps(job.x + i);
+    if (FEEDBACK) a = _mm256_add_ps(a, _mm256_loadu_ps(job.source + i));
+    const __m256 send = _mm256_castsi256_ps(_mm256_cmpgt_epi32(keys8(a), below));
+    if (FEEDBACK) _mm256_storeu_ps(job.residual + i, _mm256_andnot_ps(send, a));  // +0.0 where sent
+    int mask = _mm256_movemask_ps(send);
+    if (mask != 0) {
+      _mm256_store_ps(lanes, a);
+      do {
+        const int t = __builtin_ctz(static_cast<unsigned>(mask));
+        out.indices.push_back(static_cast<int32_t>(i + t));
+        out.values.push_back(lanes[t]);
+        mask &= mask - 1;
+      } while (mask != 0);
+    }
+  }
+  threshold_range<float, FEEDBACK>(job, threshold, i, e, out);
+}
+#endif
+
 template <typename scalar_t>
 using HistogramFn = void (*)(const SelectJob<scalar_t>&, int64_t, int64_t, uint32_t*);
 template <typename scalar_t>
@@ -118,7 +198,7 @@ using CollectFn = void (*)(const scalar_t*, uint32_t, int64_t, int64_t, std::vec
 template <typename scalar_t>
 using ThresholdFn = void (*)(const SelectJob<scalar_t>&, uint32_t, int64_t, int64_t, Picked<scalar_t>&);
 
-// The loop of each pass for this call (with or without error feedback).
+// The build of each loop this call runs: AVX2 for fp32 where the machine has it, else the scalar loops.
 template <typename scalar_t>
 struct Loops {
   HistogramFn<scalar_t> histogram;
@@ -129,6 +209,15 @@ struct Loops {
     histogram = feedback ? &histogram_range<scalar_t, true> : &histogram_range<scalar_t, false>;
     collect = &collect_range<scalar_t>;
     threshold = feedback ? &threshold_range<scalar_t, true> : &threshold_range<scalar_t, false>;
+#if FASTCOMM_HAVE_AVX2
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (use_avx2()) {
+        histogram = feedback ? &histogram_range_avx2<true> : &histogram_range_avx2<false>;
+        collect = &collect_range_avx2;
+        threshold = feedback ? &threshold_range_avx2<true> : &threshold_range_avx2<false>;
+      }
+    }
+#endif
   }
 };
 
