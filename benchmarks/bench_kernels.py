@@ -50,6 +50,18 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
             lambda m: m.topk_select(x, k, residual=residual.clone()),
             None,
         ),
+        (
+            "topk_select exact 1% +residual_source",
+            16.0,
+            lambda m: m.topk_select(x, k, written, True, residual),
+            None,
+        ),
+        (
+            "topk_select approx 1% +residual_source",
+            12.0,
+            lambda m: m.topk_select(x, k, written, False, residual),
+            None,
+        ),
         ("quantize_blockwise 8-bit", 5.0, lambda m: m.quantize_blockwise(x, bits=8), ">=0.4x memcpy"),
         (
             "quantize_blockwise 8-bit stochastic",

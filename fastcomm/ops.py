@@ -58,7 +58,10 @@ OP_NAMES = (
 )
 
 _LIB = torch.library.Library("fastcomm", "DEF")
-_LIB.define("topk_select(Tensor x, int k, Tensor(a!)? residual=None, bool exact=True) -> (Tensor, Tensor)")
+_LIB.define(
+    "topk_select(Tensor x, int k, Tensor(a!)? residual=None, bool exact=True, Tensor? residual_source=None)"
+    " -> (Tensor, Tensor)"
+)
 _LIB.define(
     "quantize_blockwise(Tensor x, int bits=8, int block=256, bool stochastic=False, int seed=0,"
     " Tensor(a!)? residual=None, Tensor? residual_source=None) -> (Tensor, Tensor)"
@@ -106,7 +109,7 @@ for _name, _fn in _REFERENCE_KERNELS.items():
 
 # ---------------------------------------------------------------------------------------------- fake kernels
 @torch.library.register_fake("fastcomm::topk_select")
-def _topk_select_fake(x, k, residual=None, exact=True):
+def _topk_select_fake(x, k, residual=None, exact=True, residual_source=None):
     if exact or reference.approx_sample_size(x.numel(), k) * 2 > x.numel():
         count = k
     else:
@@ -275,7 +278,7 @@ def _check_residual_source(x: Tensor, residual: Tensor | None, residual_source: 
         return
     if residual is None:
         raise ValueError(
-            "residual_source needs residual: x + residual_source is quantized and acc - sent is written to "
+            "residual_source needs residual: x + residual_source is compressed and acc - sent is written to "
             "residual, so pass both (residual_source=residual is the in-place form)"
         )
     _check_float("residual_source", residual_source)
@@ -337,11 +340,18 @@ def _check_payload(name: str, t: Tensor, dtype: torch.dtype, expected: int) -> N
 
 # -------------------------------------------------------------------------------------------- public ops
 def topk_select(
-    x: Tensor, k: int, residual: Tensor | None = None, exact: bool = True
+    x: Tensor,
+    k: int,
+    residual: Tensor | None = None,
+    exact: bool = True,
+    residual_source: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Select the k largest-magnitude entries of ``x + residual``, with error feedback.
 
-    1. ``acc = x + residual`` (the residual is updated in place to hold ``acc`` minus what is sent).
+    1. ``acc = x + residual`` (the residual is updated in place to hold ``acc`` minus what is sent). With
+       ``residual_source`` as well, ``acc = x + residual_source`` and ``residual`` is only written: the bits
+       of ``residual.copy_(residual_source)`` followed by the in-place call, without the copy (so two
+       buffers can alternate between steps).
     2. Exact mode: the k-th largest magnitude by a 16-bit radix histogram, then the ``>`` entries and the
        lowest-index ties; two passes over ``x``, O(n) and no sort (``torch.topk`` sorts candidates).
     3. Approximate mode (``exact=False``): the threshold is estimated from a hashed sample of about
@@ -353,6 +363,8 @@ def topk_select(
         k: how many entries to send, ``0 <= k <= x.numel()``.
         residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
         exact: exactly k entries (True) or about k entries for one pass less (False).
+        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
+            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
 
     Returns:
         ``(values, indices)``: values in ``x.dtype``, int32 indices into ``x.reshape(-1)``, ascending.
@@ -363,13 +375,18 @@ def topk_select(
         >>> values, indices = topk_select(g, 10, residual=r)
         >>> bool((g.index_put((indices.long(),), torch.zeros(10)) == r).all())
         True
+        >>> r_next = torch.empty_like(g)  # double-buffered: r is read, r_next written
+        >>> values, indices = topk_select(g, 10, residual=r_next, exact=False, residual_source=r)
+        >>> bool((r_next.index_put((indices.long(),), values) == g + r).all())
+        True
     """
     _check_float("x", x)
     _check_residual(x, residual)
+    _check_residual_source(x, residual, residual_source)
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= x.numel():
         raise ValueError(f"k must be an int in [0, x.numel()={x.numel()}], got {k!r}")
     _warn_if_unexpectedly_slow(x)
-    return torch.ops.fastcomm.topk_select(x, k, residual, bool(exact))
+    return torch.ops.fastcomm.topk_select(x, k, residual, bool(exact), residual_source)
 
 
 def quantize_blockwise(

@@ -89,12 +89,27 @@ def _approx_threshold(keys: Tensor, k: int) -> Tensor:
     return torch.topk(keys[positions], rank).values[-1]
 
 
+def _residual_source(residual: Tensor | None, residual_source: Tensor | None) -> Tensor | None:
+    """The buffer ``acc = x + source`` reads: ``residual_source`` if given, else the residual itself."""
+    if residual_source is None:
+        return residual
+    if residual is None:
+        raise ValueError("residual_source needs residual: acc - sent is written to residual")
+    return residual_source
+
+
 def topk_select(
-    x: Tensor, k: int, residual: Tensor | None = None, exact: bool = True
+    x: Tensor,
+    k: int,
+    residual: Tensor | None = None,
+    exact: bool = True,
+    residual_source: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The k largest-magnitude entries of ``x + residual``; ``residual`` keeps what was not sent.
 
-    1. ``acc = x + residual`` in ``x``'s dtype (or ``x`` when there is no residual).
+    1. ``acc = x + residual`` in ``x``'s dtype (or ``x`` when there is no residual), or
+       ``x + residual_source`` when that is given (it is only read, and may be ``residual`` itself: the
+       result is that of ``residual.copy_(residual_source)`` followed by the call without it).
     2. Exact: the k-th largest magnitude key ``t``; every entry above ``t`` is selected, then entries equal
        to ``t`` by ascending index until there are k. Approximate: ``t`` is estimated from a sample
        (:func:`approx_sample_size` elements) and every entry with key ``>= t`` is selected (about k).
@@ -103,8 +118,9 @@ def topk_select(
 
     Returns ``(values in x.dtype, indices int32 ascending)`` into ``x.reshape(-1)``.
     """
+    source = _residual_source(residual, residual_source)
     flat = x.reshape(-1)
-    acc = flat + residual.reshape(-1) if residual is not None else flat
+    acc = flat + source.reshape(-1) if source is not None else flat
     n = acc.numel()
     if k <= 0 or n == 0:
         indices = torch.empty(0, dtype=torch.int64, device=x.device)
@@ -150,15 +166,6 @@ def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
     shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
     codes = (packed.reshape(-1).to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(-1)[:numel]
-
-
-def _residual_source(residual: Tensor | None, residual_source: Tensor | None) -> Tensor | None:
-    """The buffer ``acc = x + source`` reads: ``residual_source`` if given, else the residual itself."""
-    if residual_source is None:
-        return residual
-    if residual is None:
-        raise ValueError("residual_source needs residual: acc - sent is written to residual")
-    return residual_source
 
 
 def quantize_blockwise(

@@ -30,7 +30,8 @@ inline int64_t approx_sample_size(int64_t n, int64_t k) {
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t k,
-                                                   const std::optional<at::Tensor>& residual, bool exact);
+                                                   const std::optional<at::Tensor>& residual, bool exact,
+                                                   const std::optional<at::Tensor>& residual_source);
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, int64_t bits, int64_t block,
                                                           bool stochastic, int64_t seed,
                                                           const std::optional<at::Tensor>& residual,

@@ -1,17 +1,30 @@
 // Top-k magnitude selection with error feedback on CPU: a radix histogram instead of a sort.
 //
-// Exact: pass 1 forms acc = x + residual and histograms the high 15 bits of each magnitude key; the bin
-// holding the k-th largest key is found by a scan from the top; pass 2 collects every index above that bin
-// plus the (few) candidates inside it, and the exact threshold among candidates is found by nth_element.
+// acc = x + source, where source is residual_source or the residual itself (the in-place form); the residual
+// is only written (acc, then zero where an entry is sent), so with a separate source no copy is needed.
+// Exact: pass 1 forms acc and histograms the high 15 bits of each magnitude key; the bin holding the k-th
+// largest key is found by a scan from the top; pass 2 collects every index above that bin plus the (few)
+// candidates inside it, and the exact threshold among candidates is found by nth_element.
 // Approximate: the threshold comes from a hashed sample (reference._approx_threshold), so one pass suffices.
+//
+// The fp32 loops also have an AVX2 build (cpu_isa.h) that takes 8 elements a step: the add, the keys, their
+// comparison and the residual update stay in vector registers, and a movemask, almost always zero, says
+// which lanes are selected; those are appended in ascending order by their set bits. fp16/bf16 and machines
+// without AVX2 run the scalar loops, which give the same bits (the same IEEE fp32 add, the same integer keys).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "comm/cpu_isa.h"
 #include "comm/kernels.h"
+
+#if FASTCOMM_HAVE_AVX2
+#include <immintrin.h>
+#endif
 
 namespace fastcomm {
 namespace {
@@ -50,23 +63,175 @@ inline uint32_t key_of(scalar_t v) {
   return magnitude_key(static_cast<float>(v));
 }
 
+// One call's operands; source and residual are null without error feedback.
 template <typename scalar_t>
-std::vector<int32_t> select_exact(const scalar_t* x, scalar_t* residual, int64_t n, int64_t k) {
-  const Ranges ranges(n);
-  const scalar_t* acc = residual != nullptr ? residual : x;
-  std::vector<std::vector<uint32_t>> hist(ranges.count, std::vector<uint32_t>(kBins, 0));
-  for_each_range(ranges, [&](int64_t r, int64_t b, int64_t e) {
-    uint32_t* h = hist[r].data();
-    if (residual != nullptr) {
-      for (int64_t i = b; i < e; ++i) {
-        const scalar_t a = add_in_dtype(x[i], residual[i]);
-        residual[i] = a;
-        ++h[key_of(a) >> kBinShift];
-      }
-    } else {
-      for (int64_t i = b; i < e; ++i) ++h[key_of(x[i]) >> kBinShift];
+struct SelectJob {
+  const scalar_t* x;
+  const scalar_t* source;  // residual_source, or the residual itself for the in-place form
+  scalar_t* residual;      // written only: acc (exact pass 1) or acc with the sent entries zeroed
+  int64_t n;
+  int64_t k;
+
+  scalar_t acc(int64_t i) const { return source != nullptr ? add_in_dtype(x[i], source[i]) : x[i]; }
+};
+
+// What one range selected, in ascending index order.
+template <typename scalar_t>
+struct Picked {
+  std::vector<int32_t> indices;
+  std::vector<scalar_t> values;
+};
+
+// Exact pass 1 over [b, e): residual = acc (with feedback) and the histogram of the keys' high bits.
+template <typename scalar_t, bool FEEDBACK>
+inline void histogram_range(const SelectJob<scalar_t>& job, int64_t b, int64_t e, uint32_t* hist) {
+  for (int64_t i = b; i < e; ++i) {
+    const scalar_t a = FEEDBACK ? add_in_dtype(job.x[i], job.source[i]) : job.x[i];
+    if (FEEDBACK) job.residual[i] = a;
+    ++hist[key_of(a) >> kBinShift];
+  }
+}
+
+// Exact pass 2 over [b, e) of acc: indices whose key lies above the cut bin, and those inside it.
+template <typename scalar_t>
+inline void collect_range(const scalar_t* acc, uint32_t cut, int64_t b, int64_t e, std::vector<int32_t>& sure,
+                          std::vector<int32_t>& candidates) {
+  for (int64_t i = b; i < e; ++i) {
+    const uint32_t high = key_of(acc[i]) >> kBinShift;
+    if (high > cut) {
+      sure.push_back(static_cast<int32_t>(i));
+    } else if (high == cut) {
+      candidates.push_back(static_cast<int32_t>(i));
     }
-  });
+  }
+}
+
+// Approximate selection over [b, e): every key >= threshold is sent; residual = acc, zero where sent.
+template <typename scalar_t, bool FEEDBACK>
+inline void threshold_range(const SelectJob<scalar_t>& job, uint32_t threshold, int64_t b, int64_t e,
+                            Picked<scalar_t>& out) {
+  for (int64_t i = b; i < e; ++i) {
+    const scalar_t a = FEEDBACK ? add_in_dtype(job.x[i], job.source[i]) : job.x[i];
+    const bool send = key_of(a) >= threshold;
+    if (FEEDBACK) job.residual[i] = send ? static_cast<scalar_t>(0) : a;
+    if (send) {
+      out.indices.push_back(static_cast<int32_t>(i));
+      out.values.push_back(a);
+    }
+  }
+}
+
+#if FASTCOMM_HAVE_AVX2
+// The fp32 loops above, 8 elements a step, the tail by the scalar loops. Keys are below 2^31, so the signed
+// 32-bit compares of AVX2 order them as the unsigned scalar compares do.
+inline __attribute__((target("avx2"))) __m256i keys8(__m256 a) {
+  return _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7FFFFFFF));
+}
+
+template <bool FEEDBACK>
+FASTCOMM_AVX2 void histogram_range_avx2(const SelectJob<float>& job, int64_t b, int64_t e, uint32_t* hist) {
+  alignas(32) uint32_t bins[8];
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    __m256 a = _mm256_loadu_ps(job.x + i);
+    if (FEEDBACK) {
+      a = _mm256_add_ps(a, _mm256_loadu_ps(job.source + i));
+      _mm256_storeu_ps(job.residual + i, a);
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bins), _mm256_srli_epi32(keys8(a), kBinShift));
+    for (int t = 0; t < 8; ++t) ++hist[bins[t]];
+  }
+  histogram_range<float, FEEDBACK>(job, i, e, hist);
+}
+
+FASTCOMM_AVX2 void collect_range_avx2(const float* acc, uint32_t cut, int64_t b, int64_t e,
+                                      std::vector<int32_t>& sure, std::vector<int32_t>& candidates) {
+  const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(cut) - 1);  // high >= cut
+  alignas(32) uint32_t highs[8];
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    const __m256i high = _mm256_srli_epi32(keys8(_mm256_loadu_ps(acc + i)), kBinShift);
+    int mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(high, below)));
+    if (mask != 0) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(highs), high);
+      do {
+        const int t = __builtin_ctz(static_cast<unsigned>(mask));
+        (highs[t] > cut ? sure : candidates).push_back(static_cast<int32_t>(i + t));
+        mask &= mask - 1;
+      } while (mask != 0);
+    }
+  }
+  collect_range(acc, cut, i, e, sure, candidates);
+}
+
+template <bool FEEDBACK>
+FASTCOMM_AVX2 void threshold_range_avx2(const SelectJob<float>& job, uint32_t threshold, int64_t b, int64_t e,
+                                        Picked<float>& out) {
+  const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(threshold) - 1);  // key >= threshold
+  alignas(32) float lanes[8];
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    __m256 a = _mm256_loadu_ps(job.x + i);
+    if (FEEDBACK) a = _mm256_add_ps(a, _mm256_loadu_ps(job.source + i));
+    const __m256 send = _mm256_castsi256_ps(_mm256_cmpgt_epi32(keys8(a), below));
+    if (FEEDBACK) _mm256_storeu_ps(job.residual + i, _mm256_andnot_ps(send, a));  // +0.0 where sent
+    int mask = _mm256_movemask_ps(send);
+    if (mask != 0) {
+      _mm256_store_ps(lanes, a);
+      do {
+        const int t = __builtin_ctz(static_cast<unsigned>(mask));
+        out.indices.push_back(static_cast<int32_t>(i + t));
+        out.values.push_back(lanes[t]);
+        mask &= mask - 1;
+      } while (mask != 0);
+    }
+  }
+  threshold_range<float, FEEDBACK>(job, threshold, i, e, out);
+}
+#endif
+
+template <typename scalar_t>
+using HistogramFn = void (*)(const SelectJob<scalar_t>&, int64_t, int64_t, uint32_t*);
+template <typename scalar_t>
+using CollectFn = void (*)(const scalar_t*, uint32_t, int64_t, int64_t, std::vector<int32_t>&,
+                           std::vector<int32_t>&);
+template <typename scalar_t>
+using ThresholdFn = void (*)(const SelectJob<scalar_t>&, uint32_t, int64_t, int64_t, Picked<scalar_t>&);
+
+// The build of each loop this call runs: AVX2 for fp32 where the machine has it, else the scalar loops.
+template <typename scalar_t>
+struct Loops {
+  HistogramFn<scalar_t> histogram;
+  CollectFn<scalar_t> collect;
+  ThresholdFn<scalar_t> threshold;
+
+  explicit Loops(bool feedback) {
+    histogram = feedback ? &histogram_range<scalar_t, true> : &histogram_range<scalar_t, false>;
+    collect = &collect_range<scalar_t>;
+    threshold = feedback ? &threshold_range<scalar_t, true> : &threshold_range<scalar_t, false>;
+#if FASTCOMM_HAVE_AVX2
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (use_avx2()) {
+        histogram = feedback ? &histogram_range_avx2<true> : &histogram_range_avx2<false>;
+        collect = &collect_range_avx2;
+        threshold = feedback ? &threshold_range_avx2<true> : &threshold_range_avx2<false>;
+      }
+    }
+#endif
+  }
+};
+
+// Room for about twice the expected share of k in a range of len elements, so appends rarely reallocate.
+inline int64_t expected_picks(int64_t k, int64_t n, int64_t len) { return 2 * k * len / std::max<int64_t>(1, n) + 64; }
+
+template <typename scalar_t>
+std::vector<int32_t> select_exact(const SelectJob<scalar_t>& job, const Loops<scalar_t>& loops) {
+  const int64_t n = job.n;
+  const int64_t k = job.k;
+  const Ranges ranges(n);
+  const scalar_t* acc = job.residual != nullptr ? job.residual : job.x;
+  std::vector<std::vector<uint32_t>> hist(ranges.count, std::vector<uint32_t>(kBins, 0));
+  for_each_range(ranges, [&](int64_t r, int64_t b, int64_t e) { loops.histogram(job, b, e, hist[r].data()); });
   // The bin holding the k-th largest key, and how many keys lie strictly above it.
   int64_t above = 0;
   int64_t bin = kBins - 1;
@@ -79,14 +244,8 @@ std::vector<int32_t> select_exact(const scalar_t* x, scalar_t* residual, int64_t
   const uint32_t cut = static_cast<uint32_t>(bin);
   std::vector<std::vector<int32_t>> sure(ranges.count), candidates(ranges.count);
   for_each_range(ranges, [&](int64_t r, int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const uint32_t high = key_of(acc[i]) >> kBinShift;
-      if (high > cut) {
-        sure[r].push_back(static_cast<int32_t>(i));
-      } else if (high == cut) {
-        candidates[r].push_back(static_cast<int32_t>(i));
-      }
-    }
+    sure[r].reserve(expected_picks(above, n, e - b));
+    loops.collect(acc, cut, b, e, sure[r], candidates[r]);
   });
   std::vector<int32_t> sure_all, cand_all;
   sure_all.reserve(above);
@@ -116,9 +275,12 @@ std::vector<int32_t> select_exact(const scalar_t* x, scalar_t* residual, int64_t
   return selected;
 }
 
+// (values, indices) of every key at or above the sampled threshold, and the residual update, in one pass.
 template <typename scalar_t>
-std::vector<int32_t> select_approx(const scalar_t* x, scalar_t* residual, int64_t n, int64_t k,
-                                   std::vector<scalar_t>& values) {
+std::tuple<at::Tensor, at::Tensor> select_approx(const SelectJob<scalar_t>& job, const Loops<scalar_t>& loops,
+                                                 const at::TensorOptions& options) {
+  const int64_t n = job.n;
+  const int64_t k = job.k;
   const int64_t m = approx_sample_size(n, k);
   const int64_t stride = n / m;
   const int64_t rank = std::max<int64_t>(1, ceil_div(m * k, n));
@@ -126,87 +288,95 @@ std::vector<int32_t> select_approx(const scalar_t* x, scalar_t* residual, int64_
   at::parallel_for(0, m, 4096, [&](int64_t lo, int64_t hi) {
     for (int64_t s = lo; s < hi; ++s) {
       const int64_t p = s * stride + static_cast<int64_t>(hash32(static_cast<uint64_t>(s), 0) % stride);
-      sample[s] = key_of(residual != nullptr ? add_in_dtype(x[p], residual[p]) : x[p]);
+      sample[s] = key_of(job.acc(p));
     }
   });
   std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(), std::greater<uint32_t>());
   const uint32_t threshold = sample[rank - 1];
   const Ranges ranges(n);
-  std::vector<std::vector<int32_t>> picked(ranges.count);
-  std::vector<std::vector<scalar_t>> picked_values(ranges.count);
+  std::vector<Picked<scalar_t>> picked(ranges.count);
   for_each_range(ranges, [&](int64_t r, int64_t b, int64_t e) {
-    auto& idx = picked[r];
-    auto& val = picked_values[r];
-    if (residual != nullptr) {
-      for (int64_t i = b; i < e; ++i) {
-        const scalar_t a = add_in_dtype(x[i], residual[i]);
-        const bool send = key_of(a) >= threshold;
-        residual[i] = send ? static_cast<scalar_t>(0) : a;
-        if (send) {
-          idx.push_back(static_cast<int32_t>(i));
-          val.push_back(a);
-        }
-      }
-    } else {
-      for (int64_t i = b; i < e; ++i) {
-        if (key_of(x[i]) >= threshold) {
-          idx.push_back(static_cast<int32_t>(i));
-          val.push_back(x[i]);
-        }
-      }
-    }
+    picked[r].indices.reserve(expected_picks(k, n, e - b));
+    picked[r].values.reserve(expected_picks(k, n, e - b));
+    loops.threshold(job, threshold, b, e, picked[r]);
   });
-  std::vector<int32_t> selected;
-  for (int64_t r = 0; r < ranges.count; ++r) {
-    selected.insert(selected.end(), picked[r].begin(), picked[r].end());
-    values.insert(values.end(), picked_values[r].begin(), picked_values[r].end());
-  }
-  return selected;
+  std::vector<int64_t> offset(ranges.count + 1, 0);
+  for (int64_t r = 0; r < ranges.count; ++r) offset[r + 1] = offset[r] + picked[r].indices.size();
+  at::Tensor values = at::empty({offset[ranges.count]}, options);
+  at::Tensor indices = at::empty({offset[ranges.count]}, options.dtype(at::kInt));
+  scalar_t* vp = values.data_ptr<scalar_t>();
+  int32_t* ip = indices.data_ptr<int32_t>();
+  for_each_range(ranges, [&](int64_t r, int64_t, int64_t) {
+    std::copy(picked[r].indices.begin(), picked[r].indices.end(), ip + offset[r]);
+    std::copy(picked[r].values.begin(), picked[r].values.end(), vp + offset[r]);
+  });
+  return {values, indices};
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t k,
-                                                   const std::optional<at::Tensor>& residual, bool exact) {
+                                                   const std::optional<at::Tensor>& residual, bool exact,
+                                                   const std::optional<at::Tensor>& residual_source) {
   const int64_t n = x.numel();
-  TORCH_CHECK(k >= 0 && k <= n, "topk_select: k must be in [0, ", n, "], got ", k);
-  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), "topk_select: int32 indices limit x to 2^31-1 elements");
+  TORCH_CHECK_VALUE(k >= 0 && k <= n, "topk_select: k must be in [0, ", n, "], got ", k);
+  TORCH_CHECK_VALUE(n <= std::numeric_limits<int32_t>::max(),
+                    "topk_select: int32 indices limit x to 2^31-1 elements");
   const at::Tensor flat = x.contiguous().view(-1);
-  at::Tensor work;  // the residual buffer the kernel updates (a contiguous copy when the caller's is not)
+  at::Tensor work;    // the residual buffer the kernel writes (a contiguous stand-in when the caller's is not)
+  at::Tensor source;  // what acc = x + source reads: residual_source, or the residual itself
   if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                "topk_select: residual must match x in shape and dtype");
-    work = residual->is_contiguous() ? *residual : residual->contiguous();
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                      "topk_select: residual must match x in shape and dtype");
+    const bool separate = residual_source.has_value() && !residual_source->is_same(*residual);
+    if (separate) {
+      TORCH_CHECK_VALUE(residual_source->sizes() == x.sizes() && residual_source->scalar_type() == x.scalar_type(),
+                        "topk_select: residual_source must match x in shape and dtype");
+      work = residual->is_contiguous() ? *residual : at::empty(x.sizes(), x.options());
+      source = residual_source->contiguous();
+    } else {
+      work = residual->is_contiguous() ? *residual : residual->contiguous();
+      source = work;
+    }
+  } else {
+    TORCH_CHECK_VALUE(!residual_source.has_value(),
+                      "topk_select: residual_source needs residual (the buffer acc - sent is written to)");
   }
   at::Tensor values, indices;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "topk_select_cpu", [&] {
-    const scalar_t* xp = flat.const_data_ptr<scalar_t>();
-    scalar_t* rp = work.defined() ? work.data_ptr<scalar_t>() : nullptr;
-    std::vector<int32_t> selected;
+    SelectJob<scalar_t> job;
+    job.x = flat.const_data_ptr<scalar_t>();
+    job.source = work.defined() ? source.const_data_ptr<scalar_t>() : nullptr;
+    job.residual = work.defined() ? work.data_ptr<scalar_t>() : nullptr;
+    job.n = n;
+    job.k = k;
+    const Loops<scalar_t> loops(work.defined());
     if (k == 0 || n == 0) {
-      if (rp != nullptr) {
-        for (int64_t i = 0; i < n; ++i) rp[i] = add_in_dtype(xp[i], rp[i]);
+      if (job.residual != nullptr) {
+        at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+          for (int64_t i = lo; i < hi; ++i) job.residual[i] = job.acc(i);
+        });
       }
       values = at::empty({0}, x.options());
+      indices = at::empty({0}, x.options().dtype(at::kInt));
     } else if (exact || approx_sample_size(n, k) * 2 > n) {
-      selected = select_exact(xp, rp, n, k);
+      const std::vector<int32_t> selected = select_exact(job, loops);
       values = at::empty({k}, x.options());
+      indices = at::empty({k}, x.options().dtype(at::kInt));
       scalar_t* vp = values.data_ptr<scalar_t>();
-      const scalar_t* acc = rp != nullptr ? rp : xp;
+      int32_t* ip = indices.data_ptr<int32_t>();
+      scalar_t* rp = job.residual;
+      const scalar_t* acc = rp != nullptr ? rp : job.x;
       at::parallel_for(0, k, 1 << 14, [&](int64_t lo, int64_t hi) {
         for (int64_t j = lo; j < hi; ++j) {
+          ip[j] = selected[j];
           vp[j] = acc[selected[j]];
           if (rp != nullptr) rp[selected[j]] = static_cast<scalar_t>(0);
         }
       });
     } else {
-      std::vector<scalar_t> picked;
-      selected = select_approx(xp, rp, n, k, picked);
-      values = at::empty({static_cast<int64_t>(picked.size())}, x.options());
-      std::copy(picked.begin(), picked.end(), values.data_ptr<scalar_t>());
+      std::tie(values, indices) = select_approx(job, loops, x.options());
     }
-    indices = at::empty({static_cast<int64_t>(selected.size())}, x.options().dtype(at::kInt));
-    std::copy(selected.begin(), selected.end(), indices.data_ptr<int32_t>());
   });
   if (work.defined() && !work.is_same(*residual)) residual->copy_(work);
   return {values, indices};

@@ -1,6 +1,7 @@
 // Top-k magnitude selection with error feedback on CUDA, bit for bit reference.topk_select.
 //
-// 1. acc = x + residual in x's dtype, written over (a contiguous copy of) the residual.
+// 1. acc = x + source in x's dtype (source: residual_source, or the residual itself), written to (a
+//    contiguous stand-in for) the residual, which is otherwise only written.
 // 2. Exact: the k-th largest magnitude key by a three-level radix select (digits of bits 30..20, 19..9 and
 //    8..0, one shared-memory histogram pass and one single-block scan per level, no host sync) gives the
 //    threshold key t and how many keys equal to t are needed.
@@ -103,29 +104,45 @@ std::tuple<at::Tensor, at::Tensor> select_topk(const scalar_t* acc, scalar_t* re
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& x, int64_t k,
-                                                    const std::optional<at::Tensor>& residual, bool exact) {
+                                                    const std::optional<at::Tensor>& residual, bool exact,
+                                                    const std::optional<at::Tensor>& residual_source) {
   const int64_t n = x.numel();
   TORCH_CHECK(x.is_cuda(), "topk_select: x must be a CUDA tensor");
   TORCH_CHECK(k >= 0 && k <= n, "topk_select: k must be in [0, ", n, "], got ", k);
   TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), "topk_select: int32 indices limit x to 2^31-1 elements");
   const bool has_residual = residual.has_value() && residual->defined();
+  const bool has_source = residual_source.has_value() && residual_source->defined();
+  TORCH_CHECK_VALUE(has_residual || !has_source,
+                    "topk_select: residual_source needs residual (the buffer acc - sent is written to)");
   if (has_residual) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
-                    residual->device() == x.device(),
-                "topk_select: residual must match x in shape, dtype and device");
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                          residual->device() == x.device(),
+                      "topk_select: residual must match x in shape, dtype and device");
   }
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor flat = x.reshape(-1).contiguous();
-  // The buffer acc is formed in and the residual is left in (a contiguous copy when the caller's is not).
-  at::Tensor work;
-  if (has_residual) work = residual->is_contiguous() ? residual->view(-1) : residual->reshape(-1).contiguous();
+  // The buffer acc is formed in and the residual is left in (a contiguous stand-in when the caller's is not),
+  // and what acc = x + source reads: residual_source, or that buffer itself.
+  at::Tensor work, source;
+  if (has_residual) {
+    if (has_source && !residual_source->is_same(*residual)) {
+      TORCH_CHECK_VALUE(residual_source->sizes() == x.sizes() && residual_source->scalar_type() == x.scalar_type() &&
+                            residual_source->device() == x.device(),
+                        "topk_select: residual_source must match x in shape, dtype and device");
+      work = residual->is_contiguous() ? residual->view(-1) : at::empty({n}, x.options());
+      source = residual_source->reshape(-1).contiguous();
+    } else {
+      work = residual->is_contiguous() ? residual->view(-1) : residual->reshape(-1).contiguous();
+      source = work;
+    }
+  }
   at::Tensor values, indices;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "topk_select_cuda", [&] {
     scalar_t* residual_ptr = has_residual ? work.data_ptr<scalar_t>() : nullptr;
     if (has_residual && n > 0) {
-      accumulate_kernel<scalar_t><<<grid_for(n), kThreads, 0, stream>>>(flat.const_data_ptr<scalar_t>(),
-                                                                          residual_ptr, n);
+      accumulate_kernel<scalar_t><<<grid_for(n), kThreads, 0, stream>>>(
+          flat.const_data_ptr<scalar_t>(), source.const_data_ptr<scalar_t>(), residual_ptr, n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     const scalar_t* acc = has_residual ? residual_ptr : flat.const_data_ptr<scalar_t>();

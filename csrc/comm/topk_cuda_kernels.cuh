@@ -28,11 +28,13 @@ __device__ __forceinline__ uint32_t magnitude_key(scalar_t v) {
   return __float_as_uint(static_cast<float>(v)) & 0x7FFFFFFFu;
 }
 
-// acc = x + residual in scalar_t (one fp32 add rounded once), written over the residual.
+// acc = x + source in scalar_t (one fp32 add rounded once), written to work. source is residual_source or
+// work itself (the in-place form; each element is read before it is written), so neither is __restrict__.
 template <typename scalar_t>
-__global__ void accumulate_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ work, int64_t n) {
+__global__ void accumulate_kernel(const scalar_t* __restrict__ x, const scalar_t* source, scalar_t* work,
+                                  int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    work[i] = static_cast<scalar_t>(static_cast<float>(x[i]) + static_cast<float>(work[i]));
+    work[i] = static_cast<scalar_t>(static_cast<float>(x[i]) + static_cast<float>(source[i]));
   }
 }
 

@@ -4,7 +4,7 @@ The specification of each feature is a composition of existing ops, and the test
 bit for bit:
 
 * ``quantize_blockwise(x, ..., residual=r, residual_source=s)`` is ``r.copy_(s)`` followed by the in-place
-  call, and ``s`` is left as it was.
+  call, and ``s`` is left as it was. Likewise for ``sign_compress`` and ``topk_select``.
 * ``dequantize_blockwise_into(out, codes, scales, ...)`` is ``out.copy_(dequantize_blockwise(codes[:need],
   ...))``; with ``accumulate=True`` it is ``(out.float() + dequantized_fp32).to(out.dtype)``. Likewise for
   ``sign_compress`` and ``sign_decompress_into``.
@@ -26,6 +26,9 @@ from fastcomm import reference as ref
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 7, 255, 257, 4099, 100_003]
+# 300_001 is large enough that approximate top-k samples its threshold at k = 1% and n / 3 (not the exact
+# fallback), so the vector loops of both modes run; 65_537 leaves a tail after the last full vector.
+TOPK_SIZES = [1, 7, 1000, 65_537, 300_001]
 BITS = [8, 4, 2]
 EPS32 = 2.0**-23
 _INTS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -222,6 +225,75 @@ def test_empty_out_is_a_no_op():
 
 
 # -------------------------------------------------------------------------------------------- bad inputs
+def _topk_inputs(n: int, dtype: torch.dtype, device: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, residual_source): heavy-tailed values, or small integers (many ties at the threshold), or values
+    with ±inf in both and one NaN. Never two NaNs, nor inf + -inf: the order among NaN keys follows their
+    payloads, which torch's own fp16/bf16 arithmetic does not keep the same from one code path to another."""
+    if kind == "ties":
+        g = torch.Generator().manual_seed(n)
+        magnitude = torch.randint(1, 4, (2, n), generator=g).float()
+        signs = torch.randint(0, 2, (2, n), generator=g).float() * 2 - 1
+        x, source = magnitude[0] * signs[0], magnitude[1] * signs[1] * 0.5
+        return _shaped(x.to(dtype).to(device)), _shaped(source.to(dtype).to(device))
+    x = _randn(n, dtype, "cpu", n + 3)
+    source = _randn(n, dtype, "cpu", n + 4, 0.5)
+    if kind == "nonfinite" and n > 10:
+        x[3], x[n // 2], x[n - 2] = float("nan"), float("inf"), float("-inf")
+        source[5], source[n // 3] = float("inf"), float("-inf")
+    return _shaped(x.to(device)), _shaped(source.to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", TOPK_SIZES)
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("kind", ["randn", "ties", "nonfinite"])
+def test_topk_residual_source(isa, device, dtype, n, exact, kind):
+    x, source = _topk_inputs(n, dtype, device, kind)
+    source_before = source.clone()
+    for k in sorted({0, 1, max(1, n // 100), n // 3}):
+        residual = _shaped(_randn(n, dtype, device, n + k + 5))  # stale values: overwritten, never read
+        values, indices = ops.topk_select(x, k, residual, exact, residual_source=source)
+        _assert_same(source, source_before)
+        assert indices.dtype == torch.int32 and values.dtype == dtype
+        # The specification: residual.copy_(source), then the in-place call.
+        expected = source.cpu().clone()
+        values_ref, indices_ref = ref.topk_select(x.cpu(), k, expected, exact)
+        _assert_same(indices, indices_ref)
+        _assert_same(values, values_ref)
+        _assert_same(residual, expected)
+        # Bit for bit the same backend's copy-then-in-place result, and residual_source=residual.
+        in_place = source.clone()
+        values_ip, indices_ip = ops.topk_select(x, k, in_place, exact)
+        _assert_same(indices, indices_ip)
+        _assert_same(values, values_ip)
+        _assert_same(in_place, expected)
+        same = source.clone()
+        ops.topk_select(x, k, same, exact, residual_source=same)
+        _assert_same(same, expected)
+        # The reference's own residual_source path.
+        stale = residual.cpu().clone()
+        ref_out = ref.topk_select(x.cpu(), k, stale, exact, residual_source=source.cpu())
+        _assert_same(ref_out[1], indices_ref)
+        _assert_same(stale, expected)
+
+
+def test_topk_residual_source_noncontiguous():
+    """Strided residual and residual_source: the result is written back into the caller's residual."""
+    base = _randn(40_000, torch.float32, "cpu", 21)
+    x = base[::2]
+    source = _randn(40_000, torch.float32, "cpu", 22, 0.5)[1::2]
+    residual_base = _randn(40_000, torch.float32, "cpu", 23)
+    residual = residual_base[::2]
+    for exact in (True, False):
+        values, indices = ops.topk_select(x, 200, residual, exact, residual_source=source)
+        expected = source.clone()
+        values_ref, indices_ref = ref.topk_select(x.contiguous(), 200, expected, exact)
+        _assert_same(indices, indices_ref)
+        _assert_same(values, values_ref)
+        _assert_same(residual_base[::2], expected)
+
+
 _U8 = torch.uint8
 
 
@@ -239,10 +311,30 @@ _U8 = torch.uint8
             ("residual_source", "residual"),
         ),
         (
+            lambda: ops.topk_select(torch.randn(8), 2, residual_source=torch.randn(8)),
+            ValueError,
+            ("residual_source", "residual"),
+        ),
+        (
             lambda: ops.quantize_blockwise(
                 torch.randn(8), residual=torch.zeros(8), residual_source=torch.zeros(9)
             ),
             ValueError,
+            ("residual_source",),
+        ),
+        (
+            lambda: ops.topk_select(torch.randn(8), 2, torch.randn(8), residual_source=torch.randn(9)),
+            ValueError,
+            ("residual_source",),
+        ),
+        (
+            lambda: ops.topk_select(torch.randn(8), 2, torch.randn(8), residual_source=torch.randn(8).half()),
+            ValueError,
+            ("residual_source",),
+        ),
+        (
+            lambda: ops.topk_select(torch.randn(8), 2, torch.randn(8), residual_source=torch.ones(8).int()),
+            TypeError,
             ("residual_source",),
         ),
         (
@@ -349,9 +441,15 @@ def test_overlapping_residual_source_is_refused():
         ops.quantize_blockwise(x, residual=buffer[:10], residual_source=buffer[5:15])
     with pytest.raises(ValueError, match="overlap"):
         ops.sign_compress(x, buffer[::2], residual_source=buffer[1::2])
+    with pytest.raises(ValueError, match="overlap"):
+        ops.topk_select(x, 3, buffer[:10], residual_source=buffer[9:19])
+    with pytest.raises(ValueError, match="overlap"):
+        ops.topk_select(x, 3, buffer[::2], exact=False, residual_source=buffer[1::2])
     # Two halves of one buffer (double-buffered residuals) are fine, and so is one tensor passed twice.
     ops.quantize_blockwise(x, residual=buffer[:10], residual_source=buffer[10:])
     ops.sign_compress(x, buffer[:10], residual_source=buffer[:10])
+    ops.topk_select(x, 3, buffer[:10], residual_source=buffer[10:])
+    ops.topk_select(x, 3, buffer[:10], residual_source=buffer[:10])
 
 
 def test_native_kernels_check_their_arguments():
@@ -360,6 +458,8 @@ def test_native_kernels_check_their_arguments():
         torch.ops.fastcomm.quantize_blockwise(torch.randn(8), 8, 256, False, 0, None, torch.zeros(8))
     with pytest.raises(ValueError, match="residual_source"):
         torch.ops.fastcomm.sign_compress(torch.randn(8), None, 2048, torch.zeros(8))
+    with pytest.raises(ValueError, match="residual_source"):
+        torch.ops.fastcomm.topk_select(torch.randn(8), 2, None, True, torch.randn(8))
 
 
 # ---------------------------------------------------------------------------------------- opcheck, report
@@ -371,6 +471,7 @@ def _opcheck_cases():
         ("quantize_blockwise", (x, 8, 64, True, 3, torch.zeros_like(x), x.clone() * 0.1)),
         ("quantize_blockwise", (x, 2, 7, False, 3, torch.zeros_like(x), x.clone() * 0.1)),
         ("sign_compress", (x, torch.zeros_like(x), 128, x.clone() * 0.1)),
+        ("topk_select", (x, 50, _randn(1031, torch.float32, "cpu", 16), True, x.clone() * 0.1)),
         ("dequantize_blockwise_into", (torch.zeros(1031), codes, scales, 4, 64, False)),
         ("dequantize_blockwise_into", (torch.ones(1031, dtype=torch.bfloat16), codes, scales, 4, 64, True)),
         ("sign_decompress_into", (torch.zeros(1031), packed, sign_scales, 128, True)),
@@ -380,6 +481,17 @@ def _opcheck_cases():
 @pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
 def test_opcheck(name, args):
     torch.library.opcheck(getattr(torch.ops.fastcomm, name).default, args)
+
+
+def test_opcheck_approximate_topk_residual_source():
+    x = _randn(300_001, torch.float32, "cpu", 17)
+    residual, source = _randn(300_001, torch.float32, "cpu", 18), _randn(300_001, torch.float32, "cpu", 19)
+    # Data-dependent output size: check schema and fake kernel, not AOT's static-shape tracing.
+    torch.library.opcheck(
+        torch.ops.fastcomm.topk_select.default,
+        (x, 1000, residual, False, source),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 def test_backend_reports_the_new_ops():

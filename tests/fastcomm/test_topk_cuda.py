@@ -95,3 +95,22 @@ def test_non_contiguous_residual() -> None:
 def test_opcheck() -> None:
     x = torch.randn(4099, device="cuda")
     torch.library.opcheck(torch.ops.fastcomm.topk_select, (x, 50, torch.zeros_like(x), True))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_source(dtype: torch.dtype, exact: bool) -> None:
+    """residual_source is read, residual only written: the result of residual.copy_(source) then in place."""
+    n = 1_000_003
+    x, source = _inputs(n, "randn", dtype)
+    stale = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = source.clone()
+    ref_values, ref_indices = reference.topk_select(x, 20_000, expected, exact)
+    strided = torch.empty(2 * n, dtype=dtype, device="cuda")[::2].copy_(stale)  # written back through copy_
+    for residual in (stale.cuda(), strided):
+        source_cuda = source.cuda()
+        values, indices = torch.ops.fastcomm.topk_select(x.cuda(), 20_000, residual, exact, source_cuda)
+        assert torch.equal(indices.cpu(), ref_indices)
+        _assert_same(values, ref_values)
+        _assert_same(residual, expected)
+        _assert_same(source_cuda, source)
