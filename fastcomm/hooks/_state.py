@@ -480,10 +480,6 @@ class CompressionState(HookState):
         """Keep ``tensor`` as the bucket's new ``name`` if this iteration turns out finite."""
         self._staged[(key, name)] = tensor
 
-    def _staging_copy(self, key: BucketKey, name: str, current: Tensor) -> Tensor:
-        """A copy of ``current`` to update in place and then stage, in the buffer it replaced last time."""
-        return self._spare(key, name, current).copy_(current)
-
     def _spare(self, key: BucketKey, name: str, current: Tensor) -> Tensor:
         """An uninitialised buffer like ``current`` (the one it replaced last time) for its successor.
 

@@ -151,10 +151,13 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         if state.momentum > 0.0:
             velocity = state._current(entry, "velocity", flat) * state.momentum + flat
             source = velocity
-        residual = None
-        if state.error_feedback:  # the op turns a copy of the residual into acc with the sent entries zeroed
-            residual = state._staging_copy(key, "residual", state._current(entry, "residual", flat))
-        selected_values, selected = ops.topk_select(source, k, residual=residual, exact=state.exact)
+        residual = current = None
+        if state.error_feedback:  # the op writes acc with the sent entries zeroed into the spare buffer
+            current = state._current(entry, "residual", flat)
+            residual = state._spare(key, "residual", current)
+        selected_values, selected = ops.topk_select(
+            source, k, residual=residual, exact=state.exact, residual_source=current
+        )
         values, indices, kept = _fit(selected_values, selected, k)
         sent = indices if selected.numel() > k else selected
         if kept is not None and residual is not None:  # cut to k: the dropped entries stay owed
