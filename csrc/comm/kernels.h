@@ -29,6 +29,41 @@ inline int64_t approx_sample_size(int64_t n, int64_t k) {
   return std::min(n, wanted);
 }
 
+// The error-feedback buffers of a compressing op: `work` is what the kernel writes acc - sent into (the
+// caller's residual, or a contiguous stand-in copied back by finish()), `source` what acc = x + source reads
+// (residual_source, or the residual itself for the in-place form). Undefined without a residual.
+struct ResidualBuffers {
+  at::Tensor work;
+  at::Tensor source;
+
+  ResidualBuffers(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                  const std::optional<at::Tensor>& residual_source) {
+    if (!residual.has_value()) {
+      TORCH_CHECK_VALUE(!residual_source.has_value(), op,
+                        ": residual_source needs residual (the buffer acc - sent is written to)");
+      return;
+    }
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), op,
+                      ": residual must match x in shape and dtype");
+    if (residual_source.has_value() && !residual_source->is_same(*residual)) {
+      TORCH_CHECK_VALUE(residual_source->sizes() == x.sizes() && residual_source->scalar_type() == x.scalar_type(),
+                        op, ": residual_source must match x in shape and dtype");
+      work = residual->is_contiguous() ? *residual : at::empty(x.sizes(), x.options());
+      source = residual_source->contiguous();
+    } else {
+      work = residual->is_contiguous() ? *residual : residual->contiguous();
+      source = work;
+    }
+  }
+
+  bool feedback() const { return work.defined(); }
+
+  // Copy a stand-in back into the caller's (non-contiguous) residual.
+  void finish(const std::optional<at::Tensor>& residual) const {
+    if (work.defined() && !work.is_same(*residual)) residual->copy_(work);
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t k,
                                                    const std::optional<at::Tensor>& residual, bool exact,
                                                    const std::optional<at::Tensor>& residual_source);

@@ -308,25 +308,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, i
   const at::Tensor flat = x.contiguous().view(-1);
   const int64_t n = flat.numel();
   const int64_t nblocks = ceil_div(n, block);
-  at::Tensor work;    // the residual buffer the kernel writes (a contiguous stand-in when the caller's is not)
-  at::Tensor source;  // what acc = x + source reads: residual_source, or the residual itself
-  if (residual.has_value()) {
-    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                      "quantize_blockwise: residual must match x in shape and dtype");
-    const bool separate = residual_source.has_value() && !residual_source->is_same(*residual);
-    if (separate) {
-      TORCH_CHECK_VALUE(residual_source->sizes() == x.sizes() && residual_source->scalar_type() == x.scalar_type(),
-                        "quantize_blockwise: residual_source must match x in shape and dtype");
-      work = residual->is_contiguous() ? *residual : at::empty(x.sizes(), x.options());
-      source = residual_source->contiguous();
-    } else {
-      work = residual->is_contiguous() ? *residual : residual->contiguous();
-      source = work;
-    }
-  } else {
-    TORCH_CHECK_VALUE(!residual_source.has_value(),
-                      "quantize_blockwise: residual_source needs residual (the buffer acc - sent is written to)");
-  }
+  const ResidualBuffers buffers("quantize_blockwise", x, residual, residual_source);
+  const at::Tensor& work = buffers.work;
+  const at::Tensor& source = buffers.source;
   at::Tensor codes = bits == 8 ? at::empty({n}, x.options().dtype(at::kByte))
                                : at::zeros({ceil_div(n * bits, 8)}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nblocks}, x.options().dtype(at::kFloat));
@@ -357,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, i
       fn(job, lo * unit, std::min(nblocks, hi * unit));
     });
   });
-  if (feedback && !work.is_same(*residual)) residual->copy_(work);
+  buffers.finish(residual);
   return {codes, scales};
 }
 

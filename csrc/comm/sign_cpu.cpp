@@ -343,25 +343,9 @@ std::tuple<at::Tensor, at::Tensor> sign_compress_cpu(const at::Tensor& x, const 
   const at::Tensor flat = x.contiguous().view(-1);
   const int64_t n = flat.numel();
   const int64_t nchunks = ceil_div(n, chunk);
-  at::Tensor work;    // the residual buffer the kernel writes (a contiguous stand-in when the caller's is not)
-  at::Tensor source;  // what acc = x + source reads: residual_source, or the residual itself
-  if (residual.has_value()) {
-    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                      "sign_compress: residual must match x in shape and dtype");
-    const bool separate = residual_source.has_value() && !residual_source->is_same(*residual);
-    if (separate) {
-      TORCH_CHECK_VALUE(residual_source->sizes() == x.sizes() && residual_source->scalar_type() == x.scalar_type(),
-                        "sign_compress: residual_source must match x in shape and dtype");
-      work = residual->is_contiguous() ? *residual : at::empty(x.sizes(), x.options());
-      source = residual_source->contiguous();
-    } else {
-      work = residual->is_contiguous() ? *residual : residual->contiguous();
-      source = work;
-    }
-  } else {
-    TORCH_CHECK_VALUE(!residual_source.has_value(),
-                      "sign_compress: residual_source needs residual (the buffer acc - sent is written to)");
-  }
+  const ResidualBuffers buffers("sign_compress", x, residual, residual_source);
+  const at::Tensor& work = buffers.work;
+  const at::Tensor& source = buffers.source;
   at::Tensor packed = at::zeros({ceil_div(n, 8)}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nchunks}, x.options().dtype(at::kFloat));
   int64_t unit = 1;
@@ -388,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor> sign_compress_cpu(const at::Tensor& x, const 
       fn(job, lo * unit, std::min(nchunks, hi * unit));
     });
   });
-  if (work.defined() && !work.is_same(*residual)) residual->copy_(work);
+  buffers.finish(residual);
   return {packed, scales};
 }
 

@@ -323,25 +323,9 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t 
   TORCH_CHECK_VALUE(n <= std::numeric_limits<int32_t>::max(),
                     "topk_select: int32 indices limit x to 2^31-1 elements");
   const at::Tensor flat = x.contiguous().view(-1);
-  at::Tensor work;    // the residual buffer the kernel writes (a contiguous stand-in when the caller's is not)
-  at::Tensor source;  // what acc = x + source reads: residual_source, or the residual itself
-  if (residual.has_value()) {
-    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                      "topk_select: residual must match x in shape and dtype");
-    const bool separate = residual_source.has_value() && !residual_source->is_same(*residual);
-    if (separate) {
-      TORCH_CHECK_VALUE(residual_source->sizes() == x.sizes() && residual_source->scalar_type() == x.scalar_type(),
-                        "topk_select: residual_source must match x in shape and dtype");
-      work = residual->is_contiguous() ? *residual : at::empty(x.sizes(), x.options());
-      source = residual_source->contiguous();
-    } else {
-      work = residual->is_contiguous() ? *residual : residual->contiguous();
-      source = work;
-    }
-  } else {
-    TORCH_CHECK_VALUE(!residual_source.has_value(),
-                      "topk_select: residual_source needs residual (the buffer acc - sent is written to)");
-  }
+  const ResidualBuffers buffers("topk_select", x, residual, residual_source);
+  const at::Tensor& work = buffers.work;
+  const at::Tensor& source = buffers.source;
   at::Tensor values, indices;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "topk_select_cpu", [&] {
     SelectJob<scalar_t> job;
@@ -378,7 +362,7 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t 
       std::tie(values, indices) = select_approx(job, loops, x.options());
     }
   });
-  if (work.defined() && !work.is_same(*residual)) residual->copy_(work);
+  buffers.finish(residual);
   return {values, indices};
 }
 
