@@ -245,6 +245,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def correctness_worker(rank: int, world_size: int) -> None:
     """Each hook's result against the test's own simulation of all ranks from the reference ops."""
+    if world_size == 4:
+        _check_subgroups(rank)
     steps = 3
     for dtype in DTYPES:
         # "+pieces": collectives cut into many small pieces (the layout large buckets get by default)
@@ -309,6 +311,35 @@ def correctness_worker(rank: int, world_size: int) -> None:
             assert stats["steps"] == steps and stats["compressed_buckets"] == steps * len(BUCKET_SIZES), stats
             for name in ("bytes_sent", "dense_bytes", "compression_ratio", "compress_seconds"):
                 assert name in stats
+
+
+def _check_subgroups(rank: int) -> None:
+    """Two-phase hooks on a process group of 2 of the 4 ranks, each pair on its own: the pair's mean, with
+    phase 2 on the second group the hook makes over that pair (both pairs make theirs concurrently)."""
+    pairs = [[0, 1], [2, 3]]
+    groups = [dist.new_group(pair) for pair in pairs]  # every rank creates every group, in the same order
+    pair = pairs[rank // 2]
+    group = groups[rank // 2]
+    numel = 5000
+    for family in ("sign", "quant_nearest"):
+        if family == "sign":
+            state = fastcomm.SignState(chunk=512, min_compress_numel=0, process_group=group)
+            hook = fastcomm.sign_hook
+            segment, comp, decomp = sign_codec(numel, 2, 512)
+        else:
+            state = fastcomm.QuantState(
+                bits=8, block=64, stochastic=False, min_compress_numel=0, process_group=group
+            )
+            hook = fastcomm.quantize_hook
+            segment, comp, decomp = nearest_quant_codec(numel, 2, 8, 64)
+        params = make_buckets([(numel,)], torch.float32)[0]
+        residuals = [torch.zeros(numel) for _ in pair]
+        servers = [torch.zeros(segment) for _ in pair]
+        for step in range(2):
+            grads = [grad_for(r, 0, step, numel, torch.float32) for r in pair]
+            (out,) = run_hook(hook, state, [FakeBucket(0, params, grads[pair.index(rank)].clone())])
+            expected = ref_two_phase(grads, residuals, servers, segment, comp, decomp)
+            assert torch.equal(out, expected), f"{family} on ranks {pair}, step {step}"
 
 
 def _check_quant_bound(
