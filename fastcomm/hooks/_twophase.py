@@ -113,29 +113,37 @@ class _Lane:
             job()  # jobs report their own failures through their bucket's future
 
 
-# parent process group id -> its lane; checked against the group object itself (ids are reused)
-_LANES: dict[int, _Lane] = {}
+# parent process group id -> (the group, its lane or None where none could be made); the group is checked
+# against the one asked about, since ids are reused
+_LANES: dict[int, tuple[dist.ProcessGroup, _Lane | None]] = {}
 _LANES_LOCK = threading.Lock()
 
 
 def _lane_for(state: CompressionState) -> _Lane | None:
-    """The lane of ``state``'s process group, made at first use; ``None`` if a group cannot be made."""
+    """The lane of ``state``'s process group, made at first use; ``None`` if a group cannot be made.
+
+    A failure is remembered (one warning, no retry per bucket); it is the same on every rank, so all ranks
+    fall back to finishing in the next hook call together.
+    """
     parent = state.process_group if state.process_group is not None else dist.group.WORLD
     with _LANES_LOCK:
-        lane = _LANES.get(id(parent))
-        if lane is not None and lane.parent is parent:
-            return lane
+        known = _LANES.get(id(parent))
+        if known is not None and known[0] is parent:
+            return known[1]
+        if known is not None and known[1] is not None:
+            known[1].jobs.put(None)  # a destroyed group's lane, whose id a new group reuses: end its thread
+        lane: _Lane | None
         try:
             lane = _Lane(parent)
-        except (RuntimeError, ValueError) as error:  # the same on every rank: all fall back together
+        except (RuntimeError, ValueError) as error:
             warnings.warn(
                 f"fastcomm: no second process group for overlapped phase 2 ({error}); phase 2 is issued "
                 f"from the next hook call instead",
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return None
-        _LANES[id(parent)] = lane
+            lane = None
+        _LANES[id(parent)] = (parent, lane)
         return lane
 
 

@@ -247,6 +247,8 @@ def correctness_worker(rank: int, world_size: int) -> None:
     """Each hook's result against the test's own simulation of all ranks from the reference ops."""
     if world_size == 4:
         _check_subgroups(rank)
+    else:
+        _check_lane_fallback(rank)
     steps = 3
     for dtype in DTYPES:
         # "+pieces": collectives cut into many small pieces (the layout large buckets get by default)
@@ -340,6 +342,36 @@ def _check_subgroups(rank: int) -> None:
             (out,) = run_hook(hook, state, [FakeBucket(0, params, grads[pair.index(rank)].clone())])
             expected = ref_two_phase(grads, residuals, servers, segment, comp, decomp)
             assert torch.equal(out, expected), f"{family} on ranks {pair}, step {step}"
+
+
+def _check_lane_fallback(rank: int) -> None:
+    """No second process group to be had: a warning, and phase 2 from the next hook call, same results."""
+    import pytest
+
+    from fastcomm.hooks import _twophase
+
+    def refuse(parent: dist.ProcessGroup) -> None:
+        raise RuntimeError("no group today")
+
+    params = make_buckets([(3000,), (900,)], torch.float32)
+    grads = [grad_for(rank, b, 0, 3000 if b == 0 else 900, torch.float32) for b in range(2)]
+    results = []
+    for overlap in (True, False):
+        options = {"bits": 4, "block": 64, "stochastic": False, "min_compress_numel": 0}
+        state = fastcomm.QuantState(**options, overlap_phase2=overlap, process_group=dist.new_group([0, 1]))
+        buckets = [FakeBucket(b, params[b], grads[b]) for b in range(2)]
+        if overlap:
+            original, _twophase._Lane = _twophase._Lane, refuse
+            try:
+                with pytest.warns(RuntimeWarning, match="no group today") as caught:
+                    results.append(run_hook(fastcomm.quantize_hook, state, buckets))
+                assert len(caught) == 1, "the failure must be remembered, not retried per bucket"
+            finally:
+                _twophase._Lane = original
+        else:
+            results.append(run_hook(fastcomm.quantize_hook, state, buckets))
+    for fallback, deferred in zip(*results, strict=True):
+        assert torch.equal(fallback, deferred)
 
 
 def _check_quant_bound(
