@@ -113,8 +113,9 @@ class _Lane:
             job()  # jobs report their own failures through their bucket's future
 
 
-# parent process group id -> (the group, its lane or None where none could be made); the group is checked
-# against the one asked about, since ids are reused
+# parent process group id -> (the group, its lane or None where none could be made). The entry keeps the
+# group, hence its id, alive until exit (destroy_process_group shuts both groups down). A version holding
+# groups weakly, ending a lane's thread when its group was freed, aborted ranks at exit in our tests.
 _LANES: dict[int, tuple[dist.ProcessGroup, _Lane | None]] = {}
 _LANES_LOCK = threading.Lock()
 
@@ -130,8 +131,6 @@ def _lane_for(state: CompressionState) -> _Lane | None:
         known = _LANES.get(id(parent))
         if known is not None and known[0] is parent:
             return known[1]
-        if known is not None and known[1] is not None:
-            known[1].jobs.put(None)  # a destroyed group's lane, whose id a new group reuses: end its thread
         lane: _Lane | None
         try:
             lane = _Lane(parent)
