@@ -29,6 +29,15 @@ inline int64_t approx_sample_size(int64_t n, int64_t k) {
   return std::min(n, wanted);
 }
 
+// The first `needed` elements of a payload (codes, signs or scales), contiguous: a longer, zero-padded payload
+// is not copied whole. A shorter one is refused, naming the op, the argument and the sizes.
+inline at::Tensor payload_prefix(const char* op, const char* name, const at::Tensor& payload, int64_t needed,
+                                 const char* unit) {
+  TORCH_CHECK_VALUE(payload.numel() >= needed, op, ": ", name, " has ", payload.numel(), " ", unit,
+                    ", needs at least ", needed);
+  return payload.reshape(-1).slice(0, 0, needed).contiguous();
+}
+
 // The error-feedback buffers of a compressing op: `work` is what the kernel writes acc - sent into (the
 // caller's residual, or a contiguous stand-in copied back by finish()), `source` what acc = x + source reads
 // (residual_source, or the residual itself for the in-place form). Undefined without a residual.

@@ -278,13 +278,9 @@ void dequantize_into(const at::Tensor& out, const at::Tensor& codes, const at::T
   const int64_t numel = out.numel();
   const int64_t nbytes = ceil_div(numel * bits, 8);
   const int64_t nblocks = ceil_div(numel, block);
-  TORCH_CHECK_VALUE(codes.numel() >= nbytes, op, ": codes has ", codes.numel(), " bytes, needs at least ", nbytes);
-  TORCH_CHECK_VALUE(scales.numel() >= nblocks, op, ": scales has ", scales.numel(), " elements, needs at least ",
-                    nblocks);
+  const at::Tensor cc = payload_prefix(op, "codes", codes, nbytes, "bytes");
+  const at::Tensor sc = payload_prefix(op, "scales", scales, nblocks, "elements");
   if (numel == 0) return;
-  // Only the prefix that is decoded needs to be contiguous (a long zero-padded payload is not copied).
-  const at::Tensor cc = codes.reshape(-1).slice(0, 0, nbytes).contiguous();
-  const at::Tensor sc = scales.reshape(-1).slice(0, 0, nblocks).contiguous();
   const bool avx2 = use_avx2();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "dequantize_blockwise_cpu", [&] {
     const auto fn = accumulate ? pick_dequantize<scalar_t, true>(bits, avx2) : pick_dequantize<scalar_t, false>(bits, avx2);

@@ -311,13 +311,9 @@ void sign_decompress_into_impl(const at::Tensor& out, const at::Tensor& packed, 
   const int64_t numel = out.numel();
   const int64_t nbytes = ceil_div(numel, 8);
   const int64_t nchunks = ceil_div(numel, chunk);
-  TORCH_CHECK_VALUE(packed.numel() >= nbytes, op, ": packed has ", packed.numel(), " bytes, needs at least ",
-                    nbytes);
-  TORCH_CHECK_VALUE(scales.numel() >= nchunks, op, ": scales has ", scales.numel(), " elements, needs at least ",
-                    nchunks);
+  const at::Tensor pc = payload_prefix(op, "packed", packed, nbytes, "bytes");
+  const at::Tensor sc = payload_prefix(op, "scales", scales, nchunks, "elements");
   if (numel == 0) return;
-  const at::Tensor pc = packed.reshape(-1).slice(0, 0, nbytes).contiguous();
-  const at::Tensor sc = scales.reshape(-1).slice(0, 0, nchunks).contiguous();
   const bool avx2 = use_avx2();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sign_decompress_cpu", [&] {
     SignDecompressRangeFn<scalar_t> fn;
