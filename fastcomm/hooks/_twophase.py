@@ -91,7 +91,6 @@ class _Lane:
     """
 
     def __init__(self, parent: dist.ProcessGroup) -> None:
-        self.parent = parent
         self.group = dist.new_group(
             ranks=dist.get_process_group_ranks(parent),
             backend=dist.get_backend(parent),
@@ -113,14 +112,14 @@ class _Lane:
             job()  # jobs report their own failures through their bucket's future
 
 
-# parent process group id -> (the group, its lane or None where none could be made). The entry keeps the
-# group, hence its id, alive until exit (destroy_process_group shuts both groups down). A version holding
-# groups weakly, ending a lane's thread when its group was freed, aborted ranks at exit in our tests.
-_LANES: dict[int, tuple[dist.ProcessGroup, _Lane | None]] = {}
+# process group -> its lane, or None where none could be made. The entry keeps the group alive until exit
+# (destroy_process_group shuts both groups down). A version holding groups weakly, ending a lane's thread
+# when its group was freed, aborted ranks at exit in our tests.
+_LANES: dict[dist.ProcessGroup, _Lane | None] = {}
 _LANES_LOCK = threading.Lock()
 
 
-def _lane_for(state: CompressionState) -> _Lane | None:
+def _lane_for(state: TwoPhaseState) -> _Lane | None:
     """The lane of ``state``'s process group, made at first use; ``None`` if a group cannot be made.
 
     A failure is remembered (one warning, no retry per bucket); it is the same on every rank, so all ranks
@@ -128,9 +127,8 @@ def _lane_for(state: CompressionState) -> _Lane | None:
     """
     parent = state.process_group if state.process_group is not None else dist.group.WORLD
     with _LANES_LOCK:
-        known = _LANES.get(id(parent))
-        if known is not None and known[0] is parent:
-            return known[1]
+        if parent in _LANES:
+            return _LANES[parent]
         lane: _Lane | None
         try:
             lane = _Lane(parent)
@@ -142,7 +140,7 @@ def _lane_for(state: CompressionState) -> _Lane | None:
                 stacklevel=3,
             )
             lane = None
-        _LANES[id(parent)] = (parent, lane)
+        _LANES[parent] = lane
         return lane
 
 
@@ -385,9 +383,8 @@ def two_phase_allreduce(
         A future holding the averaged bucket, completed once phase 2 is done.
     """
     state = call.state
-    lane = None
-    if getattr(state, "overlap_phase2", False) and call.flat.device.type == "cpu":
-        lane = _lane_for(state)
+    assert isinstance(state, TwoPhaseState)
+    lane = _lane_for(state) if state.overlap_phase2 and call.flat.device.type == "cpu" else None
     mine = _TwoPhase(call, segment, codec, seed, unit)
     state._flush_pending()
     if lane is not None:

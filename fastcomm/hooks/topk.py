@@ -159,7 +159,7 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
             source, k, residual=residual, exact=state.exact, residual_source=current
         )
         values, indices, kept = _fit(selected_values, selected, k)
-        sent = indices if selected.numel() > k else selected
+        sent = selected if kept is None else indices
         if kept is not None and residual is not None:  # cut to k: the dropped entries stay owed
             dropped = torch.ones(selected.numel(), dtype=torch.bool, device=flat.device)
             dropped[kept] = False
