@@ -17,6 +17,8 @@ Run under FASTCOMM_NO_NATIVE=1 as well (``make test`` does): the checks then exe
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -152,6 +154,27 @@ def test_sign_residual_source(isa, device, dtype, n):
 
 
 # ---------------------------------------------------------------------------------------------- *_into ops
+def _check_decode_into(dtype, device, n, seed, decode, op_into, ref_into):
+    """``op_into(out, accumulate=)`` (the op) and ``ref_into`` (its twin) against ``decode(dtype)`` (the plain
+    decoder): overwriting, and adding in fp32 rounded once (for fp32 exactly ``out.add_(decoded)``)."""
+    for accumulate in (False, True):
+        out = _shaped(_randn(n, dtype, device, seed))
+        before = out.cpu().clone()
+        if accumulate:
+            decoded = decode(torch.float32)
+            expected = (before.reshape(-1).float() + decoded).to(dtype)
+        else:
+            expected = decode(dtype)
+        result = op_into(out, accumulate=accumulate)
+        assert result is out and out.shape == before.shape
+        _assert_same(out, expected)
+        again = before.clone()
+        ref_into(again, accumulate=accumulate)
+        _assert_same(again, expected)
+        if accumulate and dtype == torch.float32:
+            _assert_same(out, before.reshape(-1).add_(decoded))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
@@ -162,22 +185,23 @@ def test_dequantize_into(isa, device, dtype, n, bits):
         codes, scales = ref.quantize_blockwise(x, bits, block, True, 5)
         codes_long = _padded(codes, 13, n).to(device)
         scales_long = _padded(scales, 3, n).to(device)
-        for accumulate in (False, True):
-            out = _shaped(_randn(n, dtype, device, n + block))
-            before = out.cpu().clone()
-            if accumulate:
-                decoded = ref.dequantize_blockwise(codes, scales, n, bits, block, torch.float32)
-                expected = (before.reshape(-1).float() + decoded).to(dtype)
-            else:
-                expected = ref.dequantize_blockwise(codes, scales, n, bits, block, dtype)
-            result = ops.dequantize_blockwise_into(out, codes_long, scales_long, bits, block, accumulate)
-            assert result is out and out.shape == before.shape
-            _assert_same(out, expected)
-            again = before.clone()
-            ref.dequantize_blockwise_into(again, codes_long.cpu(), scales_long.cpu(), bits, block, accumulate)
-            _assert_same(again, expected)
-            if accumulate and dtype == torch.float32:  # one fp32 add: exactly out.add_(dequantized)
-                _assert_same(out, before.reshape(-1).add_(decoded))
+        _check_decode_into(
+            dtype,
+            device,
+            n,
+            n + block,
+            partial(ref.dequantize_blockwise, codes, scales, n, bits, block),
+            partial(
+                ops.dequantize_blockwise_into, codes=codes_long, scales=scales_long, bits=bits, block=block
+            ),
+            partial(
+                ref.dequantize_blockwise_into,
+                codes=codes_long.cpu(),
+                scales=scales_long.cpu(),
+                bits=bits,
+                block=block,
+            ),
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -189,20 +213,17 @@ def test_sign_decompress_into(isa, device, dtype, n):
         packed, scales = ref.sign_compress(x, chunk=chunk)
         packed_long = _padded(packed, 9, n).to(device)
         scales_long = _padded(scales, 2, n).to(device)
-        for accumulate in (False, True):
-            out = _shaped(_randn(n, dtype, device, n + chunk))
-            before = out.cpu().clone()
-            if accumulate:
-                decoded = ref.sign_decompress(packed, scales, n, chunk, torch.float32)
-                expected = (before.reshape(-1).float() + decoded).to(dtype)
-            else:
-                expected = ref.sign_decompress(packed, scales, n, chunk, dtype)
-            result = ops.sign_decompress_into(out, packed_long, scales_long, chunk, accumulate)
-            assert result is out and out.shape == before.shape
-            _assert_same(out, expected)
-            again = before.clone()
-            ref.sign_decompress_into(again, packed_long.cpu(), scales_long.cpu(), chunk, accumulate)
-            _assert_same(again, expected)
+        _check_decode_into(
+            dtype,
+            device,
+            n,
+            n + chunk,
+            partial(ref.sign_decompress, packed, scales, n, chunk),
+            partial(ops.sign_decompress_into, packed=packed_long, scales=scales_long, chunk=chunk),
+            partial(
+                ref.sign_decompress_into, packed=packed_long.cpu(), scales=scales_long.cpu(), chunk=chunk
+            ),
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
