@@ -67,6 +67,16 @@ struct ResidualBuffers {
 
   bool feedback() const { return work.defined(); }
 
+  // The kernel's pointers: what it reads, what it writes; null without error feedback.
+  template <typename scalar_t>
+  const scalar_t* source_data() const {
+    return feedback() ? source.const_data_ptr<scalar_t>() : nullptr;
+  }
+  template <typename scalar_t>
+  scalar_t* residual_data() const {
+    return feedback() ? work.data_ptr<scalar_t>() : nullptr;
+  }
+
   // Copy a stand-in back into the caller's (non-contiguous) residual.
   void finish(const std::optional<at::Tensor>& residual) const {
     if (work.defined() && !work.is_same(*residual)) residual->copy_(work);

@@ -305,8 +305,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, i
   const int64_t n = flat.numel();
   const int64_t nblocks = ceil_div(n, block);
   const ResidualBuffers buffers("quantize_blockwise", x, residual, residual_source);
-  const at::Tensor& work = buffers.work;
-  const at::Tensor& source = buffers.source;
   at::Tensor codes = bits == 8 ? at::empty({n}, x.options().dtype(at::kByte))
                                : at::zeros({ceil_div(n * bits, 8)}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nblocks}, x.options().dtype(at::kFloat));
@@ -314,12 +312,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, i
   const int64_t units = ceil_div(nblocks, unit);
   const int64_t grain = std::max<int64_t>(1, 65536 / (unit * block));
   const bool avx2 = use_avx2();
-  const bool feedback = work.defined();
+  const bool feedback = buffers.feedback();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize_blockwise_cpu", [&] {
     QuantizeJob<scalar_t> job;
     job.x = flat.const_data_ptr<scalar_t>();
-    job.source = feedback ? source.const_data_ptr<scalar_t>() : nullptr;
-    job.residual = feedback ? work.data_ptr<scalar_t>() : nullptr;
+    job.source = buffers.source_data<scalar_t>();
+    job.residual = buffers.residual_data<scalar_t>();
     job.codes = codes.data_ptr<uint8_t>();
     job.scales = scales.data_ptr<float>();
     job.n = n;

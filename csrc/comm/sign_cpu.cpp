@@ -340,20 +340,18 @@ std::tuple<at::Tensor, at::Tensor> sign_compress_cpu(const at::Tensor& x, const 
   const int64_t n = flat.numel();
   const int64_t nchunks = ceil_div(n, chunk);
   const ResidualBuffers buffers("sign_compress", x, residual, residual_source);
-  const at::Tensor& work = buffers.work;
-  const at::Tensor& source = buffers.source;
   at::Tensor packed = at::zeros({ceil_div(n, 8)}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nchunks}, x.options().dtype(at::kFloat));
   int64_t unit = 1;
   while ((unit * chunk) % 8 != 0) ++unit;
   const int64_t units = ceil_div(nchunks, unit);
   const bool avx2 = use_avx2();
-  const bool feedback = work.defined();
+  const bool feedback = buffers.feedback();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sign_compress_cpu", [&] {
     SignJob<scalar_t> job;
     job.x = flat.const_data_ptr<scalar_t>();
-    job.source = feedback ? source.const_data_ptr<scalar_t>() : nullptr;
-    job.residual = feedback ? work.data_ptr<scalar_t>() : nullptr;
+    job.source = buffers.source_data<scalar_t>();
+    job.residual = buffers.residual_data<scalar_t>();
     job.packed = packed.data_ptr<uint8_t>();
     job.scales = scales.data_ptr<float>();
     job.n = n;

@@ -324,17 +324,15 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t 
                     "topk_select: int32 indices limit x to 2^31-1 elements");
   const at::Tensor flat = x.contiguous().view(-1);
   const ResidualBuffers buffers("topk_select", x, residual, residual_source);
-  const at::Tensor& work = buffers.work;
-  const at::Tensor& source = buffers.source;
   at::Tensor values, indices;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "topk_select_cpu", [&] {
     SelectJob<scalar_t> job;
     job.x = flat.const_data_ptr<scalar_t>();
-    job.source = work.defined() ? source.const_data_ptr<scalar_t>() : nullptr;
-    job.residual = work.defined() ? work.data_ptr<scalar_t>() : nullptr;
+    job.source = buffers.source_data<scalar_t>();
+    job.residual = buffers.residual_data<scalar_t>();
     job.n = n;
     job.k = k;
-    const Loops<scalar_t> loops(work.defined());
+    const Loops<scalar_t> loops(buffers.feedback());
     if (k == 0 || n == 0) {
       if (job.residual != nullptr) {
         at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
