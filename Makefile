@@ -19,7 +19,7 @@ $(PY):
 $(STAMP): $(PY) $(NATIVE_SRC)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install "$(TRITON_SPEC)"
-	$(PIP) install numpy webdataset pybind11 ninja pytest matplotlib tqdm
+	$(PIP) install numpy webdataset pybind11 ninja pytest matplotlib tqdm Pillow simplejpeg hypothesis
 	$(PIP) install --no-build-isolation -e .
 	touch $(STAMP)
 

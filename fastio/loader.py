@@ -42,7 +42,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,7 @@ import torch
 from fastio._native import default_threads
 from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
 from fastio.sources import BatchBuffers, DatasetSource, StageTimes, open_source
+from fastio.stages import BatchStage, StageContext
 from fastio.workers import ProcessPipeline, ThreadPipeline
 
 __all__ = ["StreamLoader", "collate_samples"]
@@ -111,15 +112,25 @@ class _Producer:
     Holds no reference to the iterator, so an abandoned iterator is collected and stops its workers."""
 
     def __init__(
-        self, loader: StreamLoader, indices: np.ndarray, slots: int, threads: int, cuda_allowed: bool
+        self,
+        loader: StreamLoader,
+        epoch: int,
+        indices: np.ndarray,
+        slots: int,
+        threads: int,
+        cuda_allowed: bool,
     ):
         # In forked worker processes CUDA is off limits (no pinned buffers, no copies): the consumer copies.
         self.source, self.batch_size = loader._source, loader.batch_size
         self.pin = loader._pin and cuda_allowed
         self.transform, self.collate, self.python_path = loader.transform, loader.collate, loader._python_path
         self.indices, self.threads = indices, threads
+        self.seed, self.epoch, self.stages = loader.seed, epoch, loader.stages
         self.times = StageTimes()
         self.specs = self.source.fixed_specs()
+        self.stage_specs = [stage.output_specs() for stage in self.stages]
+        for specs in self.stage_specs:
+            self.specs.update(specs)
         self.buffers = (
             [BatchBuffers(self.specs, self.batch_size, self.pin) for _ in range(slots)]
             if loader.reuse_buffers
@@ -138,6 +149,8 @@ class _Producer:
         else:
             buffers = BatchBuffers(self.specs, len(indices), self.pin)
         batch = self.source.fetch(indices, buffers, self.threads, self.times)
+        if self.stages:
+            batch = self._run_stages(batch, indices, buffers)
         if self.python_path:
             start = time.perf_counter()
             samples = batch if isinstance(self.source, DatasetSource) else _split_batch(batch, len(indices))
@@ -150,6 +163,15 @@ class _Producer:
         if self.stream is not None:
             batch = self._to_device(batch, buffers)
         return batch, len(indices)
+
+    def _run_stages(self, batch: Any, indices: np.ndarray, buffers: BatchBuffers) -> Any:
+        start = time.perf_counter()
+        ctx = StageContext(self.seed, self.epoch, indices, self.threads)
+        for stage, specs in zip(self.stages, self.stage_specs, strict=True):
+            out = {name: buffers.fixed(name, len(indices)) for name in specs}
+            batch = stage(batch, out, ctx)
+        self.times.add("decode_transform", time.perf_counter() - start)
+        return batch
 
     def _to_device(self, batch: Any, buffers: BatchBuffers) -> tuple[Any, Any]:
         start = time.perf_counter()
@@ -180,7 +202,7 @@ class _EpochIterator:
         slots = workers + loader.prefetch if workers else 1
         processes = workers > 0 and loader.worker_mode == "process"
         threads = loader.threads or max(1, default_threads() // max(1, workers))
-        self.producer = _Producer(loader, indices, 1 if processes else slots, threads, not processes)
+        self.producer = _Producer(loader, epoch, indices, 1 if processes else slots, threads, not processes)
         self.copy_in_consumer = processes and loader.device is not None and loader.device.type == "cuda"
         self.times = self.producer.times
         self.pipeline: ThreadPipeline | ProcessPipeline | None = None
@@ -283,8 +305,10 @@ class StreamLoader:
         source: a shard directory (:class:`fastio.ShardWriter`), a tar path / glob / brace pattern
             (``"data/shard-{000000..000099}.tar"``) or list of them, or a map-style ``Dataset``.
         batch_size: samples per batch.
-        shuffle: ``True`` (shard-aware: shards, then blocks within a window, then samples), ``"full"``, or
-            ``False``.
+        shuffle: ``False`` (the default, as in DataLoader: storage order), ``True`` (a full global
+            permutation per epoch, as in DataLoader) or ``"shard"`` (shard-aware, for sources where random
+            access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
+            batch, see :mod:`fastio.order`).
         seed: with the epoch, the only source of randomness.
         num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
         pin_memory: page-locked output buffers; default: when CUDA is available.
@@ -303,6 +327,8 @@ class StreamLoader:
             :mod:`fastio.workers`) or ``"auto"``: processes when Python code runs per sample (``transform``,
             ``collate`` or a Dataset source), threads otherwise.
         shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
+        stages: :class:`fastio.stages.BatchStage` steps run on each gathered batch, in order, before
+            ``transform`` (the image pipeline is one): they write into reused fixed-shape buffers.
 
     Returns batches: for shard and tar sources a dict field -> tensor ``[B, ...]`` (fixed shapes) or list
     (variable ones; tar sources add ``"__key__"``); for Dataset sources what ``collate`` returns.
@@ -319,7 +345,7 @@ class StreamLoader:
         self,
         source: Any,
         batch_size: int = 1,
-        shuffle: bool | str = True,
+        shuffle: bool | str = False,
         seed: int = 0,
         num_workers: int = 0,
         pin_memory: bool | None = None,
@@ -339,6 +365,7 @@ class StreamLoader:
         threads: int | None = None,
         shuffle_block: int = 256,
         shuffle_window: int = 4,
+        stages: Sequence[BatchStage] = (),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -365,6 +392,13 @@ class StreamLoader:
         if worker_mode not in ("auto", "thread", "process"):
             raise ValueError(f"worker_mode must be 'auto', 'thread' or 'process', got {worker_mode!r}")
         self.shuffle_block, self.shuffle_window = shuffle_block, shuffle_window
+        self.stages = list(stages)
+        for stage in self.stages:
+            if not isinstance(stage, BatchStage):
+                raise TypeError(
+                    f"stages: {type(stage).__name__} is not a fastio.stages.BatchStage "
+                    "(needs output_specs() and __call__(batch, out, ctx))"
+                )
         self._source = open_source(source, decode=decode, verify=verify)
         self._python_path = (
             transform is not None or collate is not None or isinstance(self._source, DatasetSource)

@@ -3,10 +3,13 @@
 Every random choice comes from ``numpy.random.default_rng([seed, epoch])``: never from time, pid or the
 number of workers, so any process can recompute any rank's order.
 
-1. :func:`epoch_order` gives the global order of one epoch. ``shuffle="shard"`` (what ``True`` means) keeps
-   reads local: shards are permuted, shards are grouped into windows of ``window`` shards, the blocks of
-   ``block`` consecutive samples of a window are permuted, and samples are permuted within runs of ``window``
-   blocks. ``shuffle="full"`` is one uniform permutation; ``False`` is storage order.
+1. :func:`epoch_order` gives the global order of one epoch. ``shuffle=True`` (``"full"``) is one uniform
+   permutation of every sample, as ``DataLoader(shuffle=True)`` gives; ``False`` is storage order.
+   ``shuffle="shard"`` is the explicit mode for sources where random access is costly (streamed shards,
+   spinning disks): it keeps reads local by permuting shards, grouping them into windows of ``window``
+   shards, permuting the blocks of ``block`` consecutive samples of a window, and permuting samples within
+   runs of ``window`` blocks. It trades batch diversity for locality: a batch draws from about
+   ``window`` blocks, so on a class-sorted set it holds far fewer classes than a full shuffle.
 2. :func:`rank_indices` splits what remains of an epoch, ``order[start:]``, across ranks exactly like
    ``torch.utils.data.DistributedSampler``: rank ``r`` takes positions ``r, r + W, r + 2W, ...``; with
    ``drop_last=False`` the tail is padded by repeating the epoch's first samples so every rank has
@@ -19,7 +22,7 @@ number of workers, so any process can recompute any rank's order.
 
 Example::
 
-    order = epoch_order([13] * 9, seed=0, epoch=3, shuffle=True)
+    order = epoch_order([13] * 9, seed=0, epoch=3, shuffle=True)   # a full permutation
     mine = rank_indices(order, start=0, world_size=4, rank=1, drop_last=False)
 """
 
@@ -35,14 +38,14 @@ SHUFFLE_MODES = ("none", "shard", "full")
 
 
 def normalize_shuffle(shuffle: bool | str) -> str:
-    """``True`` -> ``"shard"``, ``False`` -> ``"none"``; strings are checked.
+    """``True`` -> ``"full"``, ``False`` -> ``"none"``; strings are checked.
 
     Example::
 
-        normalize_shuffle(True) == "shard"
+        normalize_shuffle(True) == "full"
     """
     if shuffle is True:
-        return "shard"
+        return "full"
     if shuffle is False or shuffle is None:
         return "none"
     if shuffle not in SHUFFLE_MODES:
@@ -63,7 +66,7 @@ def epoch_order(
     Args:
         shard_sizes: samples per shard, in storage order.
         seed, epoch: the only sources of randomness.
-        shuffle: ``True``/``"shard"``, ``"full"`` or ``False``/``"none"`` (see the module docstring).
+        shuffle: ``True``/``"full"``, ``"shard"`` or ``False``/``"none"`` (see the module docstring).
         block: samples per block of the shard-aware shuffle.
         window: shards per block-shuffle window, and blocks per sample-shuffle run.
 

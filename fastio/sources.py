@@ -96,6 +96,28 @@ class BatchBuffers:
             self._payload[name] = buf
         return buf[:nbytes]
 
+    def held(self) -> bool:
+        """True while any tensor outside these buffers still views their memory (a batch the consumer
+        kept, a slice of it, a numpy view of it): refilling them now would change data someone holds.
+
+        Counts the references to each buffer's storage: the buffer itself holds one, every live view one.
+
+        Example::
+
+            buffers = BatchBuffers({"y": (torch.int64, ())}, batch_size=4, pin=False)
+            kept = buffers.fixed("y", 4)
+            assert buffers.held()
+            del kept
+            assert not buffers.held()
+        """
+        return any(_storage_refs(t) > 1 for t in (*self._fixed.values(), *self._payload.values()))
+
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    """Tensors (and views) sharing ``tensor``'s storage, ``tensor`` itself included."""
+    # untyped_storage() makes a temporary Python storage that holds one reference of its own.
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
+
 
 def _locate(cumulative: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     shard = np.searchsorted(cumulative, indices, side="right") - 1
