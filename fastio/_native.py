@@ -184,8 +184,10 @@ def gather_ranges(
     lengths: np.ndarray,
     out: torch.Tensor,
     num_threads: int = 1,
+    dst: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Copy variable-length ranges back to back into ``out``; returns the int64 start of each in ``out``.
+    """Copy variable-length ranges into ``out``: back to back, or to the byte offsets ``dst`` when given
+    (ranges must not overlap there); returns the int64 start of each in ``out``.
 
     Example::
 
@@ -195,18 +197,24 @@ def gather_ranges(
     shard_ids = np.ascontiguousarray(shard_ids, dtype=np.int32)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    dst = np.zeros(len(lengths), dtype=np.int64)
-    if len(lengths) > 1:
-        np.cumsum(lengths[:-1], out=dst[1:])
+    if dst is None:
+        dst = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            np.cumsum(lengths[:-1], out=dst[1:])
+    else:
+        dst = np.ascontiguousarray(dst, dtype=np.int64)
+        if dst.shape != lengths.shape:
+            raise ValueError(f"fastio gather_ranges: dst has shape {dst.shape}, lengths {lengths.shape}")
     flat = _flat_bytes(out)
     if _C is not None:
         _C.gather_ranges(
             table.bases, table.limits, shard_ids, offsets, lengths, dst, flat.numpy(), int(num_threads)
         )
         return dst
-    if int(lengths.sum()) > len(flat):
+    if len(lengths) and int((dst + lengths).max()) > len(flat) or (dst < 0).any():
         raise ValueError(
-            f"fastio gather_ranges: output holds {len(flat)} bytes, batch needs {int(lengths.sum())}"
+            f"fastio gather_ranges: output holds {len(flat)} bytes, batch writes up to "
+            f"{int((dst + lengths).max())}"
         )
     for i, (shard, start, length, to) in enumerate(zip(shard_ids, offsets, lengths, dst, strict=True)):
         src = table.files[int(shard)]
