@@ -14,7 +14,8 @@ How a batch is made:
    write tensors into shared slot files in a temp dir (:mod:`fastio.workers`): nothing is pickled but a
    small description, and nothing depends on the size of ``/dev/shm``.
 4. With ``transform``/``collate``, or a ``Dataset`` source, samples go through the Python path: per-sample
-   ``transform``, then ``collate`` (default: stack equal-shape tensors, lists otherwise) in the worker.
+   ``transform``, then ``collate`` (default: :func:`fastio.collate.collate_samples`, which gives what
+   ``default_collate`` gives, with lists for ragged fields) in the worker.
 5. With ``device=`` (CUDA), the pinned batch is copied on a side stream; the consumer's stream waits on an
    event, so the copy overlaps the previous step's compute (with worker processes the consumer copies).
 
@@ -49,6 +50,7 @@ import numpy as np
 import torch
 
 from fastio._native import default_threads
+from fastio.collate import collate_samples
 from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
 from fastio.sources import BatchBuffers, DatasetSource, StageTimes, open_source
 from fastio.stages import BatchStage, StageContext
@@ -58,36 +60,6 @@ __all__ = ["StreamLoader", "collate_samples"]
 
 _STATE_FORMAT = "fastio.StreamLoader"
 _STATE_VERSION = 1
-
-
-def collate_samples(samples: list[Any]) -> Any:
-    """Default collate of the Python path: dict samples -> dict of stacked tensors (equal shapes),
-    int64/float64 tensors (numbers), or lists (anything else); other samples ->
-    ``torch.utils.data.default_collate``.
-
-    Example::
-
-        batch = collate_samples([{"x": torch.ones(2), "t": b"a"}, {"x": torch.zeros(2), "t": b"b"}])
-        assert batch["x"].shape == (2, 2) and batch["t"] == [b"a", b"b"]
-    """
-    if not samples or not isinstance(samples[0], dict):
-        return torch.utils.data.default_collate(samples)
-    out: dict[str, Any] = {}
-    for key in samples[0]:
-        values = [s[key] for s in samples]
-        first = values[0]
-        if isinstance(first, np.ndarray):
-            values = [torch.as_tensor(v) for v in values]
-            first = values[0]
-        if isinstance(first, torch.Tensor) and all(
-            isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype for v in values
-        ):
-            out[key] = torch.stack(values)
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            out[key] = torch.tensor(values)
-        else:
-            out[key] = values
-    return out
 
 
 def _split_batch(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
