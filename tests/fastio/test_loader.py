@@ -71,13 +71,13 @@ def test_drop_last_gives_full_equal_batches(shard_dir):
 
 
 def test_order_repeats_per_epoch_and_changes_across_epochs(shard_dir):
-    loader = fastio.StreamLoader(shard_dir, batch_size=16, seed=9, num_workers=1)
+    loader = fastio.StreamLoader(shard_dir, batch_size=16, seed=9, num_workers=1, shuffle=True)
     first, again = _epoch(loader), _epoch(loader)
     assert first == again
     loader.set_epoch(1)
     second = _epoch(loader)
     assert second != first and sorted(_flat(second)) == sorted(_flat(first))
-    other = fastio.StreamLoader(shard_dir, batch_size=16, seed=9, shuffle="full")
+    other = fastio.StreamLoader(shard_dir, batch_size=16, seed=9, shuffle="shard")
     other.set_epoch(1)
     assert _epoch(other) != second
     plain = _epoch(fastio.StreamLoader(shard_dir, batch_size=16, shuffle=False))
@@ -280,3 +280,17 @@ def test_resume_with_another_batch_size_and_worker_processes(shard_dir, fio):
     rest = _flat(_epoch(resumed))
     assert head + rest == _flat(_epoch(loader))
     assert sorted(head + rest) == list(range(fio.NUM_SAMPLES))
+
+
+def test_defaults_follow_dataloader(shard_dir):
+    import inspect
+
+    loader = fastio.StreamLoader(shard_dir)
+    assert loader.batch_size == 1 and loader.num_workers == 0 and loader.drop_last is False
+    assert loader.shuffle == "none", "shuffle defaults to False, as in DataLoader"
+    assert _flat(_epoch(fastio.StreamLoader(shard_dir, batch_size=10))) == list(range(117))
+    assert fastio.StreamLoader(shard_dir, shuffle=True).shuffle == "full"
+    params = inspect.signature(fastio.StreamLoader).parameters
+    dataloader = inspect.signature(torch.utils.data.DataLoader).parameters
+    for name in ("batch_size", "shuffle", "num_workers", "drop_last"):
+        assert (params[name].default or False) == (dataloader[name].default or False), name
