@@ -52,6 +52,7 @@ import torch
 from fastio._native import default_threads
 from fastio.collate import collate_samples
 from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
+from fastio.pack import Pack, PackedEpoch, TokenPacker
 from fastio.sources import BatchBuffers, DatasetSource, StageTimes, open_source
 from fastio.stages import BatchStage, StageContext
 from fastio.workers import ProcessPipeline, ThreadPipeline
@@ -301,6 +302,8 @@ class StreamLoader:
         shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
         stages: :class:`fastio.stages.BatchStage` steps run on each gathered batch, in order, before
             ``transform`` (the image pipeline is one): they write into reused fixed-shape buffers.
+        pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token
+            field (shard directories), with document boundaries; see :mod:`fastio.pack`.
 
     Returns batches: for shard and tar sources a dict field -> tensor ``[B, ...]`` (fixed shapes) or list
     (variable ones; tar sources add ``"__key__"``); for Dataset sources what ``collate`` returns.
@@ -338,6 +341,7 @@ class StreamLoader:
         shuffle_block: int = 256,
         shuffle_window: int = 4,
         stages: Sequence[BatchStage] = (),
+        pack: Pack | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -380,9 +384,31 @@ class StreamLoader:
         self.worker_mode = worker_mode
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
-        self._current: _EpochIterator | None = None
+        self._current: _EpochIterator | PackedEpoch | None = None
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._order_lock = threading.Lock()
+        self.pack, self._packer = pack, None
+        if pack is not None:
+            if transform is not None or collate is not None or self.stages or self.worker_mode == "process":
+                raise ValueError(
+                    "pack= makes batches of packed rows itself: it takes no transform, collate, stages or "
+                    "worker_mode='process' (its workers are threads)"
+                )
+            self._packer = TokenPacker(
+                self._source,
+                pack,
+                self._order,
+                batch_size=self.batch_size,
+                world_size=self.world_size,
+                rank=self.rank,
+                drop_last=self.drop_last,
+                settings={
+                    "seed": self.seed,
+                    "shuffle": self.shuffle,
+                    "shuffle_block": self.shuffle_block,
+                    "shuffle_window": self.shuffle_window,
+                },
+            )
 
     # -- the order -----------------------------------------------------------------------------------------
     @property
@@ -418,6 +444,8 @@ class StreamLoader:
         self.epoch = epoch
 
     def __len__(self) -> int:
+        if self._packer is not None:
+            return self._packer.num_batches(self.epoch)
         per_rank = (
             -(-self.num_samples // self.world_size)
             if not self.drop_last
@@ -432,7 +460,19 @@ class StreamLoader:
         if self._resume is not None and self._resume[0] == self.epoch:
             start = self._resume[1]
         self._resume = None
-        self._current = _EpochIterator(self, self.epoch, start)
+        if self._packer is not None:
+            self._current = self._packer.iterate(
+                self.epoch,
+                start,
+                num_workers=self.num_workers,
+                prefetch=self.prefetch,
+                threads=self.threads,
+                pin=self._pin,
+                reuse_buffers=self.reuse_buffers,
+                device=self.device,
+            )
+        else:
+            self._current = _EpochIterator(self, self.epoch, start)
         return self._current
 
     # -- resume --------------------------------------------------------------------------------------------
@@ -446,6 +486,12 @@ class StreamLoader:
 
             torch.save(loader.state_dict(), "loader.pt")
         """
+        if self._packer is not None:  # rows of the packed stream (fastio.pack), not samples
+            if self._resume is not None:
+                return self._packer.state_dict(*self._resume)
+            if self._current is not None:
+                return self._packer.state_dict(self._current.epoch, self._current.rows_consumed)
+            return self._packer.state_dict(self.epoch, 0)
         if self._resume is not None:
             epoch, start, yielded, world = self._resume[0], self._resume[1], 0, self.world_size
         elif self._current is not None:
@@ -485,6 +531,11 @@ class StreamLoader:
             for batch in loader:   # continues the saved epoch
                 ...
         """
+        if self._packer is not None:
+            self._warn_if_running()
+            self.epoch, row = self._packer.resume_point(state)
+            self._resume = (self.epoch, row)
+            return
         if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
             raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
         for key, mine in (
@@ -499,12 +550,7 @@ class StreamLoader:
                     f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
                     "the epoch order would differ"
                 )
-        if self._current is not None and not self._current.finished and self._current.yielded:
-            warnings.warn(
-                "load_state_dict during an iteration: the running iteration continues unchanged; "
-                "the loaded position applies at the next iter()",
-                stacklevel=2,
-            )
+        self._warn_if_running()
         old_per_rank = len(
             rank_indices(np.arange(self.num_samples), state["start"], state["world_size"], 0, False)
         )
@@ -512,6 +558,14 @@ class StreamLoader:
         start = advance(state["start"], state["world_size"], consumed, self.num_samples)
         self.epoch = int(state["epoch"])
         self._resume = (self.epoch, start)
+
+    def _warn_if_running(self) -> None:
+        if self._current is not None and not self._current.finished and self._current.yielded:
+            warnings.warn(
+                "load_state_dict during an iteration: the running iteration continues unchanged; "
+                "the loaded position applies at the next iter()",
+                stacklevel=3,
+            )
 
     # -- statistics ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,513 @@
+"""Token packing: variable-length token documents concatenated and cut into fixed ``[B, L]`` rows.
+
+``StreamLoader(directory, batch_size=B, pack=Pack("tokens", seq_len=S, eos=..., shift=...))`` yields dicts
+of ``"tokens"`` ``[b, L]`` (``L = S``, or ``S + 1`` with ``shift=True``), plus ``"document_ids"`` and
+optionally ``"positions"`` (int32 ``[b, L]``) for attention masks. How a batch is made:
+
+1. The documents of the field (one shard-set sample = one document) are taken in the epoch's order
+   (:func:`fastio.order.epoch_order`: ``shuffle``, ``seed``, ``epoch``), each followed by ``eos`` when given.
+   Their lengths come from the shards' offset tables; no token is read to plan.
+2. Ranks: rank ``r`` of ``W`` takes documents ``r, r + W, r + 2W, ...`` of that order and concatenates them
+   into its own token stream (disjoint streams, no padding, no document repeated).
+3. Rows: row ``k`` of a stream is its tokens ``[k * S, k * S + L)``. With ``shift=True`` consecutive rows
+   share one token (row ``k``'s last is row ``k + 1``'s first, as in Megatron's GPT dataset), so
+   ``inputs = row[:, :-1]``, ``targets = row[:, 1:]`` and every token of the stream is a target once. A
+   document cut by a row boundary continues at the start of the next row.
+4. Equal counts: every rank computes every rank's stream length (cheap: sums of lengths) and all yield the
+   minimum row count; the rows beyond it, and each stream's last partial row, are dropped. Batches are
+   ``B`` consecutive rows; the last batch may have fewer rows, and ``drop_last=True`` drops it.
+5. Each batch is planned with numpy (``searchsorted`` of the rows' starts in the documents' cumulative
+   stream positions gives every ``(document, offset, length)`` run of every row), then filled by one
+   native :func:`fastio._native.gather_ranges` call straight into the batch buffer, eos slots set after.
+   ``document_ids``: the document's number within its row, counting from 0 (a document continued from
+   the previous row is 0 in the new row); ``positions``: the token's position within that document's
+   piece of the row (0 at each document start and at each row start: the ``position_ids`` and
+   ``cu_seqlens`` (``positions == 0``) of packed flash attention). An eos belongs to the document it ends.
+6. ``num_workers`` threads fill batches ahead into reused buffers; a set of buffers is refilled only when
+   nothing outside the loader still views it (:meth:`fastio.sources.BatchBuffers.held`), else fresh ones
+   are used, so a kept batch is never overwritten. The output does not depend on ``num_workers``.
+7. Resume: ``state_dict()`` records the epoch and the rows consumed (the carry: ``token_offset`` is where
+   the rank's stream stands); after ``load_state_dict()`` the next ``iter()`` continues with exactly the
+   rows that would have come, for any ``num_workers`` and any ``batch_size`` (rows, not batches, are
+   counted). A changed seed, shuffle, dataset, field, ``seq_len``, ``shift``, ``eos`` or world size is
+   refused with a ``ValueError`` naming it.
+
+Example::
+
+    loader = fastio.StreamLoader("data/tokens", batch_size=8, shuffle=True, seed=0,
+                                 pack=fastio.Pack("tokens", seq_len=1024, eos=0, shift=True))
+    for batch in loader:
+        inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+        same_doc = batch["document_ids"][:, :-1, None] == batch["document_ids"][:, None, :-1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio._native import default_threads, gather_ranges
+from fastio.errors import CorruptShardError, EmptySourceError, SchemaMismatchError
+from fastio.sources import BatchBuffers, ShardSource, StageTimes, torch_dtype
+from fastio.workers import ThreadPipeline
+
+__all__ = ["Pack", "PackedEpoch", "TokenPacker"]
+
+_STATE_FORMAT = "fastio.StreamLoader.pack"
+_STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    """How :class:`fastio.StreamLoader` packs a variable-length token field (see :mod:`fastio.pack`).
+
+    Args:
+        field: a 1-D variable-length integer array field
+            (``ShardWriter(schema={"tokens": ("int32", None)})``).
+        seq_len: tokens per row (``seq_len + 1`` with ``shift``).
+        eos: a token placed after every document, or None for none.
+        shift: rows of ``seq_len + 1`` tokens overlapping by one, for ``inputs = row[:, :-1]``,
+            ``targets = row[:, 1:]``.
+        dtype: the output dtype of ``"tokens"`` (default: the field's); it must hold every value of the
+            field's dtype (``int32`` -> ``int64`` yes, ``int32`` -> ``int16`` no).
+        document_ids: add ``"document_ids"`` (int32 ``[b, L]``, the document's number within its row).
+        positions: add ``"positions"`` (int32 ``[b, L]``, the position within the document's piece).
+
+    Example::
+
+        pack = fastio.Pack("tokens", seq_len=2048, eos=50256, shift=True, dtype=torch.int64)
+    """
+
+    field: str = "tokens"
+    seq_len: int = 1024
+    eos: int | None = None
+    shift: bool = False
+    dtype: torch.dtype | None = None
+    document_ids: bool = True
+    positions: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.field, str) or not self.field:
+            raise ValueError(f"Pack field must be a field name, got {self.field!r}")
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, (int, np.integer)):
+            raise ValueError(f"Pack seq_len must be an int >= 1, got {self.seq_len!r}")
+        if self.seq_len < 1:
+            raise ValueError(f"Pack seq_len must be >= 1, got {self.seq_len}")
+        if self.eos is not None and (
+            isinstance(self.eos, bool) or not isinstance(self.eos, (int, np.integer))
+        ):
+            raise ValueError(f"Pack eos must be None or an int token, got {self.eos!r}")
+        if self.dtype is not None and (
+            not isinstance(self.dtype, torch.dtype)
+            or self.dtype.is_floating_point
+            or self.dtype.is_complex
+            or self.dtype == torch.bool
+        ):
+            raise ValueError(f"Pack dtype must be a torch integer dtype, got {self.dtype!r}")
+        object.__setattr__(self, "seq_len", int(self.seq_len))
+        object.__setattr__(self, "eos", None if self.eos is None else int(self.eos))
+
+    @property
+    def row_len(self) -> int:
+        """Tokens per output row: ``seq_len``, or ``seq_len + 1`` with ``shift``."""
+        return self.seq_len + int(self.shift)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Documents:
+    """Where every document of the set lies: shard, byte offset of its first token, token count."""
+
+    shard: np.ndarray  # int32 [N]
+    src: np.ndarray  # int64 [N]
+    tokens: np.ndarray  # int64 [N]
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _EpochPlan:
+    """This rank's token stream of one epoch."""
+
+    epoch: int
+    docs: np.ndarray  # int64: this rank's documents, in stream order
+    starts: np.ndarray  # int64 [len(docs) + 1]: stream position of each document's first token
+    rows: int  # rows every rank yields this epoch
+
+
+def _documents(source: Any, field_name: str) -> _Documents:
+    if not isinstance(source, ShardSource):
+        raise TypeError(
+            f"pack= needs a fastio shard directory (ShardWriter with a variable-length token field), "
+            f"got a {type(source).__name__} ({getattr(source, 'name', source)})"
+        )
+    field = source.schema.get(field_name)
+    expected = "a 1-D variable-length integer array, e.g. ShardWriter(schema={name: ('int32', None)})"
+    if field is None:
+        raise SchemaMismatchError(
+            source.name, field_name, expected, f"no such field (has {sorted(source.schema)})"
+        )
+    if field.kind != "array" or field.shape or field.np_dtype.kind not in "iu":
+        raise SchemaMismatchError(source.name, field_name, expected, field.describe())
+    itemsize = field.np_dtype.itemsize
+    shards, srcs, counts = [], [], []
+    for s, reader in enumerate(source.shards.readers):
+        offsets, base = reader.variable_layout(field_name)
+        if (offsets % itemsize).any():
+            raise CorruptShardError(
+                reader.path, f"{field_name}.offsets", f"multiples of {itemsize} bytes", "a misaligned offset"
+            )
+        counts.append(np.diff(offsets) // itemsize)
+        srcs.append(base + offsets[:-1])
+        shards.append(np.full(len(offsets) - 1, s, dtype=np.int32))
+    return _Documents(
+        np.concatenate(shards), np.concatenate(srcs).astype(np.int64), np.concatenate(counts), field.np_dtype
+    )
+
+
+def _out_dtype(pack: Pack, stored: np.dtype) -> torch.dtype:
+    stored_torch = torch_dtype(stored)
+    out = pack.dtype or stored_torch
+    out_np = torch.empty(0, dtype=out).numpy().dtype
+    if not np.can_cast(stored, out_np, "safe"):
+        raise ValueError(
+            f"Pack dtype={out} cannot hold every {stored.name} token of field {pack.field!r} "
+            "(values would wrap)"
+        )
+    if pack.eos is not None:
+        info = np.iinfo(out_np)
+        if not info.min <= pack.eos <= info.max:
+            raise ValueError(
+                f"Pack eos={pack.eos} does not fit the output dtype {out} ({info.min}..{info.max})"
+            )
+    return out
+
+
+class _BufferPool:
+    """Reused output buffers: a set is refilled only when nothing outside views it, else a fresh set is made
+    (kept for reuse while the pool holds fewer than ``keep``)."""
+
+    def __init__(
+        self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], rows: int, pin: bool, keep: int
+    ):
+        self.specs, self.rows, self.pin, self.keep = specs, rows, pin, keep
+        self._sets: list[BatchBuffers] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, rows: int) -> dict[str, torch.Tensor]:
+        """Views of the first ``rows`` rows of a free set (made under the lock: no other thread takes it)."""
+        with self._lock:
+            free = next((b for b in self._sets if not b.held()), None)
+            if free is None:
+                free = BatchBuffers(self.specs, self.rows, self.pin)
+                if len(self._sets) < self.keep:
+                    self._sets.append(free)
+            return {name: free.fixed(name, rows) for name in self.specs}
+
+
+class _PackProducer:
+    """Fills batch ``job`` of a pass (rows ``start_row + job * B`` on); holds no reference to the iterator."""
+
+    _RAW = "__stored_tokens__"
+
+    def __init__(
+        self, packer: TokenPacker, plan: _EpochPlan, start_row: int, threads: int, pin: bool, keep: int
+    ) -> None:
+        self.packer, self.plan, self.start_row, self.threads = packer, plan, start_row, threads
+        self.pack, self.docs, self.batch_size = packer.pack, packer.documents, packer.batch_size
+        self.convert = packer.out_dtype != torch_dtype(self.docs.dtype)
+        self.pool = _BufferPool(packer.output_specs(self.convert), self.batch_size, pin, keep)
+        self.times = StageTimes()
+        self.arange = np.arange(self.batch_size * self.pack.row_len, dtype=np.int64)
+
+    def __call__(self, job: int) -> tuple[dict[str, torch.Tensor], int]:
+        start = time.perf_counter()
+        first = self.start_row + job * self.batch_size
+        rows = min(self.batch_size, self.plan.rows - first)
+        out = self.pool.acquire(rows)
+        self._fill(first, rows, out)
+        out.pop(self._RAW, None)
+        self.times.add("read", time.perf_counter() - start, out["tokens"].numel() * self.docs.dtype.itemsize)
+        return out, rows
+
+    def _fill(self, first: int, rows: int, out: dict[str, torch.Tensor]) -> None:
+        pack, docs, plan = self.pack, self.docs, self.plan
+        width = pack.row_len
+        row_start = (first + np.arange(rows, dtype=np.int64)) * pack.seq_len
+        cs = plan.starts
+        first_doc = np.searchsorted(cs, row_start, "right") - 1
+        runs_per_row = np.searchsorted(cs, row_start + width, "left") - first_doc
+        run_row = np.repeat(np.arange(rows, dtype=np.int64), runs_per_row)
+        first_run = np.cumsum(runs_per_row) - runs_per_row
+        pos = first_doc[run_row] + (np.arange(len(run_row)) - first_run[run_row])
+        begin = np.maximum(cs[pos], row_start[run_row])
+        end = np.minimum(cs[pos + 1], row_start[run_row] + width)
+        if (end <= begin).any():  # empty documents without eos inside a row take no place and no number
+            keep = end > begin
+            run_row, pos, begin, end = run_row[keep], pos[keep], begin[keep], end[keep]
+        doc = plan.docs[pos]
+        offset = begin - cs[pos]  # of the run within its document
+        count = docs.tokens[doc]
+        copied = np.minimum(end - cs[pos], count) - offset  # 0 for a run that is only the eos
+        dst = run_row * width + (begin - row_start[run_row])
+        tokens = out["tokens"]
+        target = out[self._RAW] if self.convert else tokens
+        size = docs.dtype.itemsize
+        gather_ranges(
+            self.packer.table, docs.shard[doc], docs.src[doc] + offset * size, copied * size, target,
+            self.threads, dst=dst * size,
+        )  # fmt: skip
+        if self.convert:
+            tokens.copy_(target)
+        if pack.eos is not None:
+            ends = end - cs[pos] == count + 1
+            tokens.view(-1)[torch.from_numpy(dst[ends] + copied[ends])] = pack.eos
+        lengths = end - begin
+        if pack.document_ids:
+            run_in_row = np.arange(len(run_row)) - np.searchsorted(run_row, run_row, "left")
+            out["document_ids"].view(-1).numpy()[:] = np.repeat(run_in_row.astype(np.int32), lengths)
+        if pack.positions:
+            within = self.arange[: rows * width] - np.repeat(dst, lengths)
+            out["positions"].view(-1).numpy()[:] = within
+
+
+class PackedEpoch:
+    """One pass over (the rest of) an epoch's packed rows for this rank; what ``iter(loader)`` returns.
+
+    Example::
+
+        it = iter(loader); batch = next(it); print(it.stats()["tokens_per_s"])
+    """
+
+    def __init__(
+        self, packer: TokenPacker, epoch: int, start: int, num_workers: int, prefetch: int, options: dict
+    ) -> None:
+        self.epoch, self.start = epoch, start
+        plan = packer.plan(epoch)
+        self.n_batches = packer.num_batches(epoch, start)
+        self.yielded = self.samples = 0
+        self.wait_s = 0.0
+        self.begun: float | None = None
+        self.ended: float | None = None
+        self.finished = False
+        self.device = options["device"]
+        slots = num_workers + prefetch if num_workers else 1
+        threads = options["threads"] or max(1, default_threads() // max(1, num_workers))
+        # Slots in flight, plus the batch the consumer holds while asking for the next, plus one spare.
+        keep = slots + 2 if options["reuse_buffers"] else 0
+        self.producer = _PackProducer(packer, plan, start, threads, options["pin"], keep)
+        self.times = self.producer.times
+        self.pipeline = (
+            ThreadPipeline(self.producer, self.n_batches, num_workers, slots) if num_workers else None
+        )
+
+    def __iter__(self) -> PackedEpoch:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.begun is None:
+            self.begun = time.perf_counter()
+        job = self.yielded
+        if job >= self.n_batches:
+            self.close()
+            raise StopIteration
+        waited = time.perf_counter()
+        if self.pipeline is not None:
+            ok, value = self.pipeline.get(job)
+        else:
+            try:
+                ok, value = True, self.producer(job)
+            except BaseException as exc:
+                ok, value = False, exc
+        self.wait_s += time.perf_counter() - waited
+        if not ok:
+            self.close()
+            raise value
+        batch, rows = value
+        if self.device is not None:
+            # A blocking copy: the reused host buffer may be refilled as soon as the consumer lets go of it.
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+        self.yielded += 1
+        self.samples += rows
+        self.ended = time.perf_counter()
+        return batch
+
+    @property
+    def rows_consumed(self) -> int:
+        """Rows of the epoch handed to the consumer so far, counted from the epoch's start."""
+        return self.start + self.samples
+
+    def close(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.ended = time.perf_counter() if self.begun is not None else None
+        if self.pipeline is not None:
+            self.pipeline.stop()
+
+    def __del__(self) -> None:
+        if getattr(self, "pipeline", None) is not None:
+            self.pipeline.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """As :meth:`fastio.StreamLoader.stats` (``samples`` are rows) plus ``tokens``, ``tokens_per_s``."""
+        elapsed = (self.ended or time.perf_counter()) - self.begun if self.begun is not None else 0.0
+        tokens = self.samples * self.producer.pack.row_len
+        return {
+            "epoch": self.epoch,
+            "batches": self.yielded,
+            "samples": self.samples,
+            "tokens": tokens,
+            "elapsed_s": elapsed,
+            "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "mb_per_s": self.times.bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
+            "stage_s": dict(self.times.seconds),
+            "wait_s": self.wait_s,
+            "wait_share": self.wait_s / elapsed if elapsed > 0 else 0.0,
+            "input_bound": elapsed > 0 and self.wait_s / elapsed >= 0.5,
+        }
+
+
+class TokenPacker:
+    """The packing side of a :class:`fastio.StreamLoader` with ``pack=``: plans, iterates and resumes.
+
+    Args:
+        source: the loader's :class:`fastio.sources.ShardSource`.
+        pack: what to pack and how.
+        order: ``order(epoch) -> int64 [N]``, the loader's epoch order of the documents.
+        batch_size, world_size, rank, drop_last: the loader's.
+        settings: the loader's ``seed``, ``shuffle``, ``shuffle_block``, ``shuffle_window`` (kept in the
+            state dict, so a resume with another order is refused).
+
+    Raises :class:`fastio.SchemaMismatchError` when the field is not a 1-D variable-length integer array,
+    ``ValueError`` for a dtype or eos that does not fit, :class:`fastio.EmptySourceError` when a rank's
+    stream of epoch 0 holds no batch.
+
+    Example::
+
+        packer = TokenPacker(source, Pack("tokens", seq_len=16), order, batch_size=4, world_size=1, rank=0,
+                             drop_last=False, settings={"seed": 0})
+        print(packer.num_batches(epoch=0))
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        pack: Pack,
+        order: Callable[[int], np.ndarray],
+        *,
+        batch_size: int,
+        world_size: int,
+        rank: int,
+        drop_last: bool,
+        settings: dict[str, Any],
+    ) -> None:
+        if not isinstance(pack, Pack):
+            raise TypeError(f"pack= must be a fastio.Pack, got {type(pack).__name__}")
+        self.source, self.pack, self.order = source, pack, order
+        self.batch_size, self.world_size, self.rank, self.drop_last = batch_size, world_size, rank, drop_last
+        self.settings = dict(settings)
+        self.documents = _documents(source, pack.field)
+        self.out_dtype = _out_dtype(pack, self.documents.dtype)
+        self.table = source.table
+        self.num_tokens = int(self.documents.tokens.sum())
+        self._plan: _EpochPlan | None = None
+        self._plan_lock = threading.Lock()
+        self.num_batches(0)
+
+    def output_specs(self, with_raw: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Output fields -> (dtype, per-row shape); ``with_raw`` adds the stored-dtype staging buffer."""
+        width = self.pack.row_len
+        specs = {"tokens": (self.out_dtype, (width,))}
+        if with_raw:
+            specs[_PackProducer._RAW] = (torch_dtype(self.documents.dtype), (width,))
+        if self.pack.document_ids:
+            specs["document_ids"] = (torch.int32, (width,))
+        if self.pack.positions:
+            specs["positions"] = (torch.int32, (width,))
+        return specs
+
+    def plan(self, epoch: int) -> _EpochPlan:
+        """This rank's stream of ``epoch`` (cached for the latest epoch asked)."""
+        with self._plan_lock:
+            if self._plan is None or self._plan.epoch != epoch:
+                self._plan = self._make_plan(epoch)
+            return self._plan
+
+    def _make_plan(self, epoch: int) -> _EpochPlan:
+        order = self.order(epoch)
+        units = self.documents.tokens + (self.pack.eos is not None)
+        width, stride, world = self.pack.row_len, self.pack.seq_len, self.world_size
+        totals = [int(units[order[r::world]].sum()) for r in range(world)]
+        rows = min((t - width) // stride + 1 if t >= width else 0 for t in totals)
+        docs = order[self.rank :: world]
+        starts = np.zeros(len(docs) + 1, dtype=np.int64)
+        np.cumsum(units[docs], out=starts[1:])
+        if (rows < self.batch_size) if self.drop_last else rows == 0:
+            raise EmptySourceError(
+                f"{self.source.name}: field {self.pack.field!r} holds {self.num_tokens} tokens in "
+                f"{len(units)} documents; split across {world} rank(s) (smallest stream {min(totals)} "
+                f"tokens) that is {rows} row(s) of {width} per rank in epoch {epoch}, fewer than one "
+                f"batch of {self.batch_size}{' (drop_last=True)' if self.drop_last else ''}"
+            )
+        return _EpochPlan(epoch, docs, starts, rows)
+
+    def num_batches(self, epoch: int, start_row: int = 0) -> int:
+        """Batches this rank (and every rank) yields in ``epoch`` from row ``start_row`` on.
+
+        Example::
+
+            assert packer.num_batches(0) == len(loader)
+        """
+        left = max(0, self.plan(epoch).rows - start_row)
+        return left // self.batch_size if self.drop_last else -(-left // self.batch_size)
+
+    def iterate(self, epoch: int, start_row: int, **options: Any) -> PackedEpoch:
+        """A :class:`PackedEpoch` from row ``start_row``; ``options``: the loader's ``num_workers``,
+        ``prefetch``, ``threads``, ``pin``, ``reuse_buffers``, ``device``."""
+        workers, prefetch = options.pop("num_workers"), options.pop("prefetch")
+        return PackedEpoch(self, epoch, start_row, workers, prefetch, options)
+
+    # -- resume --------------------------------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        return {
+            **self.settings,
+            "num_samples": len(self.documents.tokens),
+            "num_tokens": self.num_tokens,
+            "field": self.pack.field,
+            "seq_len": self.pack.seq_len,
+            "shift": self.pack.shift,
+            "eos": self.pack.eos,
+            "world_size": self.world_size,
+        }
+
+    def state_dict(self, epoch: int, rows_consumed: int) -> dict[str, Any]:
+        """The state of a packing loader at ``rows_consumed`` rows of ``epoch``."""
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            **self._identity(),
+            "epoch": int(epoch),
+            "rows_consumed": int(rows_consumed),
+            "token_offset": int(rows_consumed) * self.pack.seq_len,
+            "batch_size": self.batch_size,
+            "rank": self.rank,
+        }
+
+    def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
+        """``(epoch, row)`` to continue from, after checking ``state`` describes this very stream."""
+        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
+            found = f"{state.get('format')!r} v{state.get('version')}"
+            raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict (found {found})")
+        for key, mine in self._identity().items():
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"state_dict {key}={state.get(key)!r} but this loader has {key}={mine!r}; "
+                    "the packed token stream would differ"
+                )
+        return int(state["epoch"]), int(state["rows_consumed"])
