@@ -1,0 +1,434 @@
+"""The image pipeline as a batch stage: encoded JPEG/PNG/WebP bytes -> a fixed ``[B, H, W, 3]`` uint8 batch.
+
+:class:`ImageStage` runs inside :class:`fastio.StreamLoader` (``stages=[...]``) on the raw bytes of one
+image field, per sample and in GIL-free threads:
+
+1. read the image's size from its header (libjpeg-turbo through simplejpeg for JPEG, Pillow otherwise);
+2. pick the crop: torchvision's ``RandomResizedCrop`` geometry for training (10 attempts of an area scale
+   and a log-uniform aspect ratio, then the whole-image centre crop clamped to the ratio range), or
+   torchvision's ``Resize(eval_resize)`` + ``CenterCrop(size)`` for evaluation;
+3. decode, at 1/2, 1/4 or 1/8 size in the DCT domain when the crop at that size still covers the output
+   (only these power-of-two factors: libjpeg-turbo's other factors decode slower than the full image);
+4. resize the crop with antialiased bilinear filtering (torch's uint8 kernel, which follows Pillow's
+   ``BILINEAR`` resampling and runs about twice as fast), flip, and write the result straight into the
+   loader's output buffer, NHWC or NCHW.
+
+Every random draw comes from :func:`fastio.seeding.sample_uniforms` with ``STREAM_IMAGE``, so a sample's
+crop and flip depend only on ``(seed, epoch, sample index)``, never on ``num_workers`` or resume points.
+:func:`normalize` turns the uint8 batch into normalized floats on whatever device it has been moved to.
+
+Example::
+
+    import fastio
+    from fastio.image import ImageStage, normalize
+
+    stage = ImageStage("jpg", size=224, train=True)
+    loader = fastio.StreamLoader("imgs-{000000..000003}.tar", batch_size=64, stages=[stage], num_workers=2)
+    for batch in loader:
+        x = normalize(batch["image"].to("cuda", non_blocking=True))   # float32 [64, 3, 224, 224]
+        y = batch["cls"]                                               # int64 [64]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import math
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio.errors import CorruptShardError
+from fastio.seeding import STREAM_IMAGE, sample_uniforms
+from fastio.stages import StageContext
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "CropBox", "ImageStage", "normalize"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+CROP_ATTEMPTS = 10  # torchvision's RandomResizedCrop tries this many (scale, ratio) draws
+DRAWS_PER_ATTEMPT = 4  # area scale, log aspect ratio, top, left
+DRAWS = CROP_ATTEMPTS * DRAWS_PER_ATTEMPT + 1  # ... and one for the flip
+_DCT_FACTORS = (8, 4, 2)  # libjpeg-turbo's fast reduced decodes (1/8, 1/4, 1/2)
+_JPEG_MAGIC = b"\xff\xd8"
+
+
+@dataclasses.dataclass(frozen=True)
+class CropBox:
+    """A crop of an image in pixels: rows ``top:top+height``, columns ``left:left+width``.
+
+    Example::
+
+        box = CropBox(top=10, left=20, height=100, width=120)
+    """
+
+    top: int
+    left: int
+    height: int
+    width: int
+
+
+def random_resized_crop_box(
+    height: int, width: int, draws: np.ndarray, scale: tuple[float, float], ratio: tuple[float, float]
+) -> CropBox:
+    """torchvision's ``RandomResizedCrop.get_params``, with its random numbers given as uniforms.
+
+    1. For each of 10 attempts take an area ``scale`` and a log-uniform aspect ``ratio`` from ``draws``;
+       the first crop that fits the image is placed at a uniform top-left corner.
+    2. If none fits: the centre crop of the whole image, clamped to the ratio range.
+
+    Args:
+        height, width: the image's size.
+        draws: at least ``CROP_ATTEMPTS * DRAWS_PER_ATTEMPT`` uniforms in ``[0, 1)``.
+        scale, ratio: as in torchvision.
+
+    Example::
+
+        box = random_resized_crop_box(300, 400, np.full(40, 0.5), (0.08, 1.0), (3 / 4, 4 / 3))
+    """
+    area = height * width
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for attempt in range(CROP_ATTEMPTS):
+        u_area, u_ratio, u_top, u_left = draws[attempt * DRAWS_PER_ATTEMPT : (attempt + 1) * DRAWS_PER_ATTEMPT]
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * float(u_area))
+        aspect = math.exp(log_lo + (log_hi - log_lo) * float(u_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return CropBox(int(u_top * (height - h + 1)), int(u_left * (width - w + 1)), h, w)
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return CropBox((height - h) // 2, (width - w) // 2, h, w)
+
+
+def resize_shorter_side(height: int, width: int, shorter: int) -> tuple[int, int]:
+    """The ``(height, width)`` torchvision's ``Resize(shorter)`` gives (the longer side is truncated).
+
+    Example::
+
+        assert resize_shorter_side(300, 400, 256) == (256, 341)
+    """
+    if height <= width:
+        return shorter, int(shorter * width / height)
+    return int(shorter * height / width), shorter
+
+
+def center_crop_box(height: int, width: int, crop_height: int, crop_width: int) -> CropBox:
+    """torchvision's ``CenterCrop`` placement (the image is at least the crop's size).
+
+    Example::
+
+        assert center_crop_box(256, 341, 224, 224) == CropBox(16, 58, 224, 224)
+    """
+    top = int(round((height - crop_height) / 2.0))
+    left = int(round((width - crop_width) / 2.0))
+    return CropBox(top, left, crop_height, crop_width)
+
+
+class ImageStage:
+    """Decode, crop, resize and flip one encoded image field into a fixed uint8 batch (a ``BatchStage``).
+
+    1. For each sample, the crop comes from the sample's own uniforms (``STREAM_IMAGE``): torchvision's
+       ``RandomResizedCrop(size, scale, ratio)`` + ``RandomHorizontalFlip()`` when ``train``, else
+       ``Resize(eval_resize)`` + ``CenterCrop(size)`` (no randomness).
+    2. JPEGs decode through libjpeg-turbo (simplejpeg) at the smallest 1/2^k size whose crop still covers
+       the output; PNG, WebP, CMYK JPEG and the rest decode through Pillow (converted to RGB, alpha
+       dropped).
+    3. The crop is resized by antialiased bilinear filtering and written into ``out[output]`` row by row,
+       in up to ``ctx.threads`` threads (the decoders and the resize release the GIL).
+    4. ``batch[output]`` becomes the uint8 batch and ``batch[field]`` (the bytes) is removed.
+
+    A sample whose bytes do not decode raises :class:`fastio.CorruptShardError` naming its key; no image
+    is ever silently replaced.
+
+    Args:
+        field: the batch field holding the encoded images (a list of ``bytes``), e.g. ``"jpg"``.
+        size: output size, an int (square) or ``(height, width)``.
+        train: random crop + flip (True) or the deterministic evaluation crop (False).
+        scale, ratio: ``RandomResizedCrop``'s area and aspect-ratio ranges.
+        flip: flip horizontally with probability 1/2 (train only).
+        eval_resize: the shorter side before the evaluation centre crop (default ``size / 0.875``: 256
+            for 224).
+        layout: ``"NHWC"`` (``[B, H, W, 3]``) or ``"NCHW"`` (``[B, 3, H, W]``).
+        output: the batch field the images are written to.
+        dct_scaling: decode JPEGs at reduced size where the crop allows it.
+
+    Example::
+
+        stage = ImageStage("jpg", size=224, train=False, layout="NCHW")
+        loader = fastio.StreamLoader("val-{000000..000009}.tar", batch_size=128, stages=[stage])
+    """
+
+    def __init__(
+        self,
+        field: str = "jpg",
+        size: int | Sequence[int] = 224,
+        *,
+        train: bool = True,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip: bool = True,
+        eval_resize: int | None = None,
+        layout: str = "NHWC",
+        output: str = "image",
+        dct_scaling: bool = True,
+    ) -> None:
+        sizes = (size, size) if isinstance(size, int) else tuple(int(s) for s in size)
+        if len(sizes) != 2 or min(sizes) < 1:
+            raise ValueError(f"size must be a positive int or (height, width), got {size!r}")
+        if not 0 < scale[0] <= scale[1]:
+            raise ValueError(f"scale must satisfy 0 < scale[0] <= scale[1], got {scale!r}")
+        if not 0 < ratio[0] <= ratio[1]:
+            raise ValueError(f"ratio must satisfy 0 < ratio[0] <= ratio[1], got {ratio!r}")
+        if layout not in ("NHWC", "NCHW"):
+            raise ValueError(f"layout must be 'NHWC' or 'NCHW', got {layout!r}")
+        if eval_resize is None:
+            eval_resize = int(round(max(sizes) / 0.875))
+        if eval_resize < max(sizes):
+            raise ValueError(f"eval_resize ({eval_resize}) must be at least the output size {sizes}")
+        self.field, self.size, self.train = field, sizes, bool(train)
+        self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
+        self.flip, self.eval_resize, self.layout, self.output = bool(flip), int(eval_resize), layout, output
+        self.dct_scaling = bool(dct_scaling)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_owner = (0, 0)  # (pid, threads) the pool was made for: a forked child makes its own
+        self._lock = threading.Lock()
+
+    # -- pickling: the pool and its lock stay behind ---------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"], state["_pool_owner"], state["_lock"] = None, (0, 0), None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        mode = f"train scale={self.scale} ratio={self.ratio} flip={self.flip}" if self.train else (
+            f"eval resize={self.eval_resize}"
+        )
+        return f"ImageStage({self.field!r} -> {self.output!r} {self.size} {self.layout}, {mode})"
+
+    # -- the BatchStage contract -----------------------------------------------------------------------
+    def output_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """``{output: (torch.uint8, (H, W, 3) or (3, H, W))}``.
+
+        Example::
+
+            assert ImageStage(size=32).output_specs() == {"image": (torch.uint8, (32, 32, 3))}
+        """
+        h, w = self.size
+        return {self.output: (torch.uint8, (h, w, 3) if self.layout == "NHWC" else (3, h, w))}
+
+    def __call__(self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: StageContext) -> Any:
+        """Fill ``out[self.output]`` from ``batch[self.field]`` (see the class docstring).
+
+        Example::
+
+            batch = stage({"jpg": [data], "__key__": ["k"]}, {"image": buf}, ctx)
+        """
+        encoded = batch[self.field]
+        images = out[self.output]
+        n = len(encoded)
+        if images.shape[0] != n:
+            raise ValueError(f"{self!r}: {n} images for an output of {images.shape[0]} rows")
+        draws = (
+            sample_uniforms(ctx.seed, ctx.epoch, ctx.sample_ids, DRAWS, STREAM_IMAGE)
+            if self.train
+            else None
+        )
+        keys = batch.get("__key__")
+        jobs = [
+            (images[k], encoded[k], None if draws is None else draws[k], _sample_name(keys, ctx, k))
+            for k in range(n)
+        ]
+        threads = min(ctx.threads, n)
+        if threads <= 1:
+            for job in jobs:
+                self._one(*job)
+        else:  # list() waits for every sample and re-raises the first sample's error in this thread
+            list(self._executor(threads).map(lambda job: self._one(*job), jobs))
+        del batch[self.field]
+        batch[self.output] = images
+        return batch
+
+    def _executor(self, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+        """The stage's thread pool, made on first use in this process with at least ``threads`` threads.
+
+        A pool inherited through fork has no threads, so a new process makes its own; a smaller pool is
+        replaced, not shut down (another loader thread may still be mapping on it; it goes when unused)."""
+        pid = os.getpid()
+        with self._lock:
+            if self._pool is None or self._pool_owner[0] != pid or self._pool_owner[1] < threads:
+                self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fastio-image")
+                self._pool_owner = (pid, threads)
+            return self._pool
+
+    # -- one sample ------------------------------------------------------------------------------------
+    def _one(self, dst: torch.Tensor, data: Any, draws: np.ndarray | None, name: str) -> None:
+        if data is None:
+            raise CorruptShardError(name, self.field, "an encoded image", "no such member in the sample")
+        raw = data if isinstance(data, (bytes, bytearray, memoryview)) else memoryview(np.ascontiguousarray(data))
+        try:
+            pixels, height, width, box = self._decode(raw, draws)
+        except (ValueError, OSError, SyntaxError) as exc:  # what simplejpeg and Pillow raise on bad bytes
+            raise CorruptShardError(
+                name,
+                self.field,
+                "a JPEG, PNG or WebP image",
+                f"undecodable bytes ({exc})",
+                f"{len(raw)} bytes starting {bytes(raw[:8]).hex()}",
+            ) from exc
+        # pixels: uint8 [h', w', 3] of the image whose full size is (height, width); smaller after DCT scaling
+        src = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)  # [1, 3, h', w'], channels-last
+        oh, ow = self.size
+        if box is not None:
+            rows, cols = pixels.shape[0] / height, pixels.shape[1] / width
+            top, left = int(round(box.top * rows)), int(round(box.left * cols))
+            bottom = max(top + 1, int(round((box.top + box.height) * rows)))
+            right = max(left + 1, int(round((box.left + box.width) * cols)))
+            image = _resize(src[:, :, top:bottom, left:right], oh, ow)[0]
+        else:
+            rh, rw = resize_shorter_side(height, width, self.eval_resize)
+            crop = center_crop_box(rh, rw, oh, ow)
+            image = _resize(src, rh, rw)[0, :, crop.top : crop.top + oh, crop.left : crop.left + ow]
+        if self._flips(draws):
+            image = image.flip(2)
+        dst.copy_(image.permute(1, 2, 0) if self.layout == "NHWC" else image)
+
+    def _flips(self, draws: np.ndarray | None) -> bool:
+        return self.train and self.flip and float(draws[DRAWS - 1]) < 0.5
+
+    def _crop(self, height: int, width: int, draws: np.ndarray | None) -> CropBox | None:
+        """The training crop in full-image pixels; None in eval mode (resize, then the centre crop)."""
+        return random_resized_crop_box(height, width, draws, self.scale, self.ratio) if self.train else None
+
+    def _decode(self, raw: Any, draws: np.ndarray | None) -> tuple[np.ndarray, int, int, CropBox | None]:
+        """(uint8 ``[h', w', 3]`` pixels, full height, full width, training crop)."""
+        if bytes(raw[:2]) == _JPEG_MAGIC:
+            import simplejpeg
+
+            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(raw)
+            if colorspace in ("Gray", "YCbCr", "RGB"):  # CMYK/YCCK: Pillow's conversion is the reference
+                box = self._crop(height, width, draws)
+                factor = self._dct_factor(height, width, box)
+                pixels = simplejpeg.decode_jpeg(
+                    raw, "RGB", min_height=-(-height // factor), min_width=-(-width // factor)
+                )
+                return pixels, height, width, box
+        pixels = _decode_pillow(raw)
+        height, width = pixels.shape[:2]
+        return pixels, height, width, self._crop(height, width, draws)
+
+    def _dct_factor(self, height: int, width: int, box: CropBox | None) -> int:
+        """The largest 1/k reduction whose crop still covers the output (1 when there is none)."""
+        if not self.dct_scaling:
+            return 1
+        if box is not None:
+            room_h, room_w = box.height / self.size[0], box.width / self.size[1]
+        else:
+            rh, rw = resize_shorter_side(height, width, self.eval_resize)
+            room_h, room_w = height / rh, width / rw
+        for factor in _DCT_FACTORS:
+            if room_h >= factor and room_w >= factor:
+                return factor
+        return 1
+
+
+def _sample_name(keys: Any, ctx: StageContext, k: int) -> str:
+    index = int(ctx.sample_ids[k])
+    return f"sample {keys[k]!r} (index {index})" if keys is not None else f"sample index {index}"
+
+
+def _resize(src: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Antialiased bilinear resize of a uint8 ``[1, 3, h, w]`` image (torch's Pillow-matching kernel)."""
+    if src.shape[-2:] == (height, width):
+        return src
+    return torch.nn.functional.interpolate(
+        src, size=(height, width), mode="bilinear", antialias=True, align_corners=False
+    )
+
+
+def _decode_pillow(raw: Any) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(raw)) as img:
+        return np.array(img.convert("RGB"))  # a writable copy: torch.from_numpy refuses read-only memory
+
+
+def normalize(
+    images: torch.Tensor,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    *,
+    layout: str = "NHWC",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``(images / 255 - mean) / std`` as a float ``[B, 3, H, W]`` tensor, on ``images``' device.
+
+    NHWC input gives a channels-last ``[B, 3, H, W]`` result (a permuted view, no transpose copy), the
+    memory format convolutions run fastest in; NCHW input gives a contiguous one.
+
+    Args:
+        images: uint8 ``[B, H, W, 3]`` (``layout="NHWC"``) or ``[B, 3, H, W]`` (``"NCHW"``).
+        mean, std: per channel, in ``[0, 1]`` units.
+        dtype: the floating dtype of the result.
+
+    Example::
+
+        x = normalize(batch["image"].cuda(non_blocking=True))   # float32 [B, 3, 224, 224]
+    """
+    if layout not in ("NHWC", "NCHW"):
+        raise ValueError(f"layout must be 'NHWC' or 'NCHW', got {layout!r}")
+    channel_dim = 3 if layout == "NHWC" else 1
+    if images.dim() != 4 or images.shape[channel_dim] != len(mean) or len(mean) != len(std):
+        raise ValueError(
+            f"normalize: images {tuple(images.shape)} ({layout}) with {len(mean)} means and {len(std)} stds"
+        )
+    chw = images.permute(0, 3, 1, 2) if layout == "NHWC" else images
+    scale = 1.0 / (255.0 * torch.tensor(std, dtype=torch.float64))
+    shift = -torch.tensor(mean, dtype=torch.float64) / torch.tensor(std, dtype=torch.float64)
+    result = chw.to(dtype)
+    result.mul_(scale.to(device=images.device, dtype=dtype).view(1, -1, 1, 1))
+    return result.add_(shift.to(device=images.device, dtype=dtype).view(1, -1, 1, 1))
+
+
+def _reference_image(stage: ImageStage, data: bytes, draws: np.ndarray | None) -> np.ndarray:
+    """The specification :class:`ImageStage` is held to, in plain Pillow: full decode, crop, resize, flip.
+
+    Returns one uint8 image in the stage's layout (``[H, W, 3]`` or ``[3, H, W]``).
+
+    Example::
+
+        ref = _reference_image(ImageStage(size=64), jpeg_bytes, sample_uniforms(0, 0, [7], DRAWS)[0])
+    """
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB")
+    width, height = rgb.size
+    oh, ow = stage.size
+    if stage.train:
+        box = random_resized_crop_box(height, width, draws, stage.scale, stage.ratio)
+        crop = rgb.crop((box.left, box.top, box.left + box.width, box.top + box.height))
+        result = crop.resize((ow, oh), Image.BILINEAR)
+    else:
+        rh, rw = resize_shorter_side(height, width, stage.eval_resize)
+        box = center_crop_box(rh, rw, oh, ow)
+        result = rgb.resize((rw, rh), Image.BILINEAR).crop((box.left, box.top, box.left + ow, box.top + oh))
+    if stage._flips(draws):
+        result = result.transpose(Image.FLIP_LEFT_RIGHT)
+    pixels = np.asarray(result)
+    return pixels if stage.layout == "NHWC" else pixels.transpose(2, 0, 1)
