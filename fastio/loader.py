@@ -389,11 +389,6 @@ class StreamLoader:
         self._order_lock = threading.Lock()
         self.pack, self._packer = pack, None
         if pack is not None:
-            if transform is not None or collate is not None or self.stages or self.worker_mode == "process":
-                raise ValueError(
-                    "pack= makes batches of packed rows itself: it takes no transform, collate, stages or "
-                    "worker_mode='process' (its workers are threads)"
-                )
             self._packer = TokenPacker(
                 self._source,
                 pack,
@@ -409,6 +404,11 @@ class StreamLoader:
                     "shuffle_window": self.shuffle_window,
                 },
             )
+            if transform is not None or collate is not None or self.stages or self.worker_mode == "process":
+                raise ValueError(
+                    "pack= makes batches of packed rows itself: it takes no transform, collate, stages or "
+                    "worker_mode='process' (its workers are threads)"
+                )
 
     # -- the order -----------------------------------------------------------------------------------------
     @property

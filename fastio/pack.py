@@ -265,7 +265,7 @@ class _PackProducer:
             tokens.copy_(target)
         if pack.eos is not None:
             ends = end - cs[pos] == count + 1
-            tokens.view(-1)[torch.from_numpy(dst[ends] + copied[ends])] = pack.eos
+            tokens.view(-1).numpy()[dst[ends] + copied[ends]] = pack.eos
         lengths = end - begin
         if pack.document_ids:
             run_in_row = np.arange(len(run_row)) - np.searchsorted(run_row, run_row, "left")
