@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from collections.abc import Sequence
@@ -23,11 +24,13 @@ import torch
 __all__ = [
     "MappedFile",
     "MappedTable",
+    "TarScan",
     "backend",
     "default_threads",
     "gather_ranges",
     "gather_rows",
     "native",
+    "read_ranges",
     "scan_tar",
 ]
 
@@ -84,7 +87,9 @@ class MappedFile:
     """A whole file mapped read-only into memory, as a numpy uint8 array and a torch uint8 tensor.
 
     The mapping is private copy-on-write (``ACCESS_COPY``) so numpy and torch accept it as writable without a
-    warning; fastio never writes to it, so no page is ever copied.
+    warning; fastio never writes to it, so no page is ever copied. A file that shrinks while mapped would
+    fault (SIGBUS) on its lost pages: :meth:`check_size` says so first, with a
+    :class:`fastio.CorruptShardError`.
 
     Example::
 
@@ -105,8 +110,41 @@ class MappedFile:
         self.tensor = torch.from_numpy(self.array)
         self.address = int(self.array.ctypes.data) if self.size else 0
 
+    def current_size(self) -> int:
+        """The size of the mapped file now (an fstat of the mapping's own descriptor, so a file renamed over
+        this path does not count).
+
+        Example::
+
+            assert f.current_size() == f.size
+        """
+        return self._mmap.size() if self._mmap is not None else os.path.getsize(self.path)
+
+    def check_size(self) -> None:
+        """Raise :class:`fastio.CorruptShardError` when the file is no longer the size it was mapped at.
+
+        Example::
+
+            f.check_size()   # before reading from a file something else may truncate
+        """
+        actual = self.current_size()
+        if actual != self.size:
+            raise _truncated_error(self, actual)
+
     def __repr__(self) -> str:
         return f"MappedFile({Path(self.path).name!r}, {self.size} bytes)"
+
+
+def _truncated_error(file: MappedFile, actual: int, detail: str = "") -> Exception:
+    from fastio.errors import CorruptShardError
+
+    return CorruptShardError(
+        file.path,
+        "file size",
+        f"{file.size} bytes (as mapped)",
+        f"{actual} bytes",
+        "truncated while mapped" + (f"; {detail}" if detail else ""),
+    )
 
 
 class MappedTable:
@@ -121,6 +159,27 @@ class MappedTable:
         self.files = list(files)
         self.bases = np.array([f.address for f in self.files], dtype=np.int64)
         self.limits = np.array([f.size for f in self.files], dtype=np.int64)
+
+    def check_sizes(self, shard_ids: np.ndarray) -> None:
+        """:meth:`MappedFile.check_size` of every file ``shard_ids`` names (one fstat per distinct file).
+
+        Example::
+
+            table.check_sizes(np.array([0, 0, 2], np.int32))
+        """
+        if len(shard_ids) == 0:
+            return
+        one = (shard_ids == shard_ids[0]).all()
+        for shard in (int(shard_ids[0]),) if one else np.unique(shard_ids).tolist():
+            if 0 <= shard < len(self.files):
+                self.files[shard].check_size()
+
+    def raise_fault(self, shard_ids: np.ndarray, offsets: np.ndarray, sample: int) -> None:
+        """The error for a native copy that took SIGBUS at ``sample`` (its file shrank under the mapping)."""
+        file = self.files[int(shard_ids[sample])]
+        raise _truncated_error(
+            file, file.current_size(), f"SIGBUS reading sample {sample} at byte {int(offsets[sample])}"
+        )
 
 
 def _flat_bytes(out: torch.Tensor) -> torch.Tensor:
@@ -139,6 +198,9 @@ def gather_rows(
 ) -> None:
     """Copy ``row_nbytes`` bytes from ``(shard_ids[i], offsets[i])`` to row ``i`` of ``out``.
 
+    Raises :class:`fastio.CorruptShardError` for a file that shrank since it was mapped (checked before the
+    copy; the native copy also turns a SIGBUS during it into that error).
+
     Args:
         table: the mapped files ``shard_ids`` refer to.
         shard_ids: int32 ``[B]``, an index into ``table.files`` per sample.
@@ -156,10 +218,13 @@ def gather_rows(
     shard_ids = np.ascontiguousarray(shard_ids, dtype=np.int32)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     flat = _flat_bytes(out)
+    table.check_sizes(shard_ids)
     if _C is not None:
-        _C.gather_rows(
+        fault = _C.gather_rows(
             table.bases, table.limits, shard_ids, offsets, int(row_nbytes), flat.numpy(), int(num_threads)
         )
+        if fault >= 0:
+            table.raise_fault(shard_ids, offsets, fault)
         return
     batch = len(offsets)
     rows = flat[: batch * row_nbytes].view(batch, row_nbytes)
@@ -187,7 +252,8 @@ def gather_ranges(
     dst: np.ndarray | None = None,
 ) -> np.ndarray:
     """Copy variable-length ranges into ``out``: back to back, or to the byte offsets ``dst`` when given
-    (ranges must not overlap there); returns the int64 start of each in ``out``.
+    (ranges must not overlap there); returns the int64 start of each in ``out``. A file that shrank since it
+    was mapped raises :class:`fastio.CorruptShardError`, as in :func:`gather_rows`.
 
     Example::
 
@@ -206,10 +272,13 @@ def gather_ranges(
         if dst.shape != lengths.shape:
             raise ValueError(f"fastio gather_ranges: dst has shape {dst.shape}, lengths {lengths.shape}")
     flat = _flat_bytes(out)
+    table.check_sizes(shard_ids)
     if _C is not None:
-        _C.gather_ranges(
+        fault = _C.gather_ranges(
             table.bases, table.limits, shard_ids, offsets, lengths, dst, flat.numpy(), int(num_threads)
         )
+        if fault >= 0:
+            table.raise_fault(shard_ids, offsets, fault)
         return dst
     if len(lengths) and int((dst + lengths).max()) > len(flat) or (dst < 0).any():
         raise ValueError(
@@ -224,38 +293,182 @@ def gather_ranges(
     return dst
 
 
-def scan_tar(path: str) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """Names, data offsets and sizes of every regular file of a tar archive, in archive order.
+def read_ranges(
+    table: MappedTable, shard_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> list[bytes]:
+    """The bytes of each range, as :class:`bytes` objects, read through :func:`gather_ranges` (so a file
+    truncated while mapped raises :class:`fastio.CorruptShardError` rather than killing the process).
 
     Example::
 
-        names, offsets, sizes = scan_tar("data/shard-000000.tar")
+        texts = read_ranges(table, ids, offsets, lengths)
     """
-    if _C is not None:
-        try:
-            raw_names, offsets, sizes = _C.scan_tar(str(path))
-        except RuntimeError as exc:
-            from fastio.errors import CorruptShardError
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    payload = np.empty(int(lengths.sum()), dtype=np.uint8)
+    starts = gather_ranges(table, shard_ids, offsets, lengths, torch.from_numpy(payload))
+    raw = memoryview(payload)
+    return [raw[a : a + n].tobytes() for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
 
-            raise CorruptShardError(str(path), "tar header", "a well-formed tar archive", str(exc)) from None
-        names = [n.decode("utf-8", "surrogateescape") for n in raw_names]
-        return names, offsets, sizes
-    import tarfile
 
+@dataclasses.dataclass
+class TarScan:
+    """What one pass over a tar's headers found: every regular file's raw name, data offset and size, in
+    archive order, and ``problem``: empty, or why the archive fails the strict mode (a zero block followed by
+    more data, no end-of-archive marker).
+
+    Example::
+
+        scan = scan_tar("data/shard-000000.tar")
+        assert scan.problem == "" and len(scan.names) == len(scan.offsets)
+    """
+
+    names: list[bytes]
+    offsets: np.ndarray
+    sizes: np.ndarray
+    problem: str
+
+
+def scan_tar(path: str) -> TarScan:
+    """Scan a tar archive's headers (native C++, or :func:`_scan_tar_reference`, its twin in Python).
+
+    Raises :class:`fastio.CorruptShardError` naming the file, the byte and what is wrong for a malformed
+    header (checksum, a numeric field that is not octal or is negative, a bad pax record) or a member that
+    runs past the end of the file.
+
+    Example::
+
+        scan = scan_tar("data/shard-000000.tar")
+    """
     from fastio.errors import CorruptShardError
 
-    names, offsets, sizes = [], [], []
     try:
-        with tarfile.open(path, "r:") as archive:
-            for member in archive:
-                if member.isfile():
-                    names.append(member.name)
-                    offsets.append(member.offset_data)
-                    sizes.append(member.size)
-    except tarfile.TarError as exc:
+        if _C is not None:
+            names, offsets, sizes, problem = _C.scan_tar(str(path))
+            return TarScan(list(names), offsets, sizes, problem)
+        return _scan_tar_reference(str(path))
+    except (RuntimeError, ValueError) as exc:
         raise CorruptShardError(str(path), "tar header", "a well-formed tar archive", str(exc)) from None
-    total = os.path.getsize(path)
-    for name, start, size in zip(names, offsets, sizes, strict=True):
-        if start + size > total:
-            raise CorruptShardError(str(path), name, f"{size} bytes at {start}", f"file ends at {total}")
-    return names, np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64)
+
+
+_BLOCK = 512
+_MAX_NAME_RECORD = 1 << 20
+_MAX_PAX_HEADER = 1 << 24
+_INT64_MAX = (1 << 63) - 1
+
+
+def _tar_number(field: bytes, what: str, pos: int) -> int:
+    if field[0] & 0x80:
+        if field[0] & 0x40:
+            raise ValueError(f"{what} field is a negative base-256 number at byte {pos}")
+        value = int.from_bytes(bytes([field[0] & 0x3F]) + field[1:], "big")
+        if value > _INT64_MAX:
+            raise ValueError(f"{what} field (base-256) overflows int64 at byte {pos}")
+        return value
+    text = field.lstrip(b" ")
+    digits = len(text) - len(text.lstrip(b"01234567"))
+    if text[digits:].strip(b"\0 "):
+        raise ValueError(f"{what} field holds non-octal bytes {field!r} at byte {pos}")
+    return int(text[:digits], 8) if digits else 0
+
+
+def _tar_checksum_ok(header: bytes, pos: int) -> bool:
+    return _tar_number(header[148:156], "checksum", pos) == sum(header[:148]) + 8 * 32 + sum(header[156:])
+
+
+def _pax_records(data: bytes, pos: int) -> tuple[bytes, int]:
+    path, size, at = b"", -1, 0
+    while at < len(data):
+        if not data[at:].strip(b"\0"):
+            break
+        space = data.find(b" ", at)
+        digits = data[at:space] if space > at else b""
+        length = int(digits) if digits.isdigit() and len(digits) <= 18 else -1
+        end = at + length
+        if length < len(digits) + 4 or end > len(data) or data[end - 1 : end] != b"\n":
+            raise ValueError(f"pax header record at offset {at} has a bad length at byte {pos}")
+        key, eq, value = data[space + 1 : at + length - 1].partition(b"=")
+        if not eq:
+            raise ValueError(f"pax header record at offset {at} has no '=' at byte {pos}")
+        if key == b"path":
+            path = value
+        elif key == b"size":
+            if not value.isdigit() or int(value) > _INT64_MAX - 9:
+                raise ValueError(f"pax size {value!r} is not a non-negative int64 at byte {pos}")
+            size = int(value)
+        at += length
+    return path, size
+
+
+def _scan_tar_reference(path: str) -> TarScan:
+    """The Python twin of the native ``scan_tar`` (csrc/io/tar_scan.cpp): the same members, the same
+    refusals, the same ``problem`` text. Used without the native module, and as the tests' oracle."""
+    names, offsets, sizes = [], [], []
+    problem = ""
+    with open(path, "rb") as fh:
+        file_size = os.fstat(fh.fileno()).st_size
+
+        def read(offset: int, n: int) -> bytes:
+            data = os.pread(fh.fileno(), n, offset)
+            if len(data) != n:
+                raise ValueError(f"short read at byte {offset + len(data)}")
+            return data
+
+        long_name, pax_size, pos = b"", -1, 0
+        while True:
+            if pos >= file_size:
+                problem = f"no end-of-archive marker: file ends at {file_size} after {len(names)} members"
+                break
+            if pos + _BLOCK > file_size:
+                raise ValueError(f"truncated: a partial header at byte {pos}, the file ends at {file_size}")
+            h = read(pos, _BLOCK)
+            if not any(h):
+                tail = pos + _BLOCK
+                while tail < file_size:
+                    chunk = read(tail, min(1 << 16, file_size - tail))
+                    stripped = chunk.lstrip(b"\0")
+                    if stripped:
+                        block = (tail + len(chunk) - len(stripped)) // _BLOCK * _BLOCK
+                        after = read(block, min(_BLOCK, file_size - block))
+                        try:
+                            header = len(after) == _BLOCK and _tar_checksum_ok(after, block)
+                        except ValueError:
+                            header = False
+                        found = "a member header" if header else "non-zero data (a damaged header?)"
+                        problem = f"zero block at byte {pos} followed by {found} at byte {block}"
+                        break
+                    tail += len(chunk)
+                break
+            if not _tar_checksum_ok(h, pos):
+                raise ValueError(f"bad tar header checksum at byte {pos}")
+            size = _tar_number(h[124:136], "size", pos)
+            kind = h[156:157]
+            if kind not in (b"x", b"g") and pax_size >= 0:
+                size = pax_size
+            data_offset = pos + _BLOCK
+            if size > file_size - data_offset:
+                raise ValueError(f"member at byte {pos} claims {size} bytes but the file ends at {file_size}")
+            if kind == b"L":
+                if size > _MAX_NAME_RECORD:
+                    raise ValueError(f"GNU long name of {size} bytes at byte {pos}")
+                long_name = read(data_offset, size).split(b"\0", 1)[0]
+            elif kind == b"x":
+                if size > _MAX_PAX_HEADER:
+                    raise ValueError(f"pax header of {size} bytes at byte {pos}")
+                pax_path, pax_size = _pax_records(read(data_offset, size), pos)
+                if pax_path:
+                    long_name = pax_path
+            elif kind in (b"0", b"\0", b"7"):
+                name = long_name
+                if not name:
+                    name = h[:100].split(b"\0", 1)[0]
+                    prefix = h[345:500].split(b"\0", 1)[0]
+                    if h[257:262] == b"ustar" and prefix:
+                        name = prefix + b"/" + name
+                names.append(name)
+                offsets.append(data_offset)
+                sizes.append(size)
+                long_name, pax_size = b"", -1
+            elif kind != b"g":
+                long_name, pax_size = b"", -1
+            pos = data_offset + (size + _BLOCK - 1) // _BLOCK * _BLOCK
+    return TarScan(names, np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64), problem)

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio._native import MappedTable, gather_ranges, gather_rows
+from fastio._native import MappedTable, gather_ranges, gather_rows, read_ranges
+from fastio.errors import CorruptShardError
 from fastio.format.decode import INT_EXTENSIONS, decode_default, last_extension, npy_header
 from fastio.format.reader import ShardSet
 from fastio.format.tar import TarShardSet
@@ -222,12 +223,21 @@ class ShardSource(_MappedSource):
             lengths[mask] = offsets[local[mask] + 1] - first
         total = int(lengths.sum())
         if field.kind in ("bytes", "str"):
-            files = self.table.files
-            raw = [
-                files[s].array[a : a + n].tobytes()
-                for s, a, n in zip(shard_ids.tolist(), src.tolist(), lengths.tolist(), strict=True)
-            ]
-            return (raw if field.kind == "bytes" else [r.decode("utf-8") for r in raw]), total
+            raw = read_ranges(self.table, shard_ids, src, lengths)
+            if field.kind == "bytes":
+                return raw, total
+            texts = []
+            for row, data in enumerate(raw):
+                try:
+                    texts.append(data.decode("utf-8"))
+                except UnicodeDecodeError:
+                    raise CorruptShardError(
+                        self.table.files[int(shard_ids[row])].path,
+                        f"{name}[{int(local[row])}]",
+                        "UTF-8 text",
+                        repr(data[:40]),
+                    ) from None
+            return texts, total
         payload = buffers.payload(name, total)
         gather_ranges(self.table, shard_ids, src, lengths, payload, threads)
         typed = payload.view(torch_dtype(field.np_dtype))
@@ -286,25 +296,40 @@ class TarSource(_MappedSource):
         if (sizes != sizes[0]).any():
             return None
         shard0 = self.table.files[int(self._shard_of[0])]
-        dtype, shape, fortran, header = npy_header(shard0.array[offsets[0] : offsets[0] + sizes[0]])
+        field = next(f for f, (o, _) in self.columns.items() if o is offsets)
+        first = read_ranges(self.table, self._shard_of[:1], offsets[:1], sizes[:1])[0]
+        try:
+            dtype, shape, fortran, header = npy_header(first)
+        except ValueError as exc:
+            member = f"{self.keys[0]}.{field}"
+            raise CorruptShardError(shard0.path, member, "a .npy header", str(exc)) from None
         if fortran or dtype.hasobject or not dtype.isnative:
             return None
-        reference = shard0.array[offsets[0] : offsets[0] + header]
-        span = np.arange(header)
-        for s, file in enumerate(self.table.files):
-            rows = offsets[self.cumulative[s] : self.cumulative[s + 1]]
-            for chunk in range(0, len(rows), 1 << 16):  # bounded scratch memory for huge shards
-                heads = file.array[rows[chunk : chunk + (1 << 16), None] + span]
-                if (heads != reference).any():
-                    return None
+        payload = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if int(sizes[0]) - header != payload:  # every member has this size and (below) this header
+            raise CorruptShardError(
+                shard0.path,
+                f"{self.keys[0]}.{field}",
+                f"{payload} bytes of {dtype} {tuple(shape)} after the {header}-byte .npy header",
+                f"{int(sizes[0]) - header} bytes",
+            )
+        reference = torch.frombuffer(bytearray(first[:header]), dtype=torch.uint8)
+        step = 1 << 16  # bounded scratch memory for huge shards
+        heads = torch.empty((min(step, len(offsets)), header), dtype=torch.uint8)
+        for chunk in range(0, len(offsets), step):
+            rows = slice(chunk, chunk + step)
+            out = heads[: len(offsets[rows])]
+            gather_rows(self.table, self._shard_of[rows], offsets[rows], header, out)
+            if (out != reference).any():
+                return None
         return dtype, shape, header
 
     def _decode_ints(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         files = self.table.files
         return np.array(
             [
-                int(files[s].array[o : o + n].tobytes())
-                for s, o, n in zip(self._shard_of.tolist(), offsets.tolist(), sizes.tolist(), strict=True)
+                decode_default(field, data, path=files[s].path, member=f"{key}.{field}")
+                for s, key, data in zip(self._shard_of.tolist(), self.keys.tolist(), raw, strict=True)
             ],
             dtype=np.int64,
         )
@@ -340,24 +365,25 @@ class TarSource(_MappedSource):
             if name in batch:
                 continue
             offsets, sizes = self.columns[name]
-            values = []
-            columns = (shard_ids.tolist(), offsets[indices].tolist(), sizes[indices].tolist())
-            for s, o, n in zip(*columns, strict=True):
-                if n < 0:
-                    values.append(None)
-                    continue
-                data = files[s].array[o : o + n]
-                decoded += n
+            sizes = sizes[indices]
+            present = np.flatnonzero(sizes >= 0)
+            raw = read_ranges(self.table, shard_ids[present], offsets[indices][present], sizes[present])
+            values = [None] * len(indices)
+            for row, data in zip(present.tolist(), raw, strict=True):
+                decoded += len(data)
                 if callable(self.decode):
-                    values.append(self.decode(name, data.tobytes()))
+                    values[row] = self.decode(name, data)
                 else:
-                    values.append(decode_default(name, data, images=self.decode))
+                    path, member = files[int(shard_ids[row])].path, f"{batch['__key__'][row]}.{name}"
+                    values[row] = decode_default(name, data, images=self.decode, path=path, member=member)
             batch[name] = values
         times.add("decode_transform", time.perf_counter() - read_done, decoded)
         return batch
 
 
+        field = next(f for f, (o, _) in self.columns.items() if o is offsets)
 class DatasetSource:
+        raw = read_ranges(self.table, self._shard_of, offsets, sizes)
     """A map-style ``torch.utils.data.Dataset`` as a batch source: whole batches through ``__getitems__``
     where the dataset has it, else one ``__getitem__`` per sample. Returns the list of samples.
 
@@ -389,7 +415,10 @@ class DatasetSource:
 
 
 def open_source(
-    source: Any, decode: Callable[[str, bytes], Any] | str | None = None, verify: bool | None = None
+    source: Any,
+    decode: Callable[[str, bytes], Any] | str | None = None,
+    verify: bool | None = None,
+    tar_strict: bool = True,
 ) -> ShardSource | TarSource | DatasetSource:
     """The batch source for what :class:`fastio.StreamLoader` was given.
 
@@ -405,10 +434,12 @@ def open_source(
         if os.path.isdir(text):
             return ShardSource(ShardSet(text, verify=verify))
         if text.endswith(".tar") or any(c in text for c in "*?[{"):
-            return TarSource(TarShardSet(text), decode=decode)
+            return TarSource(TarShardSet(text, strict=tar_strict), decode=decode)
         if not os.path.exists(text):
             raise FileNotFoundError(f"{text}: no such shard directory or tar shard")
         raise ValueError(f"{text}: expected a fastio shard directory or WebDataset .tar shards")
     if isinstance(source, Sequence) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
-        return TarSource(TarShardSet([os.fspath(s) for s in source]), decode=decode)
+        return TarSource(TarShardSet([os.fspath(s) for s in source], strict=tar_strict), decode=decode)
     return DatasetSource(source)
+    ``tar_strict`` is :class:`TarShardSet`'s ``strict``: refuse tars without a clean end-of-archive marker.
+

@@ -2,15 +2,19 @@
 //
 // The Python side (fastio/_native.py) hands in the base address and mapped length of every shard it has open,
 // plus, per sample of the batch, which shard and which byte offset to read. Every range is checked against its
-// shard's mapped length before any byte is copied, so a bad plan raises instead of reading past a mapping.
+// shard's mapped length before any byte is copied, so a bad plan raises instead of reading past a mapping. The
+// copies run under a SIGBUS guard (sigbus_guard.h): a file truncated while mapped makes the gather return the
+// faulting sample instead of killing the process.
 #include "io/gather.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "io/parallel.h"
+#include "io/sigbus_guard.h"
 
 namespace fastio {
 
@@ -41,9 +45,17 @@ int pick_threads(int requested, int64_t total_bytes) {
   return requested;
 }
 
+// The smallest faulting sample seen by any thread (-1: none).
+void record_fault(std::atomic<int64_t>& fault, int64_t sample) {
+  if (sample < 0) return;
+  int64_t seen = fault.load();
+  while ((seen < 0 || sample < seen) && !fault.compare_exchange_weak(seen, sample)) {
+  }
+}
+
 }  // namespace
 
-void gather_rows(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
+int64_t gather_rows(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
                  const int64_t* offsets, int64_t batch, int64_t row_nbytes, uint8_t* out, int64_t out_nbytes,
                  int num_threads) {
   if (batch * row_nbytes > out_nbytes) {
@@ -53,15 +65,18 @@ void gather_rows(const int64_t* bases, const int64_t* limits, int64_t num_shards
   check_ranges(limits, num_shards, shard_ids, offsets, nullptr, row_nbytes, batch);
   const int threads = pick_threads(num_threads, batch * row_nbytes);
   const int64_t rows_per_chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(row_nbytes, 1));
+  ensure_sigbus_handler();
+  std::atomic<int64_t> fault{-1};
   parallel_chunks(batch, rows_per_chunk, threads, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto* src = reinterpret_cast<const uint8_t*>(bases[shard_ids[i]]) + offsets[i];
-      std::memcpy(out + i * row_nbytes, src, static_cast<size_t>(row_nbytes));
-    }
+    record_fault(fault, guarded_for(begin, end, [&](int64_t i) {
+                   const auto* src = reinterpret_cast<const uint8_t*>(bases[shard_ids[i]]) + offsets[i];
+                   std::memcpy(out + i * row_nbytes, src, static_cast<size_t>(row_nbytes));
+                 }));
   });
+  return fault.load();
 }
 
-void gather_ranges(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
+int64_t gather_ranges(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
                    const int64_t* offsets, const int64_t* lengths, const int64_t* dst_offsets, int64_t batch,
                    uint8_t* out, int64_t out_nbytes, int num_threads) {
   check_ranges(limits, num_shards, shard_ids, offsets, lengths, 0, batch);
@@ -75,12 +90,15 @@ void gather_ranges(const int64_t* bases, const int64_t* limits, int64_t num_shar
   }
   const int threads = pick_threads(num_threads, total);
   const int64_t items_per_chunk = std::max<int64_t>(1, kChunkBytes * batch / std::max<int64_t>(total, 1));
+  ensure_sigbus_handler();
+  std::atomic<int64_t> fault{-1};
   parallel_chunks(batch, items_per_chunk, threads, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto* src = reinterpret_cast<const uint8_t*>(bases[shard_ids[i]]) + offsets[i];
-      std::memcpy(out + dst_offsets[i], src, static_cast<size_t>(lengths[i]));
-    }
+    record_fault(fault, guarded_for(begin, end, [&](int64_t i) {
+                   const auto* src = reinterpret_cast<const uint8_t*>(bases[shard_ids[i]]) + offsets[i];
+                   std::memcpy(out + dst_offsets[i], src, static_cast<size_t>(lengths[i]));
+                 }));
   });
+  return fault.load();
 }
 
 }  // namespace fastio

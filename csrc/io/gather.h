@@ -7,13 +7,16 @@
 
 namespace fastio {
 
+// Both gathers return -1, or the first sample whose source page faulted with SIGBUS (its file shrank under
+// the mapping): the copy of that sample stopped there and the caller must not use the output.
+
 // out[i * row_nbytes : (i + 1) * row_nbytes] = shard[shard_ids[i]][offsets[i] : offsets[i] + row_nbytes]
-void gather_rows(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
+int64_t gather_rows(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
                  const int64_t* offsets, int64_t batch, int64_t row_nbytes, uint8_t* out, int64_t out_nbytes,
                  int num_threads);
 
 // out[dst_offsets[i] : dst_offsets[i] + lengths[i]] = shard[shard_ids[i]][offsets[i] : offsets[i] + lengths[i]]
-void gather_ranges(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
+int64_t gather_ranges(const int64_t* bases, const int64_t* limits, int64_t num_shards, const int32_t* shard_ids,
                    const int64_t* offsets, const int64_t* lengths, const int64_t* dst_offsets, int64_t batch,
                    uint8_t* out, int64_t out_nbytes, int num_threads);
 
@@ -23,8 +26,14 @@ struct TarMember {
   int64_t size;
 };
 
-// Every regular file of a ustar/GNU/pax tar archive, in archive order. Throws std::runtime_error naming the
-// archive and the byte position on a bad header checksum or a member that runs past the end of the file.
-std::vector<TarMember> scan_tar(const std::string& path);
+struct TarScan {
+  std::vector<TarMember> members;  // up to the end-of-archive marker (or the end of the file)
+  std::string problem;             // empty, or what makes the archive unfit for the strict mode
+};
+
+// Every regular file of a ustar/GNU/pax tar archive, in archive order. Throws std::runtime_error saying what
+// and at which byte on a malformed header (checksum, a numeric field, a pax record) or a member that runs past
+// the end of the file. A zero block followed by more data, or no end-of-archive marker, lands in `problem`.
+TarScan scan_tar(const std::string& path);
 
 }  // namespace fastio

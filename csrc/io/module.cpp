@@ -1,5 +1,6 @@
 // Python bindings of fastio._C. Index arrays arrive as C-contiguous numpy arrays of the exact dtype (pybind11
 // checks, without converting), the output as any writable contiguous buffer; the GIL is released while copying.
+// The gathers return -1, or the first sample whose read faulted (SIGBUS: the file shrank under its mapping).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -27,18 +28,18 @@ void check_batch(const char* what, int64_t expected, int64_t actual) {
   }
 }
 
-void gather_rows(I64 bases, I64 limits, I32 shard_ids, I64 offsets, int64_t row_nbytes, py::buffer out,
+int64_t gather_rows(I64 bases, I64 limits, I32 shard_ids, I64 offsets, int64_t row_nbytes, py::buffer out,
                  int num_threads) {
   check_batch("limits", bases.size(), limits.size());
   check_batch("offsets", shard_ids.size(), offsets.size());
   int64_t out_nbytes = 0;
   uint8_t* dst = writable(out, &out_nbytes);
   py::gil_scoped_release release;
-  fastio::gather_rows(bases.data(), limits.data(), bases.size(), shard_ids.data(), offsets.data(), shard_ids.size(),
+  return fastio::gather_rows(bases.data(), limits.data(), bases.size(), shard_ids.data(), offsets.data(), shard_ids.size(),
                       row_nbytes, dst, out_nbytes, num_threads);
 }
 
-void gather_ranges(I64 bases, I64 limits, I32 shard_ids, I64 offsets, I64 lengths, I64 dst_offsets, py::buffer out,
+int64_t gather_ranges(I64 bases, I64 limits, I32 shard_ids, I64 offsets, I64 lengths, I64 dst_offsets, py::buffer out,
                    int num_threads) {
   check_batch("limits", bases.size(), limits.size());
   check_batch("offsets", shard_ids.size(), offsets.size());
@@ -47,16 +48,17 @@ void gather_ranges(I64 bases, I64 limits, I32 shard_ids, I64 offsets, I64 length
   int64_t out_nbytes = 0;
   uint8_t* dst = writable(out, &out_nbytes);
   py::gil_scoped_release release;
-  fastio::gather_ranges(bases.data(), limits.data(), bases.size(), shard_ids.data(), offsets.data(), lengths.data(),
+  return fastio::gather_ranges(bases.data(), limits.data(), bases.size(), shard_ids.data(), offsets.data(), lengths.data(),
                         dst_offsets.data(), shard_ids.size(), dst, out_nbytes, num_threads);
 }
 
 py::tuple scan_tar(const std::string& path) {
-  std::vector<fastio::TarMember> members;
+  fastio::TarScan scan;
   {
     py::gil_scoped_release release;
-    members = fastio::scan_tar(path);
+    scan = fastio::scan_tar(path);
   }
+  const std::vector<fastio::TarMember>& members = scan.members;
   py::list names;
   I64 offsets(static_cast<py::ssize_t>(members.size()));
   I64 sizes(static_cast<py::ssize_t>(members.size()));
@@ -67,7 +69,7 @@ py::tuple scan_tar(const std::string& path) {
     off(i) = members[i].offset;
     siz(i) = members[i].size;
   }
-  return py::make_tuple(names, offsets, sizes);
+  return py::make_tuple(names, offsets, sizes, py::str(scan.problem));
 }
 
 }  // namespace

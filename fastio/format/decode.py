@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastio.errors import CorruptShardError
+
 __all__ = ["IMAGE_EXTENSIONS", "INT_EXTENSIONS", "decode_default", "npy_header"]
 
 INT_EXTENSIONS = frozenset({"cls", "cls2", "class", "count", "index", "inx", "id"})
@@ -56,41 +58,83 @@ def npy_header(data: bytes | memoryview | np.ndarray) -> tuple[np.dtype, tuple[i
     return np.dtype(dtype), tuple(shape), bool(fortran), fp.tell()
 
 
-def _npy(data: np.ndarray) -> torch.Tensor:
-    dtype, shape, fortran, start = npy_header(data)
+def _short(raw: bytes) -> str:
+    return repr(raw[:40]) + (f" ... ({len(raw)} bytes)" if len(raw) > 40 else "")
+
+
+def _npy(data: np.ndarray, path: str, member: str) -> torch.Tensor:
+    try:
+        dtype, shape, fortran, start = npy_header(data)
+    except ValueError as exc:
+        raise CorruptShardError(path, member, "a .npy header", str(exc)) from None
     if dtype.hasobject:
         raise ValueError(".npy with object dtype is refused (it would need pickle)")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(data) - start != expected:
+        raise CorruptShardError(
+            path,
+            member,
+            f"{expected} bytes of {dtype} {tuple(shape)} after the {start}-byte .npy header",
+            f"{len(data) - start} bytes",
+        )
     arr = data[start:].view(dtype)
-    arr = arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    arr = np.ascontiguousarray(arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape))
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
-def decode_default(ext: str, data: bytes | memoryview | np.ndarray, images: str | None = None) -> Any:
+def _pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise ImportError(
+            'decode="pil" needs Pillow, which is not installed: pip install "fastcomm[image]" '
+            f"(or pip install Pillow); {exc}"
+        ) from exc
+    return Image
+
+
+def decode_default(
+    ext: str,
+    data: bytes | memoryview | np.ndarray,
+    images: str | None = None,
+    path: str = "<bytes>",
+    member: str | None = None,
+) -> Any:
     """Decode one tar member by its extension.
 
     ``.npy`` -> tensor; ``cls``/``index``/... -> int; ``txt`` -> str; ``json`` -> object; images -> uint8
     ``[H, W, C]`` tensor when ``images="pil"`` (Pillow), else bytes; anything else (``pyd``/``pickle``
     included: never unpickled) -> bytes.
 
+    A member whose bytes do not hold what its extension says (a ``.npy`` payload shorter or longer than its
+    header's shape, an int that is not decimal digits, text or JSON that is not UTF-8) raises
+    :class:`fastio.CorruptShardError` naming ``path`` and ``member`` (default: the extension).
+
     Example::
 
         decode_default("x.npy", open("x.npy", "rb").read()).shape
     """
     kind = last_extension(ext)
+    member = member or ext
     if kind == "npy":
         arr = data if isinstance(data, np.ndarray) else np.frombuffer(bytes(data), np.uint8)
-        return _npy(arr)
+        return _npy(arr, path, member)
     raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
-    if kind in INT_EXTENSIONS:
-        return int(raw)
-    if kind in TEXT_EXTENSIONS:
-        return raw.decode("utf-8")
-    if kind in JSON_EXTENSIONS:
-        return json.loads(raw)
+    try:
+        if kind in INT_EXTENSIONS:
+            return int(raw)
+        if kind in TEXT_EXTENSIONS:
+            return raw.decode("utf-8")
+        if kind in JSON_EXTENSIONS:
+            return json.loads(raw)
+    except ValueError as exc:  # int(), UnicodeDecodeError and JSONDecodeError are all ValueErrors
+        what = (
+            "JSON" if kind in JSON_EXTENSIONS else "UTF-8 text" if kind in TEXT_EXTENSIONS else "an integer"
+        )
+        raise CorruptShardError(path, member, what, f"{_short(raw)} ({type(exc).__name__})") from None
     if kind in IMAGE_EXTENSIONS and images == "pil":
-        from PIL import Image
-
-        with Image.open(io.BytesIO(raw)) as img:
+        image = _pil()
+        with image.open(io.BytesIO(raw)) as img:
             arr = np.asarray(img.convert("RGB") if img.mode not in ("L", "RGB", "RGBA") else img)
         return torch.from_numpy(np.array(arr, copy=True))
     return raw

@@ -80,10 +80,14 @@ class ShardReader:
             raise CorruptShardError(
                 self.path, "header", f"crc32 {header_crc:#010x}", f"crc32 {zlib.crc32(header_bytes):#010x}"
             )
-        header = json.loads(header_bytes)
-        self.num_samples = int(header["num_samples"])
-        self.schema: Schema = schema_from_json(header["schema"])
-        self.sections: dict[str, dict[str, list[int]]] = header["sections"]
+        header = _parse_json(self.path, "header", header_bytes)
+        self.num_samples = _get(self.path, header, "num_samples", int)
+        self.schema: Schema = _schema(self.path, _get(self.path, header, "schema", dict))
+        self.sections: dict[str, dict[str, list[int]]] = _sections(
+            self.path, _get(self.path, header, "sections", dict), self.schema
+        )
+        if self.num_samples < 0:
+            raise CorruptShardError(self.path, "num_samples", ">= 0", self.num_samples)
         self._views: dict[str, Any] = {}
         for name, field in self.schema.items():
             sec = self.sections[name]
@@ -112,7 +116,9 @@ class ShardReader:
                         f"{8 * (self.num_samples + 1)} bytes",
                         f"{onbytes} bytes",
                     )
-                offsets = raw[ostart : ostart + onbytes].view(np.int64)
+                # A copy, not a view: the loader indexes it every batch, and a copy cannot fault (SIGBUS) if
+                # the file is truncated while mapped. 8 bytes per sample.
+                offsets = raw[ostart : ostart + onbytes].view(np.int64).copy()
                 if offsets[0] != 0 or offsets[-1] != nbytes or (np.diff(offsets) < 0).any():
                     raise CorruptShardError(
                         self.path,
@@ -189,8 +195,85 @@ class ShardReader:
         if field.kind == "bytes":
             return data.tobytes()
         if field.kind == "str":
-            return data.tobytes().decode("utf-8")
+            try:
+                return data.tobytes().decode("utf-8")
+            except UnicodeDecodeError:
+                raise CorruptShardError(
+                    self.path, f"{name}[{index}]", "UTF-8 text", repr(data[:40].tobytes())
+                ) from None
         return data.view(field.np_dtype).reshape((-1, *field.shape))
+
+
+def _parse_json(path: str, field: str, raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
+        raise CorruptShardError(path, field, "UTF-8 JSON", f"{type(exc).__name__}: {exc}") from None
+
+
+def _get(path: str, mapping: dict[str, Any], key: str, kind: type) -> Any:
+    """``mapping[key]``, which must exist and be a ``kind`` (a bool is no int here)."""
+    if key not in mapping:
+        raise CorruptShardError(path, key, f"a {kind.__name__}", "no such key")
+    value = mapping[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CorruptShardError(path, key, f"a {kind.__name__}", f"{type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _schema(path: str, data: dict[str, Any]) -> Schema:
+    try:
+        return schema_from_json(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptShardError(path, "schema", "{field: {kind, dtype, shape}}", f"{exc!r:.200}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sections(path: str, data: dict[str, Any], schema: Schema) -> dict[str, dict[str, list[int]]]:
+    for name, field in schema.items():
+        parts = ("data",) if field.kind == "fixed" else ("data", "offsets")
+        sec = data.get(name)
+        ok = isinstance(sec, dict) and all(
+            isinstance(sec.get(p), list) and len(sec[p]) == 3 and all(map(_is_int, sec[p])) for p in parts
+        )
+        if not ok:
+            expected = "{" + ", ".join(f"{p!r}: [offset, nbytes, crc32]" for p in parts) + "}"
+            raise CorruptShardError(path, f"sections.{name}", expected, f"{sec!r:.120}")
+    return data
+
+
+def _shard_paths(directory: Path, index_path: str, entries: list[Any]) -> list[Path]:
+    """The shard file of every ``index.json`` entry: a relative name inside ``directory`` (after resolving
+    symlinks), listed once, with integer ``num_samples`` and ``file_nbytes``."""
+    root = directory.resolve()
+    seen: dict[Path, int] = {}
+    paths = []
+    for i, entry in enumerate(entries):
+        label = f"shards[{i}]"
+        if not isinstance(entry, dict):
+            raise CorruptShardError(index_path, label, "an object", type(entry).__name__)
+        name = _get(index_path, entry, "file", str)
+        for key in ("num_samples", "file_nbytes"):
+            _get(index_path, entry, key, int)
+        path = directory / name
+        resolved = path.resolve()
+        if os.path.isabs(name) or not resolved.is_relative_to(root) or resolved == root:
+            raise CorruptShardError(
+                index_path, f"{label}.file", f"a file inside {root}", f"{name!r} (resolves to {resolved})"
+            )
+        if resolved in seen:
+            raise CorruptShardError(
+                index_path,
+                f"{label}.file",
+                "each shard listed once",
+                f"{name!r} also at shards[{seen[resolved]}]",
+            )
+        seen[resolved] = i
+        paths.append(path)
+    return paths
 
 
 class ShardSet:
@@ -224,16 +307,15 @@ class ShardSet:
                     "(ShardWriter.close() writes index.json)",
                 )
             raise EmptySourceError(f"{self.directory}: empty directory (no {INDEX_NAME} and no shards)")
-        try:
-            index = json.loads(index_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CorruptShardError(str(index_path), "index", "valid JSON", str(exc)) from None
-        if index.get("format") != "fastio-shards":
-            raise CorruptShardError(str(index_path), "format", "fastio-shards", index.get("format"))
-        self.schema: Schema = schema_from_json(index["schema"])
+        where = str(index_path)
+        index = _parse_json(where, "index", index_path.read_bytes())
+        if not isinstance(index, dict) or index.get("format") != "fastio-shards":
+            found = index.get("format") if isinstance(index, dict) else type(index).__name__
+            raise CorruptShardError(where, "format", "fastio-shards", found)
+        self.schema: Schema = _schema(where, _get(where, index, "schema", dict))
+        entries = _get(where, index, "shards", list)
         self.readers: list[ShardReader] = []
-        for entry in index["shards"]:
-            path = self.directory / entry["file"]
+        for path, entry in zip(_shard_paths(self.directory, where, entries), entries, strict=True):
             if not path.exists():
                 raise FileNotFoundError(f"{path}: listed in {index_path} but missing")
             actual_size = path.stat().st_size

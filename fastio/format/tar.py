@@ -1,12 +1,15 @@
 """WebDataset tar shards read in place: a one-pass index (:func:`index_tar`) and a set of indexed shards.
 
-1. :func:`index_tar` scans the headers once (C++ ``scan_tar``, Python ``tarfile`` without the native
+1. :func:`index_tar` scans the headers once (C++ ``scan_tar``, its Python twin without the native
    module), groups consecutive members by WebDataset key (the path up to the first dot of the file name:
    ``a/b.x.npy`` -> key ``a/b``, field ``x.npy``), and writes a sidecar ``<shard>.fidx`` (an ``.npz``:
    keys, field names, offsets and sizes per sample and field, and the tar's size and mtime).
 2. :class:`TarShardSet` maps every tar and serves samples by slicing the mapping: no extraction, no tar
-   parsing per sample. A sidecar whose recorded size or mtime no longer matches its tar is rebuilt (or raises
-   :class:`fastio.MissingIndexError` with ``build=False``).
+   parsing per sample. A sidecar whose recorded size, mtime or content fingerprint no longer matches its tar
+   is rebuilt (or raises :class:`fastio.MissingIndexError` with ``build=False``); one whose offsets the tar
+   cannot hold raises :class:`fastio.CorruptShardError`.
+3. Strict by default: a tar that does not end in a clean end-of-archive marker is refused (``strict=False``
+   reads the members before the damage).
 
 Example::
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +34,7 @@ from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError
 __all__ = ["INDEX_SUFFIX", "TarIndex", "TarShardSet", "expand_pattern", "index_tar", "load_tar_index"]
 
 INDEX_SUFFIX = ".fidx"
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2
 
 
 class TarIndex:
@@ -66,8 +70,91 @@ def _tar_identity(path: str) -> np.ndarray:
     return np.array([_INDEX_VERSION, st.st_size, st.st_mtime_ns], dtype=np.int64)
 
 
-def index_tar(path: str | os.PathLike[str], write: bool = True) -> TarIndex:
+_EDGE_BYTES = 1 << 16
+_SAMPLED_HEADERS = 1024
+
+
+def _tar_fingerprint(path: str, offsets: np.ndarray) -> np.ndarray:
+    """crc32 of the tar's first and last 64 KiB and of up to 1024 member header blocks spread evenly over the
+    archive (the 512 bytes before each sampled member's data): a few hundred KiB read at most.
+
+    Catches a same-size tar whose mtime was copied but whose contents differ anywhere in those bytes: another
+    first or last member, any change of name, size, mtime or order of the sampled members (a header holds all
+    of them). It misses edits inside member data between the edges, which the index does not depend on.
+    """
+    starts = np.sort(offsets[offsets >= 0].ravel())
+    picked = starts[np.linspace(0, len(starts) - 1, min(len(starts), _SAMPLED_HEADERS)).astype(np.int64)]
+    crc = 0
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        crc = zlib.crc32(os.pread(fh.fileno(), _EDGE_BYTES, 0), crc)
+        crc = zlib.crc32(os.pread(fh.fileno(), _EDGE_BYTES, max(0, size - _EDGE_BYTES)), crc)
+        for start in picked.tolist():
+            crc = zlib.crc32(os.pread(fh.fileno(), 512, max(0, start - 512)), crc)
+    return np.array([crc, len(picked)], dtype=np.int64)
+
+
+def _check_index(sidecar: str, tar_size: int, index: TarIndex) -> None:
+    """Refuse a sidecar whose offsets the tar cannot hold: every present member's data must start after a
+    header block, on a block boundary, end inside the tar, and not overlap another member or its header."""
+    n, f = len(index.keys), len(index.fields)
+    for name, array in (("offsets", index.offsets), ("sizes", index.sizes)):
+        if array.shape != (n, f) or array.dtype != np.int64:
+            raise CorruptShardError(
+                sidecar, name, f"int64 {(n, f)} (keys x fields)", f"{array.dtype} {array.shape}"
+            )
+    present = index.offsets != -1
+    if (index.sizes[~present] != -1).any():
+        raise CorruptShardError(sidecar, "sizes", "-1 where a member is absent", "a size without an offset")
+    starts, sizes = index.offsets[present], index.sizes[present]
+    if len(starts) == 0:
+        return
+    bad = (starts < 512) | (starts % 512 != 0) | (sizes < 0) | (sizes > tar_size - starts)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise CorruptShardError(
+            sidecar,
+            "offsets",
+            f"block-aligned member data in [512, {tar_size}) of the tar",
+            f"{int(sizes[k])} bytes at {int(starts[k])}",
+        )
+    order = np.argsort(starts, kind="stable")
+    starts, sizes = starts[order], sizes[order]
+    padded_ends = starts + (sizes + 511) // 512 * 512
+    overlap = starts[1:] < padded_ends[:-1] + 512
+    if overlap.any():
+        k = int(np.flatnonzero(overlap)[0])
+        raise CorruptShardError(
+            sidecar,
+            "offsets",
+            f"members apart by a header block (the next after {int(padded_ends[k]) + 512})",
+            f"a member at {int(starts[k + 1])} after {int(sizes[k])} bytes at {int(starts[k])}",
+        )
+
+
+def _raise_problem(path: str, problem: str) -> None:
+    raise CorruptShardError(
+        path,
+        "end of archive",
+        "members up to an end-of-archive marker, then only zeros",
+        problem,
+        "strict tar mode; pass strict=False to read the members before it",
+    )
+
+
+def index_tar(path: str | os.PathLike[str], write: bool = True, strict: bool = True) -> TarIndex:
     """Scan ``path`` once and write its sidecar index ``<path>.fidx`` (atomically); returns the index.
+
+    Args:
+        path: the tar shard.
+        write: write the sidecar (skipped quietly where the directory is read-only).
+        strict: refuse an archive whose end is not a clean end-of-archive marker: a zero block followed by
+            more data (a zeroed header, concatenated archives) or a file that ends without the marker (cut at
+            a block boundary). With ``strict=False`` the members before that point are indexed and served.
+            GNU tar's two zero blocks and its padding to a 10 KiB record are clean either way.
+
+    Raises :class:`fastio.CorruptShardError` for a malformed header, a member running past the end, a member
+    name that is not UTF-8, or (strict) the endings above; the error names the file and the byte.
 
     Example::
 
@@ -77,11 +164,17 @@ def index_tar(path: str | os.PathLike[str], write: bool = True) -> TarIndex:
     path = str(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such tar shard")
-    names, member_offsets, member_sizes = scan_tar(path)
+    scan = scan_tar(path)
     keys: list[str] = []
     rows: list[dict[str, int]] = []
     fields: dict[str, int] = {}
-    for i, name in enumerate(names):
+    for i, raw_name in enumerate(scan.names):
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptShardError(
+                path, f"member name at byte {int(scan.offsets[i]) - 512}", "UTF-8", repr(raw_name)
+            ) from None
         parts = _split_name(name)
         if parts is None:
             continue
@@ -95,8 +188,8 @@ def index_tar(path: str | os.PathLike[str], write: bool = True) -> TarIndex:
     sizes = np.full((len(keys), len(fields)), -1, dtype=np.int64)
     for r, row in enumerate(rows):
         for ext, member in row.items():
-            offsets[r, fields[ext]] = member_offsets[member]
-            sizes[r, fields[ext]] = member_sizes[member]
+            offsets[r, fields[ext]] = scan.offsets[member]
+            sizes[r, fields[ext]] = scan.sizes[member]
     index = TarIndex(path, np.array(keys, dtype=str), list(fields), offsets, sizes)
     if write:
         sidecar = path + INDEX_SUFFIX
@@ -106,6 +199,8 @@ def index_tar(path: str | os.PathLike[str], write: bool = True) -> TarIndex:
                 np.savez(
                     fh,
                     identity=_tar_identity(path),
+                    fingerprint=_tar_fingerprint(path, offsets),
+                    problem=np.array(scan.problem),
                     keys=index.keys,
                     fields=np.array(index.fields, dtype=str),
                     offsets=offsets,
@@ -114,11 +209,19 @@ def index_tar(path: str | os.PathLike[str], write: bool = True) -> TarIndex:
             os.replace(tmp, sidecar)
         except OSError:
             Path(tmp).unlink(missing_ok=True)  # a read-only dataset directory: keep the index in memory only
+    if strict and scan.problem:
+        _raise_problem(path, scan.problem)
     return index
 
 
-def load_tar_index(path: str | os.PathLike[str], build: bool = True) -> TarIndex:
+def load_tar_index(path: str | os.PathLike[str], build: bool = True, strict: bool = True) -> TarIndex:
     """The sidecar index of ``path``; built (:func:`index_tar`) when missing or stale and ``build`` is True.
+
+    A sidecar is stale when the tar's size or mtime differ from what it recorded, or when a cheap fingerprint
+    of the tar's bytes does (see ``_tar_fingerprint``: the first and last 64 KiB and sampled member headers).
+    A sidecar whose offsets the tar cannot hold (negative, unaligned, overlapping, past the end) raises
+    :class:`fastio.CorruptShardError` naming it. ``strict`` as in :func:`index_tar` (the sidecar records what
+    the scan found, so the check costs nothing here).
 
     Example::
 
@@ -129,21 +232,30 @@ def load_tar_index(path: str | os.PathLike[str], build: bool = True) -> TarIndex
         raise FileNotFoundError(f"{path}: no such tar shard")
     sidecar = path + INDEX_SUFFIX
     if os.path.exists(sidecar):
+        index, problem = None, ""
         try:
             with np.load(sidecar, allow_pickle=False) as data:
-                if np.array_equal(data["identity"], _tar_identity(path)):
-                    return TarIndex(
+                identity = _tar_identity(path)
+                if np.array_equal(data["identity"], identity):
+                    index = TarIndex(
                         path, data["keys"], [str(f) for f in data["fields"]], data["offsets"], data["sizes"]
                     )
+                    fingerprint, problem = data["fingerprint"], str(data["problem"])
         except (OSError, ValueError, KeyError):
-            pass  # unreadable sidecar: treat as stale
+            index = None  # unreadable sidecar: treat as stale
+        if index is not None:
+            _check_index(sidecar, int(identity[1]), index)
+            if np.array_equal(fingerprint, _tar_fingerprint(path, index.offsets)):
+                if strict and problem:
+                    _raise_problem(path, problem)
+                return index
         if not build:
             raise MissingIndexError(
                 sidecar, f"stale or unreadable for {path}; run fastio.index_tar({path!r})"
             )
     elif not build:
         raise MissingIndexError(sidecar, f"run fastio.index_tar({path!r}) or let StreamLoader build it")
-    return index_tar(path)
+    return index_tar(path, strict=strict)
 
 
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
@@ -183,24 +295,27 @@ def expand_pattern(pattern: str | Sequence[str]) -> list[str]:
 class TarShardSet:
     """Every tar named by ``pattern``, indexed (sidecars built where missing) and memory-mapped.
 
+    ``strict`` (default True) refuses a tar with a zero block followed by more data or without an
+    end-of-archive marker (see :func:`index_tar`); ``strict=False`` serves the members before that point.
+
     Example::
 
         shards = TarShardSet("data/shard-{000000..000003}.tar")
         print(shards.num_samples, shards.fields)
     """
 
-    def __init__(self, pattern: str | Sequence[str], build_index: bool = True) -> None:
+    def __init__(self, pattern: str | Sequence[str], build_index: bool = True, strict: bool = True) -> None:
         self.paths = expand_pattern(pattern)
         if not self.paths:
             raise EmptySourceError(f"{pattern}: names no tar shard")
         for p in self.paths:
             if not os.path.exists(p):
                 raise FileNotFoundError(f"{p}: no such tar shard")
-        self.indexes = [load_tar_index(p, build=build_index) for p in self.paths]
+        self.indexes = [load_tar_index(p, build=build_index, strict=strict) for p in self.paths]
         self.files = [MappedFile(p) for p in self.paths]
         for index, file in zip(self.indexes, self.files, strict=True):
             ends = index.offsets + index.sizes
-            if index.num_samples and ends.max() > file.size:
+            if index.num_samples and ends.max() > file.size:  # the tar changed between its index and its map
                 raise CorruptShardError(
                     file.path, "tar data", f">= {int(ends.max())} bytes", f"{file.size} bytes"
                 )

@@ -32,13 +32,46 @@ def _atomic_write_json(path: Path, payload: Any) -> None:
     os.replace(tmp, path)
 
 
+def _check_fits(where: str, name: str, arr: np.ndarray, dtype: np.dtype) -> None:
+    """Refuse values that a same-kind cast to ``dtype`` would change: integers outside its range (int64 50000
+    into int16 would wrap to -15536), finite floats beyond its largest value (1e6 into float16 would become
+    inf). Exact casts that fit (int64 5 into int16) pass; NaN and inf stay what they are."""
+    if arr.dtype == dtype or arr.size == 0:
+        return
+    if dtype.kind in "iu" and arr.dtype.kind in "iub":
+        info = np.iinfo(dtype)
+        low, high = arr.min(), arr.max()
+        if low < info.min or high > info.max:
+            raise SchemaMismatchError(
+                where,
+                name,
+                f"{dtype.name} values in [{info.min}, {info.max}]",
+                f"{arr.dtype.name} in [{low}, {high}]",
+            )
+    elif dtype.kind in "fc" and arr.dtype.kind in "iufc":
+        finite = np.isfinite(arr)
+        with np.errstate(over="ignore", invalid="ignore"):
+            overflow = finite & ~np.isfinite(arr.astype(dtype))
+        if overflow.any():
+            largest = np.finfo(dtype).max
+            worst = np.abs(arr[overflow]).max()
+            raise SchemaMismatchError(
+                where,
+                name,
+                f"{dtype.name} values within +-{largest}",
+                f"{arr.dtype.name} value of magnitude {worst} (would become inf)",
+            )
+
+
 class ShardWriter:
     """Writes samples (dicts of field -> value) into shards of at most ``max_samples`` / ``max_bytes``.
 
     1. The schema is ``schema`` (see :func:`fastio.format.schema.normalize_schema`), or inferred from the
        first sample: arrays and numbers become fixed-shape fields, ``bytes``/``str`` variable-length ones.
        For variable-length arrays pass ``schema={"tokens": ("int32", None)}``.
-    2. Every sample is checked against the schema (a :class:`fastio.SchemaMismatchError` names the field).
+    2. Every sample is checked against the schema (a :class:`fastio.SchemaMismatchError` names the field):
+       its dtype must cast to the field's within the same kind, and its values must fit the field's dtype
+       (an int64 50000 does not fit int16, a float64 1e6 does not fit float16; an int64 5 fits int16).
     3. A full shard is written to a temp file in the same directory, then renamed into place, so a crash
        leaves no half-written ``shard-*.fio``. ``close()`` writes ``index.json`` the same way; a set without
        an index is not readable, so a writer that fails midway leaves nothing a reader would trust.
@@ -181,6 +214,7 @@ class ShardWriter:
             raise SchemaMismatchError(
                 str(self.directory), name, field.describe(), f"{arr.dtype.name} {arr.shape}"
             )
+        _check_fits(str(self.directory), name, arr, dtype)
         return np.ascontiguousarray(arr, dtype=dtype)
 
     # -- writing shards --------------------------------------------------------------------------------

@@ -92,12 +92,16 @@ def test_scan_tar_matches_tarfile(tmp_path):
         info = tarfile.TarInfo("pax/" + "p" * 120 + ".cls")
         info.size = 2
         archive.addfile(info, io.BytesIO(b"42"))
-    names, offsets, sizes = _native.scan_tar(str(path))
+    scan = _native.scan_tar(str(path))
     with tarfile.open(path) as archive:
         members = [m for m in archive if m.isfile()]
-    assert names == [m.name for m in members]
-    assert offsets.tolist() == [m.offset_data for m in members]
-    assert sizes.tolist() == [m.size for m in members]
+    assert [n.decode() for n in scan.names] == [m.name for m in members]
+    assert scan.offsets.tolist() == [m.offset_data for m in members]
+    assert scan.sizes.tolist() == [m.size for m in members]
+    assert scan.problem == ""
+    reference = _native._scan_tar_reference(str(path))
+    assert (reference.names, reference.problem) == (scan.names, scan.problem)
+    assert reference.offsets.tolist() == scan.offsets.tolist() and reference.sizes.tolist() == scan.sizes.tolist()
 
 
 def test_parallel_gather_from_many_threads(tmp_path):
