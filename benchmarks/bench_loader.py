@@ -10,10 +10,19 @@ Cases (sizes are flags; defaults fit ~4 minutes on 2 shared cores and ~5 GB of /
   ``DataLoader`` (list collate) and ``StreamLoader``.
 * ``tar``: the first ``--tar-samples`` samples of ``fixed`` written by ``webdataset.ShardWriter``
   (``x.npy`` + ``cls``), read by ``webdataset.WebLoader`` (workers 0 and 2) and by ``StreamLoader``.
+* ``packing``: ``--pack-docs`` (16,000) int32 token documents of lognormal lengths (mean ~500, about 8M
+  tokens), packed into ``[--pack-batch, 1025]`` rows (``seq_len=1024``, ``shift=True``, document ids).
+  Contenders, in tokens/s: a numpy memmap copy of the token bytes in storage order (the limit); the raw
+  read of the same tokens (``StreamLoader`` over the same set without ``pack``, ``--batch`` documents per
+  batch as a list of tensors: what a packer written by hand starts from, and the baseline of the ratio);
+  a hand-written 12-line packer (``torch.cat`` + ``unfold``) over that raw loader; ``StreamLoader(pack=...)``
+  (workers 0 and 2). Target: packed >= 0.7x the raw read.
 * Mosaic Streaming / LitData rows appear only when those optional packages import (install them with
   ``pip install --no-deps``); otherwise a note says they were skipped.
 
-Every number is samples/s over whole batches of ``--batch`` (256) samples; MB/s counts payload bytes.
+Every number but packing's is samples/s over whole batches of ``--batch`` (256) samples; MB/s counts
+payload bytes. ``--cases packing`` (say) reruns some cases and keeps the other cases' rows and notes from the
+existing results.
 
 Example::
 
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import shutil
 import tempfile
 import time
@@ -40,6 +50,9 @@ __all__ = ["main"]
 
 IMAGE_SHAPE = (3, 32, 32)
 IMAGE_BYTES = int(np.prod(IMAGE_SHAPE))
+PACK_SEQ_LEN = 1024
+PACK_MEAN_TOKENS = 500
+CASES = ("fixed", "variable", "tar", "packing")
 
 
 def _rss_mb() -> dict[str, float]:
@@ -223,6 +236,111 @@ def _webloader_rate(pattern: str, batch: int, workers: int, limit: int) -> float
     return _rate(loader, lambda b: len(b[1]), limit)
 
 
+def _write_packing(root: Path, n: int) -> Path:
+    import fastio
+
+    rng = np.random.default_rng(2)
+    sigma = 1.0
+    lengths = np.maximum(1, rng.lognormal(np.log(PACK_MEAN_TOKENS) - sigma**2 / 2, sigma, n).astype(np.int64))
+    flat = rng.integers(0, 50_000, size=int(lengths.sum()), dtype=np.int32)
+    with fastio.ShardWriter(
+        root / "packing", schema={"tokens": ("int32", None)}, max_samples=-(-n // 4), max_bytes=1 << 40
+    ) as writer:
+        writer.write_many({"tokens": np.split(flat, np.cumsum(lengths)[:-1])})
+    return root / "packing"
+
+
+def _python_packer(raw: Iterable[Any], seq_len: int, batch: int) -> Iterable[torch.Tensor]:
+    """What users write over a loader of documents: concatenate, cut ``[batch, seq_len + 1]`` rows."""
+    carry = torch.empty(0, dtype=torch.int32)
+    for docs in raw:
+        carry = torch.cat([carry, *docs["tokens"]])
+        rows = (len(carry) - 1) // seq_len // batch * batch
+        if rows:
+            windows = carry[: rows * seq_len + 1].unfold(0, seq_len + 1, seq_len)
+            yield from windows.contiguous().split(batch)
+            carry = carry[rows * seq_len :]
+
+
+def _token_rate(
+    make_batches: Callable[[int], Iterable[Any]], count: Callable[[Any], int], epochs: int
+) -> float:
+    """Median tokens/s over ``epochs`` whole epochs, after one warm-up epoch (page cache, lazy checksums)."""
+    rates = []
+    for epoch in range(epochs + 1):
+        start, tokens = time.perf_counter(), 0
+        for batch in make_batches(epoch):
+            tokens += count(batch)
+        rates.append(tokens / (time.perf_counter() - start))
+    return float(np.median(rates[1:]))
+
+
+def _bench_packing(pack_dir: Path, args: argparse.Namespace, notes: list[str]) -> list[Row]:
+    import fastio
+    from fastio.format.reader import ShardSet
+    from fastio.pack import Pack
+
+    seq_len, batch, epochs = PACK_SEQ_LEN, args.pack_batch, max(args.epochs, 5)
+    readers = ShardSet(pack_dir).readers
+    payloads = []
+    for reader in readers:
+        offsets, base = reader.variable_layout("tokens")
+        payloads.append(reader.file.array[base : base + int(offsets[-1])].view(np.int32))
+    chunk = batch * (seq_len + 1)
+    out = np.empty(chunk, np.int32)
+
+    def memmap_copy(_: int) -> Iterable[int]:
+        for payload in payloads:
+            for at in range(0, len(payload) - chunk + 1, chunk):
+                np.copyto(out, payload[at : at + chunk])
+                yield chunk
+
+    limit = _token_rate(memmap_copy, int, epochs)
+    rows = [Row("packing", "numpy memmap copy (limit)", "tokens/s", limit, "tokens/s")]
+    payloads.clear()  # unmap the limit's views before the loaders run
+    del readers
+    raw = fastio.StreamLoader(str(pack_dir), batch_size=args.batch, shuffle=True, seed=0)
+
+    def raw_epoch(epoch: int) -> Any:
+        raw.set_epoch(epoch)
+        return raw
+
+    def doc_tokens(docs: dict[str, Any]) -> int:
+        return sum(t.numel() for t in docs["tokens"])
+
+    raw_rate = _token_rate(raw_epoch, doc_tokens, epochs)
+    baseline = (f"raw read ({args.batch} docs/batch)", raw_rate)
+    rows.append(
+        Row("packing", f"StreamLoader raw docs, {args.batch}/batch", "tokens/s", raw_rate, "tokens/s")
+    )
+    rows[-1].ratio, rows[-1].ratio_to = raw_rate / limit, "memmap"
+    hand = _token_rate(lambda e: _python_packer(raw_epoch(e), seq_len, batch), torch.Tensor.numel, epochs)
+    rows.append(Row("packing", "12-line Python packer over raw", "tokens/s", hand, "tokens/s"))
+    rows[-1].ratio, rows[-1].ratio_to = hand / raw_rate, baseline[0]
+    pack = Pack("tokens", seq_len=seq_len, shift=True)
+    for workers in (0, 2):
+        packed = fastio.StreamLoader(
+            str(pack_dir), batch_size=batch, shuffle=True, seed=0, num_workers=workers, pack=pack
+        )
+
+        def packed_epoch(epoch: int, loader: Any = packed) -> Any:
+            loader.set_epoch(epoch)
+            return loader
+
+        rate = _token_rate(packed_epoch, lambda b: b["tokens"].numel(), epochs)
+        rows.append(Row("packing", f"StreamLoader pack= workers={workers}", "tokens/s", rate, "tokens/s"))
+        rows[-1].ratio, rows[-1].ratio_to = rate / raw_rate, baseline[0]
+        rows[-1].extra["vs_limit"] = f"{rate / limit:.2f}"
+    for row in rows:
+        row.extra["MB/s"] = f"{row.value * 4 / 1e6:,.0f}"
+    notes.append(
+        f"packing: rows of [{batch}, {seq_len + 1}] (shift=True, document_ids on, no eos), full shuffle; "
+        f"median of {epochs} epochs after a warm-up one; the ratio of the packers is to the raw read "
+        "(StreamLoader over the same set returning the documents as tensors), the issue's target >= 0.7x"
+    )
+    return rows
+
+
 def _optional_contenders(notes: list[str]) -> None:
     for module, label in (("streaming", "Mosaic Streaming"), ("litdata", "LitData")):
         try:
@@ -255,7 +373,15 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--webloader-samples", type=int, default=20_000, help="samples timed per WebLoader run"
     )
+    parser.add_argument("--pack-docs", type=int, default=16_000, help="token documents of the packing case")
+    parser.add_argument("--pack-batch", type=int, default=32, help="rows per packed batch")
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated cases to run; the others' rows are kept"
+    )
     args = parser.parse_args(argv)
+    cases = set(args.cases.split(","))
+    if not cases <= set(CASES):
+        parser.error(f"--cases: unknown {sorted(cases - set(CASES))}; choose from {CASES}")
 
     import fastio
 
@@ -266,33 +392,64 @@ def main(argv: list[str] | None = None) -> str:
     ]
     root = Path(tempfile.mkdtemp(prefix="bench_loader_"))
     try:
-        t0 = time.perf_counter()
-        fixed_dir = _write_fixed(root, args.samples)
-        notes.append(
-            f"fixed: {args.samples:,} samples of {IMAGE_SHAPE} uint8 + int64 label = "
-            f"{args.samples * (IMAGE_BYTES + 8) / 1e9:.2f} GB, written in {time.perf_counter() - t0:.0f} s"
-        )
-        rows += _bench_fixed(fixed_dir, args, notes)
-        t0 = time.perf_counter()
-        var_dir = _write_variable(root, args.var_samples)
-        notes.append(
-            f"variable: {args.var_samples:,} int32 sequences of 64-2048 tokens "
-            f"({sum(f.stat().st_size for f in var_dir.iterdir()) / 1e9:.2f} GB), "
-            f"written in {time.perf_counter() - t0:.0f} s"
-        )
-        rows += _bench_variable(var_dir, args)
-        t0 = time.perf_counter()
-        pattern = _write_tar(root, fixed_dir, min(args.tar_samples, args.samples), per_shard=10_000)
-        notes.append(
-            f"tar: first {min(args.tar_samples, args.samples):,} samples of `fixed` as "
-            "webdataset.ShardWriter "
-            f"shards of 10,000 (x.npy + cls), written in {time.perf_counter() - t0:.0f} s"
-        )
-        rows += _bench_tar(pattern, args, notes)
-        _optional_contenders(notes)
+        if cases & {"fixed", "tar"}:
+            t0 = time.perf_counter()
+            fixed_dir = _write_fixed(root, args.samples)
+        if "fixed" in cases:
+            gigabytes = args.samples * (IMAGE_BYTES + 8) / 1e9
+            notes.append(
+                f"fixed: {args.samples:,} samples of {IMAGE_SHAPE} uint8 + int64 label = "
+                f"{gigabytes:.2f} GB, written in {time.perf_counter() - t0:.0f} s"
+            )
+            rows += _bench_fixed(fixed_dir, args, notes)
+        if "variable" in cases:
+            t0 = time.perf_counter()
+            var_dir = _write_variable(root, args.var_samples)
+            notes.append(
+                f"variable: {args.var_samples:,} int32 sequences of 64-2048 tokens "
+                f"({sum(f.stat().st_size for f in var_dir.iterdir()) / 1e9:.2f} GB), "
+                f"written in {time.perf_counter() - t0:.0f} s"
+            )
+            rows += _bench_variable(var_dir, args)
+        if "tar" in cases:
+            t0 = time.perf_counter()
+            pattern = _write_tar(root, fixed_dir, min(args.tar_samples, args.samples), per_shard=10_000)
+            notes.append(
+                f"tar: first {min(args.tar_samples, args.samples):,} samples of `fixed` as "
+                "webdataset.ShardWriter "
+                f"shards of 10,000 (x.npy + cls), written in {time.perf_counter() - t0:.0f} s"
+            )
+            rows += _bench_tar(pattern, args, notes)
+        if "packing" in cases:
+            t0 = time.perf_counter()
+            pack_dir = _write_packing(root, args.pack_docs)
+            notes.append(
+                f"packing: {args.pack_docs:,} int32 documents of lognormal lengths (mean "
+                f"~{PACK_MEAN_TOKENS} tokens, 4 shards), written in {time.perf_counter() - t0:.0f} s"
+            )
+            rows += _bench_packing(pack_dir, args, notes)
+        if cases == set(CASES):
+            _optional_contenders(notes)
+        else:
+            rows, notes = _keep_other_cases(rows, notes, cases)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return write_results("bench_loader", rows, notes=notes, plot_metric="samples/s")
+
+
+def _keep_other_cases(rows: list[Row], notes: list[str], cases: set[str]) -> tuple[list[Row], list[str]]:
+    """This run's rows and notes, plus the other cases' rows and notes from the existing results."""
+    from benchmarks.harness import RESULTS_DIR
+
+    path = RESULTS_DIR / "bench_loader.json"
+    if not path.exists():
+        return rows, notes
+    previous = json.loads(path.read_text())
+    old = [Row(**r) for r in previous["rows"] if r["case"] not in cases]
+    merged = [r for case in CASES for r in (rows if case in cases else old) if r.case == case]
+    fresh = {n.split(":")[0] for n in notes}
+    kept = [n for n in previous.get("notes", []) if n.split(":")[0] not in fresh]
+    return merged, notes + kept
 
 
 def _row(

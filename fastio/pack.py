@@ -209,10 +209,67 @@ class _BufferPool:
             return {name: free.fixed(name, rows) for name in self.specs}
 
 
+@dataclasses.dataclass(frozen=True)
+class _RowRuns:
+    """The runs of rows ``[first, first + rows)`` of a stream: run ``i`` copies ``nbytes[i]`` bytes from
+    ``(shard[i], src[i])`` to token ``dst[i]`` (counted from the first row's start) and spans ``length[i]``
+    tokens there (its eos included); ``row_runs[k]``/``row_eos[k]``: the first run/eos slot of row ``k``."""
+
+    first: int
+    shard: np.ndarray  # int32
+    src: np.ndarray  # int64 bytes
+    nbytes: np.ndarray  # int64
+    dst: np.ndarray  # int64 tokens
+    length: np.ndarray  # int64 tokens
+    run_in_row: np.ndarray  # int32: the document's number within its row
+    row_runs: np.ndarray  # int64 [rows + 1]
+    eos_at: np.ndarray  # int64 tokens
+    row_eos: np.ndarray  # int64 [rows + 1]
+
+
+def _plan_rows(plan: _EpochPlan, docs: _Documents, pack: Pack, first: int, rows: int) -> _RowRuns:
+    """Every run of rows ``[first, first + rows)``: vectorized, no token read (see the module docstring)."""
+    width, cs = pack.row_len, plan.starts
+    row_start = (first + np.arange(rows, dtype=np.int64)) * pack.seq_len
+    first_doc = np.searchsorted(cs, row_start, "right") - 1
+    runs_per_row = np.searchsorted(cs, row_start + width, "left") - first_doc
+    run_row = np.repeat(np.arange(rows, dtype=np.int64), runs_per_row)
+    first_run = np.cumsum(runs_per_row) - runs_per_row
+    pos = first_doc[run_row] + (np.arange(len(run_row)) - first_run[run_row])
+    begin = np.maximum(cs[pos], row_start[run_row])
+    end = np.minimum(cs[pos + 1], row_start[run_row] + width)
+    if (end <= begin).any():  # empty documents without eos inside a row take no place and no number
+        keep = end > begin
+        run_row, pos, begin, end = run_row[keep], pos[keep], begin[keep], end[keep]
+    doc = plan.docs[pos]
+    offset = begin - cs[pos]  # of the run within its document
+    count = docs.tokens[doc]
+    copied = np.minimum(end - cs[pos], count) - offset  # 0 for a run that is only the eos
+    dst = run_row * width + (begin - row_start[run_row])
+    size = docs.dtype.itemsize
+    row_runs = np.searchsorted(run_row, np.arange(rows + 1), "left")
+    run_in_row = (np.arange(len(run_row)) - row_runs[run_row]).astype(np.int32)
+    if pack.eos is not None:
+        ends = end - cs[pos] == count + 1
+        eos_at = dst[ends] + copied[ends]
+    else:
+        eos_at = np.zeros(0, dtype=np.int64)
+    row_eos = np.searchsorted(eos_at, np.arange(rows + 1) * width, "left")
+    return _RowRuns(
+        first, docs.shard[doc], docs.src[doc] + offset * size, copied * size, dst, end - begin, run_in_row,
+        row_runs, eos_at, row_eos,
+    )  # fmt: skip
+
+
 class _PackProducer:
-    """Fills batch ``job`` of a pass (rows ``start_row + job * B`` on); holds no reference to the iterator."""
+    """Fills batch ``job`` of a pass (rows ``start_row + job * B`` on); holds no reference to the iterator.
+
+    Rows are planned a chunk of batches at a time (one vectorized pass per ~4096 rows, the last few chunks
+    kept), so a batch costs one native gather and a few slices."""
 
     _RAW = "__stored_tokens__"
+    _CHUNK_ROWS = 4096
+    _KEEP_CHUNKS = 4
 
     def __init__(
         self, packer: TokenPacker, plan: _EpochPlan, start_row: int, threads: int, pin: bool, keep: int
@@ -223,56 +280,53 @@ class _PackProducer:
         self.pool = _BufferPool(packer.output_specs(self.convert), self.batch_size, pin, keep)
         self.times = StageTimes()
         self.arange = np.arange(self.batch_size * self.pack.row_len, dtype=np.int64)
+        self.batches_per_chunk = max(1, self._CHUNK_ROWS // self.batch_size)
+        self._chunks: dict[int, _RowRuns] = {}
+        self._chunk_lock = threading.Lock()
+
+    def _chunk(self, index: int) -> _RowRuns:
+        with self._chunk_lock:
+            runs = self._chunks.get(index)
+            if runs is None:
+                first = self.start_row + index * self.batches_per_chunk * self.batch_size
+                rows = min(self.batches_per_chunk * self.batch_size, self.plan.rows - first)
+                runs = _plan_rows(self.plan, self.docs, self.pack, first, rows)
+                self._chunks[index] = runs
+                for old in sorted(self._chunks)[: -self._KEEP_CHUNKS]:
+                    del self._chunks[old]
+            return runs
 
     def __call__(self, job: int) -> tuple[dict[str, torch.Tensor], int]:
         start = time.perf_counter()
         first = self.start_row + job * self.batch_size
         rows = min(self.batch_size, self.plan.rows - first)
         out = self.pool.acquire(rows)
-        self._fill(first, rows, out)
+        self._fill(self._chunk(job // self.batches_per_chunk), first, rows, out)
         out.pop(self._RAW, None)
         self.times.add("read", time.perf_counter() - start, out["tokens"].numel() * self.docs.dtype.itemsize)
         return out, rows
 
-    def _fill(self, first: int, rows: int, out: dict[str, torch.Tensor]) -> None:
-        pack, docs, plan = self.pack, self.docs, self.plan
-        width = pack.row_len
-        row_start = (first + np.arange(rows, dtype=np.int64)) * pack.seq_len
-        cs = plan.starts
-        first_doc = np.searchsorted(cs, row_start, "right") - 1
-        runs_per_row = np.searchsorted(cs, row_start + width, "left") - first_doc
-        run_row = np.repeat(np.arange(rows, dtype=np.int64), runs_per_row)
-        first_run = np.cumsum(runs_per_row) - runs_per_row
-        pos = first_doc[run_row] + (np.arange(len(run_row)) - first_run[run_row])
-        begin = np.maximum(cs[pos], row_start[run_row])
-        end = np.minimum(cs[pos + 1], row_start[run_row] + width)
-        if (end <= begin).any():  # empty documents without eos inside a row take no place and no number
-            keep = end > begin
-            run_row, pos, begin, end = run_row[keep], pos[keep], begin[keep], end[keep]
-        doc = plan.docs[pos]
-        offset = begin - cs[pos]  # of the run within its document
-        count = docs.tokens[doc]
-        copied = np.minimum(end - cs[pos], count) - offset  # 0 for a run that is only the eos
-        dst = run_row * width + (begin - row_start[run_row])
+    def _fill(self, runs: _RowRuns, first: int, rows: int, out: dict[str, torch.Tensor]) -> None:
+        pack, width, size = self.pack, self.pack.row_len, self.docs.dtype.itemsize
+        a, b = first - runs.first, first - runs.first + rows
+        ra, rb = runs.row_runs[a], runs.row_runs[b]
+        base = a * width  # token offset of this batch's first row within the chunk
         tokens = out["tokens"]
         target = out[self._RAW] if self.convert else tokens
-        size = docs.dtype.itemsize
+        dst = runs.dst[ra:rb] - base
         gather_ranges(
-            self.packer.table, docs.shard[doc], docs.src[doc] + offset * size, copied * size, target,
-            self.threads, dst=dst * size,
+            self.packer.table, runs.shard[ra:rb], runs.src[ra:rb], runs.nbytes[ra:rb], target, self.threads,
+            dst=dst * size,
         )  # fmt: skip
         if self.convert:
             tokens.copy_(target)
         if pack.eos is not None:
-            ends = end - cs[pos] == count + 1
-            tokens.view(-1).numpy()[dst[ends] + copied[ends]] = pack.eos
-        lengths = end - begin
+            tokens.view(-1).numpy()[runs.eos_at[runs.row_eos[a] : runs.row_eos[b]] - base] = pack.eos
+        lengths = runs.length[ra:rb]
         if pack.document_ids:
-            run_in_row = np.arange(len(run_row)) - np.searchsorted(run_row, run_row, "left")
-            out["document_ids"].view(-1).numpy()[:] = np.repeat(run_in_row.astype(np.int32), lengths)
+            out["document_ids"].view(-1).numpy()[:] = np.repeat(runs.run_in_row[ra:rb], lengths)
         if pack.positions:
-            within = self.arange[: rows * width] - np.repeat(dst, lengths)
-            out["positions"].view(-1).numpy()[:] = within
+            out["positions"].view(-1).numpy()[:] = self.arange[: rows * width] - np.repeat(dst, lengths)
 
 
 class PackedEpoch:

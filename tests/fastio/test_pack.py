@@ -356,3 +356,25 @@ def test_stats_count_tokens(corpus):
         pass
     stats = loader.stats()
     assert stats["batches"] == len(loader) and stats["tokens"] == stats["samples"] * SEQ_LEN > 0
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_rows_planned_in_small_chunks_match_reference(corpus, monkeypatch, workers):
+    from fastio.pack import _PackProducer
+
+    monkeypatch.setattr(_PackProducer, "_CHUNK_ROWS", 7)  # 2 batches of 3 per chunk: most batches cross none
+    monkeypatch.setattr(_PackProducer, "_KEEP_CHUNKS", 1)  # workers ahead evict chunks others still need
+    directory, docs = corpus
+    order = epoch_order([SHARD_DOCS] * 9, seed=3, epoch=0, shuffle=True)
+    pack = Pack(seq_len=SEQ_LEN, eos=-2, shift=True, positions=True)
+    loader = _loader(directory, pack, shuffle=True, seed=3, world_size=2, rank=1, num_workers=workers)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)  # resume from an odd batch: chunks are counted from the resume row
+    resumed = _loader(directory, pack, shuffle=True, seed=3, world_size=2, rank=1, num_workers=workers)
+    resumed.load_state_dict(loader.state_dict())
+    want = _batches(_reference(docs, order, SEQ_LEN, -2, True, 2, 1), BATCH, False)[5:]
+    got = _collect(resumed)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
