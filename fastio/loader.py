@@ -40,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import warnings
@@ -53,9 +54,25 @@ from fastio._native import default_threads
 from fastio.collate import collate_samples
 from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
 from fastio.pack import Pack, PackedEpoch, TokenPacker
-from fastio.sources import BatchBuffers, DatasetSource, StageTimes, open_source
+from fastio.seeding import (
+    STREAM_COLLATE,
+    STREAM_FETCH,
+    STREAM_TRANSFORM,
+    STREAM_WORKER,
+    global_rngs_kept,
+    sample_seeds,
+    seed_global_rngs,
+)
+from fastio.sources import BatchBuffers, BufferPool, DatasetSource, StageTimes, open_source
 from fastio.stages import BatchStage, StageContext
-from fastio.workers import ProcessPipeline, ThreadPipeline
+from fastio.workers import (
+    ProcessPipeline,
+    ThreadPipeline,
+    WorkerInfo,
+    map_structure,
+    set_worker_info,
+    worker_info,
+)
 
 __all__ = ["StreamLoader", "collate_samples"]
 
@@ -82,6 +99,20 @@ def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int
 class _Producer:
     """Makes batch ``job`` of one epoch pass; called by worker threads, worker processes or the consumer.
 
+    ``mode`` says where it runs: ``"main"`` (the consumer's thread, ``num_workers=0``), ``"thread"`` or
+    ``"process"``. Randomness of the user's Python code (see :mod:`fastio.seeding`):
+
+    1. Before each sample's ``transform``, torch's default CPU generator, ``random`` and ``numpy.random`` are
+       seeded from ``sample_seeds(seed, epoch, sample index, STREAM_TRANSFORM)``; before a Dataset's
+       ``__getitem__``s and before ``collate``, from one seed per batch (its first sample's,
+       ``STREAM_FETCH`` / ``STREAM_COLLATE``). The same sample draws the same numbers for any
+       ``num_workers`` and on resume.
+    2. ``"main"``: the consumer's own global states are put back after each batch, so its training
+       randomness (dropout, its own shuffles) is what it would be without the loader.
+    3. ``"thread"``: the global generators are shared with the training thread, so they are not reseeded
+       (reseeding them would change the trainer's draws, and its draws would change the transforms');
+       transforms that must reproduce seed their own generator from ``fastio.worker_info().sample_seed``.
+
     Holds no reference to the iterator, so an abandoned iterator is collected and stops its workers."""
 
     def __init__(
@@ -91,9 +122,11 @@ class _Producer:
         indices: np.ndarray,
         slots: int,
         threads: int,
-        cuda_allowed: bool,
+        mode: str,
     ):
         # In forked worker processes CUDA is off limits (no pinned buffers, no copies): the consumer copies.
+        cuda_allowed = mode != "process"
+        self.mode, self.num_workers = mode, loader.num_workers
         self.source, self.batch_size = loader._source, loader.batch_size
         self.pin = loader._pin and cuda_allowed
         self.transform, self.collate, self.python_path = loader.transform, loader.collate, loader._python_path
@@ -104,38 +137,81 @@ class _Producer:
         self.stage_specs = [stage.output_specs() for stage in self.stages]
         for specs in self.stage_specs:
             self.specs.update(specs)
-        self.buffers = (
-            [BatchBuffers(self.specs, self.batch_size, self.pin) for _ in range(slots)]
-            if loader.reuse_buffers
-            else None
-        )
+        # The slots in flight, the batch the consumer holds while asking for the next, and one spare.
+        keep = slots + 2 if loader.reuse_buffers else 0
+        self.pool = BufferPool(self.specs, self.batch_size, self.pin, keep)
         cuda = loader.device is not None and loader.device.type == "cuda"
         self.device = loader.device if cuda and cuda_allowed else None
         self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
 
+    def start_worker(self, worker_id: int) -> None:
+        """First thing in each worker thread or process: what ``fastio.worker_info()`` (and, in processes,
+        ``torch.utils.data.get_worker_info()``) answer there."""
+        set_worker_info(WorkerInfo(worker_id, self.num_workers, self.seed, self.epoch))
+        if self.mode == "process":
+            seed = int(sample_seeds(self.seed, self.epoch, np.array([worker_id]), STREAM_WORKER)[0])
+            dataset = getattr(self.source, "dataset", self.source)
+            torch.utils.data._utils.worker._worker_info = torch.utils.data._utils.worker.WorkerInfo(
+                id=worker_id, num_workers=self.num_workers, seed=seed, dataset=dataset
+            )
+
     def __call__(self, job: int) -> tuple[Any, int]:
+        if self.mode != "main":
+            return self._make(job)
+        previous = set_worker_info(WorkerInfo(0, 0, self.seed, self.epoch))
+        try:
+            if not self.python_path:
+                return self._make(job)
+            with global_rngs_kept():
+                return self._make(job)
+        finally:
+            set_worker_info(previous)
+
+    def _make(self, job: int) -> tuple[Any, int]:
         indices = self.indices[job * self.batch_size : (job + 1) * self.batch_size]
-        if self.buffers is not None:
-            buffers = self.buffers[job % len(self.buffers)]
+        buffers = self.pool.acquire()
+        try:
             if buffers.event is not None:
-                buffers.event.synchronize()  # the slot's last copy to the device must finish first
-        else:
-            buffers = BatchBuffers(self.specs, len(indices), self.pin)
-        batch = self.source.fetch(indices, buffers, self.threads, self.times)
-        if self.stages:
-            batch = self._run_stages(batch, indices, buffers)
-        if self.python_path:
-            start = time.perf_counter()
-            samples = batch if isinstance(self.source, DatasetSource) else _split_batch(batch, len(indices))
-            if self.transform is not None:
-                samples = [self.transform(s) for s in samples]
-            collated = time.perf_counter()
-            self.times.add("decode_transform", collated - start)
-            batch = (self.collate or collate_samples)(samples)
-            self.times.add("collate", time.perf_counter() - collated)
-        if self.stream is not None:
-            batch = self._to_device(batch, buffers)
-        return batch, len(indices)
+                buffers.event.synchronize()  # the set's last copy to the device must finish first
+            self._reseed(indices, STREAM_FETCH)
+            batch = self.source.fetch(indices, buffers, self.threads, self.times)
+            if self.stages:
+                batch = self._run_stages(batch, indices, buffers)
+            if self.python_path:
+                start = time.perf_counter()
+                dataset = isinstance(self.source, DatasetSource)
+                samples = batch if dataset else _split_batch(batch, len(indices))
+                if self.transform is not None:
+                    samples = self._transform(samples, indices)
+                collated = time.perf_counter()
+                self.times.add("decode_transform", collated - start)
+                self._reseed(indices, STREAM_COLLATE)
+                batch = (self.collate or collate_samples)(samples)
+                self.times.add("collate", time.perf_counter() - collated)
+            if self.stream is not None:
+                batch = self._to_device(batch, buffers)
+            return batch, len(indices)
+        finally:
+            self.pool.release(buffers)
+
+    def _reseed(self, indices: np.ndarray, stream: int) -> None:
+        """One seed per batch (from its first sample) for user code outside ``transform``."""
+        if self.python_path and self.mode != "thread" and len(indices):
+            seed_global_rngs(int(sample_seeds(self.seed, self.epoch, indices[:1], stream)[0]))
+
+    def _transform(self, samples: list[Any], indices: np.ndarray) -> list[Any]:
+        seeds = sample_seeds(self.seed, self.epoch, indices, STREAM_TRANSFORM).tolist()
+        info = worker_info()
+        out = []
+        try:
+            for sample, seed in zip(samples, seeds, strict=True):
+                set_worker_info(dataclasses.replace(info, sample_seed=seed))
+                if self.mode != "thread":
+                    seed_global_rngs(seed)
+                out.append(self.transform(sample))
+        finally:
+            set_worker_info(info)
+        return out
 
     def _run_stages(self, batch: Any, indices: np.ndarray, buffers: BatchBuffers) -> Any:
         start = time.perf_counter()
@@ -175,14 +251,18 @@ class _EpochIterator:
         slots = workers + loader.prefetch if workers else 1
         processes = workers > 0 and loader.worker_mode == "process"
         threads = loader.threads or max(1, default_threads() // max(1, workers))
-        self.producer = _Producer(loader, epoch, indices, 1 if processes else slots, threads, not processes)
+        mode = "process" if processes else "thread" if workers else "main"
+        self.producer = _Producer(loader, epoch, indices, 1 if processes else slots, threads, mode)
         self.copy_in_consumer = processes and loader.device is not None and loader.device.type == "cuda"
         self.times = self.producer.times
         self.pipeline: ThreadPipeline | ProcessPipeline | None = None
+        start_worker = self.producer.start_worker
         if processes:
-            self.pipeline = ProcessPipeline(self.producer, self.n_batches, workers, slots, self.times)
+            self.pipeline = ProcessPipeline(
+                self.producer, self.n_batches, workers, slots, self.times, start_worker, loader.reuse_buffers
+            )
         elif workers:
-            self.pipeline = ThreadPipeline(self.producer, self.n_batches, workers, slots)
+            self.pipeline = ThreadPipeline(self.producer, self.n_batches, workers, slots, start_worker)
         self.bar = None
         if loader.progress:
             from tqdm import tqdm
@@ -260,13 +340,7 @@ class _EpochIterator:
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value
+    return map_structure(value, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
 
 
 class StreamLoader:

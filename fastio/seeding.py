@@ -9,6 +9,9 @@ with more workers) draws exactly the same augmentations.
    64-bit seed per sample; ``stream`` separates independent uses (transform reseeding, crop geometry...).
 2. :func:`sample_uniforms` turns those seeds into ``count`` uniform floats in ``[0, 1)`` per sample, for the
    built-in stages that need a handful of numbers per sample and no generator object.
+3. :func:`seed_global_rngs` seeds torch's default CPU generator, ``random`` and ``numpy.random`` from one such
+   seed, for user code (a ``transform``, a Dataset's ``__getitem__``, a ``collate``) that draws from the
+   global generators; :func:`global_rngs_kept` puts the caller's global states back afterwards.
 
 Example::
 
@@ -18,12 +21,30 @@ Example::
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+import random
+from collections.abc import Iterator
 
-__all__ = ["STREAM_IMAGE", "STREAM_TRANSFORM", "sample_seeds", "sample_uniforms"]
+import numpy as np
+import torch
+
+__all__ = [
+    "STREAM_COLLATE",
+    "STREAM_FETCH",
+    "STREAM_IMAGE",
+    "STREAM_TRANSFORM",
+    "STREAM_WORKER",
+    "global_rngs_kept",
+    "sample_seeds",
+    "sample_uniforms",
+    "seed_global_rngs",
+]
 
 STREAM_TRANSFORM = 1  # reseeding torch / random / numpy before a user's transform
 STREAM_IMAGE = 2  # the image stage's crop, ratio and flip draws
+STREAM_FETCH = 3  # reseeding before a Dataset's __getitem__s: one seed per batch, from its first sample
+STREAM_COLLATE = 4  # reseeding before a user's collate: one seed per batch, from its first sample
+STREAM_WORKER = 5  # the seed torch.utils.data.get_worker_info() reports in worker process ``index``
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -72,3 +93,39 @@ def sample_uniforms(
         counters = np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
         bits = _mix(base[:, None] + counters[None, :])
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def seed_global_rngs(seed: int) -> None:
+    """Seed torch's default CPU generator, ``random`` and ``numpy.random``'s global state from one 64-bit
+    ``seed`` (numpy from both 32-bit halves, so no two seeds share a numpy stream). CUDA generators are left
+    alone: worker processes never touch CUDA, and the consumer's CUDA draws stay the training's own.
+
+    Example::
+
+        seed_global_rngs(int(sample_seeds(0, 0, np.array([7]))[0]))
+        a = torch.rand(())
+    """
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed((seed & 0xFFFFFFFF, seed >> 32))
+
+
+@contextlib.contextmanager
+def global_rngs_kept() -> Iterator[None]:
+    """Put the global torch (CPU), ``random`` and ``numpy.random`` states back as they were on exit, so
+    reseeding inside does not change the caller's own randomness (dropout, its own shuffles).
+
+    Example::
+
+        with global_rngs_kept():
+            seed_global_rngs(3)
+            torch.rand(4)
+    """
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])

@@ -30,7 +30,16 @@ from fastio.format.decode import INT_EXTENSIONS, decode_default, last_extension,
 from fastio.format.reader import ShardSet
 from fastio.format.tar import TarShardSet
 
-__all__ = ["BatchBuffers", "DatasetSource", "ShardSource", "StageTimes", "TarSource", "open_source"]
+__all__ = [
+    "BatchBuffers",
+    "BufferPool",
+    "DatasetSource",
+    "ShardSource",
+    "StageTimes",
+    "TarSource",
+    "open_source",
+    "storage_refs",
+]
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -111,11 +120,59 @@ class BatchBuffers:
             del kept
             assert not buffers.held()
         """
-        return any(_storage_refs(t) > 1 for t in (*self._fixed.values(), *self._payload.values()))
+        return any(storage_refs(t) > 1 for t in (*self._fixed.values(), *self._payload.values()))
 
 
-def _storage_refs(tensor: torch.Tensor) -> int:
-    """Tensors (and views) sharing ``tensor``'s storage, ``tensor`` itself included."""
+class BufferPool:
+    """The :class:`BatchBuffers` of the batches in flight: a set is refilled only when nothing outside the
+    loader still views it (:meth:`BatchBuffers.held`); otherwise a fresh set is made and the held one is left
+    to whoever holds it. Thread-safe.
+
+    1. :meth:`acquire` hands out an idle set that is not held, else a new one.
+    2. :meth:`release` takes it back once the batch is made (its views then live in the batch); at most
+       ``keep`` sets are kept for reuse, dropping the longest-held first. ``keep=0``: fresh sets every time.
+
+    Example::
+
+        pool = BufferPool({"y": (torch.int64, ())}, batch_size=4, pin=False, keep=3)
+        buffers = pool.acquire()
+        kept = buffers.fixed("y", 4)
+        pool.release(buffers)
+        assert pool.acquire() is not buffers   # `kept` still views it: a fresh set
+    """
+
+    def __init__(
+        self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], batch_size: int, pin: bool, keep: int
+    ) -> None:
+        self.specs, self.batch_size, self.pin, self.keep = specs, batch_size, pin, keep
+        self._idle: list[BatchBuffers] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> BatchBuffers:
+        with self._lock:
+            for i, buffers in enumerate(self._idle):
+                if not buffers.held():
+                    return self._idle.pop(i)
+        return BatchBuffers(self.specs, self.batch_size, self.pin)
+
+    def release(self, buffers: BatchBuffers) -> None:
+        if not self.keep:
+            return
+        with self._lock:
+            self._idle.append(buffers)
+            if len(self._idle) > self.keep:
+                self._idle.pop(next((i for i, b in enumerate(self._idle) if b.held()), 0))
+
+
+def storage_refs(tensor: torch.Tensor) -> int:
+    """Tensors (and views) sharing ``tensor``'s storage, ``tensor`` itself included.
+
+    Example::
+
+        base = torch.zeros(4)
+        view = base[1:]
+        assert storage_refs(base) == 2
+    """
     # untyped_storage() makes a temporary Python storage that holds one reference of its own.
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
 

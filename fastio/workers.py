@@ -1,17 +1,24 @@
-"""The two ways a :class:`fastio.StreamLoader` makes batches ahead of its consumer.
+"""The two ways a :class:`fastio.StreamLoader` makes batches ahead of its consumer, and what a worker knows.
 
 * :class:`ThreadPipeline`: threads call the producer; the native gather releases the GIL, so threads are
-  the fast path for shards and tar members. Batches land in the producer's ring of reused buffers.
+  the fast path for shards and tar members. Batches land in the producer's reused buffers
+  (:class:`fastio.sources.BufferPool`: a set is refilled only when nothing outside still views it).
 * :class:`ProcessPipeline`: forked processes call the producer (for Python transforms, collates and
-  Datasets that hold the GIL). Each process writes the tensors of its batch into a ring slot that is a
-  plain file in a private temp directory (``$FASTIO_WORKER_DIR`` or the system temp dir, never ``/dev/shm``),
-  mapped shared by both sides; only a small description (offsets, dtypes, shapes, and non-tensor leaves
-  such as keys) goes through a pipe. Tensors are never pickled.
+  Datasets that hold the GIL). Each process writes the tensors of its batch into a ring slot: a file in
+  ``$FASTIO_WORKER_DIR`` (or the system temp dir, never ``/dev/shm``) that is unlinked as it is created, so
+  it has no path and never outlives the processes that map it. Both sides map it shared; only a small
+  description (offsets, dtypes, shapes, and non-tensor leaves such as keys) goes through a pipe. Tensors are
+  never pickled.
 
-Both hand out batch ``j`` only in order, keep at most ``slots`` batches in flight, and refill slot
-``j % slots`` only after the consumer has asked for batch ``j - slots + 1``: a yielded batch stays valid
-until the next one is requested. An exception in a worker is re-raised in the consumer; a worker that dies
-raises ``RuntimeError`` (never a hang).
+Both hand out batch ``j`` only in order and keep at most ``slots`` batches in flight. A yielded batch is
+never overwritten while anything still views it (the batch, a slice, a numpy view): before a process slot
+is refilled the consumer checks whether its mapping is still viewed, and if so gives the slot a new file
+(sent to the worker over the pipe) and leaves the old mapping to whoever holds it. ``reuse=False`` gives
+every batch fresh memory. An exception in a worker is re-raised in the consumer; a worker that dies raises
+``RuntimeError`` (never a hang). A worker process exits when its parent dies, even mid-batch
+(``PR_SET_PDEATHSIG`` on Linux, with the pipe and a parent-pid check as the fallback elsewhere).
+
+:func:`worker_info` says, inside a loader's Python code, which worker runs it and the current sample's seed.
 
 Example::
 
@@ -22,27 +29,109 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import mmap
 import multiprocessing
 import os
 import pickle
-import shutil
+import signal
+import sys
 import tempfile
 import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
 import torch
 
-__all__ = ["ProcessPipeline", "ThreadPipeline"]
+from fastio.sources import storage_refs
+
+__all__ = ["ProcessPipeline", "ThreadPipeline", "WorkerInfo", "map_structure", "worker_info"]
 
 _ALIGN = 64
+_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.5  # how often an idle worker process checks that its parent is still there
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """Who runs the loader's Python code right now (see :func:`worker_info`).
+
+    Attributes:
+        id: the worker's index, ``0 <= id < max(1, num_workers)``.
+        num_workers: the loader's ``num_workers`` (0: the consumer's own thread).
+        seed: the loader's seed.
+        epoch: the epoch being made.
+        sample_seed: inside a ``transform`` call, the current sample's 64-bit seed
+            (:func:`fastio.seeding.sample_seeds` of ``(seed, epoch, sample index)``, ``STREAM_TRANSFORM``);
+            None elsewhere. Seed your own generator from it where the global ones are shared (worker
+            threads): ``torch.Generator().manual_seed(info.sample_seed)``.
+    """
+
+    id: int
+    num_workers: int
+    seed: int
+    epoch: int
+    sample_seed: int | None = None
+
+
+_current = threading.local()
+
+
+def worker_info() -> WorkerInfo | None:
+    """The :class:`WorkerInfo` of the loader work running in this thread; None outside a loader's work.
+
+    Set in worker threads and processes, and in the consumer's thread while it makes a batch itself
+    (``num_workers=0``). ``torch.utils.data.get_worker_info()`` answers too, in worker processes only (it is
+    one process-wide value, which worker threads cannot share).
+
+    Example::
+
+        def transform(sample):
+            info = fastio.worker_info()
+            noise = torch.randn(3, generator=torch.Generator().manual_seed(info.sample_seed))
+            return {**sample, "noise": noise}
+    """
+    return getattr(_current, "info", None)
+
+
+def set_worker_info(info: WorkerInfo | None) -> WorkerInfo | None:
+    """Make ``info`` what :func:`worker_info` returns in this thread; returns what it returned before.
+
+    Example::
+
+        previous = set_worker_info(WorkerInfo(id=0, num_workers=0, seed=0, epoch=0))
+        set_worker_info(previous)
+    """
+    previous = worker_info()
+    _current.info = info
+    return previous
+
+
+def map_structure(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to every leaf of nested dicts, lists, tuples and namedtuples; the structure is kept.
+
+    Example::
+
+        Pair = collections.namedtuple("Pair", "x y")
+        assert map_structure({"a": [1, Pair(2, 3)]}, lambda v: v * 10) == {"a": [10, Pair(20, 30)]}
+    """
+    if isinstance(value, dict):
+        return {k: map_structure(v, fn) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_structure(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_structure(v, fn) for v in value)
+    return fn(value)
 
 
 class ThreadPipeline:
     """Worker threads running ``produce(job)`` ahead of the consumer (see the module docstring).
+
+    ``worker_init(worker_id)``, when given, runs first in each thread.
 
     Example::
 
@@ -50,21 +139,31 @@ class ThreadPipeline:
         assert pipeline.get(0) == (True, (0, 1))
     """
 
-    def __init__(self, produce: Callable[[int], Any], n_batches: int, num_workers: int, slots: int) -> None:
+    def __init__(
+        self,
+        produce: Callable[[int], Any],
+        n_batches: int,
+        num_workers: int,
+        slots: int,
+        worker_init: Callable[[int], None] | None = None,
+    ) -> None:
         self.produce, self.n_batches, self.slots = produce, n_batches, slots
+        self.worker_init = worker_init
         self.cond = threading.Condition()
         self.next_job = 0
         self.released = 0
         self.results: dict[int, tuple[bool, Any]] = {}
         self.stopped = False
         self.threads = [
-            threading.Thread(target=self._work, name=f"fastio-worker-{w}", daemon=True)
+            threading.Thread(target=self._work, args=(w,), name=f"fastio-worker-{w}", daemon=True)
             for w in range(num_workers)
         ]
         for t in self.threads:
             t.start()
 
-    def _work(self) -> None:
+    def _work(self, worker_id: int) -> None:
+        if self.worker_init is not None:
+            self.worker_init(worker_id)
         while True:
             with self.cond:
                 while (
@@ -88,7 +187,7 @@ class ThreadPipeline:
     def get(self, job: int) -> tuple[bool, Any]:
         """``(True, produce(job))`` or ``(False, exception)``; blocks until batch ``job`` is made."""
         with self.cond:
-            self.released = job  # the consumer moved past job - 1: its slot may be refilled
+            self.released = job  # the consumer moved past job - 1: another batch may start
             self.cond.notify_all()
             while job not in self.results:
                 if not any(t.is_alive() for t in self.threads):
@@ -111,80 +210,132 @@ class _TensorRef:
         self.offset, self.nbytes, self.dtype, self.shape = offset, nbytes, dtype, shape
 
 
-def _collect(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _TensorRef(-1, 0, value.dtype, tuple(value.shape))
-    if isinstance(value, dict):
-        return {k: _collect(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_collect(v, tensors) for v in value)
-    return value
+def _collect(batch: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]]]:
+    """The batch's layout (tensors replaced by refs at packed, aligned offsets) and the refs with their
+    tensors."""
+    pairs: list[tuple[_TensorRef, torch.Tensor]] = []
+
+    def place(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        offset = (pairs[-1][0].offset + pairs[-1][0].nbytes + _ALIGN - 1) // _ALIGN * _ALIGN if pairs else 0
+        ref = _TensorRef(offset, value.numel() * value.element_size(), value.dtype, tuple(value.shape))
+        pairs.append((ref, value))
+        return ref
+
+    return map_structure(batch, place), pairs
 
 
-def _rebuild(value: Any, region: mmap.mmap) -> Any:
-    if isinstance(value, _TensorRef):
+def _rebuild(layout: Any, base: torch.Tensor | None) -> Any:
+    """The batch, its tensors views of ``base`` (the slot's mapping) so that the slot knows it is held."""
+
+    def view(value: Any) -> Any:
+        if not isinstance(value, _TensorRef):
+            return value
         if value.nbytes == 0:
             return torch.empty(value.shape, dtype=value.dtype)
-        flat = torch.frombuffer(region, dtype=torch.uint8, count=value.nbytes, offset=value.offset)
-        return flat.view(value.dtype).view(value.shape)
-    if isinstance(value, dict):
-        return {k: _rebuild(v, region) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rebuild(v, region) for v in value)
-    return value
+        return base[value.offset : value.offset + value.nbytes].view(value.dtype).view(value.shape)
+
+    return map_structure(layout, view)
 
 
 class _SlotFile:
-    """One ring slot: a file both processes map shared; the writer grows it when a batch needs more."""
+    """One ring slot: an unlinked file (an fd, no path) that both processes map shared; the writer grows it
+    when a batch needs more. ``base`` is a uint8 tensor over the whole mapping: every tensor handed out from
+    the slot is a view of it, so its storage's use count says whether anyone still holds one."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.size = 0
+    def __init__(self, fd: int) -> None:
+        self.fd, self.size = fd, 0
         self.region: mmap.mmap | None = None
+        self.base: torch.Tensor | None = None
 
-    def ensure(self, nbytes: int, grow: bool) -> mmap.mmap:
-        if grow and nbytes > os.path.getsize(self.path):
-            os.truncate(self.path, max(nbytes, 1) * 5 // 4 + _ALIGN)
-        actual = os.path.getsize(self.path)
-        if self.region is None or self.size != actual:
-            if self.region is not None:
-                try:
-                    self.region.close()
-                except BufferError:
-                    pass  # tensors of an earlier batch still view it; it is unmapped when they are freed
-            with open(self.path, "r+b") as fh:
-                self.region = mmap.mmap(fh.fileno(), actual, access=mmap.ACCESS_WRITE)
+    @classmethod
+    def create(cls) -> _SlotFile:
+        with tempfile.TemporaryFile(dir=os.environ.get("FASTIO_WORKER_DIR")) as fh:  # unlinked at once
+            return cls(os.dup(fh.fileno()))
+
+    def mapped(self, nbytes: int = 0) -> torch.Tensor | None:
+        """The mapping (None while the file is empty), the file first grown to ``nbytes`` if smaller."""
+        if nbytes > os.fstat(self.fd).st_size:
+            os.ftruncate(self.fd, nbytes * 5 // 4 + _ALIGN)
+        actual = os.fstat(self.fd).st_size
+        if actual != self.size:
+            self._unmap()
+            if actual:
+                self.region = mmap.mmap(self.fd, actual, access=mmap.ACCESS_WRITE)
+                self.base = torch.frombuffer(self.region, dtype=torch.uint8)
             self.size = actual
-        return self.region
+        return self.base
+
+    def held(self) -> bool:
+        return self.base is not None and storage_refs(self.base) > 1
+
+    def _unmap(self) -> None:
+        # Never mmap.close(): torch.frombuffer keeps the mmap object alive but does not hold a buffer export,
+        # so close() would unmap under a kept batch. The mapping goes when its last view is freed.
+        self.base = self.region = None
+
+    def close(self) -> None:
+        self._unmap()
+        os.close(self.fd)
 
 
-def _worker_main(produce: Callable[[int], Any], conn: Any, slot_paths: list[str], times: Any) -> None:
-    torch.set_num_threads(1)
-    slots = [_SlotFile(p) for p in slot_paths]
-    while True:
+def _write(slot: _SlotFile, pairs: list[tuple[_TensorRef, torch.Tensor]]) -> None:
+    end = max((ref.offset + ref.nbytes for ref, _ in pairs), default=0)
+    base = slot.mapped(end)
+    for ref, tensor in pairs:
+        if ref.nbytes:
+            base[ref.offset : ref.offset + ref.nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux), and exit now if it already has."""
+    if sys.platform.startswith("linux"):
         try:
-            job = conn.recv()
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the parent-pid check of the receive loop still notices
+    if os.getppid() != parent_pid:  # the parent died between fork and prctl
+        os._exit(0)
+
+
+def _worker_main(
+    produce: Callable[[int], Any],
+    conn: Any,
+    slot_fds: list[int],
+    times: Any,
+    worker_id: int,
+    parent_pid: int,
+    worker_init: Callable[[int], None] | None,
+    inherited: list[Any],
+) -> None:
+    _die_with_parent(parent_pid)
+    for other in inherited:  # other workers' pipe ends: holding them would hide their parent's death
+        other.close()
+    torch.set_num_threads(1)
+    slots = [_SlotFile(fd) for fd in slot_fds]
+    if worker_init is not None:
+        worker_init(worker_id)
+    while True:
+        while not conn.poll(_PARENT_POLL_S):
+            if os.getppid() != parent_pid:
+                return
+        try:
+            message = conn.recv()
         except EOFError:
             return
-        if job is None:
+        if message is None:
             return
+        job, new_file = message
+        if new_file:  # the consumer still holds this slot's last batch: write into the file it sends
+            slots[job % len(slots)].close()
+            slots[job % len(slots)] = _SlotFile(recv_handle(conn))
         before = (dict(times.seconds), times.bytes)
         try:
             batch, size = produce(job)
-            tensors: list[torch.Tensor] = []
-            layout = _collect(batch, tensors)
-            refs: list[_TensorRef] = []
-            _gather_refs(layout, refs)
-            offset = 0
-            for ref, tensor in zip(refs, tensors, strict=True):
-                ref.offset, ref.nbytes = offset, tensor.numel() * tensor.element_size()
-                offset += (ref.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-            region = slots[job % len(slots)].ensure(offset, grow=True)
-            for ref, tensor in zip(refs, tensors, strict=True):
-                if ref.nbytes:
-                    target = torch.frombuffer(region, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
-                    target.copy_(tensor.contiguous().view(-1).view(torch.uint8))
+            layout, pairs = _collect(batch)
+            _write(slots[job % len(slots)], pairs)
+            del batch, pairs
             deltas = ({k: v - before[0][k] for k, v in times.seconds.items()}, times.bytes - before[1])
             conn.send((job, True, (layout, size, deltas)))
         except BaseException as exc:
@@ -198,21 +349,12 @@ def _worker_main(produce: Callable[[int], Any], conn: Any, slot_paths: list[str]
             conn.send((job, False, (error, detail)))
 
 
-def _gather_refs(value: Any, refs: list[_TensorRef]) -> None:
-    if isinstance(value, _TensorRef):
-        refs.append(value)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _gather_refs(v, refs)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _gather_refs(v, refs)
-
-
 class ProcessPipeline:
     """Forked worker processes running ``produce(job)``, batches handed over through slot files.
 
-    ``times`` (a :class:`fastio.sources.StageTimes`) receives each worker's per-batch stage times.
+    ``times`` (a :class:`fastio.sources.StageTimes`) receives each worker's per-batch stage times;
+    ``worker_init(worker_id)``, when given, runs first in each process; ``reuse=False`` writes every batch
+    into a new file.
 
     Example::
 
@@ -220,21 +362,37 @@ class ProcessPipeline:
     """
 
     def __init__(
-        self, produce: Callable[[int], Any], n_batches: int, num_workers: int, slots: int, times: Any
+        self,
+        produce: Callable[[int], Any],
+        n_batches: int,
+        num_workers: int,
+        slots: int,
+        times: Any,
+        worker_init: Callable[[int], None] | None = None,
+        reuse: bool = True,
     ) -> None:
-        self.n_batches, self.slots, self.times = n_batches, slots, times
-        self.directory = tempfile.mkdtemp(prefix="fastio-workers-", dir=os.environ.get("FASTIO_WORKER_DIR"))
-        paths = [os.path.join(self.directory, f"slot-{k}.bin") for k in range(slots)]
-        for p in paths:
-            open(p, "wb").close()
-        self.slot_files = [_SlotFile(p) for p in paths]
+        self.n_batches, self.slots, self.times, self.reuse = n_batches, slots, times, reuse
+        # One file more than batches in flight: the consumer still holds the last batch while asking for
+        # the next, so the file refilled then is one it has dropped, and the fast path never makes files.
+        self.slot_files = [_SlotFile.create() for _ in range(slots + 1)]
+        self.generation = [0] * len(self.slot_files)
+        self.known = [[0] * len(self.slot_files) for _ in range(num_workers)]  # per worker, per slot
         context = multiprocessing.get_context("fork")
         self.conns, self.procs = [], []
         for w in range(num_workers):
             parent, child = context.Pipe(duplex=True)
             proc = context.Process(
                 target=_worker_main,
-                args=(produce, child, paths, times),
+                args=(
+                    produce,
+                    child,
+                    [s.fd for s in self.slot_files],
+                    times,
+                    w,
+                    os.getpid(),
+                    worker_init,
+                    list(self.conns),
+                ),
                 name=f"fastio-worker-{w}",
                 daemon=True,
             )
@@ -246,11 +404,24 @@ class ProcessPipeline:
         self.results: dict[int, tuple[bool, Any]] = {}
         self.stopped = False
 
+    def _dispatch(self, job: int) -> None:
+        k, w = job % len(self.slot_files), job % len(self.conns)
+        slot = self.slot_files[k]
+        if slot.held() or (not self.reuse and job >= len(self.slot_files)):
+            slot.close()  # kept views keep their mapping (and the file's blocks) alive on their own
+            self.slot_files[k] = _SlotFile.create()
+            self.generation[k] += 1
+        new_file = self.known[w][k] != self.generation[k]
+        self.conns[w].send((job, new_file))
+        if new_file:
+            send_handle(self.conns[w], self.slot_files[k].fd, self.procs[w].pid)
+            self.known[w][k] = self.generation[k]
+
     def get(self, job: int) -> tuple[bool, Any]:
         """``(True, (batch, size))`` or ``(False, exception)``; blocks until batch ``job`` is made."""
         try:
             while self.dispatched < min(self.n_batches, job + self.slots):
-                self.conns[self.dispatched % len(self.conns)].send(self.dispatched)
+                self._dispatch(self.dispatched)
                 self.dispatched += 1
         except OSError:
             pass  # a worker is gone: reported below
@@ -281,8 +452,8 @@ class ProcessPipeline:
         for stage, value in seconds.items():
             self.times.add(stage, value)
         self.times.add("read", 0.0, nbytes)
-        region = self.slot_files[job % self.slots].ensure(0, grow=False)
-        return True, (_rebuild(layout, region), size)
+        base = self.slot_files[job % len(self.slot_files)].mapped()
+        return True, (_rebuild(layout, base), size)
 
     def stop(self) -> None:
         if self.stopped:
@@ -303,4 +474,5 @@ class ProcessPipeline:
                 conn.close()
             except OSError:
                 pass
-        shutil.rmtree(self.directory, ignore_errors=True)
+        for slot in self.slot_files:
+            slot.close()

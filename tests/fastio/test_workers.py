@@ -21,6 +21,17 @@ def _ys(loader) -> list[list[int]]:
     return [b["y"].tolist() for b in loader]
 
 
+def _open_slot_files(directory) -> list[str]:
+    """Files in ``directory`` this process holds open (unlinked ones too: Linux names them ``(deleted)``)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:
+            pass  # the fd listdir itself used
+    return [t for t in targets if t.startswith(f"{directory}/")]
+
+
 @pytest.mark.parametrize("workers", [1, 3])
 def test_processes_and_threads_give_the_same_batches(shard_dir, fio, workers, tmp_path, monkeypatch):
     monkeypatch.setenv("FASTIO_WORKER_DIR", str(tmp_path))
@@ -31,10 +42,13 @@ def test_processes_and_threads_give_the_same_batches(shard_dir, fio, workers, tm
     seen = []
     it = iter(processes)
     for batch in it:
-        assert os.listdir(tmp_path), "slot files live in FASTIO_WORKER_DIR while iterating"
+        assert _open_slot_files(tmp_path), "slot files live in FASTIO_WORKER_DIR while iterating"
         seen.append(fio.check_batch(batch))
+        assert os.listdir(tmp_path) == [], "slot files have no path: nothing can outlive the loader"
     assert seen == _ys(threads)
-    assert os.listdir(tmp_path) == [], "the slot directory is removed at the end of the epoch"
+    assert len(_open_slot_files(tmp_path)) == 1, "the mapping of the batch still held stays valid"
+    del batch
+    assert _open_slot_files(tmp_path) == [], "the slot files are closed at the end of the epoch"
     stats = processes.stats()
     assert stats["samples"] == 59 and stats["stage_s"]["read"] > 0 and stats["stage_s"]["collate"] > 0
 
