@@ -10,7 +10,7 @@ Cases (sizes are flags; defaults fit ~4 minutes on 2 shared cores and ~5 GB of /
   ``DataLoader`` (list collate) and ``StreamLoader``.
 * ``tar``: the first ``--tar-samples`` samples of ``fixed`` written by ``webdataset.ShardWriter``
   (``x.npy`` + ``cls``), read by ``webdataset.WebLoader`` (workers 0 and 2) and by ``StreamLoader``.
-* ``packing``: ``--pack-docs`` (16,000) int32 token documents of lognormal lengths (mean ~500, about 8M
+* ``packing``: ``--pack-docs`` (40,000) int32 token documents of lognormal lengths (mean ~500, about 20M
   tokens), packed into ``[--pack-batch, 1025]`` rows (``seq_len=1024``, ``shift=True``, document ids).
   Contenders, in tokens/s: a numpy memmap copy of the token bytes in storage order (the limit); the raw
   read of the same tokens (``StreamLoader`` over the same set without ``pack``, ``--batch`` documents per
@@ -283,7 +283,7 @@ def _bench_packing(pack_dir: Path, args: argparse.Namespace, notes: list[str]) -
     from fastio.format.reader import ShardSet
     from fastio.pack import Pack
 
-    seq_len, batch, epochs = PACK_SEQ_LEN, args.pack_batch, max(args.epochs, 5)
+    seq_len, batch, epochs = PACK_SEQ_LEN, args.pack_batch, max(args.epochs, 7)
     payloads = []
     for reader in ShardSet(pack_dir).readers:
         offsets, base = reader.variable_layout("tokens")
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--webloader-samples", type=int, default=20_000, help="samples timed per WebLoader run"
     )
-    parser.add_argument("--pack-docs", type=int, default=16_000, help="token documents of the packing case")
+    parser.add_argument("--pack-docs", type=int, default=40_000, help="token documents of the packing case")
     parser.add_argument("--pack-batch", type=int, default=32, help="rows per packed batch")
     parser.add_argument(
         "--cases", default=",".join(CASES), help="comma-separated cases to run; the others' rows are kept"
