@@ -291,6 +291,8 @@ class _PackProducer:
                 first = self.start_row + index * self.batches_per_chunk * self.batch_size
                 rows = min(self.batches_per_chunk * self.batch_size, self.plan.rows - first)
                 runs = _plan_rows(self.plan, self.docs, self.pack, first, rows)
+                for shard in np.unique(runs.shard).tolist():  # checksums: once per shard and process
+                    self.packer.readers[shard].ensure_verified()
                 self._chunks[index] = runs
                 for old in sorted(self._chunks)[: -self._KEEP_CHUNKS]:
                     del self._chunks[old]
@@ -468,7 +470,7 @@ class TokenPacker:
         self.settings = dict(settings)
         self.documents = _documents(source, pack.field)
         self.out_dtype = _out_dtype(pack, self.documents.dtype)
-        self.table = source.table
+        self.table, self.readers = source.table, source.shards.readers
         self.num_tokens = int(self.documents.tokens.sum())
         self._plan: _EpochPlan | None = None
         self._plan_lock = threading.Lock()

@@ -378,3 +378,16 @@ def test_rows_planned_in_small_chunks_match_reference(corpus, monkeypatch, worke
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
+
+
+def test_flipped_token_byte_is_a_named_error(tmp_path):
+    rng = _rng("flipped")
+    docs = [rng.integers(0, 1000, size=n).astype(np.int32) for n in rng.integers(1, 60, size=40)]
+    directory = _write_docs(tmp_path / "docs", docs)
+    shard = sorted(directory.glob("*.fio"))[1]
+    offsets, base = fastio.ShardReader(shard).variable_layout("tokens")
+    data = bytearray(shard.read_bytes())
+    data[base + int(offsets[3])] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(fastio.CorruptShardError, match=shard.name):
+        _collect(_loader(directory, Pack(seq_len=SEQ_LEN)))
