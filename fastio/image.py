@@ -292,7 +292,7 @@ class ImageStage:
                 f"{len(raw)} bytes starting {bytes(raw[:8]).hex()}",
             ) from exc
         # pixels: uint8 [h', w', 3] of the image whose full size is (height, width); smaller after DCT scaling
-        src = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)  # [1, 3, h', w'], channels-last
+        src = _channels_last(pixels)
         oh, ow = self.size
         if box is not None:
             rows, cols = pixels.shape[0] / height, pixels.shape[1] / width
@@ -350,6 +350,13 @@ class ImageStage:
 def _sample_name(keys: Any, ctx: StageContext, k: int) -> str:
     index = int(ctx.sample_ids[k])
     return f"sample {keys[k]!r} (index {index})" if keys is not None else f"sample index {index}"
+
+
+def _channels_last(pixels: np.ndarray) -> torch.Tensor:
+    """A ``[1, 3, h, w]`` view of contiguous HWC pixels with channels-last strides throughout (the batch
+    stride too: torch's fast uint8 resize, and a channels-last result, need them)."""
+    h, w, c = pixels.shape
+    return torch.from_numpy(pixels).as_strided((1, c, h, w), (h * w * c, 1, w * c, c))
 
 
 def _resize(src: torch.Tensor, height: int, width: int) -> torch.Tensor:
