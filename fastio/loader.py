@@ -19,8 +19,18 @@ How a batch is made:
 5. With ``device=`` (CUDA), the pinned batch is copied on a side stream; the consumer's stream waits on an
    event, so the copy overlaps the previous step's compute (with worker processes the consumer copies).
 
-Buffer reuse (``reuse_buffers=True``, the default): a yielded batch's tensors are views of a ring slot and
-stay valid until the next batch is requested; ``.clone()`` what you keep, or pass ``reuse_buffers=False``.
+Buffer reuse (``reuse_buffers=True``, the default): a yielded batch's tensors are views of reused buffers
+(or, with worker processes, of a shared slot file), and a buffer is refilled only when nothing outside the
+loader still views it: a kept batch, a slice or a numpy view of it stays as it was, in every worker mode,
+without ``.clone()`` (the loader then fills fresh memory instead). ``reuse_buffers=False``: fresh memory for
+every batch.
+
+Randomness in ``transform``: before each sample's call, torch's CPU generator, ``random`` and ``numpy.random``
+are seeded from ``(seed, epoch, sample index)`` (:mod:`fastio.seeding`), so augmentations differ across
+samples and epochs, do not depend on ``num_workers`` and repeat exactly on resume; with ``num_workers=0`` the
+consumer's own generator states are put back after each batch. Worker threads share the global generators
+with the training thread, so there they are not reseeded: seed your own from
+``fastio.worker_info().sample_seed``.
 
 Resume: ``state_dict()`` says how far the epoch went; ``load_state_dict()`` takes effect at the next
 ``iter()`` (never the running one: an iteration in progress is not restarted or altered), and continues
@@ -368,7 +378,7 @@ class StreamLoader:
         decode: tar sources: None, ``"pil"`` (images via Pillow) or ``decode(field, bytes) -> value``.
         verify: shard checksums: None (lazily, once per process per shard), True (all at open), False.
         progress: show a tqdm progress bar per epoch.
-        reuse_buffers: yield views of reused buffers (valid until the next batch is requested).
+        reuse_buffers: reuse output buffers that nothing outside still views (see the module docstring).
         threads: threads per native gather (default: CPUs / max(1, num_workers), at most 8).
         worker_mode: ``"thread"``, ``"process"`` (forked, batches handed over through slot files, see
             :mod:`fastio.workers`) or ``"auto"``: processes when Python code runs per sample (``transform``,

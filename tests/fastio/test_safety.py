@@ -74,6 +74,36 @@ def test_resume_mid_epoch_reproduces_the_draws(shard_dir):
     assert len(rest) == 117 - 40 and all(full[y] == d for y, d in rest.items())
 
 
+class _NoisyDataset(torch.utils.data.Dataset):
+    """Draws in ``__getitem__`` (torchvision-style datasets augment there)."""
+
+    def __len__(self) -> int:
+        return 47
+
+    def __getitem__(self, i: int) -> dict:
+        return {"i": i, "noise": torch.rand(()).item() + np.random.rand() + random.random()}
+
+
+def _mix_collate(samples: list[dict]) -> dict:
+    """A collate that draws (mixup-style weights)."""
+    return {"i": [s["i"] for s in samples], "noise": [s["noise"] for s in samples], "w": torch.rand(())}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_dataset_and_collate_draws_do_not_depend_on_num_workers(workers):
+    def run(num_workers: int) -> tuple[dict[int, float], list[float]]:
+        loader = fastio.StreamLoader(
+            _NoisyDataset(), batch_size=5, shuffle=True, seed=2, num_workers=num_workers, collate=_mix_collate
+        )
+        batches = list(loader)
+        noise = {i: n for b in batches for i, n in zip(b["i"], b["noise"], strict=True)}
+        return noise, [float(b["w"]) for b in batches]
+
+    noise, weights = run(0)
+    assert run(workers) == (noise, weights)
+    assert len(set(noise.values())) == 47 and len(set(weights)) == len(weights)
+
+
 def test_the_consumers_global_rngs_are_untouched_without_workers(shard_dir):
     def sequence() -> list[float]:
         return [torch.rand(()).item(), random.random(), float(np.random.rand())]
