@@ -4,9 +4,11 @@
 of ``"tokens"`` ``[b, L]`` (``L = S``, or ``S + 1`` with ``shift=True``), plus ``"document_ids"`` and
 optionally ``"positions"`` (int32 ``[b, L]``) for attention masks. How a batch is made:
 
-1. The documents of the field (one shard-set sample = one document) are taken in the epoch's order
-   (:func:`fastio.order.epoch_order`: ``shuffle``, ``seed``, ``epoch``), each followed by ``eos`` when given.
-   Their lengths come from the shards' offset tables; no token is read to plan.
+1. The documents of the field (one sample = one document: a variable-length integer array field of a
+   fastio shard set, or a ``.npy`` member such as ``"tokens.npy"`` of WebDataset tar shards) are taken in
+   the epoch's order (:func:`fastio.order.epoch_order`: ``shuffle``, ``seed``, ``epoch``), each followed by
+   ``eos`` when given. Their lengths come from the shards' offset tables (tar: each member's ``.npy``
+   header, parsed once when the loader is made); no token is read to plan.
 2. Ranks: rank ``r`` of ``W`` takes documents ``r, r + W, r + 2W, ...`` of that order and concatenates them
    into its own token stream (disjoint streams, no padding, no document repeated).
 3. Rows: row ``k`` of a stream is its tokens ``[k * S, k * S + L)``. With ``shift=True`` consecutive rows
@@ -54,7 +56,8 @@ import torch
 
 from fastio._native import default_threads, gather_ranges
 from fastio.errors import CorruptShardError, EmptySourceError, SchemaMismatchError
-from fastio.sources import BatchBuffers, ShardSource, StageTimes, torch_dtype
+from fastio.format.decode import npy_header
+from fastio.sources import BatchBuffers, ShardSource, StageTimes, TarSource, torch_dtype
 from fastio.workers import ThreadPipeline
 
 __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
@@ -69,7 +72,8 @@ class Pack:
 
     Args:
         field: a 1-D variable-length integer array field
-            (``ShardWriter(schema={"tokens": ("int32", None)})``).
+            (``ShardWriter(schema={"tokens": ("int32", None)})``), or a ``.npy`` member of tar shards
+            (``"tokens.npy"``: 1-D integer arrays of one dtype).
         seq_len: tokens per row (``seq_len + 1`` with ``shift``).
         eos: a token placed after every document, or None for none.
         shift: rows of ``seq_len + 1`` tokens overlapping by one, for ``inputs = row[:, :-1]``,
@@ -140,10 +144,12 @@ class _EpochPlan:
 
 
 def _documents(source: Any, field_name: str) -> _Documents:
+    if isinstance(source, TarSource):
+        return _tar_documents(source, field_name)
     if not isinstance(source, ShardSource):
         raise TypeError(
-            f"pack= needs a fastio shard directory (ShardWriter with a variable-length token field), "
-            f"got a {type(source).__name__} ({getattr(source, 'name', source)})"
+            "pack= needs a fastio shard directory (ShardWriter with a variable-length token field) or tar "
+            f"shards of .npy token members, got a {type(source).__name__} ({getattr(source, 'name', source)})"
         )
     field = source.schema.get(field_name)
     expected = "a 1-D variable-length integer array, e.g. ShardWriter(schema={name: ('int32', None)})"
@@ -167,6 +173,41 @@ def _documents(source: Any, field_name: str) -> _Documents:
     return _Documents(
         np.concatenate(shards), np.concatenate(srcs).astype(np.int64), np.concatenate(counts), field.np_dtype
     )
+
+
+def _tar_documents(source: TarSource, field_name: str) -> _Documents:
+    """Documents of a tar set's ``.npy`` member ``field_name``: each member's header is parsed once."""
+    expected = "a .npy member of a 1-D native-endian integer array in every sample (e.g. 'tokens.npy')"
+    if field_name not in source.shards.fields or not field_name.endswith(".npy"):
+        raise SchemaMismatchError(source.name, field_name, expected, f"members {source.shards.fields}")
+    offsets, sizes = source.shards.column(field_name)
+    shard = np.repeat(np.arange(len(source.shard_sizes), dtype=np.int32), source.shard_sizes)
+    files = source.table.files
+    dtype = None
+    src, counts = np.empty(len(offsets), np.int64), np.empty(len(offsets), np.int64)
+    for i, (s, at, size) in enumerate(zip(shard.tolist(), offsets.tolist(), sizes.tolist(), strict=True)):
+        path = files[s].path
+        if size < 0:
+            raise SchemaMismatchError(path, field_name, expected, f"sample {i} has no {field_name}")
+        try:
+            kind, shape, _, header = npy_header(files[s].array[at : at + size])
+        except ValueError as exc:
+            raise CorruptShardError(path, field_name, "a .npy header", str(exc)) from None
+        if (
+            len(shape) != 1
+            or kind.kind not in "iu"
+            or not kind.isnative
+            or (dtype is not None and kind != dtype)
+        ):
+            found = f"sample {i}: {kind} {shape}" + (f" after {dtype} members" if dtype is not None else "")
+            raise SchemaMismatchError(path, field_name, expected, found)
+        if size - header != shape[0] * kind.itemsize:
+            raise CorruptShardError(
+                path, field_name, f"{shape[0] * kind.itemsize} bytes of {kind} {shape} after the header",
+                f"{size - header} bytes (sample {i})",
+            )  # fmt: skip
+        dtype, src[i], counts[i] = kind, at + header, shape[0]
+    return _Documents(shard, src, counts, dtype)
 
 
 def _out_dtype(pack: Pack, stored: np.dtype) -> torch.dtype:
@@ -291,8 +332,9 @@ class _PackProducer:
                 first = self.start_row + index * self.batches_per_chunk * self.batch_size
                 rows = min(self.batches_per_chunk * self.batch_size, self.plan.rows - first)
                 runs = _plan_rows(self.plan, self.docs, self.pack, first, rows)
-                for shard in np.unique(runs.shard).tolist():  # checksums: once per shard and process
-                    self.packer.readers[shard].ensure_verified()
+                readers = self.packer.readers
+                for shard in np.unique(runs.shard).tolist() if readers else ():  # once per shard, process
+                    readers[shard].ensure_verified()
                 self._chunks[index] = runs
                 for old in sorted(self._chunks)[: -self._KEEP_CHUNKS]:
                     del self._chunks[old]
@@ -433,7 +475,7 @@ class TokenPacker:
     """The packing side of a :class:`fastio.StreamLoader` with ``pack=``: plans, iterates and resumes.
 
     Args:
-        source: the loader's :class:`fastio.sources.ShardSource`.
+        source: the loader's :class:`fastio.sources.ShardSource` or :class:`fastio.sources.TarSource`.
         pack: what to pack and how.
         order: ``order(epoch) -> int64 [N]``, the loader's epoch order of the documents.
         batch_size, world_size, rank, drop_last: the loader's.
@@ -470,7 +512,8 @@ class TokenPacker:
         self.settings = dict(settings)
         self.documents = _documents(source, pack.field)
         self.out_dtype = _out_dtype(pack, self.documents.dtype)
-        self.table, self.readers = source.table, source.shards.readers
+        self.table = source.table
+        self.readers = source.shards.readers if isinstance(source, ShardSource) else []  # tar: no checksums
         self.num_tokens = int(self.documents.tokens.sum())
         self._plan: _EpochPlan | None = None
         self._plan_lock = threading.Lock()

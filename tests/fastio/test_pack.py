@@ -391,3 +391,55 @@ def test_flipped_token_byte_is_a_named_error(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(fastio.CorruptShardError, match=shard.name):
         _collect(_loader(directory, Pack(seq_len=SEQ_LEN)))
+
+
+def _write_tar(path: Path, docs: list[np.ndarray]) -> str:
+    import webdataset as wds
+
+    with wds.TarWriter(str(path)) as sink:
+        for i, doc in enumerate(docs):
+            sink.write({"__key__": f"d{i:05d}", "tokens.npy": doc, "cls": i})
+    return str(path)
+
+
+@pytest.mark.parametrize("eos", [None, -4])
+def test_tar_npy_documents_match_reference(corpus, tmp_path, eos):
+    _, docs = corpus
+    tars = [_write_tar(tmp_path / f"part-{k}.tar", docs[k * 60 : (k + 1) * 60]) for k in range(2)]
+    order = epoch_order([60, NUM_DOCS - 60], seed=8, epoch=0, shuffle=True)
+    pack = Pack("tokens.npy", seq_len=SEQ_LEN, eos=eos, shift=True, positions=True)
+    loader = fastio.StreamLoader(
+        tars, batch_size=BATCH, shuffle=True, seed=8, world_size=2, rank=0, pack=pack
+    )
+    want = _batches(_reference(docs, order, SEQ_LEN, eos, True, 2, 0), BATCH, False)
+    got = _collect(loader)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+
+
+def test_tar_member_that_is_not_a_token_array_is_named(tmp_path):
+    tar = _write_tar(tmp_path / "a.tar", [np.ones((3, 2), np.int32), np.ones(4, np.int32)])
+    with pytest.raises(fastio.SchemaMismatchError, match=r"tokens\.npy") as err:
+        fastio.StreamLoader(tar, batch_size=1, pack=Pack("tokens.npy", seq_len=2))
+    assert "(3, 2)" in str(err.value)
+    with pytest.raises(fastio.SchemaMismatchError, match="cls"):
+        fastio.StreamLoader(tar, batch_size=1, pack=Pack("cls", seq_len=2))
+
+
+def test_tar_npy_member_shorter_than_its_header_says(tmp_path):
+    import io
+    import tarfile
+
+    path = tmp_path / "short.tar"
+    with tarfile.open(path, "w") as tar:
+        for i, n in enumerate((9, 12)):
+            buf = io.BytesIO()
+            np.save(buf, np.arange(n, dtype=np.int32))
+            data = buf.getvalue()[: -8 if i == 1 else None]  # the second member lost 2 tokens
+            info = tarfile.TarInfo(f"d{i}.tokens.npy")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(fastio.CorruptShardError, match="sample 1") as err:
+        fastio.StreamLoader(str(path), batch_size=1, pack=Pack("tokens.npy", seq_len=2))
+    assert "short.tar" in str(err.value) and "48 bytes" in str(err.value)
