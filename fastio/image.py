@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio.errors import CorruptShardError
+from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.seeding import STREAM_IMAGE, sample_uniforms
 from fastio.stages import StageContext
 
@@ -95,7 +95,8 @@ def random_resized_crop_box(
     area = height * width
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     for attempt in range(CROP_ATTEMPTS):
-        u_area, u_ratio, u_top, u_left = draws[attempt * DRAWS_PER_ATTEMPT : (attempt + 1) * DRAWS_PER_ATTEMPT]
+        first = attempt * DRAWS_PER_ATTEMPT
+        u_area, u_ratio, u_top, u_left = draws[first : first + DRAWS_PER_ATTEMPT]
         target_area = area * (scale[0] + (scale[1] - scale[0]) * float(u_area))
         aspect = math.exp(log_lo + (log_hi - log_lo) * float(u_ratio))
         w = int(round(math.sqrt(target_area * aspect)))
@@ -216,8 +217,10 @@ class ImageStage:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        mode = f"train scale={self.scale} ratio={self.ratio} flip={self.flip}" if self.train else (
-            f"eval resize={self.eval_resize}"
+        mode = (
+            f"train scale={self.scale} ratio={self.ratio} flip={self.flip}"
+            if self.train
+            else (f"eval resize={self.eval_resize}")
         )
         return f"ImageStage({self.field!r} -> {self.output!r} {self.size} {self.layout}, {mode})"
 
@@ -245,9 +248,7 @@ class ImageStage:
         if images.shape[0] != n:
             raise ValueError(f"{self!r}: {n} images for an output of {images.shape[0]} rows")
         draws = (
-            sample_uniforms(ctx.seed, ctx.epoch, ctx.sample_ids, DRAWS, STREAM_IMAGE)
-            if self.train
-            else None
+            sample_uniforms(ctx.seed, ctx.epoch, ctx.sample_ids, DRAWS, STREAM_IMAGE) if self.train else None
         )
         keys = batch.get("__key__")
         jobs = [
@@ -280,16 +281,17 @@ class ImageStage:
     def _one(self, dst: torch.Tensor, data: Any, draws: np.ndarray | None, name: str) -> None:
         if data is None:
             raise CorruptShardError(name, self.field, "an encoded image", "no such member in the sample")
-        raw = data if isinstance(data, (bytes, bytearray, memoryview)) else memoryview(np.ascontiguousarray(data))
+        if not isinstance(data, (bytes, bytearray, memoryview)):  # e.g. a loader built with decode="pil"
+            raise SchemaMismatchError(name, self.field, "encoded image bytes", type(data).__name__)
         try:
-            pixels, height, width, box = self._decode(raw, draws)
+            pixels, height, width, box = self._decode(data, draws)
         except (ValueError, OSError, SyntaxError) as exc:  # what simplejpeg and Pillow raise on bad bytes
             raise CorruptShardError(
                 name,
                 self.field,
                 "a JPEG, PNG or WebP image",
                 f"undecodable bytes ({exc})",
-                f"{len(raw)} bytes starting {bytes(raw[:8]).hex()}",
+                f"{len(data)} bytes starting {bytes(data[:8]).hex()}",
             ) from exc
         # pixels: uint8 [h', w', 3] of the image whose full size is (height, width); smaller after DCT scaling
         src = _channels_last(pixels)

@@ -53,8 +53,11 @@ def _encode(pixels: np.ndarray, fmt: str = "JPEG", mode: str | None = None) -> b
 def _run(stage: ImageStage, images: list, ids: np.ndarray, epoch: int = 0, threads: int = 1) -> torch.Tensor:
     dtype, shape = stage.output_specs()[stage.output]
     out = torch.empty((len(images), *shape), dtype=dtype)
-    batch = stage({stage.field: list(images), "__key__": [f"k{i}" for i in ids]}, {stage.output: out},
-                  StageContext(seed=5, epoch=epoch, sample_ids=ids, threads=threads))
+    batch = stage(
+        {stage.field: list(images), "__key__": [f"k{i}" for i in ids]},
+        {stage.output: out},
+        StageContext(seed=5, epoch=epoch, sample_ids=ids, threads=threads),
+    )
     assert stage.field not in batch and batch[stage.output] is out
     return out
 
@@ -245,14 +248,28 @@ def _corrupt(kind: str) -> bytes | None:
     }[kind]
 
 
-@pytest.mark.parametrize(
-    "kind", ["truncated-jpeg", "jpeg-magic-then-garbage", "garbage", "empty", "truncated-png", "missing-member"]
-)
+CORRUPTIONS = [
+    "truncated-jpeg",
+    "jpeg-magic-then-garbage",
+    "garbage",
+    "empty",
+    "truncated-png",
+    "missing-member",
+]
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_undecodable_image_raises_naming_the_sample(kind, threads):
     good = _image_bytes(IMAGES[1])
     with pytest.raises(fastio.CorruptShardError, match="k11"):
         _run(ImageStage(size=32), [good, _corrupt(kind), good], np.array([10, 11, 12]), threads=threads)
+
+
+def test_decoded_images_are_refused_by_name():
+    decoded = torch.zeros(8, 8, 3, dtype=torch.uint8)
+    with pytest.raises(fastio.SchemaMismatchError, match="encoded image bytes"):
+        _run(ImageStage(size=8), [decoded], np.array([0]))
 
 
 def test_bad_arguments_raise():
@@ -268,7 +285,8 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
 def test_normalize(layout):
     rng = _rng(("normalize", layout))
-    images = torch.from_numpy(rng.integers(0, 256, (2, 5, 7, 3) if layout == "NHWC" else (2, 3, 5, 7), np.uint8))
+    shape = (2, 5, 7, 3) if layout == "NHWC" else (2, 3, 5, 7)
+    images = torch.from_numpy(rng.integers(0, 256, shape, np.uint8))
     mean, std = (0.1, 0.5, 0.9), (0.2, 0.3, 0.4)
     result = normalize(images, mean, std, layout=layout)
     chw = images.permute(0, 3, 1, 2) if layout == "NHWC" else images
@@ -298,7 +316,8 @@ def image_tars(tmp_path_factory):
 
 
 def _epoch(pattern, epoch, **kwargs):
-    loader = fastio.StreamLoader(pattern, batch_size=8, shuffle=True, seed=3, stages=[ImageStage(size=32)], **kwargs)
+    stage = ImageStage(size=32)
+    loader = fastio.StreamLoader(pattern, batch_size=8, shuffle=True, seed=3, stages=[stage], **kwargs)
     loader.set_epoch(epoch)
     images, labels = {}, {}
     for batch in loader:
