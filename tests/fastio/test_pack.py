@@ -443,3 +443,22 @@ def test_tar_npy_member_shorter_than_its_header_says(tmp_path):
     with pytest.raises(fastio.CorruptShardError, match="sample 1") as err:
         fastio.StreamLoader(str(path), batch_size=1, pack=Pack("tokens.npy", seq_len=2))
     assert "short.tar" in str(err.value) and "48 bytes" in str(err.value)
+
+
+def test_state_dict_reports_a_pending_resume_and_a_running_pass_is_left_alone(corpus):
+    directory, _ = corpus
+    pack = Pack(seq_len=SEQ_LEN)
+    loader = _loader(directory, pack, shuffle=True, seed=6)
+    full = _collect(loader)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = loader.state_dict()
+    other = _loader(directory, pack, shuffle=True, seed=6)
+    running = iter(other)
+    next(running)
+    with pytest.warns(UserWarning, match="continues unchanged"):
+        other.load_state_dict(state)
+    assert other.state_dict() == state  # the pending point, until the next iter()
+    assert torch.equal(next(running)["tokens"], full[1]["tokens"])
+    assert torch.equal(next(iter(other))["tokens"], full[4]["tokens"])
