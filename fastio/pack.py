@@ -234,7 +234,7 @@ class _BufferPool:
 
     def __init__(
         self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], rows: int, pin: bool, keep: int
-    ):
+    ) -> None:
         self.specs, self.rows, self.pin, self.keep = specs, rows, pin, keep
         self._sets: list[BatchBuffers] = []
         self._lock = threading.Lock()
@@ -520,7 +520,12 @@ class TokenPacker:
         self.num_batches(0)
 
     def output_specs(self, with_raw: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Output fields -> (dtype, per-row shape); ``with_raw`` adds the stored-dtype staging buffer."""
+        """Output fields -> (dtype, per-row shape); ``with_raw`` adds the stored-dtype staging buffer.
+
+        Example::
+
+            packer.output_specs()["tokens"]   # (torch.int32, (1025,)) for int32 tokens, seq_len 1024, shift
+        """
         width = self.pack.row_len
         specs = {"tokens": (self.out_dtype, (width,))}
         if with_raw:
@@ -532,7 +537,12 @@ class TokenPacker:
         return specs
 
     def plan(self, epoch: int) -> _EpochPlan:
-        """This rank's stream of ``epoch`` (cached for the latest epoch asked)."""
+        """This rank's stream of ``epoch`` (cached for the latest epoch asked).
+
+        Example::
+
+            rows = packer.plan(epoch=2).rows   # rows every rank yields in epoch 2
+        """
         with self._plan_lock:
             if self._plan is None or self._plan.epoch != epoch:
                 self._plan = self._make_plan(epoch)
@@ -568,7 +578,13 @@ class TokenPacker:
 
     def iterate(self, epoch: int, start_row: int, **options: Any) -> PackedEpoch:
         """A :class:`PackedEpoch` from row ``start_row``; ``options``: the loader's ``num_workers``,
-        ``prefetch``, ``threads``, ``pin``, ``reuse_buffers``, ``device``."""
+        ``prefetch``, ``threads``, ``pin``, ``reuse_buffers``, ``device``.
+
+        Example::
+
+            it = packer.iterate(0, 0, num_workers=2, prefetch=2, threads=None, pin=False,
+                                reuse_buffers=True, device=None)
+        """
         workers, prefetch = options.pop("num_workers"), options.pop("prefetch")
         return PackedEpoch(self, epoch, start_row, workers, prefetch, options)
 
@@ -586,7 +602,12 @@ class TokenPacker:
         }
 
     def state_dict(self, epoch: int, rows_consumed: int) -> dict[str, Any]:
-        """The state of a packing loader at ``rows_consumed`` rows of ``epoch``."""
+        """The state of a packing loader at ``rows_consumed`` rows of ``epoch``.
+
+        Example::
+
+            state = packer.state_dict(epoch=1, rows_consumed=96)   # state["token_offset"] == 96 * seq_len
+        """
         return {
             "format": _STATE_FORMAT,
             "version": _STATE_VERSION,
@@ -599,7 +620,12 @@ class TokenPacker:
         }
 
     def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
-        """``(epoch, row)`` to continue from, after checking ``state`` describes this very stream."""
+        """``(epoch, row)`` to continue from, after checking ``state`` describes this very stream.
+
+        Example::
+
+            epoch, row = packer.resume_point(torch.load("loader.pt"))
+        """
         if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
             found = f"{state.get('format')!r} v{state.get('version')}"
             raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict (found {found})")
