@@ -122,13 +122,36 @@ class BatchBuffers:
         """
         return any(storage_refs(t) > 1 for t in (*self._fixed.values(), *self._payload.values()))
 
+    def held_count(self) -> tuple[int, int]:
+        """``(held, total)``: how many of the buffers are held (see :meth:`held`), of how many."""
+        buffers = (*self._fixed.values(), *self._payload.values())
+        return sum(storage_refs(t) > 1 for t in buffers), len(buffers)
+
+    def renew_held(self) -> None:
+        """Replace every held buffer with fresh memory and leave the old one to whoever views it: a user who
+        keeps only the labels of each batch costs one small allocation per batch, not a new image buffer.
+
+        Example::
+
+            buffers = BatchBuffers({"y": (torch.int64, ()), "x": (torch.uint8, (8,))}, 4, pin=False)
+            kept, x = buffers.fixed("y", 4), buffers.fixed("x", 4).data_ptr()
+            buffers.renew_held()
+            assert buffers.fixed("y", 4).data_ptr() != kept.data_ptr()
+            assert buffers.fixed("x", 4).data_ptr() == x
+        """
+        for name, t in self._fixed.items():
+            if storage_refs(t) > 1:
+                self._fixed[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+        self._payload = {name: t for name, t in self._payload.items() if storage_refs(t) == 1}
+
 
 class BufferPool:
     """The :class:`BatchBuffers` of the batches in flight: a set is refilled only when nothing outside the
     loader still views it (:meth:`BatchBuffers.held`); otherwise a fresh set is made and the held one is left
     to whoever holds it. Thread-safe.
 
-    1. :meth:`acquire` hands out an idle set that is not held, else a new one.
+    1. :meth:`acquire` hands out an idle set that is not held; else the idle set with the fewest held
+       buffers, those renewed (:meth:`BatchBuffers.renew_held`), if some of it is free; else a new set.
     2. :meth:`release` takes it back once the batch is made (its views then live in the batch); at most
        ``keep`` sets are kept for reuse, dropping the longest-held first. ``keep=0``: fresh sets every time.
 
@@ -150,9 +173,12 @@ class BufferPool:
 
     def acquire(self) -> BatchBuffers:
         with self._lock:
-            for i, buffers in enumerate(self._idle):
-                if not buffers.held():
-                    return self._idle.pop(i)
+            counts = [buffers.held_count() for buffers in self._idle]
+            free = [total - held if held else total + 1 for held, total in counts]  # an unheld set first
+            if free and max(free) > 0:
+                buffers = self._idle.pop(free.index(max(free)))
+                buffers.renew_held()
+                return buffers
         return BatchBuffers(self.specs, self.batch_size, self.pin)
 
     def release(self, buffers: BatchBuffers) -> None:

@@ -52,6 +52,7 @@ from fastio.sources import storage_refs
 __all__ = ["ProcessPipeline", "ThreadPipeline", "WorkerInfo", "map_structure", "worker_info"]
 
 _ALIGN = 64
+_COPY_AT_MOST = 64 << 10  # tensors this small leave a slot as copies
 _PR_SET_PDEATHSIG = 1
 _PARENT_POLL_S = 0.5  # how often an idle worker process checks that its parent is still there
 
@@ -227,14 +228,16 @@ def _collect(batch: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]]]:
 
 
 def _rebuild(layout: Any, base: torch.Tensor | None) -> Any:
-    """The batch, its tensors views of ``base`` (the slot's mapping) so that the slot knows it is held."""
+    """The batch: its large tensors views of ``base`` (the slot's mapping, so that the slot knows it is held),
+    its small ones (labels, lengths) copied out, so that keeping only those never holds a whole slot."""
 
     def view(value: Any) -> Any:
         if not isinstance(value, _TensorRef):
             return value
         if value.nbytes == 0:
             return torch.empty(value.shape, dtype=value.dtype)
-        return base[value.offset : value.offset + value.nbytes].view(value.dtype).view(value.shape)
+        tensor = base[value.offset : value.offset + value.nbytes].view(value.dtype).view(value.shape)
+        return tensor.clone() if value.nbytes <= _COPY_AT_MOST else tensor
 
     return map_structure(layout, view)
 
@@ -246,7 +249,6 @@ class _SlotFile:
 
     def __init__(self, fd: int) -> None:
         self.fd, self.size = fd, 0
-        self.region: mmap.mmap | None = None
         self.base: torch.Tensor | None = None
 
     @classmethod
@@ -260,24 +262,27 @@ class _SlotFile:
             os.ftruncate(self.fd, nbytes * 5 // 4 + _ALIGN)
         actual = os.fstat(self.fd).st_size
         if actual != self.size:
-            self._unmap()
-            if actual:
-                self.region = mmap.mmap(self.fd, actual, access=mmap.ACCESS_WRITE)
-                self.base = torch.frombuffer(self.region, dtype=torch.uint8)
+            self.base = _map_shared(self.fd, actual) if actual else None  # the old mapping lives in its views
             self.size = actual
         return self.base
 
     def held(self) -> bool:
         return self.base is not None and storage_refs(self.base) > 1
 
-    def _unmap(self) -> None:
-        # Never mmap.close(): torch.frombuffer keeps the mmap object alive but does not hold a buffer export,
-        # so close() would unmap under a kept batch. The mapping goes when its last view is freed.
-        self.base = self.region = None
-
     def close(self) -> None:
-        self._unmap()
+        self.base = None  # unmapped when its last view is freed
         os.close(self.fd)
+
+
+def _map_shared(fd: int, size: int) -> torch.Tensor:
+    """A uint8 tensor over the first ``size`` bytes of file ``fd``, mapped shared and unmapped with its last
+    view. On Linux through ``/proc/self/fd``, so that the mapping keeps no descriptor open: batches a user
+    keeps cost no file descriptors. (Never ``mmap.close()`` one: ``torch.frombuffer`` keeps the mmap object
+    alive without holding a buffer export, so close() would unmap under a kept batch.)"""
+    proc_path = f"/proc/self/fd/{fd}"
+    if os.path.exists(proc_path):
+        return torch.from_file(proc_path, shared=True, size=size, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), dtype=torch.uint8)
 
 
 def _write(slot: _SlotFile, pairs: list[tuple[_TensorRef, torch.Tensor]]) -> None:
@@ -469,6 +474,8 @@ class ProcessPipeline:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=1.0)
+            if not proc.is_alive():
+                proc.close()  # its sentinel pipes
         for conn in self.conns:
             try:
                 conn.close()

@@ -195,6 +195,53 @@ def test_kept_slices_and_numpy_views_are_never_overwritten(shard_dir, fio, mode)
         np.testing.assert_array_equal(x, fio.make_sample(y)["x"])
 
 
+class _Big(torch.utils.data.Dataset):
+    """Samples of 80 KB each, with contents no other sample has: a slot holds more than gets copied out."""
+
+    def __len__(self) -> int:
+        return 41
+
+    def __getitem__(self, i: int) -> dict:
+        values = torch.randint(0, 1 << 30, (20_000,), generator=torch.Generator().manual_seed(_case_seed(i)))
+        return {"i": i, "values": values.int()}
+
+
+def _case_seed(case: object) -> int:
+    return zlib.crc32(repr(case).encode())
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/fd")
+@pytest.mark.parametrize("reuse", [True, False])
+def test_kept_large_batches_from_processes_stay_valid_and_hold_no_fds(reuse):
+    dataset = _Big()
+    loader = fastio.StreamLoader(
+        dataset, batch_size=2, num_workers=2, worker_mode="process", reuse_buffers=reuse
+    )
+    before = _open_fds()
+    kept = list(loader)
+    assert _open_fds() <= before, "kept batches hold mappings, not file descriptors"
+    for batch in kept:
+        for i, values in zip(batch["i"].tolist(), batch["values"], strict=True):
+            assert torch.equal(values, dataset[i]["values"])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_keeping_only_labels_leaves_the_rest_of_each_batch_reused(shard_dir, mode):
+    # Processes: large tensors stay views of the slot file (small ones are copied out), so use _Big there.
+    source, label, big = (_Big(), "i", "values") if mode == "processes" else (shard_dir, "y", "x")
+    loader = fastio.StreamLoader(source, batch_size=2, **MODES[mode])
+    labels, pointers = [], set()
+    for batch in loader:
+        labels.append(batch[label])
+        pointers.add(batch[big].data_ptr())
+    assert torch.cat(labels).tolist() == list(range(loader.num_samples))
+    assert len(pointers) <= 2 + 2 + 2, "the large buffers are recycled although every label is kept"
+
+
 def test_dropped_batches_reuse_their_buffers(shard_dir):
     loader = fastio.StreamLoader(shard_dir, batch_size=10, num_workers=2, worker_mode="thread")
     pointers = {batch["x"].data_ptr() for batch in loader}
