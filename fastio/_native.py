@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ __all__ = [
     "gather_ranges",
     "gather_rows",
     "native",
+    "read_chunks",
     "read_ranges",
     "scan_tar",
 ]
@@ -169,10 +170,12 @@ class MappedTable:
         """
         if len(shard_ids) == 0:
             return
-        one = (shard_ids == shard_ids[0]).all()
-        for shard in (int(shard_ids[0]),) if one else np.unique(shard_ids).tolist():
-            if 0 <= shard < len(self.files):
-                self.files[shard].check_size()
+        try:
+            touched = np.flatnonzero(np.bincount(shard_ids, minlength=len(self.files))[: len(self.files)])
+        except ValueError:  # a negative shard id: the gather itself refuses it, naming the sample
+            return
+        for shard in touched.tolist():
+            self.files[shard].check_size()
 
     def raise_fault(self, shard_ids: np.ndarray, offsets: np.ndarray, sample: int) -> None:
         """The error for a native copy that took SIGBUS at ``sample`` (its file shrank under the mapping)."""
@@ -308,6 +311,32 @@ def read_ranges(
     starts = gather_ranges(table, shard_ids, offsets, lengths, torch.from_numpy(payload))
     raw = memoryview(payload)
     return [raw[a : a + n].tobytes() for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+
+
+def read_chunks(file: MappedFile, start: int, nbytes: int, chunk: int = 4 << 20) -> Iterator[memoryview]:
+    """Bytes ``[start, start + nbytes)`` of ``file`` in pieces of at most ``chunk`` bytes. With the native
+    module each piece is a guarded copy (a file truncated meanwhile raises :class:`fastio.CorruptShardError`);
+    without it, views of the mapping after a size check.
+
+    Example::
+
+        crc = 0
+        for piece in read_chunks(f, 0, f.size):
+            crc = zlib.crc32(piece, crc)
+    """
+    file.check_size()
+    if _C is None:
+        view = memoryview(file.array)
+        for at in range(start, start + nbytes, chunk):
+            yield view[at : min(at + chunk, start + nbytes)]
+        return
+    table = MappedTable([file])
+    scratch = torch.empty(min(chunk, nbytes), dtype=torch.uint8)
+    one = np.zeros(1, dtype=np.int32)
+    for at in range(start, start + nbytes, chunk):
+        n = min(chunk, start + nbytes - at)
+        gather_ranges(table, one, np.array([at], np.int64), np.array([n], np.int64), scratch[:n])
+        yield memoryview(scratch.numpy())[:n]
 
 
 @dataclasses.dataclass

@@ -635,3 +635,21 @@ def test_sigbus_outside_a_guarded_copy_still_kills(tmp_path, faulthandler):
     assert child.returncode == -7 and "survived" not in child.stdout, (child.returncode, child.stdout)
     if faulthandler:
         assert "Bus error" in child.stderr
+
+
+def test_checksum_pass_over_a_shard_truncated_since_open(tmp_path):
+    source, victim = _fio_set(tmp_path)
+    script = f"""
+        import os
+        import fastio
+        from fastio.format.reader import ShardReader
+        reader = ShardReader({victim!r})
+        os.truncate({victim!r}, 4096)
+        try:
+            reader.ensure_verified()
+        except fastio.CorruptShardError as err:
+            print("caught:", err)
+    """
+    child = _run_child(script, tmp_path)
+    assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
+    assert "shard-000000.fio" in child.stdout and "truncated while mapped" in child.stdout
