@@ -408,7 +408,9 @@ class TarSource(_MappedSource):
         return dtype, shape, header
 
     def _decode_ints(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        field = next(f for f, (o, _) in self.columns.items() if o is offsets)
         files = self.table.files
+        raw = read_ranges(self.table, self._shard_of, offsets, sizes)
         return np.array(
             [
                 decode_default(field, data, path=files[s].path, member=f"{key}.{field}")
@@ -464,9 +466,7 @@ class TarSource(_MappedSource):
         return batch
 
 
-        field = next(f for f, (o, _) in self.columns.items() if o is offsets)
 class DatasetSource:
-        raw = read_ranges(self.table, self._shard_of, offsets, sizes)
     """A map-style ``torch.utils.data.Dataset`` as a batch source: whole batches through ``__getitems__``
     where the dataset has it, else one ``__getitem__`` per sample. Returns the list of samples.
 
@@ -508,6 +508,8 @@ def open_source(
     A directory -> :class:`ShardSource`; a ``.tar`` path, glob or brace pattern (or a list of them) ->
     :class:`TarSource`; an object with ``__len__`` and ``__getitem__`` -> :class:`DatasetSource`.
 
+    ``tar_strict`` is :class:`TarShardSet`'s ``strict``: refuse tars without a clean end-of-archive marker.
+
     Example::
 
         open_source("data/shard-{000000..000009}.tar")
@@ -524,5 +526,3 @@ def open_source(
     if isinstance(source, Sequence) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
         return TarSource(TarShardSet([os.fspath(s) for s in source], strict=tar_strict), decode=decode)
     return DatasetSource(source)
-    ``tar_strict`` is :class:`TarShardSet`'s ``strict``: refuse tars without a clean end-of-archive marker.
-
