@@ -166,12 +166,10 @@ class _Producer:
             )
 
     def __call__(self, job: int) -> tuple[Any, int]:
-        if self.mode != "main":
+        if self.mode != "main" or not self.python_path:  # no user code runs in the consumer's thread
             return self._make(job)
         previous = set_worker_info(WorkerInfo(0, 0, self.seed, self.epoch))
         try:
-            if not self.python_path:
-                return self._make(job)
             with global_rngs_kept():
                 return self._make(job)
         finally:

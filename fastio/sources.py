@@ -173,8 +173,10 @@ class BufferPool:
 
     def acquire(self) -> BatchBuffers:
         with self._lock:
-            counts = [buffers.held_count() for buffers in self._idle]
-            free = [total - held if held else total + 1 for held, total in counts]  # an unheld set first
+            for i, buffers in enumerate(self._idle):
+                if not buffers.held():
+                    return self._idle.pop(i)
+            free = [total - held for held, total in (buffers.held_count() for buffers in self._idle)]
             if free and max(free) > 0:
                 buffers = self._idle.pop(free.index(max(free)))
                 buffers.renew_held()
