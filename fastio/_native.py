@@ -309,8 +309,8 @@ def read_ranges(
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     payload = np.empty(int(lengths.sum()), dtype=np.uint8)
     starts = gather_ranges(table, shard_ids, offsets, lengths, torch.from_numpy(payload))
-    raw = memoryview(payload)
-    return [raw[a : a + n].tobytes() for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+    raw = payload.tobytes()  # one copy more, but slicing bytes is 2x faster than slicing a memoryview
+    return [raw[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
 
 
 def read_chunks(file: MappedFile, start: int, nbytes: int, chunk: int = 4 << 20) -> Iterator[memoryview]:

@@ -456,13 +456,16 @@ class TarSource(_MappedSource):
             present = np.flatnonzero(sizes >= 0)
             raw = read_ranges(self.table, shard_ids[present], offsets[indices][present], sizes[present])
             values = [None] * len(indices)
+            decoded += int(sizes[present].sum())
             for row, data in zip(present.tolist(), raw, strict=True):
-                decoded += len(data)
                 if callable(self.decode):
                     values[row] = self.decode(name, data)
-                else:
+                    continue
+                try:
+                    values[row] = decode_default(name, data, images=self.decode)
+                except CorruptShardError as err:  # name the tar and the member (not known to the decoder)
                     path, member = files[int(shard_ids[row])].path, f"{batch['__key__'][row]}.{name}"
-                    values[row] = decode_default(name, data, images=self.decode, path=path, member=member)
+                    raise CorruptShardError(path, member, err.expected, err.actual) from None
             batch[name] = values
         times.add("decode_transform", time.perf_counter() - read_done, decoded)
         return batch

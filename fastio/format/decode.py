@@ -115,10 +115,9 @@ def decode_default(
         decode_default("x.npy", open("x.npy", "rb").read()).shape
     """
     kind = last_extension(ext)
-    member = member or ext
     if kind == "npy":
         arr = data if isinstance(data, np.ndarray) else np.frombuffer(bytes(data), np.uint8)
-        return _npy(arr, path, member)
+        return _npy(arr, path, member or ext)
     raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
     try:
         if kind in INT_EXTENSIONS:
@@ -131,7 +130,7 @@ def decode_default(
         what = (
             "JSON" if kind in JSON_EXTENSIONS else "UTF-8 text" if kind in TEXT_EXTENSIONS else "an integer"
         )
-        raise CorruptShardError(path, member, what, f"{_short(raw)} ({type(exc).__name__})") from None
+        raise CorruptShardError(path, member or ext, what, f"{_short(raw)} ({type(exc).__name__})") from None
     if kind in IMAGE_EXTENSIONS and images == "pil":
         image = _pil()
         with image.open(io.BytesIO(raw)) as img:
