@@ -180,9 +180,13 @@ class MappedTable:
     def raise_fault(self, shard_ids: np.ndarray, offsets: np.ndarray, sample: int) -> None:
         """The error for a native copy that took SIGBUS at ``sample`` (its file shrank under the mapping)."""
         file = self.files[int(shard_ids[sample])]
-        raise _truncated_error(
-            file, file.current_size(), f"SIGBUS reading sample {sample} at byte {int(offsets[sample])}"
-        )
+        actual = file.current_size()
+        if actual == file.size:  # the source is whole: the fault was in the output's memory
+            raise RuntimeError(
+                f"fastio gather: SIGBUS copying sample {sample} from {file.path}, which is still {actual} "
+                "bytes: the output buffer's memory faulted (a mapped output that shrank, a full /dev/shm)"
+            )
+        raise _truncated_error(file, actual, f"SIGBUS reading sample {sample} at byte {int(offsets[sample])}")
 
 
 def _flat_bytes(out: torch.Tensor) -> torch.Tensor:

@@ -615,6 +615,34 @@ def test_native_gather_turns_sigbus_into_an_error(tmp_path, threads):
 
 
 @NATIVE
+def test_sigbus_in_the_output_is_not_blamed_on_the_shard(tmp_path):
+    source, target = tmp_path / "src.bin", tmp_path / "out.bin"
+    source.write_bytes(_rng("output fault").integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    target.write_bytes(b"\0" * (1 << 20))
+    script = f"""
+        import mmap, os
+        import numpy as np, torch
+        import fastio
+        from fastio import _native
+        table = _native.MappedTable([_native.MappedFile({str(source)!r})])
+        with open({str(target)!r}, "r+b") as fh:
+            shared = mmap.mmap(fh.fileno(), 0)
+        out = torch.frombuffer(shared, dtype=torch.uint8).view(256, 4096)
+        os.truncate({str(target)!r}, 4096)
+        offsets = np.arange(256, dtype=np.int64) * 4096
+        try:
+            _native.gather_rows(table, np.zeros(256, np.int32), offsets, 4096, out, 1)
+        except fastio.CorruptShardError as err:
+            print("blamed the shard:", err)
+        except RuntimeError as err:
+            print("caught:", err)
+    """
+    child = _run_child(script, tmp_path)
+    assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
+    assert "caught:" in child.stdout and "output buffer's memory faulted" in child.stdout, child.stdout
+
+
+@NATIVE
 @pytest.mark.parametrize("faulthandler", [False, True])
 def test_sigbus_outside_a_guarded_copy_still_kills(tmp_path, faulthandler):
     """The guard chains: a SIGBUS it did not cause reaches the handler before it (or the default)."""
