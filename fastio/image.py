@@ -220,7 +220,7 @@ class ImageStage:
         mode = (
             f"train scale={self.scale} ratio={self.ratio} flip={self.flip}"
             if self.train
-            else (f"eval resize={self.eval_resize}")
+            else f"eval resize={self.eval_resize}"
         )
         return f"ImageStage({self.field!r} -> {self.output!r} {self.size} {self.layout}, {mode})"
 

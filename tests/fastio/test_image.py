@@ -338,3 +338,23 @@ def test_same_images_for_any_num_workers_and_new_ones_each_epoch(image_tars):
         assert all(torch.equal(other[k], base[k]) for k in base), kwargs
     following = _epoch(image_tars, 1, num_workers=2)
     assert sum(torch.equal(following[k], base[k]) for k in base) == 0
+
+
+def test_images_from_a_fastio_shard_bytes_field(tmp_path):
+    encoded = [_encode(_picture(("shard", i), 40 + 3 * i, 70 - 2 * i)) for i in range(11)]
+    with fastio.ShardWriter(
+        tmp_path / "set", schema={"jpg": "bytes", "y": ("int64", ())}, max_samples=4
+    ) as w:
+        for i, data in enumerate(encoded):
+            w.write({"jpg": data, "y": i})
+    stage = ImageStage(size=24, train=False, layout="NCHW", dct_scaling=False)  # the tight bound above
+    loader = fastio.StreamLoader(str(tmp_path / "set"), batch_size=5, stages=[stage], num_workers=2)
+    seen = 0
+    for batch in loader:
+        ys = batch["y"].tolist()
+        assert batch["image"].shape == (len(ys), 3, 24, 24) and "jpg" not in batch
+        for row, i in enumerate(ys):
+            expected = _reference_image(stage, encoded[i], None)
+            assert np.abs(batch["image"][row].numpy().astype(int) - expected).mean() < 0.5, i
+        seen += len(ys)
+    assert seen == 11
