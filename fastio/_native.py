@@ -100,13 +100,12 @@ class MappedFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(path)
-        self.size = os.path.getsize(self.path)
-        if self.size == 0:
-            self._mmap = None
+        with open(self.path, "rb") as fh:
+            self.size = os.fstat(fh.fileno()).st_size  # what is mapped, even if the file changes meanwhile
+            self._mmap = mmap.mmap(fh.fileno(), self.size, access=mmap.ACCESS_COPY) if self.size else None
+        if self._mmap is None:
             self.array = np.zeros(0, dtype=np.uint8)
         else:
-            with open(self.path, "rb") as fh:
-                self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
             self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
         self.address = int(self.array.ctypes.data) if self.size else 0
