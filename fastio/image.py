@@ -150,8 +150,9 @@ class ImageStage:
        in up to ``ctx.threads`` threads (the decoders and the resize release the GIL).
     4. ``batch[output]`` becomes the uint8 batch and ``batch[field]`` (the bytes) is removed.
 
-    A sample whose bytes do not decode raises :class:`fastio.CorruptShardError` naming its key; no image
-    is ever silently replaced.
+    A sample whose bytes do not decode, or whose header claims more than twice Pillow's
+    ``MAX_IMAGE_PIXELS`` (a decompression bomb), raises :class:`fastio.CorruptShardError` naming its key;
+    a value that is not bytes raises :class:`fastio.SchemaMismatchError`. No image is silently replaced.
 
     Args:
         field: the batch field holding the encoded images (a list of ``bytes``), e.g. ``"jpg"``.
@@ -285,7 +286,7 @@ class ImageStage:
             raise SchemaMismatchError(name, self.field, "encoded image bytes", type(data).__name__)
         try:
             pixels, height, width, box = self._decode(data, draws)
-        except (ValueError, OSError, SyntaxError) as exc:  # what simplejpeg and Pillow raise on bad bytes
+        except (ValueError, OSError, SyntaxError, _DecompressionBomb) as exc:  # what the decoders raise
             raise CorruptShardError(
                 name,
                 self.field,
@@ -323,6 +324,7 @@ class ImageStage:
             import simplejpeg
 
             height, width, colorspace, _ = simplejpeg.decode_jpeg_header(raw)
+            _check_pixels(height, width)
             if colorspace in ("Gray", "YCbCr", "RGB"):  # CMYK/YCCK: Pillow's conversion is the reference
                 box = self._crop(height, width, draws)
                 factor = self._dct_factor(height, width, box)
@@ -370,11 +372,27 @@ def _resize(src: torch.Tensor, height: int, width: int) -> torch.Tensor:
     )
 
 
+class _DecompressionBomb(Exception):
+    """An image whose header claims more pixels than Pillow would decode (``MAX_IMAGE_PIXELS``)."""
+
+
+def _check_pixels(height: int, width: int) -> None:
+    """Pillow's decompression-bomb limit, applied to JPEGs that libjpeg-turbo decodes as well."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and height * width > 2 * limit:
+        raise _DecompressionBomb(f"{height}x{width} pixels, over twice PIL.Image.MAX_IMAGE_PIXELS ({limit})")
+
+
 def _decode_pillow(raw: Any) -> np.ndarray:
     from PIL import Image
 
-    with Image.open(io.BytesIO(raw)) as img:
-        return np.array(img.convert("RGB"))  # a writable copy: torch.from_numpy refuses read-only memory
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            return np.array(img.convert("RGB"))  # a writable copy: torch.from_numpy refuses read-only memory
+    except Image.DecompressionBombError as exc:
+        raise _DecompressionBomb(str(exc)) from exc
 
 
 def normalize(

@@ -266,6 +266,13 @@ def test_undecodable_image_raises_naming_the_sample(kind, threads):
         _run(ImageStage(size=32), [good, _corrupt(kind), good], np.array([10, 11, 12]), threads=threads)
 
 
+@pytest.mark.parametrize("spec", [IMAGES[0], IMAGES[4]], ids=["jpeg", "png"])
+def test_decompression_bomb_raises(spec, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 311 * 203 // 3)  # the images hold 3x that
+    with pytest.raises(fastio.CorruptShardError, match="MAX_IMAGE_PIXELS|decompression bomb"):
+        _run(ImageStage(size=32), [_image_bytes(spec)], np.array([0]))
+
+
 def test_decoded_images_are_refused_by_name():
     decoded = torch.zeros(8, 8, 3, dtype=torch.uint8)
     with pytest.raises(fastio.SchemaMismatchError, match="encoded image bytes"):
