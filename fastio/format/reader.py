@@ -92,7 +92,7 @@ class ShardReader:
         for name, field in self.schema.items():
             sec = self.sections[name]
             for part, (start, nbytes, _) in sec.items():
-                if start < 0 or start + nbytes > file_nbytes - header_nbytes:
+                if start < 0 or nbytes < 0 or start + nbytes > file_nbytes - header_nbytes:
                     raise CorruptShardError(
                         self.path,
                         f"{name}.{part}",

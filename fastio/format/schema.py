@@ -43,6 +43,8 @@ class Field:
             raise ValueError(f"Field kind must be one of {KINDS}, got {self.kind!r}")
         object.__setattr__(self, "dtype", np.dtype(self.dtype).str)
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"Field shape must have non-negative dims, got {self.shape}")
         if np.dtype(self.dtype).hasobject:
             raise ValueError("Field dtype must be a plain numeric dtype, got object")
 

@@ -394,6 +394,7 @@ SHARD_HEADER_CASES = {
     "not UTF-8": (lambda h: h.replace(b'"num_samples"', b'"num_s\xffmples"'), r"header.*UTF-8 JSON"),
     "no num_samples": (lambda h: h.replace(b'"num_samples"', b'"count"'), r"num_samples.*no such key"),
     "section missing": (lambda h: h.replace(b'"sections": {"x"', b'"sections": {"z"'), r"sections\.x"),
+    "negative dim": (lambda h: h.replace(b"[3, 5]", b"[-1, 5]", 1), r"schema.*non-negative"),
 }
 
 
