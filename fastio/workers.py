@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import mmap
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.reduction import recv_handle, send_handle
@@ -129,6 +131,21 @@ def map_structure(value: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(value)
 
 
+_running_thread_pipelines: weakref.WeakSet[ThreadPipeline] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_thread_pipelines() -> None:
+    """Let worker threads finish their batch before the interpreter shuts down: a daemon thread still inside
+    the native gather then would be unwound through C++ frames that cannot be, and the process aborts."""
+    pipelines = list(_running_thread_pipelines)
+    for pipeline in pipelines:
+        pipeline.stop()
+    for pipeline in pipelines:
+        for thread in pipeline.threads:
+            thread.join(timeout=10.0)
+
+
 class ThreadPipeline:
     """Worker threads running ``produce(job)`` ahead of the consumer (see the module docstring).
 
@@ -161,6 +178,7 @@ class ThreadPipeline:
         ]
         for t in self.threads:
             t.start()
+        _running_thread_pipelines.add(self)
 
     def _work(self, worker_id: int) -> None:
         if self.worker_init is not None:

@@ -298,6 +298,49 @@ def test_workers_and_slot_files_die_with_the_parent(shard_dir, tmp_path, sig):
         parent.wait()
 
 
+_EARLY_EXIT_SCRIPT = """
+import itertools, sys
+import fastio
+
+loader = fastio.StreamLoader(sys.argv[1], batch_size=256, num_workers=2, worker_mode="thread", prefetch=4)
+for _ in itertools.islice(loader, 3):
+    pass
+"""
+
+
+def test_leaving_a_loop_early_and_exiting_never_aborts(tmp_path):
+    rng = np.random.default_rng(_case_seed("early exit"))
+    with fastio.ShardWriter(
+        tmp_path / "set", schema={"x": ("uint8", (3, 32, 32))}, max_samples=1000
+    ) as writer:
+        for _ in range(2000):
+            writer.write({"x": rng.integers(0, 256, (3, 32, 32), dtype=np.uint8)})
+    # Worker threads still inside the native gather at interpreter shutdown used to abort the process
+    # (about every other run): a few runs at once.
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _EARLY_EXIT_SCRIPT, str(tmp_path / "set")],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    for run in runs:
+        _, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, stderr[-2000:]
+
+
+def test_running_thread_pipelines_are_stopped_and_joined_at_exit():
+    def produce(job: int) -> tuple[int, int]:
+        time.sleep(0.01)
+        return job, 1
+
+    pipeline = fastio_workers.ThreadPipeline(produce, n_batches=1000, num_workers=2, slots=4)
+    assert pipeline.get(0)[0]
+    fastio_workers._stop_thread_pipelines()  # what atexit runs
+    assert not any(t.is_alive() for t in pipeline.threads)
+
+
 Pair = collections.namedtuple("Pair", ["x", "name"])
 
 
