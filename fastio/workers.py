@@ -16,7 +16,11 @@ is refilled the consumer checks whether its mapping is still viewed, and if so g
 (sent to the worker over the pipe) and leaves the old mapping to whoever holds it. ``reuse=False`` gives
 every batch fresh memory. An exception in a worker is re-raised in the consumer; a worker that dies raises
 ``RuntimeError`` (never a hang). A worker process exits when its parent dies, even mid-batch
-(``PR_SET_PDEATHSIG`` on Linux, with the pipe and a parent-pid check as the fallback elsewhere).
+(``PR_SET_PDEATHSIG`` on Linux, with the pipe and a parent-pid check as the fallback elsewhere). Linux sends
+that signal when the *thread* that forked exits, so start the iteration (``iter(loader)``) in a thread that
+outlives it; if that thread ends first, the next batch raises the dead-worker ``RuntimeError``. Worker threads
+still running at interpreter exit are stopped and joined first (a daemon thread caught inside the native
+gather by the shutdown would abort the process).
 
 :func:`worker_info` says, inside a loader's Python code, which worker runs it and the current sample's seed.
 
