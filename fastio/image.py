@@ -323,15 +323,20 @@ class ImageStage:
         if bytes(raw[:2]) == _JPEG_MAGIC:
             import simplejpeg
 
-            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(raw)
-            _check_pixels(height, width)
-            if colorspace in ("Gray", "YCbCr", "RGB"):  # CMYK/YCCK: Pillow's conversion is the reference
-                box = self._crop(height, width, draws)
-                factor = self._dct_factor(height, width, box)
-                pixels = simplejpeg.decode_jpeg(
-                    raw, "RGB", min_height=-(-height // factor), min_width=-(-width // factor)
-                )
-                return pixels, height, width, box
+            try:
+                height, width, colorspace, _ = simplejpeg.decode_jpeg_header(raw)
+                _check_pixels(height, width)
+                if colorspace in ("Gray", "YCbCr", "RGB"):  # CMYK/YCCK: Pillow's conversion is the reference
+                    box = self._crop(height, width, draws)
+                    factor = self._dct_factor(height, width, box)
+                    pixels = simplejpeg.decode_jpeg(
+                        raw, "RGB", min_height=-(-height // factor), min_width=-(-width // factor)
+                    )
+                    return pixels, height, width, box
+            except ValueError:
+                # strict libjpeg-turbo refuses recoverable damage too (extraneous bytes before a marker),
+                # which Pillow decodes; what Pillow refuses as well (truncation) is raised below
+                pass
         pixels = _decode_pillow(raw)
         height, width = pixels.shape[:2]
         return pixels, height, width, self._crop(height, width, draws)

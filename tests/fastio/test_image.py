@@ -235,6 +235,19 @@ def test_flip_is_drawn_per_sample_with_probability_half():
         assert torch.equal(a[k], b[k].flip(1) if flips[k] else b[k]), k
 
 
+def test_jpeg_that_only_pillow_accepts_decodes_as_pillow_does():
+    import simplejpeg
+
+    good = _image_bytes(IMAGES[0])
+    damaged = good[:-2] + b"\x00\x00\x00" + good[-2:]  # junk before the end marker: a libjpeg warning
+    with pytest.raises(ValueError, match="extraneous bytes"):
+        simplejpeg.decode_jpeg(damaged)
+    stage = ImageStage(size=40)
+    ids = np.array([21])
+    expected = _reference_image(stage, damaged, sample_uniforms(5, 0, ids, DRAWS, STREAM_IMAGE)[0])
+    assert np.abs(_run(stage, [damaged], ids)[0].numpy().astype(int) - expected).mean() < 0.5
+
+
 # -- bad input ----------------------------------------------------------------------------------------
 def _corrupt(kind: str) -> bytes | None:
     good = _image_bytes(IMAGES[0])
