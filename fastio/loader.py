@@ -50,7 +50,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import warnings
@@ -213,7 +212,7 @@ class _Producer:
         out = []
         try:
             for sample, seed in zip(samples, seeds, strict=True):
-                set_worker_info(dataclasses.replace(info, sample_seed=seed))
+                set_worker_info(WorkerInfo(info.id, info.num_workers, info.seed, info.epoch, seed))
                 if self.mode != "thread":
                     seed_global_rngs(seed)
                 out.append(self.transform(sample))
