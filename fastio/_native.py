@@ -404,7 +404,9 @@ def _tar_number(field: bytes, what: str, pos: int) -> int:
 
 
 def _tar_checksum_ok(header: bytes, pos: int) -> bool:
-    return _tar_number(header[148:156], "checksum", pos) == sum(header[:148]) + 8 * 32 + sum(header[156:])
+    stored = _tar_number(header[148:156], "checksum", pos)
+    unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    return stored in (unsigned, unsigned - 256 * sum(b >= 0x80 for b in header[:148] + header[156:]))
 
 
 def _pax_records(data: bytes, pos: int) -> tuple[bytes, int]:

@@ -88,11 +88,17 @@ int64_t parse_number(const char* field, size_t width, const char* what, int64_t 
 
 std::string field_string(const char* field, size_t width) { return std::string(field, strnlen(field, width)); }
 
+// The sum of the header's bytes, the checksum field counted as spaces; as unsigned bytes (POSIX) or, as some
+// old tars wrote it, signed ones (Python's tarfile accepts both too).
 bool checksum_ok(const unsigned char* header, int64_t pos) {
   const int64_t stored = parse_number(reinterpret_cast<const char*>(header) + 148, 8, "checksum", pos);
-  int64_t sum = 0;
-  for (int i = 0; i < kBlock; ++i) sum += (i >= 148 && i < 156) ? ' ' : header[i];
-  return sum == stored;
+  int64_t sum = 0, signed_sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const unsigned char c = (i >= 148 && i < 156) ? ' ' : header[i];
+    sum += c;
+    signed_sum += static_cast<signed char>(c);
+  }
+  return stored == sum || stored == signed_sum;
 }
 
 bool all_zero(const char* data, size_t n) {

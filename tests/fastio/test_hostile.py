@@ -131,6 +131,17 @@ def test_pax_size_and_path_records_apply_to_the_next_member(tmp_path, backend):
     assert scan.names == [b"long/" + b"n" * 150 + b".bin"] and scan.sizes.tolist() == [9]
 
 
+@pytest.mark.parametrize("backend", SCANNERS.values())
+def test_old_signed_checksum_is_accepted(tmp_path, backend):
+    """Some old tars summed the header as signed bytes; tarfile reads them, so do we."""
+    header = bytearray(_header("é.bin".encode(), _octal(3)))
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(b - 256 if b >= 0x80 else b for b in header)
+    path = tmp_path / "signed.tar"
+    path.write_bytes(bytes(header) + b"abc".ljust(512, b"\0") + END)
+    assert _scan(backend, path).names == ["é.bin".encode()]
+
+
 def test_reference_scan_agrees_with_the_native_one_on_real_archives(tmp_path):
     if not _native.native():
         pytest.skip(f"needs fastio._C: {fastio.backend()}")
