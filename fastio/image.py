@@ -203,19 +203,17 @@ class ImageStage:
         self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
         self.flip, self.eval_resize, self.layout, self.output = bool(flip), int(eval_resize), layout, output
         self.dct_scaling = bool(dct_scaling)
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pool_owner = (0, 0)  # (pid, threads) the pool was made for: a forked child makes its own
-        self._lock = threading.Lock()
+        self._local = threading.local()  # each calling thread's decode pool (see _executor)
 
-    # -- pickling: the pool and its lock stay behind ---------------------------------------------------
+    # -- pickling: the decode pools stay behind --------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pool"], state["_pool_owner"], state["_lock"] = None, (0, 0), None
+        del state["_local"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         mode = (
@@ -267,16 +265,17 @@ class ImageStage:
         return batch
 
     def _executor(self, threads: int) -> concurrent.futures.ThreadPoolExecutor:
-        """The stage's thread pool, made on first use in this process with at least ``threads`` threads.
+        """The calling thread's pool of ``threads`` decode threads, made on first use in this process.
 
-        A pool inherited through fork has no threads, so a new process makes its own; a smaller pool is
-        replaced, not shut down (another loader thread may still be mapping on it; it goes when unused)."""
-        pid = os.getpid()
-        with self._lock:
-            if self._pool is None or self._pool_owner[0] != pid or self._pool_owner[1] < threads:
-                self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fastio-image")
-                self._pool_owner = (pid, threads)
-            return self._pool
+        One pool per calling thread, so each of the loader's worker threads gets the ``ctx.threads`` it
+        was promised; a pool inherited through fork has no threads, so a new process makes its own."""
+        owner = (os.getpid(), threads)
+        if getattr(self._local, "owner", None) != owner:
+            self._local.pool = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix="fastio-image"
+            )
+            self._local.owner = owner
+        return self._local.pool
 
     # -- one sample ------------------------------------------------------------------------------------
     def _one(self, dst: torch.Tensor, data: Any, draws: np.ndarray | None, name: str) -> None:

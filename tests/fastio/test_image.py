@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import threading
 import zlib
 
 import numpy as np
@@ -220,6 +221,33 @@ def test_threads_and_epochs():
     evaluation = ImageStage(size=48, train=False)
     assert torch.equal(_run(evaluation, images, ids), _run(evaluation, images[::-1], ids[::-1]).flip(0))
     assert torch.equal(_run(evaluation, images, ids, epoch=3), _run(evaluation, images, ids))
+
+
+def test_each_calling_thread_gets_its_own_decode_threads():
+    stage = ImageStage(size=16)
+    barrier = threading.Barrier(4)  # two callers x ctx.threads=2: only met if all four run at once
+    one = stage._one
+
+    def waiting_one(*job):
+        barrier.wait(timeout=10)
+        return one(*job)
+
+    stage._one = waiting_one
+    images = [_image_bytes(IMAGES[0])] * 2
+    errors = []
+
+    def caller(first: int) -> None:
+        try:
+            _run(stage, images, np.array([first, first + 1]), threads=2)
+        except Exception as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    callers = [threading.Thread(target=caller, args=(first,)) for first in (0, 2)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    assert not errors, errors
 
 
 def test_flip_is_drawn_per_sample_with_probability_half():
