@@ -8,9 +8,14 @@ Example::
     loader = fastio.StreamLoader("data/train", batch_size=256, shuffle=True, seed=0)
     for batch in loader:   # dict: field -> tensor [B, ...] (fixed shapes) or list (variable ones)
         ...
+
+Built in: :class:`ImageStage` (decode + RandomResizedCrop/flip or centre crop into the batch buffer,
+``stages=[...]``), :class:`Pack` (token documents packed into fixed rows, ``pack=...``),
+:func:`worker_info` (inside workers: id, num_workers, seed, epoch).
 """
 
 from fastio._native import backend
+from fastio.collate import collate_samples
 from fastio.errors import (
     CorruptShardError,
     EmptySourceError,
@@ -23,22 +28,32 @@ from fastio.format.reader import ShardReader, ShardSet
 from fastio.format.schema import Field
 from fastio.format.tar import TarShardSet, index_tar
 from fastio.format.writer import ShardWriter
-from fastio.loader import StreamLoader, collate_samples
+from fastio.image import ImageStage
+from fastio.loader import StreamLoader
+from fastio.pack import Pack
+from fastio.stages import BatchStage, StageContext
+from fastio.workers import WorkerInfo, worker_info
 
 __all__ = [
+    "BatchStage",
     "CorruptShardError",
     "EmptySourceError",
     "FastIOError",
     "Field",
+    "ImageStage",
     "MissingIndexError",
+    "Pack",
     "SchemaMismatchError",
     "ShardReader",
     "ShardSet",
     "ShardWriter",
+    "StageContext",
     "StreamLoader",
     "TarShardSet",
+    "WorkerInfo",
     "backend",
     "collate_samples",
     "decode_default",
     "index_tar",
+    "worker_info",
 ]

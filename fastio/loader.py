@@ -374,6 +374,9 @@ class StreamLoader:
         device: a CUDA device to copy batches to on a side stream.
         decode: tar sources: None, ``"pil"`` (images via Pillow) or ``decode(field, bytes) -> value``.
         verify: shard checksums: None (lazily, once per process per shard), True (all at open), False.
+        tar_strict: tar shards must end with an end-of-archive marker; a zeroed header followed by more
+            members, concatenated archives or a file cut at a block boundary raise
+            :class:`fastio.CorruptShardError` saying where. ``False`` serves the members before the damage.
         progress: show a tqdm progress bar per epoch.
         reuse_buffers: reuse output buffers that nothing outside still views (see the module docstring).
         threads: threads per native gather (default: CPUs / max(1, num_workers), at most 8).
@@ -415,6 +418,7 @@ class StreamLoader:
         device: str | torch.device | None = None,
         decode: Callable[[str, bytes], Any] | str | None = None,
         verify: bool | None = None,
+        tar_strict: bool = True,
         progress: bool = False,
         reuse_buffers: bool = True,
         worker_mode: str = "auto",
@@ -456,7 +460,7 @@ class StreamLoader:
                     f"stages: {type(stage).__name__} is not a fastio.stages.BatchStage "
                     "(needs output_specs() and __call__(batch, out, ctx))"
                 )
-        self._source = open_source(source, decode=decode, verify=verify)
+        self._source = open_source(source, decode=decode, verify=verify, tar_strict=tar_strict)
         self._python_path = (
             transform is not None or collate is not None or isinstance(self._source, DatasetSource)
         )

@@ -204,6 +204,10 @@ def test_strict_by_default_and_strict_false_serves_what_is_before(tmp_path, case
     assert open_source(str(path), tar_strict=False).num_samples == kept
     with pytest.raises(fastio.CorruptShardError, match=message):
         open_source(str(path))
+    with pytest.raises(fastio.CorruptShardError, match=message):
+        fastio.StreamLoader(str(path))
+    loader = fastio.StreamLoader(str(path), batch_size=8, tar_strict=False)
+    assert sum(len(batch["__key__"]) for batch in loader) == kept
 
 
 @pytest.mark.parametrize("padding", [0, 1, 18])
