@@ -293,7 +293,9 @@ class _SlotFile:
 
     def close(self) -> None:
         self.base = None  # unmapped when its last view is freed
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1  # a second close must not hit a descriptor since reused elsewhere
 
 
 def _map_shared(fd: int, size: int) -> torch.Tensor:
@@ -435,9 +437,9 @@ class ProcessPipeline:
         k, w = job % len(self.slot_files), job % len(self.conns)
         slot = self.slot_files[k]
         if slot.held() or (not self.reuse and job >= len(self.slot_files)):
-            slot.close()  # kept views keep their mapping (and the file's blocks) alive on their own
             self.slot_files[k] = _SlotFile.create()
             self.generation[k] += 1
+            slot.close()  # kept views keep their mapping (and the file's blocks) alive on their own
         new_file = self.known[w][k] != self.generation[k]
         self.conns[w].send((job, new_file))
         if new_file:
@@ -450,8 +452,8 @@ class ProcessPipeline:
             while self.dispatched < min(self.n_batches, job + self.slots):
                 self._dispatch(self.dispatched)
                 self.dispatched += 1
-        except OSError:
-            pass  # a worker is gone: reported below
+        except ConnectionError:
+            pass  # a worker is gone: reported below (a slot file that cannot be made raises here)
         live = list(self.conns)
         while job not in self.results:
             ready = wait(live, timeout=1.0) if live else []

@@ -229,6 +229,28 @@ def test_kept_large_batches_from_processes_stay_valid_and_hold_no_fds(reuse):
             assert torch.equal(values, dataset[i]["values"])
 
 
+def test_a_slot_file_that_cannot_be_made_raises_instead_of_hanging(monkeypatch):
+    made = []
+    create = fastio_workers._SlotFile.create
+
+    def create_until_the_disk_is_full() -> object:
+        made.append(1)
+        if len(made) > 5:  # the ring's own files, then none: a kept batch needs one more
+            raise OSError(28, "No space left on device")
+        return create()
+
+    monkeypatch.setattr(fastio_workers._SlotFile, "create", staticmethod(create_until_the_disk_is_full))
+    loader = fastio.StreamLoader(_Big(), batch_size=2, num_workers=2, worker_mode="process")
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the loader hung"))
+    signal.alarm(30)
+    try:
+        with pytest.raises(OSError, match="No space"):
+            kept = list(loader)  # noqa: F841 -- every batch kept, so every slot is held when refilled
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_keeping_only_labels_leaves_the_rest_of_each_batch_reused(shard_dir, mode):
     # Processes: large tensors stay views of the slot file (small ones are copied out), so use _Big there.
