@@ -238,7 +238,7 @@ def _parts(pattern: str, count: int) -> list[Row]:
     out = torch.empty(len(encoded), SIZE, SIZE, 3, dtype=torch.uint8)
     for threads in (1, 2):
         rate = 0.0
-        for epoch in range(3):
+        for epoch in range(5):
             ctx = StageContext(0, epoch, np.arange(len(encoded)), threads)
             start = time.perf_counter()
             stage({"jpg": list(encoded)}, {"image": out}, ctx)

@@ -203,6 +203,7 @@ class ImageStage:
         self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
         self.flip, self.eval_resize, self.layout, self.output = bool(flip), int(eval_resize), layout, output
         self.dct_scaling = bool(dct_scaling)
+        _require_decoders()
         self._local = threading.local()  # each calling thread's decode pool (see _executor)
 
     # -- pickling: the decode pools stay behind --------------------------------------------------------
@@ -353,6 +354,18 @@ class ImageStage:
             if room_h >= factor and room_w >= factor:
                 return factor
         return 1
+
+
+def _require_decoders() -> None:
+    """Fail at construction, in the main process, when the ``image`` extra is missing."""
+    try:
+        import PIL.Image  # noqa: F401
+        import simplejpeg  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            'fastio.image.ImageStage needs Pillow and simplejpeg: pip install "fastcomm[image]" '
+            f"(or pip install Pillow simplejpeg); {exc}"
+        ) from exc
 
 
 def _sample_name(keys: Any, ctx: StageContext, k: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import sys
 import threading
 import zlib
 
@@ -318,6 +319,13 @@ def test_decoded_images_are_refused_by_name():
     decoded = torch.zeros(8, 8, 3, dtype=torch.uint8)
     with pytest.raises(fastio.SchemaMismatchError, match="encoded image bytes"):
         _run(ImageStage(size=8), [decoded], np.array([0]))
+
+
+@pytest.mark.parametrize("missing", ["simplejpeg", "PIL.Image"])
+def test_missing_decoder_names_the_extra(missing, monkeypatch):
+    monkeypatch.setitem(sys.modules, missing, None)  # makes `import missing` raise ImportError
+    with pytest.raises(ImportError, match=r"fastcomm\[image\]"):
+        ImageStage()
 
 
 def test_bad_arguments_raise():
