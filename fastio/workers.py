@@ -44,6 +44,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -61,6 +62,7 @@ _ALIGN = 64
 _COPY_AT_MOST = 64 << 10  # tensors this small leave a slot as copies
 _PR_SET_PDEATHSIG = 1
 _PARENT_POLL_S = 0.5  # how often an idle worker process checks that its parent is still there
+_EXIT_WAIT_S = 10.0  # at interpreter exit, how long worker threads may take to finish their batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +147,10 @@ def _stop_thread_pipelines() -> None:
     pipelines = list(_running_thread_pipelines)
     for pipeline in pipelines:
         pipeline.stop()
+    deadline = time.monotonic() + _EXIT_WAIT_S
     for pipeline in pipelines:
         for thread in pipeline.threads:
-            thread.join(timeout=10.0)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class ThreadPipeline:
