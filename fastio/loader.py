@@ -272,7 +272,12 @@ class _EpochIterator:
             self.pipeline = ThreadPipeline(self.producer, self.n_batches, workers, slots, start_worker)
         self.bar = None
         if loader.progress:
-            from tqdm import tqdm
+            try:
+                from tqdm import tqdm
+            except ImportError as exc:
+                raise ImportError(
+                    'StreamLoader(progress=True) needs tqdm: pip install "fastcomm[progress]" (or tqdm)'
+                ) from exc
 
             self.bar = tqdm(total=self.n_batches, desc=f"epoch {epoch}", unit="batch")
 

@@ -57,7 +57,7 @@ import torch
 from fastio._native import default_threads, gather_ranges
 from fastio.errors import CorruptShardError, EmptySourceError, SchemaMismatchError
 from fastio.format.decode import npy_header
-from fastio.sources import BatchBuffers, ShardSource, StageTimes, TarSource, torch_dtype
+from fastio.sources import BufferPool, ShardSource, StageTimes, TarSource, torch_dtype
 from fastio.workers import ThreadPipeline
 
 __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
@@ -228,28 +228,6 @@ def _out_dtype(pack: Pack, stored: np.dtype) -> torch.dtype:
     return out
 
 
-class _BufferPool:
-    """Reused output buffers: a set is refilled only when nothing outside views it, else a fresh set is made
-    (kept for reuse while the pool holds fewer than ``keep``)."""
-
-    def __init__(
-        self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], rows: int, pin: bool, keep: int
-    ) -> None:
-        self.specs, self.rows, self.pin, self.keep = specs, rows, pin, keep
-        self._sets: list[BatchBuffers] = []
-        self._lock = threading.Lock()
-
-    def acquire(self, rows: int) -> dict[str, torch.Tensor]:
-        """Views of the first ``rows`` rows of a free set (made under the lock: no other thread takes it)."""
-        with self._lock:
-            free = next((b for b in self._sets if not b.held()), None)
-            if free is None:
-                free = BatchBuffers(self.specs, self.rows, self.pin)
-                if len(self._sets) < self.keep:
-                    self._sets.append(free)
-            return {name: free.fixed(name, rows) for name in self.specs}
-
-
 @dataclasses.dataclass(frozen=True)
 class _RowRuns:
     """The runs of rows ``[first, first + rows)`` of a stream: run ``i`` copies ``nbytes[i]`` bytes from
@@ -318,7 +296,7 @@ class _PackProducer:
         self.packer, self.plan, self.start_row, self.threads = packer, plan, start_row, threads
         self.pack, self.docs, self.batch_size = packer.pack, packer.documents, packer.batch_size
         self.convert = packer.out_dtype != torch_dtype(self.docs.dtype)
-        self.pool = _BufferPool(packer.output_specs(self.convert), self.batch_size, pin, keep)
+        self.pool = BufferPool(packer.output_specs(self.convert), self.batch_size, pin, keep)
         self.times = StageTimes()
         self.arange = np.arange(self.batch_size * self.pack.row_len, dtype=np.int64)
         self.batches_per_chunk = max(1, self._CHUNK_ROWS // self.batch_size)
@@ -344,9 +322,11 @@ class _PackProducer:
         start = time.perf_counter()
         first = self.start_row + job * self.batch_size
         rows = min(self.batch_size, self.plan.rows - first)
-        out = self.pool.acquire(rows)
+        buffers = self.pool.acquire()
+        out = {name: buffers.fixed(name, rows) for name in self.pool.specs}
         self._fill(self._chunk(job // self.batches_per_chunk), first, rows, out)
         out.pop(self._RAW, None)
+        self.pool.release(buffers)
         self.times.add("read", time.perf_counter() - start, out["tokens"].numel() * self.docs.dtype.itemsize)
         return out, rows
 

@@ -161,9 +161,9 @@ def test_state_dict_refuses_another_dataset_or_seed(shard_dir):
 def test_buffers_are_reused_unless_asked_not_to(shard_dir):
     reused = fastio.StreamLoader(shard_dir, batch_size=10, shuffle=False)
     it = iter(reused)
-    a = next(it)["x"]
-    b = next(it)["x"]
-    assert a.data_ptr() == b.data_ptr()
+    a = next(it)["x"].data_ptr()
+    b = next(it)["x"].data_ptr()
+    assert a == b, "a batch nobody holds any more has its buffers refilled"
     owned = fastio.StreamLoader(shard_dir, batch_size=10, shuffle=False, reuse_buffers=False, num_workers=2)
     kept = [batch["x"] for batch in owned]
     np.testing.assert_array_equal(torch.cat(kept)[:, 0, 0].numpy(), (np.arange(117) + 0).astype(np.int16))
@@ -294,3 +294,18 @@ def test_defaults_follow_dataloader(shard_dir):
     dataloader = inspect.signature(torch.utils.data.DataLoader).parameters
     for name in ("batch_size", "shuffle", "num_workers", "drop_last"):
         assert (params[name].default or False) == (dataloader[name].default or False), name
+
+
+def test_progress_without_tqdm_names_the_extra(shard_dir, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def refuse_tqdm(name, *args, **kwargs):
+        if name == "tqdm" or name.startswith("tqdm."):
+            raise ImportError("No module named 'tqdm'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", refuse_tqdm)
+    with pytest.raises(ImportError, match=r"fastcomm\[progress\]"):
+        iter(fastio.StreamLoader(shard_dir, batch_size=10, progress=True))
