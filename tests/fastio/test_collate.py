@@ -1,4 +1,4 @@
-"""The Python path's default collate gives what ``default_collate`` gives, with and without worker processes."""
+"""The Python path's default collate gives what ``default_collate`` gives, with and without workers."""
 
 from __future__ import annotations
 

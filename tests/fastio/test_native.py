@@ -101,7 +101,8 @@ def test_scan_tar_matches_tarfile(tmp_path):
     assert scan.problem == ""
     reference = _native._scan_tar_reference(str(path))
     assert (reference.names, reference.problem) == (scan.names, scan.problem)
-    assert reference.offsets.tolist() == scan.offsets.tolist() and reference.sizes.tolist() == scan.sizes.tolist()
+    assert reference.offsets.tolist() == scan.offsets.tolist()
+    assert reference.sizes.tolist() == scan.sizes.tolist()
 
 
 def test_parallel_gather_from_many_threads(tmp_path):
