@@ -32,12 +32,14 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
+import functools
 import io
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -255,12 +257,10 @@ class ImageStage:
             (images[k], encoded[k], None if draws is None else draws[k], _sample_name(keys, ctx, k))
             for k in range(n)
         ]
-        threads = min(ctx.threads, n)
-        if threads <= 1:
-            for job in jobs:
-                self._one(*job)
-        else:  # list() waits for every sample and re-raises the first sample's error in this thread
-            list(self._executor(threads).map(lambda job: self._one(*job), jobs))
+        # Always on the stage's own threads, even one: their torch resizes run single-threaded (see
+        # _one_torch_thread), while the caller's torch settings stay as they are.
+        # list() waits for every sample and re-raises the first sample's error in this thread.
+        list(self._executor(max(1, min(ctx.threads, n))).map(lambda job: self._one(*job), jobs))
         del batch[self.field]
         batch[self.output] = images
         return batch
@@ -273,7 +273,7 @@ class ImageStage:
         owner = (os.getpid(), threads)
         if getattr(self._local, "owner", None) != owner:
             self._local.pool = concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix="fastio-image"
+                threads, thread_name_prefix="fastio-image", initializer=_one_torch_thread
             )
             self._local.owner = owner
         return self._local.pool
@@ -354,6 +354,35 @@ class ImageStage:
             if room_h >= factor and room_w >= factor:
                 return factor
         return 1
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """The ``omp_set_num_threads`` of the GNU OpenMP runtime torch runs its CPU ops on (Linux), else None.
+
+    Found among the libraries this process has mapped, so it is torch's own copy even when the wheel
+    vendors it under another name."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+        return ctypes.CDLL(sorted(paths)[0]).omp_set_num_threads if paths else None
+    except (OSError, AttributeError):
+        return None
+
+
+def _one_torch_thread() -> None:
+    """Decode-thread initializer: torch ops in this thread use this thread alone.
+
+    Each thread that calls a parallel torch op gets its own OpenMP team of ``torch.get_num_threads()``
+    threads, so N decode threads would run N teams (N x cores threads, spinning between images). OpenMP's
+    thread count is a per-thread setting, unlike ``torch.set_num_threads``, which would change the
+    training thread's too."""
+    set_num_threads = _omp_set_num_threads()
+    if set_num_threads is not None:
+        torch.get_num_threads()  # torch's lazy per-thread OpenMP set-up first: it would undo the next line
+        set_num_threads(1)
 
 
 def _require_decoders() -> None:

@@ -251,6 +251,16 @@ def test_each_calling_thread_gets_its_own_decode_threads():
     assert not errors, errors
 
 
+def test_decode_threads_run_torch_ops_alone_and_leave_the_caller_as_it_was():
+    from fastio.image import _omp_set_num_threads
+
+    if _omp_set_num_threads() is None:
+        pytest.skip("torch does not run its CPU ops on GNU OpenMP here")
+    before = torch.get_num_threads()
+    inside = ImageStage()._executor(2).submit(torch.get_num_threads).result()
+    assert inside == 1 and torch.get_num_threads() == before
+
+
 def test_flip_is_drawn_per_sample_with_probability_half():
     ids = np.arange(400)
     flips = sample_uniforms(5, 0, ids, DRAWS, STREAM_IMAGE)[:, -1] < 0.5
