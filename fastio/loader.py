@@ -79,6 +79,7 @@ from fastio.workers import (
     ThreadPipeline,
     WorkerInfo,
     map_structure,
+    run_job,
     set_worker_info,
     worker_info,
 )
@@ -293,17 +294,13 @@ class _EpochIterator:
             self.close()
             raise StopIteration
         waited = time.perf_counter()
-        if self.pipeline is not None:
-            ok, value = self.pipeline.get(job)
-        else:
-            try:
-                ok, value = True, self.producer(job)
-            except BaseException as exc:
-                ok, value = False, exc
-        self.wait_s += time.perf_counter() - waited
-        if not ok:
+        try:
+            value = run_job(self.pipeline, self.producer, job)
+        except BaseException:
             self.close()
-            raise value
+            raise
+        finally:
+            self.wait_s += time.perf_counter() - waited
         batch, size = value
         if self.copy_in_consumer:
             start = time.perf_counter()

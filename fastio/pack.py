@@ -58,7 +58,7 @@ from fastio._native import default_threads, gather_ranges
 from fastio.errors import CorruptShardError, EmptySourceError, SchemaMismatchError
 from fastio.format.decode import npy_header
 from fastio.sources import BufferPool, ShardSource, StageTimes, TarSource, torch_dtype
-from fastio.workers import ThreadPipeline
+from fastio.workers import ThreadPipeline, run_job
 
 __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
 
@@ -394,17 +394,13 @@ class PackedEpoch:
             self.close()
             raise StopIteration
         waited = time.perf_counter()
-        if self.pipeline is not None:
-            ok, value = self.pipeline.get(job)
-        else:
-            try:
-                ok, value = True, self.producer(job)
-            except BaseException as exc:
-                ok, value = False, exc
-        self.wait_s += time.perf_counter() - waited
-        if not ok:
+        try:
+            value = run_job(self.pipeline, self.producer, job)
+        except BaseException:
             self.close()
-            raise value
+            raise
+        finally:
+            self.wait_s += time.perf_counter() - waited
         batch, rows = value
         if self.device is not None:
             # A blocking copy: the reused host buffer may be refilled as soon as the consumer lets go of it.

@@ -56,7 +56,7 @@ import torch
 
 from fastio.sources import storage_refs
 
-__all__ = ["ProcessPipeline", "ThreadPipeline", "WorkerInfo", "map_structure", "worker_info"]
+__all__ = ["ProcessPipeline", "ThreadPipeline", "WorkerInfo", "map_structure", "run_job", "worker_info"]
 
 _ALIGN = 64
 _COPY_AT_MOST = 64 << 10  # tensors this small leave a slot as copies
@@ -138,6 +138,24 @@ def map_structure(value: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 _running_thread_pipelines: weakref.WeakSet[ThreadPipeline] = weakref.WeakSet()
+
+
+def run_job(
+    pipeline: ThreadPipeline | ProcessPipeline | None, produce: Callable[[int], Any], job: int
+) -> Any:
+    """Batch ``job``: from ``pipeline`` when workers make batches ahead, else made here by ``produce``.
+    Either way an exception of the producer is raised in the caller.
+
+    Example::
+
+        batch, size = run_job(None, lambda j: (j, 1), 0)
+    """
+    if pipeline is None:
+        return produce(job)
+    ok, value = pipeline.get(job)
+    if not ok:
+        raise value
+    return value
 
 
 @atexit.register
