@@ -258,9 +258,15 @@ class ImageStage:
             for k in range(n)
         ]
         # Always on the stage's own threads, even one: their torch resizes run single-threaded (see
-        # _one_torch_thread), while the caller's torch settings stay as they are.
-        # list() waits for every sample and re-raises the first sample's error in this thread.
-        list(self._executor(max(1, min(ctx.threads, n))).map(lambda job: self._one(*job), jobs))
+        # _one_torch_thread), while the caller's torch settings stay as they are. One thread takes the
+        # whole batch in one hand-off; several take one sample at a time (image sizes vary). Waiting on
+        # the results re-raises the first failed sample's error in this thread.
+        threads = max(1, min(ctx.threads, n))
+        pool = self._executor(threads)
+        if threads == 1:
+            pool.submit(lambda: [self._one(*job) for job in jobs]).result()
+        else:
+            list(pool.map(lambda job: self._one(*job), jobs))
         del batch[self.field]
         batch[self.output] = images
         return batch
