@@ -49,7 +49,17 @@ from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.seeding import STREAM_IMAGE, sample_uniforms
 from fastio.stages import StageContext
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "CropBox", "ImageStage", "normalize"]
+__all__ = [
+    "DRAWS",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "CropBox",
+    "ImageStage",
+    "center_crop_box",
+    "normalize",
+    "random_resized_crop_box",
+    "resize_shorter_side",
+]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
