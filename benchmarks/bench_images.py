@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> str:
     pattern, data = _dataset(args.images, args.per_shard)
     notes = [
         f"fastio backend: {fastio.backend()}; torch threads {torch.get_num_threads()}; "
-        f"{os.cpu_count()} CPUs (shared with other jobs while developing)",
+        f"{os.cpu_count()} CPUs",
         f"{args.images:,} synthetic JPEGs (200-500 px, q90) in tars of {args.per_shard}: "
         f"{data['bytes'] / 1e6:.0f} MB in {data['dir']} (ready in {data['written_s']:.0f} s)",
         f"batch {args.batch}, output {SIZE}x{SIZE} uint8; {args.samples:,} samples timed after "

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> str:
     rows: list[Row] = []
     notes = [
         f"fastio backend: {fastio.backend()}",
-        f"batch size {args.batch}; 2 CPU cores shared with other jobs",
+        f"batch size {args.batch}; {os.cpu_count()} CPU cores",
     ]
     root = Path(tempfile.mkdtemp(prefix="bench_loader_"))
     try:

@@ -204,8 +204,9 @@ def gather_rows(
 ) -> None:
     """Copy ``row_nbytes`` bytes from ``(shard_ids[i], offsets[i])`` to row ``i`` of ``out``.
 
-    Raises :class:`fastio.CorruptShardError` for a file that shrank since it was mapped (checked before the
-    copy; the native copy also turns a SIGBUS during it into that error).
+    Raises :class:`fastio.CorruptShardError` for a file that shrank since it was mapped: the native copy
+    turns the SIGBUS of a read past the new end into that error; the torch fallback checks every touched
+    file's size before it copies.
 
     Args:
         table: the mapped files ``shard_ids`` refer to.
@@ -224,14 +225,15 @@ def gather_rows(
     shard_ids = np.ascontiguousarray(shard_ids, dtype=np.int32)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     flat = _flat_bytes(out)
-    table.check_sizes(shard_ids)
     if _C is not None:
+        # No size check first: the copy is guarded, and a SIGBUS in it becomes the same named error.
         fault = _C.gather_rows(
             table.bases, table.limits, shard_ids, offsets, int(row_nbytes), flat.numpy(), int(num_threads)
         )
         if fault >= 0:
             table.raise_fault(shard_ids, offsets, fault)
         return
+    table.check_sizes(shard_ids)  # the torch copies below have no SIGBUS guard: refuse a shrunk file first
     batch = len(offsets)
     rows = flat[: batch * row_nbytes].view(batch, row_nbytes)
     for shard in np.unique(shard_ids):
@@ -278,7 +280,6 @@ def gather_ranges(
         if dst.shape != lengths.shape:
             raise ValueError(f"fastio gather_ranges: dst has shape {dst.shape}, lengths {lengths.shape}")
     flat = _flat_bytes(out)
-    table.check_sizes(shard_ids)
     if _C is not None:
         fault = _C.gather_ranges(
             table.bases, table.limits, shard_ids, offsets, lengths, dst, flat.numpy(), int(num_threads)
@@ -286,6 +287,7 @@ def gather_ranges(
         if fault >= 0:
             table.raise_fault(shard_ids, offsets, fault)
         return dst
+    table.check_sizes(shard_ids)
     if len(lengths) and int((dst + lengths).max()) > len(flat) or (dst < 0).any():
         raise ValueError(
             f"fastio gather_ranges: output holds {len(flat)} bytes, batch writes up to "

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +69,7 @@ class Field:
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
 
-    @property
+    @functools.cached_property
     def row_nbytes(self) -> int:
         """Bytes of one sample of a fixed field (of one leading-dim step of an ``array`` field)."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.np_dtype.itemsize
