@@ -75,11 +75,11 @@ from fastio.seeding import (
 from fastio.sources import BatchBuffers, BufferPool, DatasetSource, StageTimes, open_source
 from fastio.stages import BatchStage, StageContext
 from fastio.workers import (
+    BatchPass,
     ProcessPipeline,
     ThreadPipeline,
     WorkerInfo,
     map_structure,
-    run_job,
     set_worker_info,
     worker_info,
 )
@@ -241,20 +241,14 @@ class _Producer:
         return moved, event
 
 
-class _EpochIterator:
+class _EpochIterator(BatchPass):
     """One pass over (the rest of) an epoch for this rank."""
 
     def __init__(self, loader: StreamLoader, epoch: int, start: int) -> None:
         self.loader, self.epoch, self.start = loader, epoch, start
         order = loader._order(epoch)
         indices = rank_indices(order, start, loader.world_size, loader.rank, loader.drop_last)
-        self.n_batches = num_batches(len(indices), loader.batch_size, loader.drop_last)
-        self.yielded = 0
-        self.samples = 0
-        self.wait_s = 0.0
-        self.begun: float | None = None
-        self.ended: float | None = None
-        self.finished = False
+        self.begin_pass(num_batches(len(indices), loader.batch_size, loader.drop_last))
         workers = loader.num_workers
         slots = workers + loader.prefetch if workers else 1
         processes = workers > 0 and loader.worker_mode == "process"
@@ -283,25 +277,8 @@ class _EpochIterator:
             self.bar = tqdm(total=self.n_batches, desc=f"epoch {epoch}", unit="batch")
 
     # -- consuming -----------------------------------------------------------------------------------------
-    def __iter__(self) -> _EpochIterator:
-        return self
-
     def __next__(self) -> Any:
-        if self.begun is None:
-            self.begun = time.perf_counter()
-        job = self.yielded
-        if job >= self.n_batches:
-            self.close()
-            raise StopIteration
-        waited = time.perf_counter()
-        try:
-            value = run_job(self.pipeline, self.producer, job)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            self.wait_s += time.perf_counter() - waited
-        batch, size = value
+        batch, size = self.take()
         if self.copy_in_consumer:
             start = time.perf_counter()
             batch = _map_tensors(batch, lambda t: t.to(self.loader.device))
@@ -311,41 +288,19 @@ class _EpochIterator:
             current = torch.cuda.current_stream(self.loader.device)
             current.wait_event(event)
             _map_tensors(batch, lambda t: (t.record_stream(current), t)[1])
-        self.yielded += 1
-        self.samples += size
-        self.ended = time.perf_counter()
+        self.count(size)
         if self.bar is not None:
             self.bar.update(1)
         return batch
 
     def close(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self.ended = time.perf_counter() if self.begun is not None else None
-        if self.pipeline is not None:
-            self.pipeline.stop()
-        if self.bar is not None:
+        finished = self.finished
+        super().close()
+        if not finished and self.bar is not None:
             self.bar.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "pipeline", None) is not None:
-            self.pipeline.stop()
-
     def stats(self) -> dict[str, Any]:
-        elapsed = (self.ended or time.perf_counter()) - self.begun if self.begun is not None else 0.0
-        return {
-            "epoch": self.epoch,
-            "batches": self.yielded,
-            "samples": self.samples,
-            "elapsed_s": elapsed,
-            "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
-            "mb_per_s": self.times.bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
-            "stage_s": dict(self.times.seconds),
-            "wait_s": self.wait_s,
-            "wait_share": self.wait_s / elapsed if elapsed > 0 else 0.0,
-            "input_bound": elapsed > 0 and self.wait_s / elapsed >= 0.5,
-        }
+        return self.pass_stats()
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -58,7 +58,7 @@ from fastio._native import default_threads, gather_ranges
 from fastio.errors import CorruptShardError, EmptySourceError, SchemaMismatchError
 from fastio.format.decode import npy_header
 from fastio.sources import BufferPool, ShardSource, StageTimes, TarSource, torch_dtype
-from fastio.workers import ThreadPipeline, run_job
+from fastio.workers import BatchPass, ThreadPipeline
 
 __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
 
@@ -353,7 +353,7 @@ class _PackProducer:
             out["positions"].view(-1).numpy()[:] = self.arange[: rows * width] - np.repeat(dst, lengths)
 
 
-class PackedEpoch:
+class PackedEpoch(BatchPass):
     """One pass over (the rest of) an epoch's packed rows for this rank; what ``iter(loader)`` returns.
 
     Example::
@@ -366,12 +366,7 @@ class PackedEpoch:
     ) -> None:
         self.epoch, self.start = epoch, start
         plan = packer.plan(epoch)
-        self.n_batches = packer.num_batches(epoch, start)
-        self.yielded = self.samples = 0
-        self.wait_s = 0.0
-        self.begun: float | None = None
-        self.ended: float | None = None
-        self.finished = False
+        self.begin_pass(packer.num_batches(epoch, start))
         self.device = options["device"]
         slots = num_workers + prefetch if num_workers else 1
         threads = options["threads"] or max(1, default_threads() // max(1, num_workers))
@@ -383,31 +378,12 @@ class PackedEpoch:
             ThreadPipeline(self.producer, self.n_batches, num_workers, slots) if num_workers else None
         )
 
-    def __iter__(self) -> PackedEpoch:
-        return self
-
     def __next__(self) -> dict[str, torch.Tensor]:
-        if self.begun is None:
-            self.begun = time.perf_counter()
-        job = self.yielded
-        if job >= self.n_batches:
-            self.close()
-            raise StopIteration
-        waited = time.perf_counter()
-        try:
-            value = run_job(self.pipeline, self.producer, job)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            self.wait_s += time.perf_counter() - waited
-        batch, rows = value
+        batch, rows = self.take()
         if self.device is not None:
             # A blocking copy: the reused host buffer may be refilled as soon as the consumer lets go of it.
             batch = {k: v.to(self.device) for k, v in batch.items()}
-        self.yielded += 1
-        self.samples += rows
-        self.ended = time.perf_counter()
+        self.count(rows)
         return batch
 
     @property
@@ -415,36 +391,13 @@ class PackedEpoch:
         """Rows of the epoch handed to the consumer so far, counted from the epoch's start."""
         return self.start + self.samples
 
-    def close(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self.ended = time.perf_counter() if self.begun is not None else None
-        if self.pipeline is not None:
-            self.pipeline.stop()
-
-    def __del__(self) -> None:
-        if getattr(self, "pipeline", None) is not None:
-            self.pipeline.stop()
-
     def stats(self) -> dict[str, Any]:
         """As :meth:`fastio.StreamLoader.stats` (``samples`` are rows) plus ``tokens``, ``tokens_per_s``."""
-        elapsed = (self.ended or time.perf_counter()) - self.begun if self.begun is not None else 0.0
-        tokens = self.samples * self.producer.pack.row_len
-        return {
-            "epoch": self.epoch,
-            "batches": self.yielded,
-            "samples": self.samples,
-            "tokens": tokens,
-            "elapsed_s": elapsed,
-            "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-            "mb_per_s": self.times.bytes / elapsed / 1e6 if elapsed > 0 else 0.0,
-            "stage_s": dict(self.times.seconds),
-            "wait_s": self.wait_s,
-            "wait_share": self.wait_s / elapsed if elapsed > 0 else 0.0,
-            "input_bound": elapsed > 0 and self.wait_s / elapsed >= 0.5,
-        }
+        stats = self.pass_stats()
+        stats["tokens"] = self.samples * self.producer.pack.row_len
+        elapsed = stats["elapsed_s"]
+        stats["tokens_per_s"] = stats["tokens"] / elapsed if elapsed > 0 else 0.0
+        return stats
 
 
 class TokenPacker:
