@@ -140,6 +140,7 @@ class _Producer:
         self.source, self.batch_size = loader._source, loader.batch_size
         self.pin = loader._pin and cuda_allowed
         self.transform, self.collate, self.python_path = loader.transform, loader.collate, loader._python_path
+        self.worker_init_fn = loader.worker_init_fn
         self.indices, self.threads = indices, threads
         self.seed, self.epoch, self.stages = loader.seed, epoch, loader.stages
         self.times = StageTimes()
@@ -164,6 +165,8 @@ class _Producer:
             torch.utils.data._utils.worker._worker_info = torch.utils.data._utils.worker.WorkerInfo(
                 id=worker_id, num_workers=self.num_workers, seed=seed, dataset=dataset
             )
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
 
     def __call__(self, job: int) -> tuple[Any, int]:
         if self.mode != "main" or not self.python_path:  # no user code runs in the consumer's thread
@@ -326,7 +329,10 @@ class StreamLoader:
         drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
         prefetch: extra batches in flight beyond ``num_workers``.
         transform: ``transform(sample) -> sample`` per sample (switches to the Python path).
-        collate: ``collate(samples) -> batch`` (switches to the Python path).
+        collate: ``collate(samples) -> batch`` (switches to the Python path); ``collate_fn=`` is accepted
+            too, as DataLoader names it.
+        worker_init_fn: ``worker_init_fn(worker_id)`` runs first in each worker thread or process, as in
+            DataLoader (after :func:`fastio.worker_info` is set there).
         rank, world_size: override what ``torch.distributed`` says.
         device: a CUDA device to copy batches to on a side stream.
         decode: tar sources: None, ``"pil"`` (images via Pillow) or ``decode(field, bytes) -> value``.
@@ -384,7 +390,13 @@ class StreamLoader:
         shuffle_window: int = 4,
         stages: Sequence[BatchStage] = (),
         pack: Pack | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
+        if collate_fn is not None:
+            if collate is not None:
+                raise ValueError("pass collate= or DataLoader's name for it, collate_fn=, not both")
+            collate = collate_fn
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
@@ -401,6 +413,7 @@ class StreamLoader:
             prefetch,
         )
         self.drop_last, self.transform, self.collate = drop_last, transform, collate
+        self.worker_init_fn = worker_init_fn
         self.rank, self.world_size = _distributed_defaults(rank, world_size)
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():

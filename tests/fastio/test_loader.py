@@ -309,3 +309,42 @@ def test_progress_without_tqdm_names_the_extra(shard_dir, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", refuse_tqdm)
     with pytest.raises(ImportError, match=r"fastcomm\[progress\]"):
         iter(fastio.StreamLoader(shard_dir, batch_size=10, progress=True))
+
+
+def _record_worker(worker_id: int) -> None:
+    import os
+
+    info = fastio.worker_info()
+    assert info is not None and info.id == worker_id
+    os.environ["FASTIO_TEST_WORKER_INIT"] = str(worker_id)
+
+
+def _tag_with_init(sample: dict) -> dict:
+    import os
+
+    sample["init"] = int(os.environ.get("FASTIO_TEST_WORKER_INIT", "-1"))
+    return sample
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_dataloader_keywords_collate_fn_and_worker_init_fn(shard_dir, monkeypatch, mode):
+    monkeypatch.delenv("FASTIO_TEST_WORKER_INIT", raising=False)
+
+    def collate_fn(samples):
+        return torch.tensor([int(s["y"]) for s in samples]), [s["init"] for s in samples]
+
+    loader = fastio.StreamLoader(
+        shard_dir,
+        batch_size=10,
+        num_workers=2,
+        worker_mode=mode,
+        transform=_tag_with_init,
+        collate_fn=collate_fn,
+        worker_init_fn=_record_worker,
+    )
+    ys, inits = zip(*loader, strict=True)
+    assert torch.cat(ys).tolist() == list(range(117))
+    if mode == "process":  # each process ran the hook before its first sample
+        assert {i for batch in inits for i in batch} == {0, 1}
+    with pytest.raises(ValueError, match="collate_fn"):
+        fastio.StreamLoader(shard_dir, collate=collate_fn, collate_fn=collate_fn)
