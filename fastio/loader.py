@@ -302,9 +302,6 @@ class _EpochIterator(BatchPass):
         if not finished and self.bar is not None:
             self.bar.close()
 
-    def stats(self) -> dict[str, Any]:
-        return self.pass_stats()
-
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return map_structure(value, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)

@@ -393,7 +393,7 @@ class PackedEpoch(BatchPass):
 
     def stats(self) -> dict[str, Any]:
         """As :meth:`fastio.StreamLoader.stats` (``samples`` are rows) plus ``tokens``, ``tokens_per_s``."""
-        stats = self.pass_stats()
+        stats = super().stats()
         stats["tokens"] = self.samples * self.producer.pack.row_len
         elapsed = stats["elapsed_s"]
         stats["tokens_per_s"] = stats["tokens"] / elapsed if elapsed > 0 else 0.0

@@ -515,7 +515,7 @@ class ProcessPipeline:
 class BatchPass:
     """The consumer's side of one pass over ``n_batches`` batches: batch ``j`` comes from ``pipeline`` (made
     ahead by workers) or, without one, is made here by ``producer``; an error of the producer closes the
-    pass and is raised here. Counts batches, samples and the time spent waiting; :meth:`pass_stats` is
+    pass and is raised here. Counts batches, samples and the time spent waiting; :meth:`stats` is
     the throughput report of :meth:`fastio.StreamLoader.stats`.
 
     Subclasses set ``epoch``, ``times`` (a :class:`fastio.sources.StageTimes`), ``producer`` and
@@ -590,7 +590,7 @@ class BatchPass:
         if getattr(self, "pipeline", None) is not None:
             self.pipeline.stop()
 
-    def pass_stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         elapsed = (self.ended or time.perf_counter()) - self.begun if self.begun is not None else 0.0
         return {
             "epoch": self.epoch,
