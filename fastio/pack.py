@@ -56,7 +56,7 @@ import torch
 
 from fastio._native import default_threads, gather_ranges
 from fastio.errors import CorruptShardError, EmptySourceError, SchemaMismatchError
-from fastio.format.decode import npy_header
+from fastio.format.decode import npy_layout
 from fastio.sources import BufferPool, ShardSource, StageTimes, TarSource, torch_dtype
 from fastio.workers import BatchPass, ThreadPipeline
 
@@ -189,10 +189,8 @@ def _tar_documents(source: TarSource, field_name: str) -> _Documents:
         path = files[s].path
         if size < 0:
             raise SchemaMismatchError(path, field_name, expected, f"sample {i} has no {field_name}")
-        try:
-            kind, shape, _, header = npy_header(files[s].array[at : at + size])
-        except ValueError as exc:
-            raise CorruptShardError(path, field_name, "a .npy header", str(exc)) from None
+        member = f"{field_name} (sample {i})"
+        kind, shape, _, header = npy_layout(files[s].array[at : at + size], size, path, member)
         if (
             len(shape) != 1
             or kind.kind not in "iu"
@@ -201,11 +199,6 @@ def _tar_documents(source: TarSource, field_name: str) -> _Documents:
         ):
             found = f"sample {i}: {kind} {shape}" + (f" after {dtype} members" if dtype is not None else "")
             raise SchemaMismatchError(path, field_name, expected, found)
-        if size - header != shape[0] * kind.itemsize:
-            raise CorruptShardError(
-                path, field_name, f"{shape[0] * kind.itemsize} bytes of {kind} {shape} after the header",
-                f"{size - header} bytes (sample {i})",
-            )  # fmt: skip
         dtype, src[i], counts[i] = kind, at + header, shape[0]
     return _Documents(shard, src, counts, dtype)
 

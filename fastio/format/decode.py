@@ -17,7 +17,7 @@ import torch
 
 from fastio.errors import CorruptShardError
 
-__all__ = ["IMAGE_EXTENSIONS", "INT_EXTENSIONS", "decode_default", "npy_header"]
+__all__ = ["IMAGE_EXTENSIONS", "INT_EXTENSIONS", "decode_default", "npy_header", "npy_layout"]
 
 INT_EXTENSIONS = frozenset({"cls", "cls2", "class", "count", "index", "inx", "id"})
 TEXT_EXTENSIONS = frozenset({"txt", "text", "transcript"})
@@ -62,21 +62,36 @@ def _short(raw: bytes) -> str:
     return repr(raw[:40]) + (f" ... ({len(raw)} bytes)" if len(raw) > 40 else "")
 
 
-def _npy(data: np.ndarray, path: str, member: str) -> torch.Tensor:
+def npy_layout(
+    head: bytes | memoryview | np.ndarray, size: int, path: str, member: str
+) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """:func:`npy_header` of a ``.npy`` member of ``size`` bytes whose first bytes are ``head``, checked:
+    a header that does not parse, or a payload that is not exactly ``prod(shape) * itemsize`` bytes, raises
+    :class:`fastio.CorruptShardError` naming ``path`` and ``member``.
+
+    Example::
+
+        dtype, shape, fortran, start = npy_layout(data, len(data), "a.tar", "k0.x.npy")
+    """
     try:
-        dtype, shape, fortran, start = npy_header(data)
+        dtype, shape, fortran, start = npy_header(head)
     except ValueError as exc:
         raise CorruptShardError(path, member, "a .npy header", str(exc)) from None
-    if dtype.hasobject:
-        raise ValueError(".npy with object dtype is refused (it would need pickle)")
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(data) - start != expected:
+    if size - start != expected:
         raise CorruptShardError(
             path,
             member,
             f"{expected} bytes of {dtype} {tuple(shape)} after the {start}-byte .npy header",
-            f"{len(data) - start} bytes",
+            f"{size - start} bytes",
         )
+    return dtype, shape, fortran, start
+
+
+def _npy(data: np.ndarray, path: str, member: str) -> torch.Tensor:
+    dtype, shape, fortran, start = npy_layout(data, len(data), path, member)
+    if dtype.hasobject:
+        raise ValueError(".npy with object dtype is refused (it would need pickle)")
     arr = data[start:].view(dtype)
     arr = np.ascontiguousarray(arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape))
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
