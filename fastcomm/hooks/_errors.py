@@ -20,7 +20,7 @@ __all__ = ["PeerCollectiveError", "collective_value"]
 
 
 class PeerCollectiveError(RuntimeError):
-    """A collective a fastcomm hook issued failed: a peer died, was stopped past the timeout, or the link dropped.
+    """A collective of a fastcomm hook failed: a peer died, was stopped past the timeout, or the link dropped.
 
     Args:
         where: the hook or state that issued it, e.g. ``"topk_hook"``.

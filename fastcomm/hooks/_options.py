@@ -53,7 +53,7 @@ def require_int(name: str, value: object, *, minimum: int | None = None) -> int:
 
 
 def require_real(name: str, value: object) -> float:
-    """``value`` as a ``float`` if it is a real number (an int or a float, not a bool); else :class:`OptionTypeError`.
+    """``value`` as a ``float`` if it is a real number (an int or a float, not a bool).
 
     Range checks stay with the caller, whose interval (open or closed) is part of the option's meaning.
     """
