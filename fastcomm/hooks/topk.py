@@ -6,8 +6,10 @@ import math
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fastcomm import ops
+from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._state import (
     CompressedCall,
     CompressionState,
@@ -21,16 +23,36 @@ __all__ = ["TopKState", "topk_hook"]
 
 
 class TopKState(CompressionState):
-    """State of :func:`topk_hook`: sparsity, DGC momentum correction and warmup, residuals, statistics.
+    """State of :func:`topk_hook`: sparsity and Deep Gradient Compression's recipe, residuals, statistics.
 
-    Momentum correction (DGC): with ``momentum=m > 0`` the hook keeps a velocity ``u = m * u + g`` per bucket
-    and sends the top-k of ``u`` accumulated into the residual; sent entries are cleared from both velocity
-    and residual (momentum factor masking). The momentum is then already inside the reduced gradient, so
-    pair it with an optimizer *without* momentum (``torch.optim.SGD(params, lr, momentum=0)``); otherwise
-    momentum is applied twice.
+    DGC (Lin et al., 2018) makes top-k sparsification train like dense momentum SGD with four pieces; on a
+    bucket that is compressed, each rank's hook runs, in order:
 
-    Warmup: during the ``warmup_steps`` steps after ``start_iter`` the ratio goes through ``warmup_ratios``
-    (equal stages, the densest first), then stays at ``ratio``.
+    1. Local gradient clipping (``clip_norm``): the rank's own gradient ``g`` is scaled down to norm at
+       most ``clip_norm * sqrt(bucket numel / model numel) / sqrt(W)`` before it enters the velocity.
+       DGC clips locally because unsent gradient accumulates on each rank, and scales the global threshold
+       by ``W ** -0.5``, a rank's share of it if all ranks' gradients were alike. A hook sees one bucket at
+       a time, so the threshold is shared out so that the squared shares add up to ``clip_norm**2 / W``
+       over the model (the model's size is that of the module bound by :func:`fastcomm.register`, else of
+       the parameters seen in buckets so far: exact from the second iteration on).
+    2. Momentum correction (``momentum=m > 0``): a velocity per bucket ``u = m * u + g`` (``nesterov``:
+       ``u = m * (u + g)``, and ``u + g`` is what accumulates), and ``acc = u + residual``.
+    3. Sparsification with error feedback: the top-k of ``acc`` is sent, the rest stays in the residual.
+    4. Momentum factor masking (``momentum_masking``): the velocity is cleared where entries were sent, so
+       a gradient that has just been applied does not keep pushing through a stale momentum.
+    5. Warm-up of the sparsity (``warmup_steps``): during the ``warmup_steps`` steps after ``start_iter``
+       the ratio goes through ``warmup_ratios`` (equal stages, the densest first), then stays at ``ratio``.
+
+    Optimizer pairing: with ``momentum > 0`` the momentum is already inside the reduced gradient, so use an
+    optimizer *without* momentum, ``torch.optim.SGD(params, lr, momentum=0)`` (momentum would otherwise be
+    applied twice); ``nesterov=True`` stands for ``SGD(nesterov=True)``. The optimizer's ``weight_decay``
+    then acts without momentum (add it to the loss to have it inside the velocity, as DGC does). With
+    ``clip_norm`` do not also call ``clip_grad_norm_`` on the reduced gradients: clipping belongs before the
+    accumulation. Momentum correction is DGC's answer for momentum SGD, not for Adam (keep ``momentum=0``
+    with AdamW, or use :class:`fastcomm.CompressedAdam`). Dense steps (before ``start_iter``, buckets
+    below ``min_compress_numel``, world size 1) are plain averages: neither the velocity nor the clipping
+    applies there, so with ``momentum > 0`` leave ``start_iter=0`` and make ``min_compress_numel`` small
+    enough for every bucket.
 
     Args:
         ratio: fraction of each bucket's entries a rank sends, in ``(0, 1]``; ``k = ceil(ratio * numel)``.
@@ -40,6 +62,11 @@ class TopKState(CompressionState):
         momentum: DGC momentum correction factor in ``[0, 1)``; 0 disables it.
         warmup_ratios: ratios of the warmup stages, each in ``(0, 1]``.
         warmup_steps: length of the warmup; 0 disables it.
+        nesterov: DGC's Nesterov variant of momentum correction (needs ``momentum > 0``).
+        momentum_masking: clear the velocity at the entries sent (needs ``error_feedback``; turning it
+            off is for ablations).
+        clip_norm: local gradient clipping threshold, as a global L2 norm over the model's gradient
+            (what ``clip_grad_norm_`` would get); ``None`` disables it.
         error_feedback: keep unsent entries in a per-bucket residual and add them to the next gradient.
         start_iter: dense allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
@@ -49,7 +76,7 @@ class TopKState(CompressionState):
 
     Example::
 
-        state = fastcomm.TopKState(ratio=0.01, momentum=0.9, warmup_steps=500)
+        state = fastcomm.TopKState(ratio=0.01, momentum=0.9, warmup_steps=500, clip_norm=1.0)
         ddp.register_comm_hook(state, fastcomm.topk_hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.0)  # momentum lives in the hook
     """
@@ -60,6 +87,9 @@ class TopKState(CompressionState):
         "momentum",
         "warmup_ratios",
         "warmup_steps",
+        "nesterov",
+        "momentum_masking",
+        "clip_norm",
         *CompressionState._OPTIONS,
     )
 
@@ -71,16 +101,21 @@ class TopKState(CompressionState):
         warmup_ratios: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004, 0.001),
         warmup_steps: int = 0,
         *,
+        nesterov: bool = False,
+        momentum_masking: bool = True,
+        clip_norm: float | None = None,
         error_feedback: bool = True,
         start_iter: int = 0,
         min_compress_numel: int = 1024,
         wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 < ratio <= 1.0:
-            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if not _is_real(ratio) or not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
+        if not _is_real(momentum) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        if isinstance(warmup_ratios, str) or not all(_is_real(r) for r in warmup_ratios):
+            raise ValueError(f"warmup_ratios must be a sequence of numbers, got {warmup_ratios!r}")
         warmup_ratios = tuple(float(r) for r in warmup_ratios)
         if not warmup_ratios or not all(0.0 < r <= 1.0 for r in warmup_ratios):
             raise ValueError(
@@ -88,11 +123,23 @@ class TopKState(CompressionState):
             )
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+        for name, flag in (("exact", exact), ("nesterov", nesterov), ("momentum_masking", momentum_masking)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        if nesterov and momentum == 0.0:
+            raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
+        if clip_norm is not None and (not _is_real(clip_norm) or not 0.0 < clip_norm < math.inf):
+            raise ValueError(f"clip_norm must be None or a positive finite number, got {clip_norm!r}")
         self.ratio = float(ratio)
-        self.exact = bool(exact)
+        self.exact = exact
         self.momentum = float(momentum)
         self.warmup_ratios = warmup_ratios
         self.warmup_steps = warmup_steps
+        self.nesterov = nesterov
+        self.momentum_masking = momentum_masking
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        # numel of every parameter the hook serves: the model size that local clipping shares out
+        self._clipped_numels: WeakIdKeyDictionary = WeakIdKeyDictionary()
         super().__init__(
             error_feedback=error_feedback,
             start_iter=start_iter,
@@ -109,13 +156,43 @@ class TopKState(CompressionState):
             return max(self.warmup_ratios[stage], self.ratio)
         return self.ratio
 
+    def bind(self, module: torch.nn.Module) -> None:
+        """Tie this state to ``module`` (see :meth:`HookState.bind`); its size sets the clipping shares."""
+        super().bind(module)
+        for param in module.parameters():
+            if param.requires_grad:
+                self._clipped_numels[param] = param.numel()
+
+    def clip_threshold(self, bucket: dist.GradBucket, world_size: int) -> float:
+        """The norm a rank's gradient in ``bucket`` is clipped to (local gradient clipping).
+
+        ``clip_norm * sqrt(bucket numel / model numel) / sqrt(world_size)``; the model numel counts every
+        parameter of the bound module and of the buckets seen so far.
+
+        Raises:
+            ValueError: ``clip_norm`` is ``None``.
+
+        Example::
+
+            state = fastcomm.register(ddp, "topk", ratio=0.01, momentum=0.9, clip_norm=1.0)
+        """
+        if self.clip_norm is None:
+            raise ValueError("clip_threshold needs clip_norm; this state was made with clip_norm=None")
+        numel = 0
+        for param in bucket.parameters():
+            self._clipped_numels[param] = param.numel()
+            numel += param.numel()
+        model_numel = max(numel, sum(self._clipped_numels.values()))
+        return self.clip_norm * math.sqrt(numel / model_numel) / math.sqrt(world_size)
+
 
 def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP comm hook: mean over ranks of each rank's top-k of (gradient + residual), by one all-gather.
 
     1. Dense allreduce instead when the step is before ``start_iter`` or the bucket is smaller than
        ``min_compress_numel``; the gradient as is when the world size is 1.
-    2. ``acc = grad (or DGC velocity) + residual``; ``(values, int32 indices) = ops.topk_select(acc, k)``
+    2. ``acc = grad (or the DGC velocity, after local clipping: see :class:`TopKState`) + residual``;
+       ``(values, int32 indices) = ops.topk_select(acc, k)``
        with ``k = ceil(ratio * numel)``. Approximate selection is cut or zero-padded to exactly k, so every
        rank's payload has the same size, fixed before any communication.
     3. The new residual is ``acc`` with the sent entries zeroed (staged: dropped if the step is skipped).
@@ -147,10 +224,17 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
     timer = Timer()
     with timer:
         k = min(numel, max(1, math.ceil(state.ratio_at(state._steps) * numel)))
+        if state.clip_norm is not None:  # DGC local clipping: before the gradient enters the velocity
+            _clip_norm_(flat, state.clip_threshold(bucket, world_size))
         source = flat
         if state.momentum > 0.0:
-            velocity = state._current(entry, "velocity", flat) * state.momentum + flat
-            source = velocity
+            previous = state._current(entry, "velocity", flat)
+            if state.nesterov:  # DGC's Nesterov form: u = m (u + g); u + g accumulates
+                velocity = (previous + flat).mul_(state.momentum)
+                source = velocity + flat
+            else:
+                velocity = previous * state.momentum + flat
+                source = velocity
         residual = current = None
         if state.error_feedback:  # the op writes acc with the sent entries zeroed into the spare buffer
             current = state._current(entry, "residual", flat)
@@ -167,9 +251,9 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         if residual is not None:
             state._stage(key, "residual", residual)
         if state.momentum > 0.0:
-            state._stage(
-                key, "velocity", velocity.index_fill_(0, sent.long(), 0) if state.error_feedback else velocity
-            )
+            if state.error_feedback and state.momentum_masking:  # momentum factor masking
+                velocity.index_fill_(0, sent.long(), 0)
+            state._stage(key, "velocity", velocity)
         row = torch.cat([indices.view(torch.uint8), values.contiguous().view(torch.uint8)])
         gathered = state._wire_buffer(key, "gathered", row, world_size * row.numel())
     gathered_future = all_gather_rows(
@@ -185,12 +269,13 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         timer.seconds,
         compressed=True,
     )
-    dtype = flat.dtype
+    dtype, bucket_index = flat.dtype, bucket.index()
     result = state._buffers.get((key, "result"))
     if not isinstance(result, _SparseResult) or not result.fits(flat):
         result = state._buffers[(key, "result")] = _SparseResult(flat)
 
-    def decompress(_: torch.futures.Future) -> Tensor:
+    def decompress(arrived: torch.futures.Future[Tensor]) -> Tensor:
+        collective_value(arrived, "topk_hook", bucket_index)  # a failed all-gather raises here
         decompress_timer = Timer()
         with decompress_timer:
             rows = gathered.view(world_size, -1)
@@ -233,6 +318,16 @@ class _SparseResult:
             self.out[touched] = means.to(self.out.dtype)
         self.touched = touched
         return self.out
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _clip_norm_(flat: Tensor, threshold: float) -> None:
+    """Scale ``flat`` in place to L2 norm at most ``threshold`` (norm in fp32; no host sync)."""
+    norm = torch.linalg.vector_norm(flat, dtype=torch.float32)
+    flat.mul_((threshold / (norm + 1e-6)).clamp_(max=1.0).to(flat.dtype))
 
 
 def _fit(values: Tensor, indices: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor | None]:
