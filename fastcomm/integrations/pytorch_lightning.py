@@ -1,0 +1,33 @@
+"""A Lightning callback (``pytorch_lightning`` package) that registers a fastcomm hook on the DDP model.
+
+The same callback as :mod:`fastcomm.integrations.lightning`, on the ``pytorch_lightning`` package's
+``Callback`` base (each package's Trainer accepts only its own callbacks).
+
+Example::
+
+    import pytorch_lightning as pl
+    from fastcomm.integrations.pytorch_lightning import CommHook
+
+    comm = CommHook("sign")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[comm])
+    trainer.fit(model)
+    print(comm.state.stats())
+"""
+
+from __future__ import annotations
+
+try:
+    from pytorch_lightning import Callback
+except ImportError as exc:
+    raise ImportError(
+        "fastcomm.integrations.pytorch_lightning needs the 'pytorch_lightning' package (pip install "
+        "pytorch-lightning); with the 'lightning' package use fastcomm.integrations.lightning"
+    ) from exc
+
+from fastcomm.integrations._callback import CommHookLogic
+
+__all__ = ["CommHook"]
+
+
+class CommHook(CommHookLogic, Callback):
+    __doc__ = CommHookLogic.__doc__

@@ -1,0 +1,226 @@
+"""Rank processes for the Accelerate and Lightning tests: each run is launched the way the framework expects.
+
+``launch`` starts two copies of this file with the environment a launcher sets (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so Accelerate builds a real multi-CPU state and Lightning's
+``DDPStrategy`` sees externally created processes, as under ``torchrun``. Each rank runs every scenario of
+its framework in a row (process start-up and the frameworks' imports cost seconds) and writes what it saw to
+``rank<r>.json``; the tests assert on that. A scenario whose package is missing is written as skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+LAUNCH_TIMEOUT_S = 150
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(workdir: Path, framework: str) -> list[dict[str, Any]]:
+    """Run ``framework``'s scenarios on 2 gloo ranks; return each rank's results (raise with the logs)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs, logs = [], []
+    for rank in range(2):
+        env = dict(
+            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", NODE_RANK="0",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH")))),
+        )
+        logs.append(workdir / f"rank{rank}.log")
+        with logs[-1].open("wb") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, framework, str(workdir)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if any(proc.returncode != 0 for proc in procs):
+        text = "\n".join(f"--- rank {r} (exit {p.returncode})\n{logs[r].read_text()[-4000:]}"
+                         for r, p in enumerate(procs))
+        raise AssertionError(f"{framework} ranks failed:\n{text}")
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _model() -> Any:
+    """4,192 parameters in one DDP bucket: above the hooks' default ``min_compress_numel`` of 1,024."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+
+
+def _batches(rank: int, count: int) -> list[tuple[Any, Any]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(zlib.crc32(f"integrations rank {rank}".encode()))
+    return [(torch.randn(8, 32, generator=generator), torch.randn(8, 32, generator=generator))
+            for _ in range(count)]
+
+
+def _error(call: Any, kind: type[BaseException]) -> str | None:
+    """``call()``'s error message if it raised ``kind``, else ``None``."""
+    try:
+        call()
+    except kind as exc:
+        return str(exc)
+    return None
+
+
+# --------------------------------------------------------------------------------------------- Accelerate
+def _accelerate(rank: int) -> dict[str, Any]:
+    import torch
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    import fastcomm
+    from fastcomm.integrations import comm_hook_state, find_ddp, register_accelerate, registered_comm_hooks
+
+    result: dict[str, Any] = {}
+    torch.manual_seed(0)
+    ignored_kwargs = DistributedDataParallelKwargs(comm_hook=fastcomm.topk_hook)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[ignored_kwargs])
+    result["distributed_type"] = str(accelerator.distributed_type)
+    result["backend"] = torch.distributed.get_backend()
+
+    def train(model: Any, steps: int = 3) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for inputs, targets in _batches(rank, steps):
+            optimizer.zero_grad()
+            accelerator.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+
+    # The DDP kwargs way: Accelerate wraps the model in DDP and registers no hook.
+    prepared = accelerator.prepare(_model())
+    result["kwargs_model_type"] = type(prepared).__name__
+    result["kwargs_hooks"] = [hook.__name__ for hook, _ in registered_comm_hooks(prepared)]
+    result["kwargs_state"] = repr(comm_hook_state(prepared))
+
+    # The helper, on that same prepared model: it warns that the kwargs hook was ignored, then registers.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = register_accelerate(accelerator, prepared, "topk", ratio=0.05)
+    result["helper_warnings"] = [str(w.message) for w in caught]
+    train(prepared)
+    result["helper_stats"] = state.stats()
+    result["helper_state_found"] = comm_hook_state(prepared) is state
+    result["second_hook_error"] = _error(
+        lambda: register_accelerate(accelerator, prepared, "sign"), ValueError)
+    result["unwrapped_error"] = _error(lambda: register_accelerate(accelerator, _model(), "topk"), TypeError)
+
+    # fastcomm.register directly on what prepare returned.
+    direct = accelerator.prepare(_model())
+    direct_state = fastcomm.register(direct, "sign")
+    train(direct)
+    result["register_stats"] = direct_state.stats()
+    result["found_under_compile"] = find_ddp(torch.compile(direct)) is direct
+    accelerator.wait_for_everyone()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+def lightning_fit(
+    package: str, strategy: Any, callbacks: list[Any], devices: int = 2, steps: int = 3
+) -> None:
+    """Fit a small regression with ``package``'s Trainer on CPU (``devices`` processes, ``steps`` steps)."""
+    import torch
+
+    pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            inputs, targets = batch
+            return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    inputs = torch.cat([x for x, _ in _batches(0, 4)])
+    targets = torch.cat([y for _, y in _batches(0, 4)])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=4)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, num_nodes=1, strategy=strategy, max_steps=steps,
+        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression(), loader)
+
+
+def _hook_probe(package: str) -> Any:
+    """A callback that records the hooks registered on the strategy's DDP model at the first step."""
+    from fastcomm.integrations import registered_comm_hooks
+
+    pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
+
+    class Probe(pl.Callback):
+        def __init__(self) -> None:
+            self.hooks: list[str] | None = None
+            self.model_type = ""
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if self.hooks is None:
+                self.model_type = type(trainer.strategy.model).__name__
+                self.hooks = [hook.__name__ for hook, _ in registered_comm_hooks(trainer.strategy.model)]
+
+    return Probe()
+
+
+def _lightning(rank: int) -> dict[str, Any]:
+    import fastcomm
+
+    result: dict[str, Any] = {}
+    for package in ("lightning", "pytorch_lightning"):
+        if importlib.util.find_spec(package) is None:
+            result[package] = "skipped"
+            continue
+        integration = importlib.import_module(f"fastcomm.integrations.{package}")
+        strategies = importlib.import_module(
+            "lightning.pytorch.strategies" if package == "lightning" else "pytorch_lightning.strategies")
+        seen: dict[str, Any] = {}
+        callback = integration.CommHook("topk", ratio=0.1)
+        lightning_fit(package, "ddp", [callback])
+        seen["callback_stats"] = callback.state.stats()
+
+        # The strategy's own setting: on CPU it registers nothing and the state is never called.
+        ignored = fastcomm.TopKState(ratio=0.1)
+        probe = _hook_probe(package)
+        strategy = strategies.DDPStrategy(ddp_comm_state=ignored, ddp_comm_hook=fastcomm.topk_hook)
+        lightning_fit(package, strategy, [probe])
+        seen["strategy_model_type"] = probe.model_type
+        seen["strategy_hooks"] = probe.hooks
+        seen["strategy_stats"] = ignored.stats()
+        result[package] = seen
+    return result
+
+
+def main() -> None:
+    framework, workdir = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    import torch
+
+    torch.set_num_threads(1)
+    result = {"accelerate": _accelerate, "lightning": _lightning}[framework](rank)
+    (workdir / f"rank{rank}.json").write_text(json.dumps(result, default=float))
+
+
+if __name__ == "__main__":
+    main()
