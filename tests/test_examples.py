@@ -1,0 +1,93 @@
+"""examples/train_lm.py runs under torchrun on 2 gloo ranks, checkpoints, and resumes at the right step."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
+TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--max-files", "40", "--batch-size", "4",
+        "--val-rows", "8", "--log-every", "5"]
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("train_lm_under_test", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(EXAMPLE), *TINY, "--data-dir", str(tmp_path / "data"),
+               "--checkpoint-dir", str(tmp_path / "ckpt"), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path: Path) -> None:
+    # Run A stops after step 15 as if killed; its last checkpoint is step 10. Run B resumes there and must
+    # repeat A's steps 11..15 exactly (model, optimizer, schedule, hook residuals, loader position, RNG).
+    common = ["--hook", "topk", "--steps", "20", "--eval-every", "10", "--checkpoint-every", "10"]
+    _torchrun(tmp_path, *common, "--stop-after", "15", "--json", str(tmp_path / "a.json"))
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000010"
+    resumed = _torchrun(tmp_path, *common, "--resume", "--json", str(tmp_path / "b.json"))
+    first, second = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
+
+    assert "resumed topk at step 10" in resumed.stderr
+    assert first["start_step"] == 0 and len(first["train_losses"]) == 15
+    assert second["start_step"] == 10 and len(second["train_losses"]) == 10
+    losses = first["train_losses"] + second["train_losses"] + second["val_losses"]
+    assert all(math.isfinite(x) for x in losses)
+    assert second["train_losses"][:5] == first["train_losses"][10:15]
+    assert second["val_steps"] == [10, 20]  # step 10's validation came with the checkpoint
+    assert second["val_losses"][0] == first["val_losses"][0]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000020"
+    assert not (tmp_path / "ckpt" / "step-000010").exists()
+
+
+def test_resume_refuses_a_checkpoint_of_another_method(tmp_path: Path) -> None:
+    train_lm = _load_example()
+    paths = train_lm.prepare_data(tmp_path / "data", max_files=40)
+    tiny = train_lm.ModelConfig(d_model=16, n_layer=1, n_head=2)
+    common = {"steps": 2, "batch_size": 2, "val_rows": 2, "log_every": 0, "model": tiny}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        train_lm.train(train_lm.TrainConfig(method="none", checkpoint_dir=tmp_path / "ckpt",
+                                            checkpoint_every=2, **common), paths)
+        with pytest.raises(ValueError, match="is of method 'none'"):
+            train_lm.train(train_lm.TrainConfig(method="q8", resume=tmp_path / "ckpt", **common), paths)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_split_holds_out_every_twentieth_file_and_is_reused(tmp_path: Path) -> None:
+    train_lm = _load_example()
+    paths = train_lm.prepare_data(tmp_path, max_files=40)
+    assert (paths.train_files, paths.val_files) == (38, 2)
+    assert paths.train_bytes > 0 and paths.val_bytes > 0
+    again = train_lm.prepare_data(tmp_path, max_files=40)
+    assert again == paths
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("stdlib-")]) == 1
+
+
+def test_model_has_the_documented_parameter_count() -> None:
+    train_lm = _load_example()
+    model = train_lm.GPT(train_lm.ModelConfig())
+    assert sum(p.numel() for p in model.parameters()) == 1_457_856
+
+
+@pytest.mark.parametrize(
+    "bad", [{"d_model": 30, "n_head": 4}, {"n_layer": 0}, {"context": 1.5}, {"context": 129}]
+)
+def test_model_config_names_the_bad_value(bad: dict) -> None:
+    train_lm = _load_example()
+    with pytest.raises(ValueError, match="d_model|n_layer|context"):
+        train_lm.ModelConfig(**bad)
