@@ -9,6 +9,11 @@ TRITON_SPEC ?= triton==3.9.0
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
 STAMP       := $(VENV)/.fastlib-installed
+# The frameworks tests/fastcomm/test_integrations.py runs the hooks under. Installed with --no-deps (their own
+# pins would resolve a torch), with the pure-Python packages they need to import; the tests skip without them.
+INTEGRATIONS ?= accelerate==1.15.0 lightning==2.6.6 pytorch_lightning==2.6.6 lightning_utilities==0.15.3 \
+                torchmetrics==1.9.0 huggingface_hub==2.4.0 safetensors==0.8.0 psutil==7.2.2
+INTEGRATIONS_STAMP := $(VENV)/.fastlib-integrations
 NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
 .PHONY: test bench install lint clean test-no-native
@@ -23,11 +28,15 @@ $(STAMP): $(PY) $(NATIVE_SRC)
 	$(PIP) install --no-build-isolation -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+$(INTEGRATIONS_STAMP): $(STAMP) Makefile
+	$(PIP) install --no-deps $(INTEGRATIONS)
+	touch $(INTEGRATIONS_STAMP)
+
+install: $(STAMP) $(INTEGRATIONS_STAMP)
 
 # The whole suite with the native kernels, then the op tests again on the pure-PyTorch fallback
 # (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build time).
-test: $(STAMP)
+test: $(STAMP) $(INTEGRATIONS_STAMP)
 	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
 	$(PY) -m pytest -q -p no:cacheprovider tests
 

@@ -3,8 +3,8 @@
 What works (the helpers, ``fastcomm.register`` on the prepared model, the Lightning callback) is shown by the
 hook's own counters after real training steps; what silently does nothing
 (``DistributedDataParallelKwargs(comm_hook=...)``, ``DDPStrategy(ddp_comm_hook=...)`` on CPU) is shown by the
-DDP model carrying no hook and the state never being called. Each framework's scenarios run in one launch
-(module-scoped fixtures); a missing package skips its tests.
+DDP model carrying no hook and the state never being called. Every framework's scenarios run in one launch
+(a module-scoped fixture); a missing package skips its tests.
 """
 
 import importlib
@@ -27,16 +27,21 @@ def _has(package: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def accelerate_ranks(tmp_path_factory):
-    pytest.importorskip("accelerate")
-    return workers.launch(tmp_path_factory.mktemp("accelerate"), "accelerate")
+def ranks(tmp_path_factory):
+    if not any(_has(package) for package in ("accelerate", "lightning", "pytorch_lightning")):
+        pytest.skip("none of accelerate, lightning, pytorch_lightning is installed")
+    return workers.launch(tmp_path_factory.mktemp("integrations"))
 
 
 @pytest.fixture(scope="module")
-def lightning_ranks(tmp_path_factory):
-    if not (_has("lightning") or _has("pytorch_lightning")):
-        pytest.skip("neither lightning nor pytorch_lightning is installed")
-    return workers.launch(tmp_path_factory.mktemp("lightning"), "lightning")
+def accelerate_ranks(ranks):
+    pytest.importorskip("accelerate")
+    return [rank["accelerate"] for rank in ranks]
+
+
+@pytest.fixture(scope="module")
+def lightning_ranks(ranks):
+    return ranks
 
 
 def _compressed_every_step(stats: dict, steps: int = 3) -> None:
