@@ -26,6 +26,7 @@ Run::
 
     python -m benchmarks.bench_hooks                 # both networks, 2 warm-up + 5 timed steps each
     python -m benchmarks.bench_hooks --quick --network loopback
+    python -m benchmarks.bench_hooks --replot          # redraw the PNG from results/bench_hooks.json
 """
 
 import argparse
@@ -51,9 +52,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import netlab
-from benchmarks.harness import Row, time_call, write_results
+from benchmarks.harness import RESULTS_DIR, Row, time_call, write_results
 
-__all__ = ["CONFIGS", "Config", "main"]
+__all__ = ["CONFIGS", "Config", "main", "plot_results"]
 
 LAYERS = (1024, 4096, 4096, 1024)
 BATCH = 64
@@ -492,6 +493,99 @@ def _run_network(
     return _rows_for(network, outcomes, settings.steps, link_mb_per_s)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Plot
+
+_REFERENCES = ("allreduce", "noop")  # drawn as lines, not bars
+_NETWORK_TITLES = {"loopback": "loopback (127.0.0.1, no rate limit)",
+                   "netlab": f"netlab: veth pair shaped to {LINK_RATE.replace('gbit', ' Gbit/s')}"}
+_FAMILY_COLOURS = {"torch": "#dd8452", "fastcomm": "#4c72b0"}
+_NO_RESULT_COLOUR = "#b0303a"
+_NO_RESULT_BOX = {"facecolor": "#fbe3e4", "edgecolor": _NO_RESULT_COLOUR, "linewidth": 1.0}
+
+
+def _short_status(status: str) -> str:
+    """``'crashed (rank 0 exit -6): <log line>'`` -> ``'crashed (rank 0 exit -6)'``: the kind, not the log."""
+    return status.split(":", 1)[0]
+
+
+def plot_results(payload: dict[str, Any], path: Path) -> None:
+    """Draw ``bench_hooks.json``'s rows as one panel per network and write the PNG to ``path``.
+
+    Each panel has a horizontal bar per hook (its step time, labelled with the time and the ratio to dense
+    allreduce), the dense allreduce and no-op (no communication) times as vertical reference lines, and a
+    crashed, hung or skipped configuration as a red note where its bar would be.
+
+    Example::
+
+        plot_results(json.loads(Path("benchmarks/results/bench_hooks.json").read_text()),
+                     Path("bench_hooks.png"))
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = [r for r in payload["rows"] if r["metric"] == "step_time"]
+    networks = list(dict.fromkeys(r["case"] for r in rows))
+    if not networks:
+        return
+    order = [c.name for c in CONFIGS if c.name not in _REFERENCES]
+    families = {c.name: "fastcomm" if c.fastcomm_names else "torch" for c in CONFIGS}
+    fig, axes = plt.subplots(1, len(networks), figsize=(7.2 * len(networks), 0.5 * len(order) + 2.4),
+                             sharey=True, squeeze=False)
+    for ax, network in zip(axes[0], networks, strict=True):
+        by_name = {r["backend"]: r for r in rows if r["case"] == network}
+        names = [n for n in order if n in by_name]
+        ok = {n: r["value"] for n, r in by_name.items() if r["extra"].get("status") == "ok" and r["value"]}
+        bars = [ok[n] for n in names if n in ok]
+        # room for the labels right of the longest bar, and the reference lines inside the panel
+        x_max = max(max(bars, default=0.0) * 1.4, max(ok.values(), default=0.0) * 1.08) or 1.0
+        for y, name in enumerate(names):
+            row = by_name[name]
+            if name in ok:
+                ax.barh(y, ok[name], color=_FAMILY_COLOURS[families[name]], height=0.68, zorder=2)
+                ratio = row.get("ratio")
+                label = f"{ok[name]:.3f} s" + (f"   {ratio:.2f}x" if ratio else "")
+                ax.text(ok[name] + 0.01 * x_max, y, label, va="center", fontsize=9, zorder=4,
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.85})
+            else:
+                status = _short_status(row["extra"].get("status", "missing"))
+                ax.text(0.01 * x_max, y, f"no result: {status}", va="center", fontsize=9, zorder=4,
+                        color=_NO_RESULT_COLOUR, fontweight="bold", bbox=_NO_RESULT_BOX)
+        lines = []
+        for ref, colour, style, text in (("allreduce", "#c44e52", "--", "dense allreduce"),
+                                         ("noop", "#55a868", ":", "no-communication floor")):
+            if ref in ok:
+                lines.append(ax.axvline(ok[ref], color=colour, linestyle=style, linewidth=1.8, zorder=1.5,
+                                        label=f"{text}: {ok[ref]:.3f} s"))
+        if lines:
+            ax.legend(handles=lines, loc="lower right", fontsize=9, framealpha=0.95)
+        ax.set_yticks(range(len(names)), names)
+        ax.set_ylim(len(names) - 0.5, -0.6)  # first configuration on top
+        ax.set_xlim(0, x_max)
+        ax.set_xlabel("step time (s), shorter is better")
+        ax.set_title(_NETWORK_TITLES.get(network, network), fontsize=11)
+        ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+        ax.set_axisbelow(True)
+    legend = [Patch(color=_FAMILY_COLOURS["torch"], label="torch's hooks"),
+              Patch(color=_FAMILY_COLOURS["fastcomm"], label="fastcomm's hooks"),
+              Patch(**_NO_RESULT_BOX, label="no result (crashed, hung or skipped; see bench_hooks.md)")]
+    fig.legend(handles=legend, loc="lower center", ncol=3, frameon=False, fontsize=9)
+    fig.suptitle(f"DDP step time by communication hook, 2 gloo ranks, MLP with {_num_params() / 1e6:.1f}M "
+                 "parameters\n"
+                 "bar label: step time, and dense allreduce time / this (above 1x: faster than allreduce)",
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _replot() -> None:
+    plot_results(json.loads((RESULTS_DIR / "bench_hooks.json").read_text()), RESULTS_DIR / "bench_hooks.png")
+
+
 def main(argv: Sequence[str] | None = None) -> str:
     """Run the benchmark, write ``benchmarks/results/bench_hooks.*`` and return the Markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -503,11 +597,16 @@ def main(argv: Sequence[str] | None = None) -> str:
                         help="comma-separated subset of the configurations to run (default: all)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one more step on rank 0 and print its top ops")
+    parser.add_argument("--replot", action="store_true",
+                        help="redraw bench_hooks.png from the existing bench_hooks.json; run nothing")
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.rank_spec:
         _rank_main(json.loads(args.rank_spec))
         return ""
+    if args.replot:
+        _replot()
+        return (RESULTS_DIR / "bench_hooks.md").read_text()
 
     warmup, steps = (2, 2) if args.quick else (2, 5)
     # Generous: a dense step on the 1 Gbit link takes about 1 s; process start and DDP setup about 10 s.
@@ -556,7 +655,10 @@ def main(argv: Sequence[str] | None = None) -> str:
         notes += _check_targets(network, net_rows)
     for note in notes:
         print(f"[bench_hooks] {note}", file=sys.stderr, flush=True)
-    return write_results("bench_hooks", rows, notes=notes, plot_metric="step_time")
+    table = write_results("bench_hooks", rows, notes=notes, plot_metric="step_time")
+    # The harness draws one generic bar per row; this figure replaces it.
+    _replot()
+    return table
 
 
 if __name__ == "__main__":
