@@ -124,7 +124,7 @@ def main() -> None:
     for case, op, traffic, call in _cases(x, k):
         seconds = _seconds(call, args.repeat, args.inner)
         gbps = traffic / seconds / 1e9
-        backend = backends[op].split("cuda: ", 1)[1] if op else "torch"
+        backend = backends[op].cuda.implementation if op else "torch"
         rows.append(
             Row(
                 case,

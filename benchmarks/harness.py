@@ -49,7 +49,7 @@ def machine_info() -> dict[str, Any]:
     try:
         import fastcomm
 
-        info["fastcomm_backend"] = fastcomm.backend()
+        info["fastcomm_backend"] = {op: entry.to_dict() for op, entry in fastcomm.backend().items()}
     except ImportError:
         pass
     return info

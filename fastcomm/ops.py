@@ -1,6 +1,8 @@
 """Every fastcomm op in one place: its schema, its fake (meta) kernel, its backends, and its public wrapper.
 
-Backends are picked once, at import:
+One table, :data:`OP_SPECS`, drives every registration: each row names an op, its schema, its reference
+twin, its fake kernel and the Triton module that holds its CUDA kernel, if any. A new op is one row (plus
+its public wrapper below, and its kernels). Backends are picked once, at import:
 
 * The plain-PyTorch twin from :mod:`fastcomm.reference` is the ``CompositeExplicitAutograd`` kernel: the
   default on any device without a native kernel.
@@ -8,8 +10,9 @@ Backends are picked once, at import:
   against a CUDA torch, a ``CUDA`` top-k selection kernel. ``FASTCOMM_NO_NATIVE=1`` skips loading it.
 * Triton kernels (:mod:`fastcomm.triton`) are registered for ``CUDA`` when triton imports and CUDA is there.
 
-:func:`backend` reports what each op runs on and why. The wrappers below validate arguments (raising
-``TypeError``/``ValueError`` that name the argument) and then dispatch through ``torch.ops.fastcomm``.
+:func:`backend` reports what each op runs on and why, as data (:class:`OpBackend`). The wrappers below
+validate arguments (raising ``TypeError``/``ValueError`` that name the argument) and then dispatch through
+``torch.ops.fastcomm``.
 
 Example::
 
@@ -24,8 +27,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -34,6 +41,10 @@ from fastcomm import reference
 
 __all__ = [
     "OP_NAMES",
+    "OP_SPECS",
+    "DeviceBackend",
+    "OpBackend",
+    "OpSpec",
     "backend",
     "dequantize_blockwise",
     "dequantize_blockwise_into",
@@ -46,69 +57,12 @@ __all__ = [
     "topk_select",
 ]
 
-OP_NAMES = (
-    "topk_select",
-    "quantize_blockwise",
-    "dequantize_blockwise",
-    "dequantize_blockwise_into",
-    "sign_compress",
-    "sign_decompress",
-    "sign_decompress_into",
-    "sparse_accumulate",
-)
-
-_LIB = torch.library.Library("fastcomm", "DEF")
-_LIB.define(
-    "topk_select(Tensor x, int k, Tensor(a!)? residual=None, bool exact=True, Tensor? residual_source=None)"
-    " -> (Tensor, Tensor)"
-)
-_LIB.define(
-    "quantize_blockwise(Tensor x, int bits=8, int block=256, bool stochastic=False, int seed=0,"
-    " Tensor(a!)? residual=None, Tensor? residual_source=None) -> (Tensor, Tensor)"
-)
-_LIB.define(
-    "dequantize_blockwise(Tensor codes, Tensor scales, int numel, int bits=8, int block=256,"
-    " ScalarType dtype=float) -> Tensor"
-)
-_LIB.define(
-    "dequantize_blockwise_into(Tensor(a!) out, Tensor codes, Tensor scales, int bits=8, int block=256,"
-    " bool accumulate=False) -> ()"
-)
-_LIB.define(
-    "sign_compress(Tensor x, Tensor(a!)? residual=None, int chunk=2048, Tensor? residual_source=None)"
-    " -> (Tensor, Tensor)"
-)
-_LIB.define(
-    "sign_decompress(Tensor packed, Tensor scales, int numel, int chunk=2048, ScalarType dtype=float)"
-    " -> Tensor"
-)
-_LIB.define(
-    "sign_decompress_into(Tensor(a!) out, Tensor packed, Tensor scales, int chunk=2048,"
-    " bool accumulate=False) -> ()"
-)
-_LIB.define("sparse_accumulate(Tensor(a!) out, Tensor indices, Tensor values) -> ()")
-
-
-def _sparse_accumulate_reference(out: Tensor, indices: Tensor, values: Tensor) -> None:
-    reference.sparse_accumulate(out, indices, values)
-
-
-_REFERENCE_KERNELS = {
-    "topk_select": reference.topk_select,
-    "quantize_blockwise": reference.quantize_blockwise,
-    "dequantize_blockwise": reference.dequantize_blockwise,
-    "dequantize_blockwise_into": reference.dequantize_blockwise_into,
-    "sign_compress": reference.sign_compress,
-    "sign_decompress": reference.sign_decompress,
-    "sign_decompress_into": reference.sign_decompress_into,
-    "sparse_accumulate": _sparse_accumulate_reference,
-}
-for _name, _fn in _REFERENCE_KERNELS.items():
-    _LIB.impl(_name, _fn, "CompositeExplicitAutograd")
-
 
 # ---------------------------------------------------------------------------------------------- fake kernels
-@torch.library.register_fake("fastcomm::topk_select")
+def _num_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
 def _topk_select_fake(x, k, residual=None, exact=True, residual_source=None):
     if exact or reference.approx_sample_size(x.numel(), k) * 2 > x.numel():
         count = k
@@ -117,11 +71,6 @@ def _topk_select_fake(x, k, residual=None, exact=True, residual_source=None):
     return x.new_empty(count), x.new_empty(count, dtype=torch.int32)
 
 
-def _num_blocks(n: int, block: int) -> int:
-    return -(-n // block)
-
-
-@torch.library.register_fake("fastcomm::quantize_blockwise")
 def _quantize_fake(x, bits=8, block=256, stochastic=False, seed=0, residual=None, residual_source=None):
     n = x.numel()
     return x.new_empty(_num_blocks(n * bits, 8), dtype=torch.uint8), x.new_empty(
@@ -129,17 +78,10 @@ def _quantize_fake(x, bits=8, block=256, stochastic=False, seed=0, residual=None
     )
 
 
-@torch.library.register_fake("fastcomm::dequantize_blockwise")
 def _dequantize_fake(codes, scales, numel, bits=8, block=256, dtype=torch.float32):
     return codes.new_empty(numel, dtype=dtype)
 
 
-@torch.library.register_fake("fastcomm::dequantize_blockwise_into")
-def _dequantize_into_fake(out, codes, scales, bits=8, block=256, accumulate=False):
-    return None
-
-
-@torch.library.register_fake("fastcomm::sign_compress")
 def _sign_compress_fake(x, residual=None, chunk=2048, residual_source=None):
     n = x.numel()
     return x.new_empty(_num_blocks(n, 8), dtype=torch.uint8), x.new_empty(
@@ -147,19 +89,118 @@ def _sign_compress_fake(x, residual=None, chunk=2048, residual_source=None):
     )
 
 
-@torch.library.register_fake("fastcomm::sign_decompress")
 def _sign_decompress_fake(packed, scales, numel, chunk=2048, dtype=torch.float32):
     return packed.new_empty(numel, dtype=dtype)
 
 
-@torch.library.register_fake("fastcomm::sign_decompress_into")
-def _sign_decompress_into_fake(out, packed, scales, chunk=2048, accumulate=False):
+def _in_place_fake(*args, **kwargs) -> None:
+    """The fake kernel of an op that only writes its ``Tensor(a!)`` argument: it returns nothing."""
     return None
 
 
-@torch.library.register_fake("fastcomm::sparse_accumulate")
-def _sparse_accumulate_fake(out, indices, values):
-    return None
+def _sparse_accumulate_reference(out: Tensor, indices: Tensor, values: Tensor) -> None:
+    reference.sparse_accumulate(out, indices, values)  # the schema returns (): drop the reference's ``out``
+
+
+# -------------------------------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class OpSpec:
+    """One fastcomm op: everything :mod:`fastcomm.ops` registers for it, in one row of :data:`OP_SPECS`.
+
+    Args:
+        name: the op's name, ``torch.ops.fastcomm.<name>`` and the public wrapper ``fastcomm.ops.<name>``.
+        schema: the argument list and return of its ``torch.library`` schema (the name is prepended).
+        reference: the plain-PyTorch twin, registered as the ``CompositeExplicitAutograd`` kernel.
+        fake: the fake (meta) kernel: output shapes and dtypes for ``torch.compile`` and ``FakeTensor``.
+        triton: the module of :mod:`fastcomm.triton` whose function ``name`` is the op's ``CUDA`` kernel,
+            or ``None`` when no Triton kernel exists (``fastcomm._C`` may still register a CUDA C++ one).
+
+    Example::
+
+        >>> spec = next(s for s in OP_SPECS if s.name == "sign_compress")
+        >>> spec.triton, spec.qualname
+        ('sign', 'fastcomm::sign_compress')
+    """
+
+    name: str
+    schema: str
+    reference: Callable[..., Any]
+    fake: Callable[..., Any]
+    triton: str | None = None
+
+    @property
+    def qualname(self) -> str:
+        return f"fastcomm::{self.name}"
+
+
+OP_SPECS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "topk_select",
+        "(Tensor x, int k, Tensor(a!)? residual=None, bool exact=True, Tensor? residual_source=None)"
+        " -> (Tensor, Tensor)",
+        reference.topk_select,
+        _topk_select_fake,
+    ),
+    OpSpec(
+        "quantize_blockwise",
+        "(Tensor x, int bits=8, int block=256, bool stochastic=False, int seed=0,"
+        " Tensor(a!)? residual=None, Tensor? residual_source=None) -> (Tensor, Tensor)",
+        reference.quantize_blockwise,
+        _quantize_fake,
+        triton="quantize",
+    ),
+    OpSpec(
+        "dequantize_blockwise",
+        "(Tensor codes, Tensor scales, int numel, int bits=8, int block=256, ScalarType dtype=float)"
+        " -> Tensor",
+        reference.dequantize_blockwise,
+        _dequantize_fake,
+        triton="quantize",
+    ),
+    OpSpec(
+        "dequantize_blockwise_into",
+        "(Tensor(a!) out, Tensor codes, Tensor scales, int bits=8, int block=256, bool accumulate=False)"
+        " -> ()",
+        reference.dequantize_blockwise_into,
+        _in_place_fake,
+        triton="quantize",
+    ),
+    OpSpec(
+        "sign_compress",
+        "(Tensor x, Tensor(a!)? residual=None, int chunk=2048, Tensor? residual_source=None)"
+        " -> (Tensor, Tensor)",
+        reference.sign_compress,
+        _sign_compress_fake,
+        triton="sign",
+    ),
+    OpSpec(
+        "sign_decompress",
+        "(Tensor packed, Tensor scales, int numel, int chunk=2048, ScalarType dtype=float) -> Tensor",
+        reference.sign_decompress,
+        _sign_decompress_fake,
+        triton="sign",
+    ),
+    OpSpec(
+        "sign_decompress_into",
+        "(Tensor(a!) out, Tensor packed, Tensor scales, int chunk=2048, bool accumulate=False) -> ()",
+        reference.sign_decompress_into,
+        _in_place_fake,
+        triton="sign",
+    ),
+    OpSpec(
+        "sparse_accumulate",
+        "(Tensor(a!) out, Tensor indices, Tensor values) -> ()",
+        _sparse_accumulate_reference,
+        _in_place_fake,
+    ),
+)
+OP_NAMES: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
+
+_LIB = torch.library.Library("fastcomm", "DEF")
+for _spec in OP_SPECS:
+    _LIB.define(_spec.name + _spec.schema)
+    _LIB.impl(_spec.name, _spec.reference, "CompositeExplicitAutograd")
+    torch.library.register_fake(_spec.qualname, _spec.fake, lib=_LIB)
 
 
 # ------------------------------------------------------------------------------------------ backend choice
@@ -190,34 +231,122 @@ def native_error() -> str | None:
     return _native_error
 
 
-def _has_kernel(op: str, key: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"fastcomm::{op}", key)
+Implementation = Literal["native-cpp", "cuda-cpp", "triton", "reference"]
+# How each implementation reads in a sentence.
+_IMPLEMENTATION_PROSE = {
+    "native-cpp": "native C++",
+    "cuda-cpp": "native CUDA C++",
+    "triton": "triton",
+    "reference": "reference",
+}
 
 
-def backend() -> dict[str, str]:
-    """Which implementation each op runs on CPU and on CUDA tensors, and why.
+@dataclass(frozen=True)
+class DeviceBackend:
+    """What one op runs on for tensors of one device type.
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``.
+        implementation: ``"native-cpp"`` (``fastcomm._C`` on CPU), ``"cuda-cpp"`` (``fastcomm._C`` on CUDA),
+            ``"triton"`` or ``"reference"`` (the plain-PyTorch twin).
+        reason: why the reference runs; ``None`` for any other implementation.
+        threads: OpenMP threads of the native CPU kernels, else ``None``.
+        isa: which build of the native CPU loops runs (``"avx2"`` or ``"baseline"``), else ``None``.
 
     Example::
 
-        >>> fastcomm.backend()["quantize_blockwise"]
-        'cpu: native C++ (OpenMP, 2 threads, avx2 loops); cuda: reference (no CUDA device)'
+        >>> print(DeviceBackend("cuda", "reference", reason="no CUDA device"))
+        cuda: reference (no CUDA device)
     """
-    report = {}
-    for op in OP_NAMES:
-        if _has_kernel(op, "CPU"):
-            if _native_module is not None:
-                threads, isa = _native_module.openmp_threads(), _native_module.cpu_isa()
-            else:
-                threads, isa = "?", "?"
-            cpu = f"native C++ (OpenMP, {threads} threads, {isa} loops)"
+
+    device: str
+    implementation: Implementation
+    reason: str | None = None
+    threads: int | None = None
+    isa: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.implementation not in _IMPLEMENTATION_PROSE:
+            raise ValueError(
+                f"implementation must be one of {tuple(_IMPLEMENTATION_PROSE)}, got {self.implementation!r}"
+            )
+        if (self.implementation == "reference") != (self.reason is not None):
+            raise ValueError(
+                f"reason must be given exactly when implementation is 'reference': got implementation "
+                f"{self.implementation!r} with reason {self.reason!r}"
+            )
+
+    def __str__(self) -> str:
+        if self.reason is not None:
+            detail = f" ({self.reason})"
+        elif self.threads is not None:
+            detail = f" (OpenMP, {self.threads} threads, {self.isa} loops)"
         else:
-            cpu = f"reference ({_native_error})"
-        if _has_kernel(op, "CUDA"):
-            cuda = "native CUDA C++" if op == "topk_select" else "triton"
-        else:
-            cuda = f"reference ({_triton_error or 'no CUDA kernel for this op'})"
-        report[op] = f"cpu: {cpu}; cuda: {cuda}"
-    return report
+            detail = ""
+        return f"{self.device}: {_IMPLEMENTATION_PROSE[self.implementation]}{detail}"
+
+
+@dataclass(frozen=True)
+class OpBackend:
+    """What one op runs on, per device type; ``str()`` gives the prose, :meth:`to_dict` the JSON form.
+
+    Example::
+
+        >>> entry = fastcomm.backend()["quantize_blockwise"]
+        >>> entry.cpu.implementation, entry.cuda.reason
+        ('native-cpp', 'no CUDA device')
+        >>> print(entry)
+        cpu: native C++ (OpenMP, 2 threads, avx2 loops); cuda: reference (no CUDA device)
+    """
+
+    cpu: DeviceBackend
+    cuda: DeviceBackend
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain dicts and strings, for ``json.dumps``: ``{"cpu": {"device": "cpu", ...}, "cuda": {...}}``."""
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.cpu}; {self.cuda}"
+
+
+def _has_kernel(spec: OpSpec, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(spec.qualname, key)
+
+
+def _cpu_backend(spec: OpSpec) -> DeviceBackend:
+    if not _has_kernel(spec, "CPU"):
+        return DeviceBackend("cpu", "reference", reason=_native_error or "no native CPU kernel for this op")
+    if _native_module is None:
+        return DeviceBackend("cpu", "native-cpp")
+    return DeviceBackend(
+        "cpu", "native-cpp", threads=_native_module.openmp_threads(), isa=_native_module.cpu_isa()
+    )
+
+
+def _cuda_backend(spec: OpSpec) -> DeviceBackend:
+    if not _has_kernel(spec, "CUDA"):
+        return DeviceBackend("cuda", "reference", reason=_triton_error or "no CUDA kernel for this op")
+    return DeviceBackend("cuda", "triton" if spec.triton is not None else "cuda-cpp")
+
+
+def backend() -> dict[str, OpBackend]:
+    """Which implementation each op runs on CPU and on CUDA tensors, and why, keyed by op name.
+
+    The entries are data (:class:`OpBackend`: per device, the implementation, the reason when it is the
+    reference, the CPU kernels' threads and loop build); print one for a sentence, ``to_dict()`` it for JSON.
+
+    Example::
+
+        >>> report = fastcomm.backend()
+        >>> report["topk_select"].cpu.implementation
+        'native-cpp'
+        >>> print(report["quantize_blockwise"])
+        cpu: native C++ (OpenMP, 2 threads, avx2 loops); cuda: reference (no CUDA device)
+        >>> json.dumps({op: entry.to_dict() for op, entry in report.items()})[:30]
+        '{"topk_select": {"cpu": {"devi'
+    """
+    return {spec.name: OpBackend(_cpu_backend(spec), _cuda_backend(spec)) for spec in OP_SPECS}
 
 
 _warned_slow = False

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 __all__ = ["register_cuda_kernels"]
@@ -14,9 +16,10 @@ __all__ = ["register_cuda_kernels"]
 def register_cuda_kernels(lib: torch.library.Library) -> None:
     """Register the Triton host functions as the ``CUDA`` kernels of their ``fastcomm`` ops.
 
-    The schemas (including ``residual``'s in-place ``Tensor(a!)?`` annotation) and the fake kernels are
-    declared once in :mod:`fastcomm.ops`; this only adds the ``CUDA`` implementations, so ``torch.compile``
-    sees the same opaque custom ops on every device.
+    Which ops have one comes from :data:`fastcomm.ops.OP_SPECS`: a row with ``triton="sign"`` has its kernel
+    in ``fastcomm.triton.sign``, the host function of the op's name. The schemas (including ``residual``'s
+    in-place ``Tensor(a!)?`` annotation) and the fake kernels are declared there too; this only adds the
+    ``CUDA`` implementations, so ``torch.compile`` sees the same opaque custom ops on every device.
 
     Args:
         lib: the ``fastcomm`` ``DEF`` library from :mod:`fastcomm.ops`.
@@ -28,15 +31,13 @@ def register_cuda_kernels(lib: torch.library.Library) -> None:
 
         >>> register_cuda_kernels(torch.library.Library("fastcomm", "DEF"))  # done by fastcomm.ops
     """
-    from fastcomm.triton import quantize, sign  # imports triton; ImportError when it is missing
+    from fastcomm.ops import OP_SPECS  # fastcomm.ops calls this once its table is built
 
+    # Every module is imported before anything is registered, so a missing triton registers nothing.
     kernels = {
-        "quantize_blockwise": quantize.quantize_blockwise,
-        "dequantize_blockwise": quantize.dequantize_blockwise,
-        "dequantize_blockwise_into": quantize.dequantize_blockwise_into,
-        "sign_compress": sign.sign_compress,
-        "sign_decompress": sign.sign_decompress,
-        "sign_decompress_into": sign.sign_decompress_into,
+        spec.name: getattr(importlib.import_module(f"fastcomm.triton.{spec.triton}"), spec.name)
+        for spec in OP_SPECS
+        if spec.triton is not None
     }
     for name, kernel in kernels.items():
         lib.impl(name, kernel, "CUDA")

@@ -10,7 +10,11 @@ Run under FASTCOMM_NO_NATIVE=1 as well (``make test`` does): the same checks the
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -301,6 +305,9 @@ def _opcheck_cases():
         ("sign_compress", (x, x.clone() * 0.1, 128)),
         ("sign_decompress", (packed, sign_scales, 1031, 128, torch.float32)),
         ("sparse_accumulate", (x.clone(), torch.tensor([3, 3, 1000], dtype=torch.int32), torch.ones(3))),
+        # test_ops_into.py checks these two further (accumulating, other dtypes, padded payloads).
+        ("dequantize_blockwise_into", (torch.zeros(1031), codes, scales, 4, 64, False)),
+        ("sign_decompress_into", (torch.zeros(1031), packed, sign_scales, 128, False)),
     ]
 
 
@@ -364,11 +371,129 @@ def test_bad_input_names_the_argument(call, exc, word):
         call()
 
 
-def test_backend_reports_each_op_and_why():
+# ---------------------------------------------------------------------------------------- the op table
+@pytest.mark.parametrize("spec", ops.OP_SPECS, ids=lambda spec: spec.name)
+def test_every_table_row_is_registered(spec):
+    op = getattr(torch.ops.fastcomm, spec.name).default
+    assert op._schema == torch._C.parse_schema(spec.qualname + spec.schema)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(spec.qualname, "CompositeExplicitAutograd")
+    # Only register_fake installs a Meta kernel (fastcomm._C registers CPU and CUDA ones).
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(spec.qualname, "Meta")
+    assert spec.name in ops.__all__ and callable(getattr(ops, spec.name))
+
+
+def test_op_names_come_from_the_table():
+    assert ops.OP_NAMES == tuple(spec.name for spec in ops.OP_SPECS)
+    assert len(set(ops.OP_NAMES)) == len(ops.OP_NAMES)
+
+
+def test_opcheck_covers_every_op():
+    assert {name for name, _ in _opcheck_cases()} == set(ops.OP_NAMES)
+
+
+def test_triton_rows_register_their_host_functions():
+    pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to register")
+    from fastcomm.triton import register_cuda_kernels
+
+    lib = torch.library.Library("fastcomm_table_test", "DEF")
+    try:
+        for spec in ops.OP_SPECS:
+            lib.define(spec.name + spec.schema)
+        register_cuda_kernels(lib)
+        for spec in ops.OP_SPECS:
+            qualname = f"fastcomm_table_test::{spec.name}"
+            has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA")
+            assert has_cuda == (spec.triton is not None), spec.name
+    finally:
+        lib._destroy()
+
+
+# ------------------------------------------------------------------------------------------------ backend()
+def _check_device_entry(entry: ops.DeviceBackend, device: str) -> None:
+    assert entry.device == device
+    assert (entry.implementation == "reference") == (entry.reason is not None)
+
+
+def test_backend_reports_every_op_with_its_implementation_and_why():
     report = fastcomm.backend()
-    assert set(report) == set(ops.OP_NAMES)
-    if ops.native_error() is None:
-        assert all("cpu: native C++" in v for v in report.values())
-    else:
-        assert all(ops.native_error() in v for v in report.values())
-    pickle.dumps(report)
+    assert list(report) == list(ops.OP_NAMES)
+    for entry in report.values():
+        assert isinstance(entry, ops.OpBackend)
+        _check_device_entry(entry.cpu, "cpu")
+        _check_device_entry(entry.cuda, "cuda")
+        if ops.native_error() is None:
+            assert entry.cpu.implementation == "native-cpp"
+            assert entry.cpu.threads >= 1 and entry.cpu.isa in ("avx2", "baseline")
+        else:
+            assert entry.cpu.implementation == "reference" and entry.cpu.reason == ops.native_error()
+        if not torch.cuda.is_available():
+            assert entry.cuda == ops.DeviceBackend("cuda", "reference", reason="no CUDA device")
+    assert pickle.loads(pickle.dumps(report)) == report
+
+
+def test_backend_round_trips_through_json():
+    report = fastcomm.backend()
+    loaded = json.loads(json.dumps({op: entry.to_dict() for op, entry in report.items()}))
+    rebuilt = {
+        op: ops.OpBackend(ops.DeviceBackend(**entry["cpu"]), ops.DeviceBackend(**entry["cuda"]))
+        for op, entry in loaded.items()
+    }
+    assert rebuilt == report
+
+
+def test_backend_without_native_kernels_says_they_were_disabled():
+    script = (
+        "import json, fastcomm; print(json.dumps({o: e.to_dict() for o, e in fastcomm.backend().items()}))"
+    )
+    env = {**os.environ, "FASTCOMM_NO_NATIVE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert list(report) == list(ops.OP_NAMES)
+    for entry in report.values():
+        assert entry["cpu"]["implementation"] == "reference"
+        assert entry["cpu"]["reason"] == "disabled by FASTCOMM_NO_NATIVE=1"
+
+
+@pytest.mark.parametrize(
+    "entry,prose",
+    [
+        (
+            ops.OpBackend(
+                ops.DeviceBackend("cpu", "native-cpp", threads=2, isa="avx2"),
+                ops.DeviceBackend("cuda", "reference", reason="no CUDA device"),
+            ),
+            "cpu: native C++ (OpenMP, 2 threads, avx2 loops); cuda: reference (no CUDA device)",
+        ),
+        (
+            ops.OpBackend(
+                ops.DeviceBackend("cpu", "reference", reason="disabled by FASTCOMM_NO_NATIVE=1"),
+                ops.DeviceBackend("cuda", "triton"),
+            ),
+            "cpu: reference (disabled by FASTCOMM_NO_NATIVE=1); cuda: triton",
+        ),
+        (
+            ops.OpBackend(ops.DeviceBackend("cpu", "native-cpp"), ops.DeviceBackend("cuda", "cuda-cpp")),
+            "cpu: native C++; cuda: native CUDA C++",
+        ),
+    ],
+    ids=["native-cpu", "reference-cpu", "no-detail"],
+)
+def test_backend_entry_prints_as_prose(entry, prose):
+    assert str(entry) == prose
+
+
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        ({"implementation": "reference"}, "reason"),
+        ({"implementation": "triton", "reason": "why not"}, "reason"),
+        ({"implementation": "opencl"}, "implementation"),
+    ],
+    ids=["reference-without-reason", "reason-without-reference", "unknown-implementation"],
+)
+def test_device_backend_refuses_inconsistent_fields(kwargs, word):
+    with pytest.raises(ValueError, match=rf"\b{word}\b"):
+        ops.DeviceBackend("cpu", **kwargs)

@@ -513,10 +513,3 @@ def test_opcheck_approximate_topk_residual_source():
         (x, 1000, residual, False, source),
         test_utils=("test_schema", "test_faketensor"),
     )
-
-
-def test_backend_reports_the_new_ops():
-    report = ops.backend()
-    for op in ("dequantize_blockwise_into", "sign_decompress_into"):
-        assert op in ops.OP_NAMES and op in ops.__all__
-        assert ("cpu: native C++" in report[op]) == (ops.native_error() is None)
