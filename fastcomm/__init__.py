@@ -20,9 +20,11 @@ from fastcomm.hooks import (
     topk_hook,
 )
 from fastcomm.ops import backend
+from fastcomm.optim import CompressedAdam
 
 __all__ = [
     "CastState",
+    "CompressedAdam",
     "HookName",
     "QuantState",
     "SignState",

@@ -15,6 +15,7 @@ from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
 from fastcomm.hooks.sign import SignState, sign_hook
 from fastcomm.hooks.topk import TopKState, topk_hook
+from fastcomm.optim import CompressedAdam
 
 __all__ = ["HOOKS", "HookName", "register"]
 
@@ -38,17 +39,22 @@ HOOKS: dict[HookName, tuple[type[HookState], Hook]] = {
 }
 
 
-def register(ddp: DistributedDataParallel, name: str | HookName | HookState, **options: Any) -> HookState:
+def register(
+    ddp: DistributedDataParallel, name: str | HookName | HookState | torch.optim.Optimizer, **options: Any
+) -> Any:
     """Build the named hook's state from ``options``, bind it to ``ddp``'s model and register the hook.
 
-    1. Resolve ``name`` (a :class:`HookName`, its string value, or an existing state object).
+    1. Resolve ``name`` (a :class:`HookName`, its string value, an existing state object, or a
+       :class:`~fastcomm.CompressedAdam`, whose compressed-momentum hook is registered; ``options`` are then
+       ``grad_scaler=`` and ``process_group=``).
     2. Build the state (``ValueError`` for a bad option) or take the given one.
     3. Bind the state to the model's parameters (``ValueError`` if it already serves another model).
     4. ``ddp.register_comm_hook(state, hook)``.
 
     Args:
         ddp: the DistributedDataParallel model.
-        name: ``"topk"``, ``"quantize"``, ``"sign"`` or ``"cast"`` (or a state to register as is).
+        name: ``"topk"``, ``"quantize"``, ``"sign"`` or ``"cast"`` (or a state to register as is, or a
+            ``fastcomm.CompressedAdam``).
         **options: the state's constructor arguments (not allowed with a state object).
 
     Returns:
@@ -62,6 +68,12 @@ def register(ddp: DistributedDataParallel, name: str | HookName | HookState, **o
     """
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp).__name__}")
+    if isinstance(name, torch.optim.Optimizer):
+        from fastcomm.hooks.momentum import register_optimizer
+
+        if not isinstance(name, CompressedAdam):
+            raise TypeError(f"register takes a fastcomm.CompressedAdam optimizer, got {type(name).__name__}")
+        return register_optimizer(ddp, name, **options)
     if isinstance(name, HookState):
         if options:
             raise TypeError("options cannot be given together with a state object")

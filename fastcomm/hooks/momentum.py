@@ -1,0 +1,259 @@
+"""The DDP hook of :class:`fastcomm.CompressedAdam`: dense gradients in warm-up, compressed momentum after it.
+
+The hook wraps one of the compressing hooks (sign, quantize or top-k, with their error feedback, bucket-rebuild
+handling, skipped-step staging and collective-order guarantees) and changes only what goes in: after warm-up
+each bucket's local gradient is first mixed into the optimizer's preconditioned momentum ``u = m / denom``, in
+place in DDP's bucket buffer,
+
+    u_local = beta1 * u + (1 - beta1) * g_local / denom      (times the GradScaler scale, when there is one)
+
+(``denom`` floored by ``sqrt(1 - beta2) * |g_local|``: :func:`fastcomm.optim.precondition_`)
+
+so the wrapped hook averages momentum instead of gradients, and the mean lands in ``p.grad`` for
+:meth:`CompressedAdam.step` to adopt. ``u`` and the frozen ``denom`` are identical on every rank, so the mean
+of ``u_local`` over ranks is exactly ``(beta1 * m + (1 - beta1) * mean(g)) / denom``: Adam's momentum of the
+mean gradient, up to what the compressor owes in its residuals.
+
+Example::
+
+    optimizer = fastcomm.CompressedAdam(ddp.parameters(), lr=2e-3, warmup_steps=100)
+    state = fastcomm.register(ddp, optimizer, grad_scaler=scaler)  # grad_scaler only under AMP
+    print(state.stats()["phase"])
+"""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from fastcomm.optim import CompressedAdam, precondition_
+
+__all__ = ["CompressedAdamState", "compressed_adam_hook", "register_optimizer"]
+
+
+class CompressedAdamState:
+    """State of :func:`compressed_adam_hook`: the optimizer, the wrapped compressor's state, warm-up traffic.
+
+    Made by ``fastcomm.register(ddp, optimizer)``; a checkpoint keeps ``optimizer.state_dict()`` and this
+    state's :meth:`state_dict` (the compressor's residuals) side by side.
+
+    Args:
+        optimizer: the :class:`~fastcomm.CompressedAdam` whose momentum the hook exchanges.
+        inner: the compressor's hook state (``SignState``, ``QuantState`` or ``TopKState``).
+        inner_hook: the matching hook function.
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, if any: momentum is mixed in the
+            gradients' scaled units, and the compressor's residuals are rescaled when the scale changes.
+        process_group: the group to reduce over; ``None`` for the default group.
+
+    Example::
+
+        state = fastcomm.register(ddp, fastcomm.CompressedAdam(ddp.parameters()))
+        torch.save({"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "comm": state.state_dict()}, "ckpt.pt")
+    """
+
+    def __init__(
+        self,
+        optimizer: CompressedAdam,
+        inner: Any,
+        inner_hook: Any,
+        *,
+        grad_scaler: Any = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(optimizer, CompressedAdam):
+            raise TypeError(f"optimizer must be a fastcomm.CompressedAdam, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.inner = inner
+        self.inner_hook = inner_hook
+        self.grad_scaler = grad_scaler
+        self.process_group = process_group
+        self._betas: dict[int, tuple[float, float]] = {}
+        self._scale = 1.0
+        self._warmup_bytes = 0
+        self._warmup_buckets = 0
+
+    def bind(self, module: torch.nn.Module) -> None:
+        """Check that the optimizer holds every trainable parameter of ``module``, and bind the compressor."""
+        owned = {id(p): tuple(group["betas"]) for group in self.optimizer.param_groups for p in group["params"]}
+        missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in owned]
+        if missing:
+            raise ValueError(
+                f"CompressedAdam does not hold these trainable parameters of the DDP model: {missing[:5]}; "
+                f"its hook replaces their gradients with momentum, so build the optimizer from ddp.parameters()"
+            )
+        self._betas = owned
+        self.inner.bind(module)
+
+    # ---------------------------------------------------------------------------------------- hook work
+    def _grad_scale(self) -> float:
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.get_scale())
+
+    def _begin_iteration(self) -> None:
+        """At bucket 0: follow a changed loss scale (residuals hold scaled momentum)."""
+        scale = self._grad_scale()
+        if scale != self._scale:
+            self.inner.scale_residuals(scale / self._scale)
+            self._scale = scale
+
+    def _mix_momentum(self, bucket: dist.GradBucket) -> None:
+        """``buffer = (1 - beta1) * g / denom + beta1 * scale * u`` for every parameter slice of the bucket."""
+        flat = bucket.buffer().view(-1)
+        offset = 0
+        scale = self._scale
+        for param in bucket.parameters():
+            numel = param.numel()
+            view = flat[offset : offset + numel]
+            offset += numel
+            momentum = self.optimizer.momentum_of(param)
+            denom = self.optimizer.frozen_denom_of(param)
+            beta1, beta2 = self._betas.get(id(param), self.optimizer.defaults["betas"])
+            if momentum is None or denom is None:  # no warm-up gradient: step() reports it
+                view.mul_(1 - beta1)
+                continue
+            precondition_(view, denom.view(-1), beta2, scale)
+            if scale == 1.0:
+                view.lerp_(momentum.view(-1), beta1)
+            else:
+                view.mul_(1 - beta1).add_(momentum.view(-1), alpha=beta1 * scale)
+
+    def _dense(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """Warm-up: the mean gradient by one allreduce (divided first, so fp16 cannot overflow)."""
+        buffer = bucket.buffer()
+        world_size = dist.get_world_size(self.process_group)
+        self._warmup_buckets += 1
+        if world_size == 1:
+            future: torch.futures.Future[Tensor] = torch.futures.Future()
+            future.set_result(buffer)
+            return future
+        self._warmup_bytes += 2 * (world_size - 1) * buffer.numel() * buffer.element_size() // world_size
+        work = dist.all_reduce(buffer.div_(world_size), group=self.process_group, async_op=True)
+
+        def reduced(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
+            return fut.value()[0]  # .value() raises a failed allreduce's error on DDP's wait
+
+        return work.get_future().then(reduced)
+
+    # ------------------------------------------------------------------------------------------- public
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (warm-up included)."""
+        return self.optimizer.steps
+
+    def stats(self) -> dict[str, Any]:
+        """The compressor's counters (compressed phase) plus the warm-up's dense traffic.
+
+        Returns:
+            The wrapped state's ``stats()`` with ``bytes_sent`` and ``dense_bytes`` including warm-up
+            allreduces, ``compression_ratio`` over the whole run, ``phase`` (``"warmup"`` or
+            ``"compressed"``), ``warmup_buckets`` and ``optimizer_steps``.
+        """
+        stats: dict[str, Any] = dict(self.inner.stats())
+        stats["bytes_sent"] += self._warmup_bytes
+        stats["dense_bytes"] += self._warmup_bytes
+        stats["compression_ratio"] = stats["dense_bytes"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
+        stats["phase"] = "compressed" if self.optimizer.compressing else "warmup"
+        stats["warmup_buckets"] = self._warmup_buckets
+        stats["optimizer_steps"] = self.optimizer.steps
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's residuals and counters, the loss scale they are in, and the warm-up counters.
+
+        The optimizer's own state (momentum, frozen variance, step) is ``optimizer.state_dict()``.
+        """
+        return {
+            "type": type(self).__name__,
+            "inner": self.inner.state_dict(),
+            "scale": self._scale,
+            "warmup_bytes": self._warmup_bytes,
+            "warmup_buckets": self._warmup_buckets,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: the dict comes from another kind of state.
+        """
+        if state_dict.get("type") != type(self).__name__:
+            raise ValueError(f"state_dict is for {state_dict.get('type')!r}, not {type(self).__name__}")
+        self.inner.load_state_dict(state_dict["inner"])
+        self._scale = float(state_dict["scale"])
+        self._warmup_bytes = int(state_dict["warmup_bytes"])
+        self._warmup_buckets = int(state_dict["warmup_buckets"])
+
+    def __repr__(self) -> str:
+        return f"CompressedAdamState(compressor={self.inner!r}, warmup_steps={self.optimizer.warmup_steps})"
+
+
+def compressed_adam_hook(state: CompressedAdamState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP comm hook of :class:`~fastcomm.CompressedAdam`: dense in warm-up, compressed momentum after.
+
+    1. Warm-up (``optimizer.compressing`` is false): allreduce the gradient densely.
+    2. Compressed phase, at bucket 0: if the GradScaler's scale changed, rescale the compressor's residuals.
+    3. Mix the local gradient into the momentum in the bucket buffer (module docstring).
+    4. Hand the bucket to the wrapped compressing hook (sign by default): the future holds the momentum
+       averaged over ranks, which DDP writes into ``p.grad``.
+
+    Args:
+        state: the :class:`CompressedAdamState` made by ``fastcomm.register(ddp, optimizer)``.
+        bucket: the DDP gradient bucket.
+
+    Returns:
+        A future holding the averaged gradient (warm-up) or the averaged momentum (after).
+
+    Example::
+
+        ddp.register_comm_hook(fastcomm.hooks.momentum.CompressedAdamState(opt, fastcomm.SignState(),
+                               fastcomm.sign_hook), fastcomm.hooks.momentum.compressed_adam_hook)
+    """
+    if not state.optimizer.compressing:
+        return state._dense(bucket)
+    if bucket.index() == 0:
+        state._begin_iteration()
+    state._mix_momentum(bucket)
+    return state.inner_hook(state.inner, bucket)
+
+
+def register_optimizer(
+    ddp: DistributedDataParallel,
+    optimizer: CompressedAdam,
+    *,
+    grad_scaler: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> CompressedAdamState:
+    """Build the compressor named by ``optimizer.compressor``, wrap it, and register the hook on ``ddp``.
+
+    Args:
+        ddp: the DistributedDataParallel model whose parameters ``optimizer`` holds.
+        optimizer: a :class:`~fastcomm.CompressedAdam`.
+        grad_scaler: the AMP ``GradScaler``, if the loss is scaled.
+        process_group: the group to reduce over; ``None`` for the default group.
+
+    Returns:
+        The hook's state (``stats()``, ``state_dict()``).
+
+    Example::
+
+        state = fastcomm.hooks.momentum.register_optimizer(ddp, optimizer)  # = fastcomm.register(ddp, optimizer)
+    """
+    from fastcomm.hooks.registry import HOOKS, HookName  # the registry imports this module
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp).__name__}")
+    if optimizer.hook_attached:
+        raise ValueError("this CompressedAdam already has a hook registered on a DDP model")
+    cls, hook = HOOKS[HookName(optimizer.compressor)]
+    inner = cls(**optimizer.compressor_options, process_group=process_group)
+    state = CompressedAdamState(optimizer, inner, hook, grad_scaler=grad_scaler, process_group=process_group)
+    state.bind(ddp.module)
+    ddp.register_comm_hook(state, compressed_adam_hook)
+    optimizer.hook_attached = True
+    return state
