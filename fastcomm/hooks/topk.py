@@ -66,7 +66,8 @@ class TopKState(CompressionState):
         momentum_masking: clear the velocity at the entries sent (needs ``error_feedback``; turning it
             off is for ablations).
         clip_norm: local gradient clipping threshold, as a global L2 norm over the model's gradient
-            (what ``clip_grad_norm_`` would get); ``None`` disables it.
+            (what ``clip_grad_norm_`` would get); ``None`` disables it. The hook sees gradients before
+            ``GradScaler.unscale_``, so under AMP loss scaling the threshold is in loss-scaled units.
         error_feedback: keep unsent entries in a per-bucket residual and add them to the next gradient.
         start_iter: dense allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
