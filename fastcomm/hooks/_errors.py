@@ -23,7 +23,7 @@ class PeerCollectiveError(RuntimeError):
     """A collective of a fastcomm hook failed: a peer died, was stopped past the timeout, or the link dropped.
 
     Args:
-        where: the hook or state that issued it, e.g. ``"topk_hook"``.
+        where: the state and collective that failed, e.g. ``"TopKState all-gather"``.
         bucket: the DDP bucket index.
         reason: the original error (also chained as ``__cause__`` where raised with ``from``).
 
@@ -54,7 +54,7 @@ def collective_value(future: torch.futures.Future, where: str, bucket: int) -> A
     Example::
 
         def finish(future):
-            result = collective_value(future, "cast_hook", bucket.index())[0]
+            result = collective_value(future, "CastState allreduce", bucket.index())[0]
             ...
     """
     try:

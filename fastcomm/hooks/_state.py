@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._options import OptionTypeError, require_bool, require_int
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
 
 __all__ = [
@@ -115,6 +117,11 @@ class HookState:
     _OPTIONS: tuple[str, ...] = ()
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise OptionTypeError(
+                f"process_group must be None or a torch.distributed.ProcessGroup, got {process_group!r} "
+                f"({type(process_group).__name__})"
+            )
         self.process_group = process_group
         self._reset_internal()
 
@@ -230,7 +237,7 @@ class HookState:
         with self._stats_lock:
             self._compress_seconds += seconds
 
-    def _dense_allreduce(self, buffer: Tensor, world_size: int) -> torch.futures.Future[Tensor]:
+    def _dense_allreduce(self, buffer: Tensor, world_size: int, bucket: int) -> torch.futures.Future[Tensor]:
         """Mean over ranks by one async allreduce (divided first, so fp16 cannot overflow in the sum)."""
         tensor = buffer.div_(world_size)
         work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
@@ -242,7 +249,7 @@ class HookState:
         )
 
         def finish(future: torch.futures.Future[list[Tensor]]) -> Tensor:
-            result = future.value()[0]
+            result = collective_value(future, f"{type(self).__name__} dense allreduce", bucket)[0]
             self._note_output(all_finite(result))
             return result
 
@@ -378,21 +385,10 @@ class CompressionState(HookState):
         wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not isinstance(start_iter, int) or isinstance(start_iter, bool) or start_iter < 0:
-            raise ValueError(f"start_iter must be a non-negative int, got {start_iter!r}")
-        if (
-            not isinstance(min_compress_numel, int)
-            or isinstance(min_compress_numel, bool)
-            or min_compress_numel < 0
-        ):
-            raise ValueError(f"min_compress_numel must be a non-negative int, got {min_compress_numel!r}")
-        chunk = wire_chunk_bytes
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-            raise ValueError(f"wire_chunk_bytes must be a positive int, got {wire_chunk_bytes!r}")
-        self.error_feedback = bool(error_feedback)
-        self.wire_chunk_bytes = wire_chunk_bytes
-        self.start_iter = start_iter
-        self.min_compress_numel = min_compress_numel
+        self.error_feedback = require_bool("error_feedback", error_feedback)
+        self.wire_chunk_bytes = require_int("wire_chunk_bytes", wire_chunk_bytes, minimum=1)
+        self.start_iter = require_int("start_iter", start_iter, minimum=0)
+        self.min_compress_numel = require_int("min_compress_numel", min_compress_numel, minimum=0)
         super().__init__(process_group)
 
     def _reset_internal(self) -> None:
@@ -717,6 +713,7 @@ class CompressedCall:
     flat: Tensor
     world_size: int
     rank: int
+    bucket_index: int = 0
 
 
 def begin_compressed(
@@ -741,12 +738,13 @@ def begin_compressed(
     if world_size == 1:
         return resolved._local(buffer)
     if not resolved._use_compression(buffer.numel()):
-        future = resolved._dense_allreduce(resolved._flush_owed(key, bucket, world_size, buffer), world_size)
+        owed = resolved._flush_owed(key, bucket, world_size, buffer)
+        future = resolved._dense_allreduce(owed, world_size, bucket.index())
         if bucket.is_last():
             resolved._flush_pending()
         return future
     entry = resolved._entry(key, bucket, world_size)
-    return CompressedCall(resolved, key, entry, buffer.reshape(-1), world_size, rank)
+    return CompressedCall(resolved, key, entry, buffer.reshape(-1), world_size, rank, bucket.index())
 
 
 def default_state(model: torch.nn.Module, cls: type) -> HookState | None:

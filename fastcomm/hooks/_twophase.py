@@ -37,12 +37,15 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.hooks._errors import PeerCollectiveError
+from fastcomm.hooks._options import require_bool
 from fastcomm.hooks._state import (
     CompressedCall,
     CompressionState,
@@ -76,9 +79,7 @@ class TwoPhaseState(CompressionState):
     _OPTIONS = (*CompressionState._OPTIONS, "overlap_phase2")
 
     def __init__(self, *, overlap_phase2: bool = True, **options: Any) -> None:
-        if not isinstance(overlap_phase2, bool):
-            raise ValueError(f"overlap_phase2 must be a bool, got {overlap_phase2!r}")
-        self.overlap_phase2 = overlap_phase2
+        self.overlap_phase2 = require_bool("overlap_phase2", overlap_phase2)
         super().__init__(**options)
 
 
@@ -96,6 +97,7 @@ class _Lane:
             backend=dist.get_backend(parent),
             use_local_synchronization=True,  # only the parent's ranks run this hook
             group_desc="fastcomm_phase2",
+            timeout=_timeout_of(parent),
         )
         self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="fastcomm-phase2", daemon=True)
@@ -110,6 +112,18 @@ class _Lane:
             if job is None:
                 return
             job()  # jobs report their own failures through their bucket's future
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+    """The collective timeout of ``group``'s CPU backend, or ``None`` (new_group's default) if unknown.
+
+    The lane's group takes its parent's: a group made without one gets gloo's 30 minutes, and a peer
+    stopped between phase 1 and phase 2 would hang the survivor that long instead of failing.
+    """
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 # process group -> its lane, or None where none could be made. The entry keeps the group alive until exit
@@ -282,7 +296,7 @@ class _TwoPhase(PendingPhase):
         sent_bytes = 0
         offset = 0
         for index, (start, stop, data_width, piece_recv, work) in enumerate(self.pieces):
-            work.wait()
+            self._wait_phase1(work)
             with timer:
                 width = piece_recv.shape[1]
                 part = mean[start:stop]
@@ -304,7 +318,7 @@ class _TwoPhase(PendingPhase):
                 piece_row[:data_width].copy_(data2)
                 piece_row[data_width:].copy_(scales2.view(torch.uint8))
                 piece_out = gathered[world_size * offset : world_size * (offset + width)]
-                future = all_gather_flat(piece_out, piece_row, group=group, async_op=True).get_future()
+                future = self._issue_phase2(piece_out, piece_row, group)
             decoder = self._decoder(piece_out.view(world_size, width), start, stop, data_width)
             decoded.append(future.then(decoder))
             sent_bytes += 2 * (world_size - 1) * width
@@ -318,9 +332,12 @@ class _TwoPhase(PendingPhase):
         def complete(done: torch.futures.Future[list[torch.futures.Future[float]]]) -> None:
             try:
                 state._add_seconds(sum(piece.value() for piece in done.value()))
+            except Exception as error:  # a failed phase-2 all-gather: reaches DDP's wait
+                failure = PeerCollectiveError(self._where("phase-2 all-gather"), call.bucket_index, error)
+                failure.__cause__ = error
+                self.future.set_exception(failure)
+            else:
                 self.future.set_result(flat)
-            except Exception as error:  # a failed collective or decompression reaches DDP's wait
-                self.future.set_exception(error)
 
         torch.futures.collect_all(decoded).add_done_callback(complete)
 
@@ -332,6 +349,27 @@ class _TwoPhase(PendingPhase):
             if not self.future.done():
                 self.future.set_exception(error)
 
+    def _where(self, collective: str) -> str:
+        return f"{type(self.call.state).__name__} {collective}"
+
+    def _wait_phase1(self, work: dist.Work) -> None:
+        """Wait for a phase-1 all-to-all piece; its failure raised as :class:`PeerCollectiveError`."""
+        try:
+            work.wait()
+        except Exception as error:
+            where, bucket = self._where("phase-1 all-to-all"), self.call.bucket_index
+            raise PeerCollectiveError(where, bucket, error) from error
+
+    def _issue_phase2(
+        self, out: Tensor, row: Tensor, group: dist.ProcessGroup | None
+    ) -> torch.futures.Future:
+        """Issue a phase-2 all-gather piece (async); a group already broken raises at once."""
+        try:
+            return all_gather_flat(out, row, group=group, async_op=True).get_future()
+        except Exception as error:
+            where, bucket = self._where("phase-2 all-gather"), self.call.bucket_index
+            raise PeerCollectiveError(where, bucket, error) from error
+
     def _decoder(
         self, rows: Tensor, start: int, stop: int, data_width: int
     ) -> Callable[[torch.futures.Future], float]:
@@ -339,7 +377,8 @@ class _TwoPhase(PendingPhase):
         flat, segment, codec, state = self.call.flat, self.segment, self.codec, self.call.state
         numel = flat.numel()
 
-        def decode(_: torch.futures.Future) -> float:
+        def decode(arrived: torch.futures.Future) -> float:
+            arrived.value()  # raises the all-gather's error, which completion reports
             timer = Timer()
             with timer:
                 scales = rows[:, data_width:].contiguous().view(torch.float32)
@@ -393,4 +432,10 @@ def two_phase_allreduce(
         mine.finish()
     else:
         state._pending = mine
-    return mine.future
+    # DDP reads a future's value as the tensor; a value() in a callback turns the exception set on
+    # mine.future into a real error of the returned future, which DDP's backward raises
+    return mine.future.then(_result)
+
+
+def _result(future: torch.futures.Future[Tensor]) -> Tensor:
+    return future.value()

@@ -116,7 +116,12 @@ def all_gather_rows(
     edges = chunk_edges(length, chunk_bytes)
     if len(edges) == 2:
         work = _all_gather_flat(out.view(-1), row, group=group, async_op=True)
-        return work.get_future().then(lambda _: out)
+
+        def gathered_rows(done: torch.futures.Future[list[Tensor]]) -> Tensor:
+            done.value()  # raises the collective's error, if any
+            return out
+
+        return work.get_future().then(gathered_rows)
     gathered = scratch("ag_out", world * length)
     futures = [
         _all_gather_flat(gathered[world * a : world * b], row[a:b], group=group, async_op=True).get_future()

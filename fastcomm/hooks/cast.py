@@ -5,6 +5,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._options import OptionTypeError
 from fastcomm.hooks._state import HookState, Timer, all_finite, resolve_state, ring_bytes, world_of
 
 __all__ = ["CastState", "cast_hook"]
@@ -30,6 +32,8 @@ class CastState(HookState):
     def __init__(
         self, dtype: torch.dtype = torch.bfloat16, *, process_group: dist.ProcessGroup | None = None
     ) -> None:
+        if not isinstance(dtype, torch.dtype):
+            raise OptionTypeError(f"dtype must be a torch.dtype, got {dtype!r} ({type(dtype).__name__})")
         if dtype not in _CAST_DTYPES:
             raise ValueError(f"dtype must be one of {_CAST_DTYPES}, got {dtype!r}")
         self.dtype = dtype
@@ -73,8 +77,10 @@ def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures
         compressed=wire.dtype != buffer.dtype,
     )
 
+    bucket_index = bucket.index()
+
     def finish(future: torch.futures.Future[list[Tensor]]) -> Tensor:
-        result = future.value()[0]
+        result = collective_value(future, "CastState allreduce", bucket_index)[0]
         state._note_output(all_finite(result))
         return buffer.copy_(result)
 

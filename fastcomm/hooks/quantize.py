@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops, reference
+from fastcomm.hooks._options import require_bool, require_int
 from fastcomm.hooks._state import CompressedCall, begin_compressed, segment_layout
 from fastcomm.hooks._twophase import Codec, TwoPhaseState, two_phase_allreduce
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
@@ -58,16 +59,12 @@ class QuantState(TwoPhaseState):
         overlap_phase2: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if bits not in reference.QUANT_BITS or isinstance(bits, bool):
+        if require_int("bits", bits) not in reference.QUANT_BITS:
             raise ValueError(f"bits must be one of {reference.QUANT_BITS}, got {bits!r}")
-        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
-            raise ValueError(f"block must be a positive int, got {block!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an int, got {seed!r}")
         self.bits = bits
-        self.block = block
-        self.stochastic = bool(stochastic)
-        self.seed = seed
+        self.block = require_int("block", block, minimum=1)
+        self.stochastic = require_bool("stochastic", stochastic)
+        self.seed = require_int("seed", seed)
         super().__init__(
             error_feedback=error_feedback,
             start_iter=start_iter,

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import ops
+from fastcomm.hooks._options import require_int
 from fastcomm.hooks._state import CompressedCall, begin_compressed, segment_layout
 from fastcomm.hooks._twophase import Codec, TwoPhaseState, two_phase_allreduce
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
@@ -22,8 +23,10 @@ class SignState(TwoPhaseState):
     allowed but rarely useful.
 
     Args:
-        chunk: elements per fp32 scale (the mean magnitude of the chunk); smaller buckets use one chunk per
-            rank segment.
+        chunk: elements per fp32 scale (the mean magnitude of the chunk), any positive int; smaller buckets
+            use one chunk per rank segment. A chunk need not fill whole bytes (bits are packed across chunk
+            boundaries): segments and pieces are multiples of ``lcm(chunk, 8)`` elements
+            (:func:`sign_layout`), so each piece on the wire is whole bytes and whole chunks.
         error_feedback: per-bucket residuals on both phases.
         start_iter: dense allreduce for the first ``start_iter`` steps (1-bit Adam's warmup stage).
         min_compress_numel: buckets with fewer elements go dense.
@@ -53,9 +56,7 @@ class SignState(TwoPhaseState):
         overlap_phase2: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
-            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-        self.chunk = chunk
+        self.chunk = require_int("chunk", chunk, minimum=1)
         super().__init__(
             error_feedback=error_feedback,
             start_iter=start_iter,

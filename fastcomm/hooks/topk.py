@@ -276,7 +276,7 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         result = state._buffers[(key, "result")] = _SparseResult(flat)
 
     def decompress(arrived: torch.futures.Future[Tensor]) -> Tensor:
-        collective_value(arrived, "topk_hook", bucket_index)  # a failed all-gather raises here
+        collective_value(arrived, "TopKState all-gather", bucket_index)  # a failed all-gather raises here
         decompress_timer = Timer()
         with decompress_timer:
             rows = gathered.view(world_size, -1)
