@@ -1,0 +1,159 @@
+"""Rank processes for the fault tests: 2 gloo ranks train a DDP model until rank 1 dies or stops.
+
+Rank 1 sends itself ``SIGKILL`` (a dead peer) or ``SIGSTOP`` (a peer stopped past the process group's
+timeout) at the start of step ``FAULT_STEP``, or in that step just before its first phase-2 all-gather.
+The survivor, rank 0, trains on until something raises and writes what it saw to ``survivor.json``: the
+step and the phase (forward, backward, optimizer step) that raised, the exception's type and message, and
+the seconds from the start of that step to the exception. Both ranks start each step together (every
+step's collectives need both), so a hook that surfaces the failure raises in step ``FAULT_STEP`` itself;
+a hook that hides it trains on to ``MAX_STEPS``.
+
+The ranks reuse the hook tests' process entry (:func:`_hooks_workers._entry`); the parent side here is its
+own because one rank is meant to die and the survivor to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import _hooks_workers as workers
+import torch
+import torch._dynamo  # noqa: F401 - DDP's constructor imports it (5-10 s): once here, not in every forked rank
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fastcomm
+from fastcomm.hooks import _twophase
+
+# fork: the ranks start from this process's imports (torch, fastcomm, what DDP imports) in milliseconds,
+# where spawned ones re-import them for seconds per rank; nothing here has started threads before the fork
+START_METHOD = "fork"
+FAULT_STEP = 4
+MAX_STEPS = 60
+# case -> (fastcomm.register name, options): small buckets compress too, so the compressed path is what
+# fails; "-inline" finishes two-phase buckets from the next hook call, "-warmup" is the hooks' dense path
+HOOK_CASES = {
+    "topk": ("topk", {"ratio": 0.1, "min_compress_numel": 0}),
+    "topk-warmup": ("topk", {"ratio": 0.1, "min_compress_numel": 0, "start_iter": MAX_STEPS}),
+    "quantize": ("quantize", {"bits": 8, "min_compress_numel": 0}),
+    "quantize-inline": ("quantize", {"bits": 8, "min_compress_numel": 0, "overlap_phase2": False}),
+    "sign": ("sign", {"min_compress_numel": 0}),
+    "cast": ("cast", {}),
+}
+FAULTS = ("kill", "stop", "stop-before-phase2")
+
+
+def _stop_before_phase2() -> None:
+    """Make this rank stop itself just before it issues its first phase-2 all-gather (two-phase hooks)."""
+    issue = _twophase.all_gather_flat
+
+    def stop_then_issue(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return issue(*args, **kwargs)
+
+    _twophase.all_gather_flat = stop_then_issue
+
+
+def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, timeout_s: float) -> None:
+    # the short timeout on a group of its own: init (ranks starting on a busy machine) keeps the long one
+    group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s))
+    torch.manual_seed(0)
+    model = workers.make_mlp(0)
+    # several buckets, so the two-phase hooks pipeline phase 2 across them as in a real model
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.004)
+    if hook != "dense":
+        name, options = HOOK_CASES[hook]
+        fastcomm.register(ddp, name, process_group=group, **options)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(MAX_STEPS):
+        if rank == 1 and step == FAULT_STEP:
+            if fault == "stop-before-phase2":
+                _stop_before_phase2()
+            else:
+                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        started = time.monotonic()
+        phase = "forward"
+        try:
+            loss = workers.loss_of(ddp, rank, step)
+            phase = "backward"
+            loss.backward()
+            phase = "optimizer step"
+            optimizer.step()
+            optimizer.zero_grad()
+        except Exception as error:  # noqa: BLE001 - the survivor reports what it got
+            report = {
+                "step": step,
+                "phase": phase,
+                "type": type(error).__name__,
+                "message": str(error),
+                "seconds": time.monotonic() - started,
+            }
+            break
+    else:
+        report = {"step": MAX_STEPS, "phase": "finished", "type": None, "message": "", "seconds": 0.0}
+    if rank == 0:
+        Path(workdir, "survivor.json").write_text(json.dumps(report))
+        # a group with a dead peer cannot be destroyed cleanly (gloo may abort or wait): leave at once
+        os._exit(0)
+
+
+def _fault_entry(rank: int, world_size: int, workdir: str, args: tuple) -> None:
+    workers._entry(rank, world_size, workdir, _train, (workdir, *args))
+
+
+def spawn_forked(workdir: Path, world_size: int, worker: Callable, *args: object) -> None:
+    """:func:`_hooks_workers.spawn` (bounded, a failing rank's traceback raised) with forked ranks."""
+    get_context = mp.get_context
+    workers.mp.get_context = lambda method=None: get_context(START_METHOD)
+    try:
+        workers.spawn(workdir, world_size, worker, *args, timeout_s=60)
+    finally:
+        workers.mp.get_context = get_context
+
+
+def run_with_fault(workdir: Path, hook: str, fault: str, timeout_s: float, limit_s: float) -> dict:
+    """Train ``hook`` (``"dense"`` or a key of :data:`HOOK_CASES`) on 2 ranks, fault rank 1, report.
+
+    ``fault``: ``"kill"`` (``SIGKILL`` at the start of step ``FAULT_STEP``), ``"stop"`` (``SIGSTOP`` there),
+    ``"stop-before-phase2"`` (``SIGSTOP`` in that step, just before rank 1's first phase-2 all-gather: the
+    survivor's phase 2 waits on the second process group of the two-phase hooks).
+
+    Bounded: both ranks are killed (a stopped one too) once the survivor has reported or after
+    ``limit_s`` seconds, whichever comes first.
+
+    Raises:
+        AssertionError: the survivor did not report within ``limit_s`` (a hang), or a rank failed
+            before the fault (its traceback is in the message).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context(START_METHOD)
+    procs = [
+        ctx.Process(target=_fault_entry, args=(rank, 2, str(workdir), (hook, fault, timeout_s)), daemon=True)
+        for rank in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    report_file = workdir / "survivor.json"
+    deadline = time.monotonic() + limit_s
+    try:
+        while procs[0].is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs[0].join(max(0.0, min(5.0, deadline - time.monotonic())))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()  # SIGKILL ends a SIGSTOPped process too
+            proc.join(5)
+    errors = [path.read_text() for path in sorted(workdir.glob("error_*.txt"))]
+    if errors:
+        raise AssertionError("a rank failed before the fault:\n" + "\n".join(errors))
+    if not report_file.exists():
+        raise AssertionError(f"the survivor neither raised nor finished within {limit_s} s (hang)")
+    return json.loads(report_file.read_text())

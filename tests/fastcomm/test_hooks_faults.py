@@ -1,0 +1,54 @@
+"""A dead or stopped peer is never hidden: the survivor's backward raises, naming the peer failure.
+
+2 gloo ranks train a small DDP model; rank 1 kills itself (``SIGKILL``) or stops (``SIGSTOP``, past the
+process group's timeout) at the start of a step. The survivor must raise in that same step, within the
+group's timeout plus slack, and never train on with stale buffers. DDP without a hook is the reference:
+its own allreduce raises gloo's error from backward.
+
+DDP re-raises an error of a hook's future from ``loss.backward()`` as a ``RuntimeError`` carrying the
+hook's exception as text (its type does not cross DDP's C++ reducer), so the assertions read the message.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _fault_workers as faults  # noqa: E402
+
+TIMEOUT_S = 5.0  # the training group's collective timeout
+SLACK_S = 10.0  # detection beyond the timeout: a loaded 2-core machine
+LIMIT_S = 45.0  # hard bound per case: process start-up, the fault, the report
+
+CASES = [
+    ("dense", "kill"),
+    ("dense", "stop"),
+    ("topk", "kill"),
+    ("topk-warmup", "kill"),
+    ("quantize", "kill"),
+    ("quantize-inline", "kill"),
+    ("sign", "kill"),
+    ("cast", "kill"),
+    ("topk", "stop"),
+    ("sign", "stop"),
+    ("sign", "stop-before-phase2"),
+]
+
+
+@pytest.mark.parametrize(("hook", "fault"), CASES, ids=[f"{h}-{f}" for h, f in CASES])
+def test_survivor_raises_when_peer_fails(tmp_path, hook, fault):
+    report = faults.run_with_fault(tmp_path, hook, fault, TIMEOUT_S, LIMIT_S)
+    assert report["phase"] != "finished", f"{hook}: the survivor trained on after its peer died: {report}"
+    assert report["step"] == faults.FAULT_STEP, f"{hook}: raised at another step than the fault: {report}"
+    assert report["phase"] == "backward", report
+    assert report["seconds"] < TIMEOUT_S + SLACK_S, report
+    if hook == "dense":  # DDP's own allreduce: gloo's error as is
+        assert report["type"] == "RuntimeError", report
+        return
+    # typed where the hook call itself saw the failure (a phase 1 finished by the next hook call), else
+    # DDP's RuntimeError around the future's PeerCollectiveError
+    message = f"{report['type']}: {report['message']}"
+    assert "PeerCollectiveError: fastcomm " in message, report
+    assert "a collective with the other ranks failed" in message, report
+    assert "on bucket" in message, report
