@@ -23,6 +23,7 @@ Example::
     print(state.stats())
 """
 
+from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks._state import CompressionState, HookState, default_state
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
@@ -36,6 +37,7 @@ __all__ = [
     "CompressionState",
     "HookName",
     "HookState",
+    "PeerCollectiveError",
     "QuantState",
     "SignState",
     "TopKState",
