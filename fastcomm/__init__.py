@@ -6,7 +6,7 @@ Example::
     state = fastcomm.register(ddp_model, "topk", ratio=0.01)
 """
 
-from fastcomm import ops
+from fastcomm import integrations, ops
 from fastcomm.hooks import (
     CastState,
     HookName,
@@ -31,6 +31,7 @@ __all__ = [
     "TopKState",
     "backend",
     "cast_hook",
+    "integrations",
     "ops",
     "quantize_hook",
     "register",
