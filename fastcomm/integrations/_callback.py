@@ -64,9 +64,7 @@ class CommHookLogic:
                 f"{type(self).__name__} needs a DDP strategy (strategy='ddp', 'ddp_spawn' or DDPStrategy); "
                 f"{type(trainer.strategy).__name__} trains a {type(model).__name__}, which takes no DDP hooks"
             )
-        if self.state is not None and comm_hook_state(ddp) is self.state:
-            return  # a second fit on the same wrapper keeps the registration
-        refuse_second_hook(ddp)
+        refuse_second_hook(ddp)  # each fit wraps the module in a new DDP: a second fit registers again
         self.state = register(ddp, self._target, **self._options)
         self._checked = False
 

@@ -139,9 +139,12 @@ def _accelerate(rank: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- Lightning
 def lightning_fit(
-    package: str, strategy: Any, callbacks: list[Any], devices: int = 2, steps: int = 3
-) -> None:
-    """Fit a small regression with ``package``'s Trainer on CPU (``devices`` processes, ``steps`` steps)."""
+    package: str, strategy: Any, callbacks: list[Any], devices: int = 2, steps: int = 3, module: Any = None
+) -> Any:
+    """Fit ``module`` (default: a new small regression) with ``package``'s Trainer on CPU; return it.
+
+    ``devices`` processes, ``steps`` optimizer steps.
+    """
     import torch
 
     pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
@@ -166,7 +169,9 @@ def lightning_fit(
         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regression(), loader)
+    module = Regression() if module is None else module
+    trainer.fit(module, loader)
+    return module
 
 
 def _hook_probe(package: str) -> Any:
@@ -201,8 +206,12 @@ def _lightning(rank: int) -> dict[str, Any]:
             "lightning.pytorch.strategies" if package == "lightning" else "pytorch_lightning.strategies")
         seen: dict[str, Any] = {}
         callback = integration.CommHook("topk", ratio=0.1)
-        lightning_fit(package, "ddp", [callback])
+        module = lightning_fit(package, "ddp", [callback])
         seen["callback_stats"] = callback.state.stats()
+        lightning_fit(package, "ddp", [callback], module=module)  # a new DDP wrapper, the same state
+        seen["other_module_error"] = _error(
+            lambda package=package, callback=callback: lightning_fit(package, "ddp", [callback]), ValueError)
+        seen["refit_stats"] = callback.state.stats()
 
         # The strategy's own setting: on CPU it registers nothing and the state is never called.
         ignored = fastcomm.TopKState(ratio=0.1)

@@ -112,6 +112,20 @@ def test_lightning_callback_compresses_every_step(lightning_ranks, package):
 
 
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_lightning_callback_registers_again_on_a_second_fit(lightning_ranks, package):
+    pytest.importorskip(package)
+    for rank in lightning_ranks:
+        _compressed_every_step(rank[package]["refit_stats"], steps=6)
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_lightning_callback_refuses_a_second_module(lightning_ranks, package):
+    pytest.importorskip(package)
+    for rank in lightning_ranks:
+        assert "already registered on another model" in rank[package]["other_module_error"]
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_ddp_strategy_comm_hook_registers_nothing_on_cpu(lightning_ranks, package):
     pytest.importorskip(package)
     for rank in lightning_ranks:
