@@ -5,12 +5,14 @@ A user's script and the one source of the model, data and training loop that
 
 1. Data: every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` of the running Python (sorted by
    path, ``site-packages`` excluded); every 20th file (by position in that order) is held out as
-   validation (5%, by file). Each file is one document of byte tokens (vocabulary 256), written once to
-   fastio shards (``fastio.ShardWriter``, a variable-length ``uint8`` field) in a cache directory whose
-   name is a fingerprint of the file list, so a rerun reuses them and a changed stdlib gets new ones.
-2. Loading: ``fastio.StreamLoader(..., pack=fastio.Pack("tokens", seq_len=128, eos=0, shift=True))``:
-   documents packed into rows of 129 bytes (inputs ``row[:-1]``, targets ``row[1:]``), each rank its own
-   disjoint stream, the order fixed by the seed.
+   validation (5%, by file). Each split's files, each followed by a NUL byte, are one byte stream (tokens
+   of a vocabulary of 256) cut into windows of 129 bytes that overlap by one (window ``i`` is bytes
+   ``128 i .. 128 i + 128``, so every byte is a target once), written once to fastio shards
+   (``fastio.ShardWriter``, a fixed ``uint8 (129,)`` field) in a cache directory named by a fingerprint
+   of the file list: a rerun reuses them and a changed stdlib gets new ones.
+2. Loading: ``fastio.StreamLoader(..., shuffle=True, seed=seed, drop_last=True)``: a batch is 16 windows
+   drawn from the whole corpus (inputs ``row[:-1]``, targets ``row[1:]``), each rank a disjoint share of
+   one global permutation, the order fixed by the seed.
 3. Model: a GPT (pre-norm blocks, causal self-attention, GELU MLP, learned positions, untied head);
    the default (d_model 192, 3 layers, 4 heads, context 128) has 1,457,856 parameters.
 4. Training: DDP over gloo, the method's optimizer (AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1;
@@ -87,9 +89,9 @@ __all__ = [
 VOCAB = 256
 EOS = 0  # the NUL byte: never in a Python source file, so it marks document ends unambiguously
 VAL_EVERY_NTH_FILE = 20  # 5% of the files, by file
-VAL_WINDOW = 129  # validation rows: inputs and targets of a context of up to 128
+WINDOW = 129  # a row: inputs and targets of a context of up to 128
 VAL_SEED = 1234  # which validation rows are read: the same for every run and method
-_DATA_FORMAT = 2  # bump when the shard contents for the same file list change
+_DATA_FORMAT = 3  # bump when the shard contents for the same file list change
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -148,24 +150,14 @@ def _fingerprint(files: Sequence[tuple[str, Path]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _write_documents(directory: Path, files: Sequence[tuple[str, Path]]) -> int:
-    total = 0
-    with fastio.ShardWriter(directory, schema={"tokens": ("uint8", None)}, max_samples=256) as writer:
-        for _, path in files:
-            data = path.read_bytes()
-            total += len(data)
-            writer.write({"tokens": np.frombuffer(data, dtype=np.uint8)})
-    return total
-
-
 def _write_windows(directory: Path, files: Sequence[tuple[str, Path]]) -> int:
-    """The files (each followed by ``EOS``) as one byte stream cut into ``VAL_WINDOW``-byte rows, so a
-    shuffled read of a few hundred rows samples every file, not the first few."""
+    """The files (each followed by ``EOS``) as one byte stream cut into ``WINDOW``-byte rows overlapping by
+    one byte; returns the files' bytes."""
     eos = np.array([EOS], dtype=np.uint8)
     stream = np.concatenate([x for _, p in files for x in (np.frombuffer(p.read_bytes(), np.uint8), eos)])
-    rows = stream[: len(stream) // VAL_WINDOW * VAL_WINDOW].reshape(-1, VAL_WINDOW)
-    with fastio.ShardWriter(directory, schema={"tokens": ("uint8", (VAL_WINDOW,))}, max_samples=4096) as w:
-        w.write_many({"tokens": rows})
+    rows = np.lib.stride_tricks.sliding_window_view(stream, WINDOW)[:: WINDOW - 1]
+    with fastio.ShardWriter(directory, schema={"tokens": ("uint8", (WINDOW,))}, max_samples=1 << 16) as w:
+        w.write_many({"tokens": np.ascontiguousarray(rows)})
     return int(stream.size - len(files))
 
 
@@ -187,7 +179,7 @@ def prepare_data(cache_dir: str | os.PathLike[str], max_files: int | None = None
     Example::
 
         paths = prepare_data(default_data_dir())
-        loader = fastio.StreamLoader(paths.train, batch_size=16, pack=fastio.Pack("tokens", seq_len=128))
+        loader = fastio.StreamLoader(paths.train, batch_size=16, shuffle=True)
     """
     files = stdlib_sources(max_files)
     val = [f for i, f in enumerate(files) if i % VAL_EVERY_NTH_FILE == VAL_EVERY_NTH_FILE // 2]
@@ -201,7 +193,7 @@ def prepare_data(cache_dir: str | os.PathLike[str], max_files: int | None = None
         shutil.rmtree(tmp, ignore_errors=True)
         meta = {
             "train_files": len(train), "val_files": len(val),
-            "train_bytes": _write_documents(tmp / "train", train),
+            "train_bytes": _write_windows(tmp / "train", train),
             "val_bytes": _write_windows(tmp / "val", val),
             "stdlib": sysconfig.get_paths()["stdlib"], "python": sys.version.split()[0],
         }
@@ -217,11 +209,9 @@ def prepare_data(cache_dir: str | os.PathLike[str], max_files: int | None = None
                      meta["train_bytes"], meta["val_bytes"])
 
 
-def _train_loader(directory: Path, batch_size: int, context: int, seed: int, rank: int,
-                  world: int) -> fastio.StreamLoader:
-    pack = fastio.Pack("tokens", seq_len=context, eos=EOS, shift=True, dtype=torch.int64, document_ids=False)
+def _loader(directory: Path, batch_size: int, seed: int, rank: int, world: int) -> fastio.StreamLoader:
     return fastio.StreamLoader(directory, batch_size=batch_size, shuffle=True, seed=seed, drop_last=True,
-                               pack=pack, rank=rank, world_size=world, pin_memory=False)
+                               rank=rank, world_size=world, pin_memory=False)
 
 
 class _EpochStream:
@@ -262,8 +252,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.context > VAL_WINDOW - 1:
-            raise ValueError(f"ModelConfig.context must be <= {VAL_WINDOW - 1} (the validation windows), "
+        if self.context > WINDOW - 1:
+            raise ValueError(f"ModelConfig.context must be <= {WINDOW - 1} (the data's windows), "
                              f"got {self.context}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
@@ -584,9 +574,8 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
         optimizer, lambda step: _lr_factor(step, config.warmup_steps, schedule_steps)
     )
     context = config.model.context
-    train_loader = _train_loader(paths.train, config.batch_size, context, config.seed, rank, world)
-    val_loader = fastio.StreamLoader(paths.val, batch_size=config.batch_size, shuffle=True, seed=VAL_SEED,
-                                     rank=rank, world_size=world, pin_memory=False)
+    train_loader = _loader(paths.train, config.batch_size, config.seed, rank, world)
+    val_loader = _loader(paths.val, config.batch_size, VAL_SEED, rank, world)
     stream = _EpochStream(train_loader)
 
     start_step = 0
@@ -647,7 +636,7 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
     window_start = time.perf_counter()
     for step in range(start_step + 1, last + 1):
         begin = time.perf_counter()
-        tokens = stream.next()["tokens"]
+        tokens = stream.next()["tokens"][:, : context + 1].long()
         optimizer.zero_grad(set_to_none=True)
         loss = ddp(tokens[:, :-1], tokens[:, 1:])
         loss.backward()

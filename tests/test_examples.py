@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--max-files", "40", "--batch-size", "4",
-        "--val-rows", "8", "--log-every", "5"]
+        "--val-rows", "8", "--log-every", "2"]
 
 
 def _load_example():
@@ -33,24 +33,24 @@ def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path: Path) -> None:
-    # Run A stops after step 15 as if killed; its last checkpoint is step 10. Run B resumes there and must
-    # repeat A's steps 11..15 exactly (model, optimizer, schedule, hook residuals, loader position, RNG).
-    common = ["--hook", "topk", "--steps", "20", "--eval-every", "10", "--checkpoint-every", "10"]
-    _torchrun(tmp_path, *common, "--stop-after", "15", "--json", str(tmp_path / "a.json"))
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000010"
+    # Run A stops after step 6 as if killed; its last checkpoint is step 4. Run B resumes there and must
+    # repeat A's steps 5 and 6 exactly (model, optimizer, schedule, hook residuals, loader position, RNG).
+    common = ["--hook", "topk", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4"]
+    _torchrun(tmp_path, *common, "--stop-after", "6", "--json", str(tmp_path / "a.json"))
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000004"
     resumed = _torchrun(tmp_path, *common, "--resume", "--json", str(tmp_path / "b.json"))
     first, second = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
 
-    assert "resumed topk at step 10" in resumed.stderr
-    assert first["start_step"] == 0 and len(first["train_losses"]) == 15
-    assert second["start_step"] == 10 and len(second["train_losses"]) == 10
+    assert "resumed topk at step 4" in resumed.stderr
+    assert first["start_step"] == 0 and len(first["train_losses"]) == 6
+    assert second["start_step"] == 4 and len(second["train_losses"]) == 4
     losses = first["train_losses"] + second["train_losses"] + second["val_losses"]
     assert all(math.isfinite(x) for x in losses)
-    assert second["train_losses"][:5] == first["train_losses"][10:15]
-    assert second["val_steps"] == [10, 20]  # step 10's validation came with the checkpoint
+    assert second["train_losses"][:2] == first["train_losses"][4:6]
+    assert second["val_steps"] == [4, 8]  # step 4's validation came with the checkpoint
     assert second["val_losses"][0] == first["val_losses"][0]
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000020"
-    assert not (tmp_path / "ckpt" / "step-000010").exists()
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000008"
+    assert not (tmp_path / "ckpt" / "step-000004").exists()
 
 
 def test_resume_refuses_a_checkpoint_of_another_method(tmp_path: Path) -> None:

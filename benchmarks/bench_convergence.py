@@ -1,0 +1,631 @@
+"""Loss parity and time-to-loss of each method on a real task: the LM of ``examples/train_lm.py``.
+
+The question: a hook that makes a step faster only pays if the training still reaches the same loss; does
+each method reach dense's loss, and how much sooner in wall time on a slow link?
+
+1. The task, model, data and training loop are ``examples/train_lm.py`` (imported from there and run as
+   that script, so the benchmark measures exactly what a user runs): a 1,457,856-parameter byte-level GPT
+   on the running Python's stdlib ``.py`` files (5% of the files held out), fastio shards read by
+   ``StreamLoader``, 2 gloo ranks of one thread each, batch 16 x 128 tokens per rank, 500 steps, warm-up 30
+   then cosine, the same seed and data order for every method.
+2. Loss runs (loopback): each method trains 500 steps in its own pair of rank processes (killed at a
+   timeout, or 15 s after one rank fails); validation loss every 50 steps and at 500.
+3. Speed runs: each method's step time (slower rank's median over the timed steps, after warm-up steps)
+   on a netlab link (:mod:`benchmarks.netlab`) shaped so dense allreduce's communication is about 3x the
+   no-communication step (the rate is derived from the measured no-op step and the dense payload, then
+   verified), and on a 1 Gbit/s link. A method with two phases (CompressedAdam's dense warm-up, DGC's
+   sparsity warm-up) is timed in each phase: the warm-up phase as configured, the later phase in a run
+   whose warm-up is set to 2 steps (``--opt warmup_steps=2``), whose warm-up steps are not timed.
+4. Loss vs seconds: the loss trajectory does not depend on the link, so a step's wall time on a link is
+   the measured step time of the phase the step is in; the time to a loss is found by linear interpolation
+   between validation points (every 50 steps) of validation loss against that cumulative time.
+5. Written: ``benchmarks/results/bench_convergence.json/.md`` (harness rows and a summary table),
+   ``bench_convergence.png`` (validation loss vs step and vs seconds on the shaped link, one line per
+   method, dense AdamW drawn as the reference) and ``bench_convergence.curves.json`` (every curve).
+
+Run::
+
+    python -m benchmarks.bench_convergence                        # everything (about 70 min on 2 cores)
+    python -m benchmarks.bench_convergence --steps 100 --methods none,q8,cadam --timed-steps 5
+    python -m benchmarks.bench_convergence --work-dir /tmp/conv   # keep (and reuse) each run's result
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import netlab
+from benchmarks.harness import RESULTS_DIR, Row, write_results
+
+__all__ = ["LOSS_METHODS", "main"]
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = _REPO_ROOT / "examples" / "train_lm.py"
+NAME = "bench_convergence"
+# Rows of the loss comparison, each against its dense reference (AdamW rows: "none"; DGC: dense SGD m0.9).
+LOSS_METHODS = ("none", "cast", "q8", "q4", "topk", "sign", "cadam", "fp16", "sgd", "dgc")
+REFERENCE = {"sgd": "none", "dgc": "sgd"}
+FAST_LINK = "1gbit"
+COMM_TO_COMPUTE = 3.0  # the shaped link: dense allreduce's communication about 3x the no-comm step
+TARGET_SLACK = 1.02  # time to reach dense AdamW's 500-step validation loss + 2%
+_FAIL_GRACE_S = 15.0
+
+
+def load_example() -> Any:
+    """``examples/train_lm.py`` as a module (the one source of the model, data, methods and loop)."""
+    spec = importlib.util.spec_from_file_location("train_lm", EXAMPLE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {EXAMPLE}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launching one method on two rank processes
+
+
+@dataclasses.dataclass
+class _Run:
+    status: str  # "ok", or what went wrong
+    result: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL each rank's whole process group (a rank may have children) and reap it."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in text if "Error" in line or "error" in line]
+    return " | ".join((errors or text)[-lines:])[-400:] or "(no output)"
+
+
+def _launch(args: Sequence[str], link: netlab.Link | None, port: int, timeout_s: float, work: Path,
+            tag: str) -> _Run:
+    """Run ``examples/train_lm.py args`` as ranks 0 and 1 (in the link's namespaces when given)."""
+    out = work / f"{tag}.json"
+    out.unlink(missing_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [work / f"{tag}.rank{r}.log" for r in range(2)]
+    start = time.monotonic()
+    try:
+        for rank in range(2):
+            pythonpath = os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))))
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_PORT=str(port),
+                       MASTER_ADDR=link.addresses[0] if link else "127.0.0.1", OMP_NUM_THREADS="1",
+                       GLOO_SOCKET_IFNAME=link.interfaces[rank] if link else "lo", PYTHONPATH=pythonpath)
+            prefix = link.exec_prefix(rank) if link else []
+            command = [*prefix, sys.executable, str(EXAMPLE), *args, "--json", str(out)]
+            with logs[rank].open("wb") as log:
+                procs.append(subprocess.Popen(command, cwd=_REPO_ROOT, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        failed_at: float | None = None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = now
+            if now - start > timeout_s or (failed_at is not None and now - failed_at > _FAIL_GRACE_S):
+                break
+            time.sleep(0.5)
+        running = [r for r, p in enumerate(procs) if p.poll() is None]
+    finally:
+        _stop(procs)
+    seconds = time.monotonic() - start
+    bad = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in running]
+    if bad:
+        return _Run(f"crashed (rank {bad[0]} exit {procs[bad[0]].returncode}): {_tail(logs[bad[0]])}",
+                    seconds=seconds)
+    if running:
+        return _Run(f"timed out after {seconds:.0f} s (rank(s) {running} killed)", seconds=seconds)
+    if not out.exists():
+        return _Run(f"no result written: {_tail(logs[0])}", seconds=seconds)
+    return _Run("ok", json.loads(out.read_text()), seconds)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Phases and timing
+
+
+@dataclasses.dataclass(frozen=True)
+class _Phase:
+    """Steps ``first..last`` of the loss run, timed in a run with ``options`` added."""
+
+    name: str
+    first: int
+    last: int
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+def _phases(train_lm: Any, method: str, steps: int) -> list[_Phase]:
+    options = train_lm.METHODS[method].options
+    warmup = int(options.get("warmup_steps", 0))
+    if method.startswith("cadam") and 0 < warmup < steps:
+        return [_Phase("dense warm-up", 1, warmup), _Phase("compressed", warmup + 1, steps,
+                                                           (("warmup_steps", 2),))]
+    if method == "dgc" and 0 < warmup < steps:
+        return [_Phase("sparsity warm-up", 1, warmup), _Phase("top-k", warmup + 1, steps,
+                                                              (("warmup_steps", 0),))]
+    return [_Phase("all", 1, steps)]
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    steps: int
+    warmup: int
+    timed: int
+    data_dir: Path
+    work: Path
+    reuse: bool
+
+
+def _time_phase(method: str, phase: _Phase, link: netlab.Link | None, settings: _Settings,
+                tag: str, port: int) -> tuple[float | None, str]:
+    """The slower rank's median step time of ``method`` in ``phase`` on ``link``, and the run's status."""
+    n = settings.warmup + settings.timed
+    args = ["--hook", method, "--steps", str(n), "--schedule-steps", str(settings.steps), "--eval-every",
+            "0", "--val-rows", "1", "--log-every", "0", "--data-dir", str(settings.data_dir)]
+    for key, value in phase.options:
+        args += ["--opt", f"{key}={value}"]
+    run = _launch(args, link, port, 90.0 + 20.0 * n, settings.work, tag)
+    if run.status != "ok" or run.result is None:
+        return None, run.status
+    return _median(run.result["step_seconds"][settings.warmup:]), "ok"
+
+
+def _time_link(train_lm: Any, methods: Sequence[str], link: netlab.Link | None, link_name: str,
+               settings: _Settings, available: dict[str, str | None]) -> dict[str, dict[str, Any]]:
+    """Per method: each phase's step time on ``link`` (``{"phases": [...], "status": ...}``)."""
+    timings: dict[str, dict[str, Any]] = {}
+    for index, method in enumerate(methods):
+        if available.get(method):
+            timings[method] = {"status": f"skipped: {available[method]}", "phases": []}
+            continue
+        phases = []
+        status = "ok"
+        for number, phase in enumerate(_phases(train_lm, method, settings.steps)):
+            port = 29600 + 10 * index + number if link else _free_port()
+            begin = time.perf_counter()
+            seconds, phase_status = _time_phase(method, phase, link, settings,
+                                                f"time-{link_name}-{method}-{number}", port)
+            shown = f"{seconds:.3f} s/step" if seconds is not None else phase_status
+            print(f"[{NAME}] {link_name:10s} {method:8s} {phase.name:16s} {shown} "
+                  f"({time.perf_counter() - begin:.0f} s)", file=sys.stderr, flush=True)
+            if seconds is None:
+                status = phase_status
+            phases.append({"name": phase.name, "first": phase.first, "last": phase.last,
+                           "seconds_per_step": seconds, "options": dict(phase.options)})
+        timings[method] = {"status": status, "phases": phases}
+    return timings
+
+
+def _mean_step(timing: dict[str, Any]) -> float | None:
+    """The step time averaged over the whole run (phases weighted by their length)."""
+    phases = timing.get("phases") or []
+    if not phases or any(p["seconds_per_step"] is None for p in phases):
+        return None
+    steps = sum(p["last"] - p["first"] + 1 for p in phases)
+    return sum(p["seconds_per_step"] * (p["last"] - p["first"] + 1) for p in phases) / steps
+
+
+def _last_phase_step(timing: dict[str, Any]) -> float | None:
+    phases = timing.get("phases") or []
+    return phases[-1]["seconds_per_step"] if phases else None
+
+
+def _elapsed(timing: dict[str, Any], step: int) -> float | None:
+    """Wall seconds of steps 1..``step`` on the link: each step at its phase's measured step time."""
+    total = 0.0
+    for phase in timing.get("phases") or []:
+        if phase["seconds_per_step"] is None:
+            return None
+        steps_in = max(0, min(step, phase["last"]) - phase["first"] + 1)
+        total += steps_in * phase["seconds_per_step"]
+    return total
+
+
+def _time_to_loss(val_steps: Sequence[int], val_losses: Sequence[float], timing: dict[str, Any],
+                  target: float) -> tuple[float | None, float | None]:
+    """``(seconds, step)`` at which validation loss first reaches ``target`` (linear between points)."""
+    points = [(0, 0.0, math.inf)]
+    for step, loss in zip(val_steps, val_losses, strict=True):
+        seconds = _elapsed(timing, step)
+        if seconds is None:
+            return None, None
+        points.append((step, seconds, loss))
+    for (s0, t0, l0), (s1, t1, l1) in zip(points[:-1], points[1:], strict=True):
+        if l1 <= target:
+            if not math.isfinite(l0):
+                return t1, float(s1)
+            frac = (l0 - target) / (l0 - l1)
+            return t0 + frac * (t1 - t0), s0 + frac * (s1 - s0)
+    return None, None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The shaped link
+
+
+def _dense_payload_bytes(train_lm: Any) -> int:
+    return 4 * sum(p.numel() for p in train_lm.GPT(train_lm.ModelConfig()).parameters())
+
+
+def _shaped_rate(noop_seconds: float, payload_bytes: int) -> str:
+    """The tbf rate at which a ring allreduce of ``payload_bytes`` between 2 ranks (each sends the payload
+    once) takes ``COMM_TO_COMPUTE`` x ``noop_seconds``, rounded to a whole Mbit/s."""
+    bits_per_second = 8 * payload_bytes / (COMM_TO_COMPUTE * noop_seconds)
+    return f"{max(1, round(bits_per_second / 1e6))}mbit"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loss runs
+
+
+def _loss_run(method: str, settings: _Settings, available: dict[str, str | None]) -> _Run:
+    if available.get(method):
+        return _Run(f"skipped: {available[method]}")
+    cached = settings.work / f"loss-{method}-{settings.steps}.json"
+    if settings.reuse and cached.exists():
+        return _Run("ok", json.loads(cached.read_text()))
+    args = ["--hook", method, "--steps", str(settings.steps), "--eval-every", "50", "--log-every", "50",
+            "--data-dir", str(settings.data_dir)]
+    run = _launch(args, None, _free_port(), 120.0 + 6.0 * settings.steps, settings.work,
+                  f"loss-{method}-{settings.steps}")
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report
+
+
+def _pct(value: float, reference: float) -> float:
+    return 100.0 * (value / reference - 1.0)
+
+
+def _verdicts(summary: dict[str, dict[str, Any]], shaped: str) -> list[str]:
+    """The issue's targets, each PASS, FAIL or not evaluated, with the numbers."""
+
+    def val(method: str) -> float | None:
+        return summary.get(method, {}).get("val_loss")
+
+    lines = []
+
+    def within(method: str, reference: str, percent: float) -> None:
+        v, r = val(method), val(reference)
+        label = f"{method} within {percent}% of {reference} at the last step"
+        if v is None or r is None:
+            lines.append(f"{label}: not evaluated (no loss for {method if v is None else reference})")
+            return
+        gap = _pct(v, r)
+        lines.append(f"{label}: {'PASS' if gap <= percent else 'FAIL'} ({v:.4f} vs {r:.4f}, {gap:+.2f}%)")
+
+    within("cadam", "none", 2.0)
+    cadam, dense = summary.get("cadam", {}), summary.get("none", {})
+    step_c, step_d = cadam.get("shaped_step_compressed"), dense.get("shaped_step")
+    label = f"cadam >= 2.5x faster per step than dense allreduce on the {shaped} link (compressed phase)"
+    if step_c and step_d:
+        ratio = step_d / step_c
+        lines.append(f"{label}: {'PASS' if ratio >= 2.5 else 'FAIL'} "
+                     f"({step_d:.3f} s / {step_c:.3f} s = {ratio:.2f}x)")
+    else:
+        lines.append(f"{label}: not evaluated (no step time)")
+
+    reached = {m: s["time_to_target"] for m, s in summary.items()
+               if s.get("time_to_target") is not None and m not in ("none", "fp16", "sgd", "dgc")}
+    t_dense, t_fp16 = dense.get("time_to_target"), summary.get("fp16", {}).get("time_to_target")
+    label = f"best fastcomm method >= 2x sooner to dense's loss +2% than dense, and sooner than torch fp16 " \
+            f"({shaped} link)"
+    if reached and t_dense:
+        best = min(reached, key=reached.__getitem__)
+        ok = t_dense / reached[best] >= 2.0 and (t_fp16 is None or reached[best] < t_fp16)
+        fp16_text = f", fp16 {t_fp16:.0f} s" if t_fp16 is not None else ", fp16 never reached it"
+        lines.append(f"{label}: {'PASS' if ok else 'FAIL'} ({best} {reached[best]:.0f} s, dense "
+                     f"{t_dense:.0f} s = {t_dense / reached[best]:.2f}x{fp16_text})")
+    else:
+        lines.append(f"{label}: not evaluated (no fastcomm method reached it, or dense has no time)")
+    within("dgc", "sgd", 2.0)
+    within("q8", "none", 0.5)
+    within("cast", "none", 0.5)
+    return lines
+
+
+def _summary_table(summary: dict[str, dict[str, Any]], shaped: str) -> str:
+    head = ["method", "val loss", "vs dense", f"s/step {shaped}", "speedup", "s/step 1gbit", "speedup",
+            "time to target", "vs dense", "vs fp16", "status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def fmt(value: float | None, pattern: str) -> str:
+        return pattern.format(value) if value is not None else "-"
+
+    for method, s in summary.items():
+        lines.append("| " + " | ".join([
+            f"{method} ({s['optimizer']})", fmt(s.get("val_loss"), "{:.4f}"),
+            fmt(s.get("vs_reference_pct"), "{:+.2f}%") + (f" vs {s['reference']}" if s["reference"] != "none"
+                                                         and s.get("vs_reference_pct") is not None else ""),
+            s.get("shaped_text", "-"), fmt(s.get("shaped_speedup"), "{:.2f}x"),
+            s.get("fast_text", "-"), fmt(s.get("fast_speedup"), "{:.2f}x"),
+            fmt(s.get("time_to_target"), "{:.0f} s"), fmt(s.get("ttt_vs_dense"), "{:.2f}x"),
+            fmt(s.get("ttt_vs_fp16"), "{:.2f}x"), s.get("status", ""),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def _phase_text(timing: dict[str, Any] | None) -> str:
+    if not timing or not timing.get("phases"):
+        return "-"
+    phases = timing["phases"]
+    if any(p["seconds_per_step"] is None for p in phases):
+        return "failed"
+    if len(phases) == 1:
+        return f"{phases[0]['seconds_per_step']:.3f}"
+    return " / ".join(f"{p['seconds_per_step']:.3f} ({p['name']})" for p in phases)
+
+
+def _plot(curves: dict[str, dict[str, Any]], shaped: str, target: float | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 5))
+    for method, curve in curves.items():
+        if not curve.get("val_steps"):
+            continue
+        style = {"color": "black", "linewidth": 2.5, "zorder": 5} if method == "none" else {"linewidth": 1.3}
+        dashed = {"linestyle": "--"} if curve["optimizer"].startswith("sgd") else {}
+        label = f"{method}: {curve['label']}"
+        by_step.plot(curve["val_steps"], curve["val_losses"], marker="o", markersize=3, label=label,
+                     **style, **dashed)
+        if curve.get("shaped_seconds"):
+            by_time.plot(curve["shaped_seconds"], curve["val_losses"], marker="o", markersize=3, label=method,
+                         **style, **dashed)
+    for ax in (by_step, by_time):
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="dense AdamW's loss + 2%")
+        ax.set_ylabel("validation loss (nats per byte)")
+        ax.grid(alpha=0.3)
+    by_step.set_xlabel("step")
+    by_step.set_title("validation loss vs step (2 gloo ranks)")
+    by_time.set_xlabel(f"seconds on the {shaped} link (step count x measured step time of its phase)")
+    by_time.set_title(f"validation loss vs wall time, {shaped} link")
+    by_step.legend(fontsize=7)
+    by_time.legend(fontsize=7)
+    low = min((min(c["val_losses"]) for c in curves.values() if c.get("val_losses")), default=None)
+    if low is not None:
+        for ax in (by_step, by_time):
+            ax.set_ylim(low - 0.05, low + 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    """Run the benchmark, write ``benchmarks/results/bench_convergence.*`` and return the Markdown."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=500, help="training steps of each loss run")
+    parser.add_argument("--methods", default=",".join(LOSS_METHODS), help="comma-separated subset")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps of each speed run")
+    parser.add_argument("--timed-steps", type=int, default=20, help="timed steps of each speed run")
+    parser.add_argument("--rate", default=None, help="the shaped link's tbf rate (default: derived)")
+    parser.add_argument("--skip-speed", action="store_true", help="loss runs only")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="keep each run's result and logs here; loss runs found there are reused")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    train_lm = load_example()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(train_lm.METHODS))
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {sorted(train_lm.METHODS)}")
+    for needed in ("none", "sgd", "fp16"):
+        if needed not in methods and any(REFERENCE.get(m, "none") == needed for m in methods):
+            methods.insert(0, needed)
+    methods = list(dict.fromkeys(methods))
+
+    with tempfile.TemporaryDirectory(prefix="bench_convergence_") as tmp:
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        paths = train_lm.prepare_data(train_lm.default_data_dir())
+        settings = _Settings(args.steps, args.warmup_steps, args.timed_steps, paths.train.parent.parent,
+                             work, args.work_dir is not None)
+        available = {m: train_lm.method_unavailable(m) for m in [*methods, "noop"]}
+        notes = [
+            f"task: examples/train_lm.py, {_dense_payload_bytes(train_lm) // 4:,}-parameter byte-level GPT "
+            "(d_model 192, 3 layers, 4 heads, context 128, untied head), stdlib .py files of Python "
+            f"{sys.version.split()[0]}: {paths.train_files} train files ({paths.train_bytes / 1e6:.1f} MB), "
+            f"{paths.val_files} validation files ({paths.val_bytes / 1e6:.2f} MB, every 20th file)",
+            f"training: 2 gloo ranks, 1 thread each, batch 16 x 128 tokens per rank, {args.steps} steps, "
+            "warm-up 30 then cosine to 0, seed 0 (same data order for every method); AdamW lr 2e-3 betas "
+            "(0.9, 0.95) weight decay 0.1; SGD lr 0.1 (dense: momentum 0.9; dgc: momentum 0, the hook's "
+            "momentum correction 0.9)",
+            "validation loss: mean cross entropy (nats per byte) over 128 fixed windows of 129 bytes per "
+            "rank (256 in all) of the held-out files, every 50 steps and at the last",
+        ]
+        for method in methods:
+            spec = train_lm.METHODS[method]
+            notes.append(f"{method}: {spec.description} {spec.options}")
+
+        # -- speed -------------------------------------------------------------------------------------
+        shaped_name, fast_name = "shaped", FAST_LINK
+        timings: dict[str, dict[str, dict[str, Any]]] = {}
+        reason = netlab.unavailable_reason()
+        if args.skip_speed:
+            notes.append("speed: skipped (--skip-speed)")
+        elif reason:
+            notes.append(f"speed: skipped, {reason}")
+        else:
+            noop = _time_link(train_lm, ["noop"], None, "loopback", settings, available)["noop"]
+            noop_seconds = _last_phase_step(noop)
+            if noop_seconds is None:
+                raise RuntimeError(f"the no-communication step could not be timed: {noop['status']}")
+            payload = _dense_payload_bytes(train_lm)
+            rate = args.rate or _shaped_rate(noop_seconds, payload)
+            shaped_name = f"shaped {rate}"
+            how = "given" if args.rate else f"derived for communication = {COMM_TO_COMPUTE}x compute"
+            notes.append(f"no-communication step (no-op hook, loopback): {noop_seconds:.3f} s; dense payload "
+                         f"{payload / 1e6:.2f} MB per rank and step; shaped link rate {rate} ({how})")
+            for name, link_rate in ((shaped_name, rate), (fast_name, FAST_LINK)):
+                with netlab.Link(rate=link_rate) as link:
+                    measured = netlab.measure_throughput(link, nbytes=8 << 20)
+                    notes.append(f"{name}: veth between two namespaces, tbf {link_rate} each way, measured "
+                                 f"{measured:.2f} MB/s (TCP, one direction, 8 MB)")
+                    timings[name] = _time_link(train_lm, methods, link, name.split()[0], settings, available)
+            dense_shaped = _last_phase_step(timings[shaped_name].get("none", {}))
+            if dense_shaped is not None:
+                comm = dense_shaped - noop_seconds
+                notes.append(f"{shaped_name}: dense allreduce step {dense_shaped:.3f} s = no-comm "
+                             f"{noop_seconds:.3f} s + {comm:.3f} s communication ({comm / noop_seconds:.2f}x "
+                             "the no-comm step)")
+            notes.append(f"speed: {args.warmup_steps} warm-up + {args.timed_steps} timed steps per method "
+                         "and phase, the slower rank's median; loss vs seconds = the loss run's validation "
+                         "curve with each step at its phase's measured step time on that link")
+
+        # -- loss --------------------------------------------------------------------------------------
+        runs: dict[str, _Run] = {}
+        for method in methods:
+            begin = time.perf_counter()
+            runs[method] = _loss_run(method, settings, available)
+            run = runs[method]
+            if run.status == "ok" and run.result is not None:
+                (work / f"loss-{method}-{args.steps}.json").write_text(json.dumps(run.result))
+                shown = f"val loss {run.result['val_losses'][-1]:.4f}"
+            else:
+                shown = run.status
+            print(f"[{NAME}] loss {method:8s} {shown} ({time.perf_counter() - begin:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    # -- assemble ----------------------------------------------------------------------------------------
+    def final(method: str) -> float | None:
+        run = runs.get(method)
+        return run.result["val_losses"][-1] if run and run.status == "ok" and run.result else None
+
+    dense_loss = final("none")
+    target = dense_loss * TARGET_SLACK if dense_loss is not None else None
+    if target is not None:
+        notes.append(f"time-to-loss target: dense AdamW's {args.steps}-step validation loss {dense_loss:.4f} "
+                     f"+ 2% = {target:.4f}")
+    rows: list[Row] = []
+    summary: dict[str, dict[str, Any]] = {}
+    curves: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        spec = train_lm.METHODS[method]
+        run = runs[method]
+        reference = REFERENCE.get(method, "none")
+        entry: dict[str, Any] = {"optimizer": spec.optimizer, "reference": reference, "status": run.status}
+        loss, ref_loss = final(method), final(reference)
+        if loss is not None:
+            entry["val_loss"] = loss
+            if ref_loss is not None and method != reference:
+                entry["vs_reference_pct"] = _pct(loss, ref_loss)
+            rows.append(Row(case=f"val loss at step {args.steps}", backend=method, metric="val_loss",
+                            value=loss, unit="nats/byte", ratio=loss / ref_loss if ref_loss else None,
+                            ratio_to=f"{reference} loss" if ref_loss and method != reference else None,
+                            extra={"status": run.status}))
+        else:
+            rows.append(Row(case=f"val loss at step {args.steps}", backend=method, metric="val_loss",
+                            value=math.nan, unit="nats/byte", extra={"status": run.status}))
+        curve = {"label": spec.description, "optimizer": spec.optimizer, "status": run.status}
+        if run.result:
+            curve.update(val_steps=run.result["val_steps"], val_losses=run.result["val_losses"],
+                         train_losses=run.result["train_losses"],
+                         loopback_step_seconds=_median(run.result["step_seconds"]),
+                         hook_stats=run.result["hook_stats"])
+        for link_name, key in ((shaped_name, "shaped"), (fast_name, "fast")):
+            timing = timings.get(link_name, {}).get(method)
+            if timing is None:
+                continue
+            dense_timing = timings[link_name].get("none", {})
+            last, dense_step = _last_phase_step(timing), _last_phase_step(dense_timing)
+            mean, dense_mean = _mean_step(timing), _mean_step(dense_timing)
+            entry[f"{key}_text"] = _phase_text(timing)
+            entry[f"{key}_step"] = mean
+            if len(timing["phases"]) > 1:
+                entry[f"{key}_step_compressed"] = last
+            elif method == "cadam":
+                entry[f"{key}_step_compressed"] = last
+            if mean and dense_mean:
+                entry[f"{key}_speedup"] = dense_mean / mean
+            curve[f"{key}_phases"] = timing["phases"]
+            for phase in timing["phases"] or [{"name": "all", "seconds_per_step": None}]:
+                value = phase["seconds_per_step"]
+                rows.append(Row(case=link_name, backend=method, metric="step_time",
+                                value=value if value is not None else math.nan, unit="s",
+                                ratio=dense_step / value if value and dense_step else None,
+                                ratio_to="dense allreduce speedup" if value and dense_step else None,
+                                extra={"phase": phase["name"], "status": timing["status"]}))
+            if key == "shaped" and run.result and _elapsed(timing, 1) is not None:
+                curve["shaped_seconds"] = [_elapsed(timing, s) for s in run.result["val_steps"]]
+                if target is not None:
+                    entry["time_to_target"], entry["step_to_target"] = _time_to_loss(
+                        run.result["val_steps"], run.result["val_losses"], timing, target)
+        summary[method] = entry
+        curves[method] = curve
+    t_dense = summary.get("none", {}).get("time_to_target")
+    t_fp16 = summary.get("fp16", {}).get("time_to_target")
+    for method, entry in summary.items():
+        seconds = entry.get("time_to_target")
+        if seconds is None:
+            continue
+        entry["ttt_vs_dense"] = t_dense / seconds if t_dense else None
+        entry["ttt_vs_fp16"] = t_fp16 / seconds if t_fp16 else None
+        rows.append(Row(case=f"{shaped_name}: time to dense loss + 2%", backend=method, metric="time_to_loss",
+                        value=seconds, unit="s", ratio=entry["ttt_vs_dense"], ratio_to="dense time / this",
+                        extra={"step": round(entry["step_to_target"], 1),
+                               "vs_fp16": round(entry["ttt_vs_fp16"], 2) if entry["ttt_vs_fp16"] else ""}))
+    verdicts = _verdicts(summary, shaped_name)
+    for line in verdicts:
+        print(f"[{NAME}] {line}", file=sys.stderr, flush=True)
+    notes += verdicts
+    notes.append("speedup = dense allreduce's step time / this (phases weighted by their share of the run); "
+                 "time to target = seconds on the shaped link until the validation loss reaches dense's "
+                 "final loss + 2% (linear between validation points every 50 steps); '-' = never reached")
+    text = write_results(NAME, rows, notes=notes, plot_metric="loss curves are drawn by this script")
+    table = _summary_table(summary, shaped_name)
+    with (RESULTS_DIR / f"{NAME}.md").open("a") as handle:
+        handle.write(f"\n## Summary\n\n{table}\n")
+    (RESULTS_DIR / f"{NAME}.curves.json").write_text(json.dumps(
+        {"target": target, "shaped_link": shaped_name, "curves": curves, "summary": summary}, indent=1))
+    _plot(curves, shaped_name, target, RESULTS_DIR / f"{NAME}.png")
+    return f"{text}\n## Summary\n\n{table}\n"
+
+
+if __name__ == "__main__":
+    print(main())
