@@ -193,6 +193,29 @@ def _hook_probe(package: str) -> Any:
     return Probe()
 
 
+def _callback_checks(integration: Any) -> dict[str, Any]:
+    """The callback's first-step check, on real DDP models, with a stand-in for the Trainer."""
+    from types import SimpleNamespace
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    seen: dict[str, Any] = {}
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=DistributedDataParallel(_model())), world_size=2)
+    callback = integration.CommHook("topk", ratio=0.1)
+    callback.on_fit_start(trainer, None)
+    first_step = callback.on_before_optimizer_step
+    seen["not_run_error"] = _error(lambda: first_step(trainer, None, None), RuntimeError)
+
+    module = _model()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=DistributedDataParallel(module)), world_size=2)
+    callback = integration.CommHook("topk", ratio=0.1)
+    callback.on_fit_start(trainer, None)
+    trainer.strategy.model = DistributedDataParallel(module)  # re-wrapped after fit start: no hook on it
+    first_step = callback.on_before_optimizer_step
+    seen["rewrapped_error"] = _error(lambda: first_step(trainer, None, None), RuntimeError)
+    return seen
+
+
 def _lightning(rank: int) -> dict[str, Any]:
     import fastcomm
 
@@ -221,6 +244,7 @@ def _lightning(rank: int) -> dict[str, Any]:
         seen["strategy_model_type"] = probe.model_type
         seen["strategy_hooks"] = probe.hooks
         seen["strategy_stats"] = ignored.stats()
+        seen.update(_callback_checks(integration))
         result[package] = seen
     return result
 

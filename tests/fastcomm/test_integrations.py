@@ -126,6 +126,20 @@ def test_lightning_callback_refuses_a_second_module(lightning_ranks, package):
 
 
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_lightning_callback_raises_when_the_hook_did_not_run(lightning_ranks, package):
+    pytest.importorskip(package)
+    for rank in lightning_ranks:
+        assert "did not run during the first backward" in rank[package]["not_run_error"]
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_lightning_callback_raises_when_the_model_was_rewrapped(lightning_ranks, package):
+    pytest.importorskip(package)
+    for rank in lightning_ranks:
+        assert "not the DDP model the hook was registered on" in rank[package]["rewrapped_error"]
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_ddp_strategy_comm_hook_registers_nothing_on_cpu(lightning_ranks, package):
     pytest.importorskip(package)
     for rank in lightning_ranks:
