@@ -1,9 +1,9 @@
 """The DDP hook of :class:`fastcomm.CompressedAdam`: dense gradients in warm-up, compressed momentum after it.
 
-The hook wraps one of the compressing hooks (sign, quantize or top-k, with their error feedback, bucket-rebuild
-handling, skipped-step staging and collective-order guarantees) and changes only what goes in: after warm-up
-each bucket's local gradient is first mixed into the optimizer's preconditioned momentum ``u = m / denom``, in
-place in DDP's bucket buffer,
+The hook wraps one of the compressing hooks (sign, quantize or top-k, with their error feedback,
+bucket-rebuild handling, skipped-step staging and collective-order guarantees) and changes only what goes
+in: after warm-up each bucket's local gradient is first mixed into the optimizer's preconditioned momentum
+``u = m / denom``, in place in DDP's bucket buffer,
 
     u_local = beta1 * u + (1 - beta1) * g_local / denom      (times the GradScaler scale, when there is one)
 
@@ -44,6 +44,8 @@ class CompressedAdamState:
         optimizer: the :class:`~fastcomm.CompressedAdam` whose momentum the hook exchanges.
         inner: the compressor's hook state (``SignState``, ``QuantState`` or ``TopKState``).
         inner_hook: the matching hook function.
+        warmup: ``(state, hook)`` of the compressor that averages warm-up gradients, or ``None`` for a dense
+            allreduce (``CompressedAdam(warmup_compressor=...)``).
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, if any: momentum is mixed in the
             gradients' scaled units, and the compressor's residuals are rescaled when the scale changes.
         process_group: the group to reduce over; ``None`` for the default group.
@@ -60,6 +62,7 @@ class CompressedAdamState:
         optimizer: CompressedAdam,
         inner: Any,
         inner_hook: Any,
+        warmup: tuple[Any, Any] | None = None,
         *,
         grad_scaler: Any = None,
         process_group: dist.ProcessGroup | None = None,
@@ -69,6 +72,7 @@ class CompressedAdamState:
         self.optimizer = optimizer
         self.inner = inner
         self.inner_hook = inner_hook
+        self.warmup = warmup
         self.grad_scaler = grad_scaler
         self.process_group = process_group
         self._betas: dict[int, tuple[float, float]] = {}
@@ -78,15 +82,19 @@ class CompressedAdamState:
 
     def bind(self, module: torch.nn.Module) -> None:
         """Check that the optimizer holds every trainable parameter of ``module``, and bind the compressor."""
-        owned = {id(p): tuple(group["betas"]) for group in self.optimizer.param_groups for p in group["params"]}
+        owned = {
+            id(p): tuple(group["betas"]) for group in self.optimizer.param_groups for p in group["params"]
+        }
         missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in owned]
         if missing:
             raise ValueError(
                 f"CompressedAdam does not hold these trainable parameters of the DDP model: {missing[:5]}; "
-                f"its hook replaces their gradients with momentum, so build the optimizer from ddp.parameters()"
+                f"its hook replaces their gradients with momentum: build the optimizer from ddp.parameters()"
             )
         self._betas = owned
         self.inner.bind(module)
+        if self.warmup is not None:
+            self.warmup[0].bind(module)
 
     # ---------------------------------------------------------------------------------------- hook work
     def _grad_scale(self) -> float:
@@ -99,11 +107,13 @@ class CompressedAdamState:
         """At bucket 0: follow a changed loss scale (residuals hold scaled momentum)."""
         scale = self._grad_scale()
         if scale != self._scale:
-            self.inner.scale_residuals(scale / self._scale)
+            for state in (self.inner, None if self.warmup is None else self.warmup[0]):
+                if hasattr(state, "scale_residuals"):
+                    state.scale_residuals(scale / self._scale)
             self._scale = scale
 
     def _mix_momentum(self, bucket: dist.GradBucket) -> None:
-        """``buffer = (1 - beta1) * g / denom + beta1 * scale * u`` for every parameter slice of the bucket."""
+        """``buffer = (1 - beta1) * g / denom + beta1 * scale * u`` for each parameter slice of the bucket."""
         flat = bucket.buffer().view(-1)
         offset = 0
         scale = self._scale
@@ -157,7 +167,13 @@ class CompressedAdamState:
         stats: dict[str, Any] = dict(self.inner.stats())
         stats["bytes_sent"] += self._warmup_bytes
         stats["dense_bytes"] += self._warmup_bytes
-        stats["compression_ratio"] = stats["dense_bytes"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
+        if self.warmup is not None:
+            warmup = self.warmup[0].stats()
+            stats["bytes_sent"] += warmup["bytes_sent"]
+            stats["dense_bytes"] += warmup["dense_bytes"]
+        stats["compression_ratio"] = (
+            stats["dense_bytes"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
+        )
         stats["phase"] = "compressed" if self.optimizer.compressing else "warmup"
         stats["warmup_buckets"] = self._warmup_buckets
         stats["optimizer_steps"] = self.optimizer.steps
@@ -171,6 +187,7 @@ class CompressedAdamState:
         return {
             "type": type(self).__name__,
             "inner": self.inner.state_dict(),
+            "warmup": None if self.warmup is None else self.warmup[0].state_dict(),
             "scale": self._scale,
             "warmup_bytes": self._warmup_bytes,
             "warmup_buckets": self._warmup_buckets,
@@ -185,6 +202,10 @@ class CompressedAdamState:
         if state_dict.get("type") != type(self).__name__:
             raise ValueError(f"state_dict is for {state_dict.get('type')!r}, not {type(self).__name__}")
         self.inner.load_state_dict(state_dict["inner"])
+        if (self.warmup is None) != (state_dict["warmup"] is None):
+            raise ValueError("state_dict was saved with another warmup_compressor than this optimizer's")
+        if self.warmup is not None:
+            self.warmup[0].load_state_dict(state_dict["warmup"])
         self._scale = float(state_dict["scale"])
         self._warmup_bytes = int(state_dict["warmup_bytes"])
         self._warmup_buckets = int(state_dict["warmup_buckets"])
@@ -196,9 +217,10 @@ class CompressedAdamState:
 def compressed_adam_hook(state: CompressedAdamState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP comm hook of :class:`~fastcomm.CompressedAdam`: dense in warm-up, compressed momentum after.
 
-    1. Warm-up (``optimizer.compressing`` is false): allreduce the gradient densely.
-    2. Compressed phase, at bucket 0: if the GradScaler's scale changed, rescale the compressor's residuals.
-    3. Mix the local gradient into the momentum in the bucket buffer (module docstring).
+    1. At bucket 0: if the GradScaler's scale changed, rescale the compressors' residuals.
+    2. Warm-up (``optimizer.compressing`` is false): allreduce the gradient densely, or through the
+       ``warmup_compressor``'s hook; done.
+    3. Mix the local gradient into the preconditioned momentum in the bucket buffer (module docstring).
     4. Hand the bucket to the wrapped compressing hook (sign by default): the future holds the momentum
        averaged over ranks, which DDP writes into ``p.grad``.
 
@@ -214,10 +236,12 @@ def compressed_adam_hook(state: CompressedAdamState, bucket: dist.GradBucket) ->
         ddp.register_comm_hook(fastcomm.hooks.momentum.CompressedAdamState(opt, fastcomm.SignState(),
                                fastcomm.sign_hook), fastcomm.hooks.momentum.compressed_adam_hook)
     """
-    if not state.optimizer.compressing:
-        return state._dense(bucket)
     if bucket.index() == 0:
         state._begin_iteration()
+    if not state.optimizer.compressing:
+        if state.warmup is not None:
+            return state.warmup[1](state.warmup[0], bucket)
+        return state._dense(bucket)
     state._mix_momentum(bucket)
     return state.inner_hook(state.inner, bucket)
 
@@ -242,7 +266,7 @@ def register_optimizer(
 
     Example::
 
-        state = fastcomm.hooks.momentum.register_optimizer(ddp, optimizer)  # = fastcomm.register(ddp, optimizer)
+        state = fastcomm.hooks.momentum.register_optimizer(ddp, optimizer)  # fastcomm.register does this
     """
     from fastcomm.hooks.registry import HOOKS, HookName  # the registry imports this module
 
@@ -252,7 +276,13 @@ def register_optimizer(
         raise ValueError("this CompressedAdam already has a hook registered on a DDP model")
     cls, hook = HOOKS[HookName(optimizer.compressor)]
     inner = cls(**optimizer.compressor_options, process_group=process_group)
-    state = CompressedAdamState(optimizer, inner, hook, grad_scaler=grad_scaler, process_group=process_group)
+    warmup = None
+    if optimizer.warmup_compressor is not None:
+        warmup_cls, warmup_hook = HOOKS[HookName(optimizer.warmup_compressor)]
+        warmup = (warmup_cls(process_group=process_group), warmup_hook)
+    state = CompressedAdamState(
+        optimizer, inner, hook, warmup, grad_scaler=grad_scaler, process_group=process_group
+    )
     state.bind(ddp.module)
     ddp.register_comm_hook(state, compressed_adam_hook)
     optimizer.hook_attached = True

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _hooks_workers import _blobs, assert_same_on_all_ranks, batch_for, make_mlp
 from torch import nn
 
 import fastcomm
 from fastcomm.optim import precondition_
-from _hooks_workers import _blobs, assert_same_on_all_ranks, batch_for, make_mlp
 
 LAYOUT: dict = {"find_unused_parameters": True}
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
@@ -42,7 +42,12 @@ def momentum_worker(rank: int, world_size: int) -> None:
         model = make_mlp(11)
         ddp = nn.parallel.DistributedDataParallel(model)
         optimizer = fastcomm.CompressedAdam(
-            ddp.parameters(), **ADAM, warmup_steps=2, compressor="quantize", bits=8, stochastic=False,
+            ddp.parameters(),
+            **ADAM,
+            warmup_steps=2,
+            compressor="quantize",
+            bits=8,
+            stochastic=False,
             min_compress_numel=0,
         )
         state = fastcomm.register(ddp, optimizer)
@@ -82,7 +87,9 @@ def momentum_worker(rank: int, world_size: int) -> None:
             assert_same_on_all_ranks(p, "weights")
 
 
-def _train(rank: int, ddp: nn.Module, optimizer: torch.optim.Optimizer, steps: range, data=batch_for) -> list[float]:
+def _train(
+    rank: int, ddp: nn.Module, optimizer: torch.optim.Optimizer, steps: range, data=batch_for
+) -> list[float]:
     losses = []
     for step in steps:
         optimizer.zero_grad()
@@ -94,16 +101,28 @@ def _train(rank: int, ddp: nn.Module, optimizer: torch.optim.Optimizer, steps: r
     return losses
 
 
-def resume_worker(rank: int, world_size: int, compressor: str) -> None:
-    """Optimizer and hook state saved mid-run and restored into a fresh DDP continue bit for bit."""
-    options = {"sign": {"chunk": 64}, "quantize": {"bits": 4, "block": 64}, "topk": {"ratio": 0.1}}[compressor]
+def resume_worker(rank: int, world_size: int, compressor: str, warmup_compressor: str | None = None) -> None:
+    """Optimizer and hook state saved mid-run and restored into a fresh DDP continue bit for bit.
+
+    With a ``warmup_compressor`` the save falls inside warm-up, and the resumed run crosses into the
+    compressed phase.
+    """
+    warmup_steps = 3 if warmup_compressor is None else 8
+    options = {"sign": {"chunk": 64}, "quantize": {"bits": 4, "block": 64}, "topk": {"ratio": 0.1}}[
+        compressor
+    ]
     options = {**options, "min_compress_numel": 0}
 
     def build(seed: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, object]:
         model = make_mlp(seed)
         ddp = nn.parallel.DistributedDataParallel(model, **LAYOUT)
         optimizer = fastcomm.CompressedAdam(
-            ddp.parameters(), **ADAM, warmup_steps=3, compressor=compressor, **options
+            ddp.parameters(),
+            **ADAM,
+            warmup_steps=warmup_steps,
+            compressor=compressor,
+            warmup_compressor=warmup_compressor,
+            **options,
         )
         return model, ddp, optimizer, fastcomm.register(ddp, optimizer)
 
@@ -120,7 +139,7 @@ def resume_worker(rank: int, world_size: int, compressor: str) -> None:
     fresh.load_state_dict(saved["model"])
     fresh_optimizer.load_state_dict(saved["optimizer"])
     fresh_state.load_state_dict(saved["comm"])
-    assert fresh_optimizer.steps == 6 and fresh_optimizer.compressing
+    assert fresh_optimizer.steps == 6 and fresh_optimizer.compressing == (warmup_compressor is None)
     _train(rank, fresh_ddp, fresh_optimizer, range(6, 10))
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b), f"{compressor}: weights differ after resume"
@@ -130,7 +149,9 @@ def grad_scaler_worker(rank: int, world_size: int) -> None:
     """An inf on one rank in the compressed phase: the step is skipped everywhere, nothing owed changes."""
     model = make_mlp(31)
     ddp = nn.parallel.DistributedDataParallel(model)
-    optimizer = fastcomm.CompressedAdam(ddp.parameters(), **ADAM, warmup_steps=2, chunk=64, min_compress_numel=0)
+    optimizer = fastcomm.CompressedAdam(
+        ddp.parameters(), **ADAM, warmup_steps=2, chunk=64, min_compress_numel=0
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     state = fastcomm.register(ddp, optimizer, grad_scaler=scaler)
     for step in range(7):
@@ -181,7 +202,12 @@ def convergence_worker(rank: int, world_size: int, result_dir: str) -> None:
         else:
             compressor = name
             optimizer = fastcomm.CompressedAdam(
-                ddp.parameters(), **ADAM, warmup_steps=20, compressor=compressor, min_compress_numel=0, **options
+                ddp.parameters(),
+                **ADAM,
+                warmup_steps=20,
+                compressor=compressor,
+                min_compress_numel=0,
+                **options,
             )
             fastcomm.register(ddp, optimizer)
         curves[name] = _train(rank, ddp, optimizer, range(150), _blob_batch)

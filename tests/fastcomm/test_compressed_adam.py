@@ -98,6 +98,7 @@ def test_precondition_floors_a_frozen_variance_by_the_gradient():
         ({"warmup_steps": 0}, ValueError),
         ({"warmup_steps": 10.0}, TypeError),
         ({"compressor": "zip"}, ValueError),
+        ({"warmup_compressor": "sign"}, ValueError),
         ({"start_iter": 5}, ValueError),
     ],
 )
@@ -126,9 +127,12 @@ def test_hook_momentum_equals_mean_gradient_momentum_with_and_without_no_sync(tm
     workers.spawn(tmp_path, 2, adam_workers.momentum_worker)
 
 
-@pytest.mark.parametrize("compressor", ["sign", "quantize", "topk"])
-def test_resume_from_checkpoint_is_bit_identical(tmp_path, compressor):
-    workers.spawn(tmp_path, 2, adam_workers.resume_worker, compressor)
+@pytest.mark.parametrize(
+    "compressor, warmup_compressor",
+    [("sign", None), ("quantize", None), ("topk", None), ("sign", "quantize"), ("sign", "cast")],
+)
+def test_resume_from_checkpoint_is_bit_identical(tmp_path, compressor, warmup_compressor):
+    workers.spawn(tmp_path, 2, adam_workers.resume_worker, compressor, warmup_compressor)
 
 
 def test_grad_scaler_skip_leaves_weights_momentum_and_residuals(tmp_path):
@@ -148,4 +152,6 @@ def test_loss_goes_down_like_dense_adamw(tmp_path):
     # tolerance from dense itself: the spread of two dense seeds, and at least 5% of dense's progress
     tolerance = max(abs(final("dense_seed2") - dense), 0.05 * (start - dense))
     for name in ("sign", "quantize", "topk"):
-        assert final(name) <= dense + tolerance, f"{name}: {final(name):.4f} vs dense {dense:.4f} (+{tolerance:.4f})"
+        assert final(name) <= dense + tolerance, (
+            f"{name}: {final(name):.4f} vs dense {dense:.4f} (+{tolerance:.4f})"
+        )
