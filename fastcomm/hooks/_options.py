@@ -56,6 +56,9 @@ def require_real(name: str, value: object) -> float:
     """``value`` as a ``float`` if it is a real number (an int or a float, not a bool).
 
     Range checks stay with the caller, whose interval (open or closed) is part of the option's meaning.
+
+    Raises:
+        OptionTypeError: not a real number.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise OptionTypeError(f"{name} must be a real number, {_got(value)}")
