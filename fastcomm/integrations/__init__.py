@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from fastcomm.hooks import register
 from fastcomm.integrations._ddp import comm_hook_state, find_ddp, refuse_second_hook, registered_comm_hooks
 
 __all__ = ["comm_hook_state", "find_ddp", "register_accelerate", "registered_comm_hooks"]
@@ -63,8 +64,6 @@ def register_accelerate(accelerator: Any, model: nn.Module, name: Any, **options
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         state = register_accelerate(accelerator, model, "topk", ratio=0.01)
     """
-    from fastcomm.hooks import register
-
     handler = getattr(accelerator, "ddp_handler", None)
     if handler is not None and callable(getattr(handler, "comm_hook", None)):
         hook_name = getattr(handler.comm_hook, "__name__", repr(handler.comm_hook))

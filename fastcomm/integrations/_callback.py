@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from fastcomm.hooks import HOOKS, HookName, register
 from fastcomm.integrations._ddp import comm_hook_state, find_ddp, refuse_second_hook
 
 __all__ = ["CommHookLogic"]
@@ -29,11 +30,18 @@ class CommHookLogic:
         name: ``"topk"``, ``"quantize"``, ``"sign"``, ``"cast"``, a hook state, or a
             ``fastcomm.CompressedAdam`` (as for :func:`fastcomm.register`).
         **options: the state's options (for a name) or ``register``'s options (for an optimizer).
+
+    Example::
+
+        from fastcomm.integrations.lightning import CommHook  # or .pytorch_lightning
+
+        comm = CommHook("topk", ratio=0.01)
+        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[comm])
+        trainer.fit(model)
+        print(comm.state.stats()["compression_ratio"])
     """
 
     def __init__(self, name: Any, **options: Any) -> None:
-        from fastcomm.hooks import HOOKS, HookName
-
         if isinstance(name, (str, HookName)):
             try:
                 hook_name = HookName(name)
@@ -48,8 +56,6 @@ class CommHookLogic:
         self._checked = False
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from fastcomm.hooks import register
-
         model = trainer.strategy.model
         ddp = find_ddp(model) if model is not None else None
         if ddp is None:
