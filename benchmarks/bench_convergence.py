@@ -196,8 +196,9 @@ class _Settings:
 
 
 def _time_phase(method: str, phase: _Phase, link: netlab.Link | None, settings: _Settings,
-                tag: str, port: int) -> tuple[float | None, str]:
-    """The slower rank's median step time of ``method`` in ``phase`` on ``link``, and the run's status."""
+                tag: str, port: int) -> tuple[dict[str, float] | None, str]:
+    """Medians over the timed steps of ``method`` in ``phase`` on ``link`` (the slower rank's step time,
+    rank 0's backward and optimizer step), and the run's status."""
     n = settings.warmup + settings.timed
     args = ["--hook", method, "--steps", str(n), "--schedule-steps", str(settings.steps), "--eval-every",
             "0", "--val-rows", "1", "--log-every", "0", "--data-dir", str(settings.data_dir)]
@@ -206,7 +207,10 @@ def _time_phase(method: str, phase: _Phase, link: netlab.Link | None, settings: 
     run = _launch(args, link, port, 90.0 + 20.0 * n, settings.work, tag)
     if run.status != "ok" or run.result is None:
         return None, run.status
-    return _median(run.result["step_seconds"][settings.warmup:]), "ok"
+    timed = slice(settings.warmup, None)
+    return {"seconds_per_step": _median(run.result["step_seconds"][timed]),
+            "backward_s": _median(run.result["backward_seconds"][timed]),
+            "opt_step_s": _median(run.result["optimizer_seconds"][timed])}, "ok"
 
 
 def _time_link(train_lm: Any, methods: Sequence[str], link: netlab.Link | None, link_name: str,
@@ -222,15 +226,16 @@ def _time_link(train_lm: Any, methods: Sequence[str], link: netlab.Link | None, 
         for number, phase in enumerate(_phases(train_lm, method, settings.steps)):
             port = 29600 + 10 * index + number if link else _free_port()
             begin = time.perf_counter()
-            seconds, phase_status = _time_phase(method, phase, link, settings,
-                                                f"time-{link_name}-{method}-{number}", port)
-            shown = f"{seconds:.3f} s/step" if seconds is not None else phase_status
+            measured, phase_status = _time_phase(method, phase, link, settings,
+                                                 f"time-{link_name}-{method}-{number}", port)
+            shown = (f"{measured['seconds_per_step']:.3f} s/step (backward {measured['backward_s']:.3f}, "
+                     f"optimizer {measured['opt_step_s']:.4f})" if measured else phase_status)
             print(f"[{NAME}] {link_name:10s} {method:8s} {phase.name:16s} {shown} "
                   f"({time.perf_counter() - begin:.0f} s)", file=sys.stderr, flush=True)
-            if seconds is None:
+            if measured is None:
                 status = phase_status
             phases.append({"name": phase.name, "first": phase.first, "last": phase.last,
-                           "seconds_per_step": seconds, "options": dict(phase.options)})
+                           "seconds_per_step": None, **(measured or {}), "options": dict(phase.options)})
         timings[method] = {"status": status, "phases": phases}
     return timings
 
@@ -314,6 +319,10 @@ def _loss_run(method: str, settings: _Settings, available: dict[str, str | None]
 # Report
 
 
+def _round(value: float | None) -> float | str:
+    return round(value, 4) if value is not None else ""
+
+
 def _pct(value: float, reference: float) -> float:
     return 100.0 * (value / reference - 1.0)
 
@@ -354,7 +363,10 @@ def _verdicts(summary: dict[str, dict[str, Any]], shaped: str) -> list[str]:
     if reached and t_dense:
         best = min(reached, key=reached.__getitem__)
         ok = t_dense / reached[best] >= 2.0 and (t_fp16 is None or reached[best] < t_fp16)
-        fp16_text = f", fp16 {t_fp16:.0f} s" if t_fp16 is not None else ", fp16 never reached it"
+        if t_fp16 is not None:
+            fp16_text = f", fp16 {t_fp16:.0f} s"
+        else:
+            fp16_text = ", fp16 never reached it" if "fp16" in summary else ", fp16 not run"
         lines.append(f"{label}: {'PASS' if ok else 'FAIL'} ({best} {reached[best]:.0f} s, dense "
                      f"{t_dense:.0f} s = {t_dense / reached[best]:.2f}x{fp16_text})")
     else:
@@ -367,7 +379,7 @@ def _verdicts(summary: dict[str, dict[str, Any]], shaped: str) -> list[str]:
 
 def _summary_table(summary: dict[str, dict[str, Any]], shaped: str) -> str:
     head = ["method", "val loss", "vs dense", f"s/step {shaped}", "speedup", "s/step 1gbit", "speedup",
-            "time to target", "vs dense", "vs fp16", "status"]
+            "time to target", "vs dense", "vs fp16", "backward_s 1gbit", "opt_step_s 1gbit", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def fmt(value: float | None, pattern: str) -> str:
@@ -381,7 +393,8 @@ def _summary_table(summary: dict[str, dict[str, Any]], shaped: str) -> str:
             s.get("shaped_text", "-"), fmt(s.get("shaped_speedup"), "{:.2f}x"),
             s.get("fast_text", "-"), fmt(s.get("fast_speedup"), "{:.2f}x"),
             fmt(s.get("time_to_target"), "{:.0f} s"), fmt(s.get("ttt_vs_dense"), "{:.2f}x"),
-            fmt(s.get("ttt_vs_fp16"), "{:.2f}x"), s.get("status", ""),
+            fmt(s.get("ttt_vs_fp16"), "{:.2f}x"), fmt(s.get("fast_backward"), "{:.3f}"),
+            fmt(s.get("fast_opt_step"), "{:.4f}"), s.get("status", ""),
         ]) + " |")
     return "\n".join(lines)
 
@@ -450,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="keep each run's result and logs here; loss runs found there are reused")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    started = time.perf_counter()
     train_lm = load_example()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(train_lm.METHODS))
@@ -576,6 +590,9 @@ def main(argv: Sequence[str] | None = None) -> str:
             last, dense_step = _last_phase_step(timing), _last_phase_step(dense_timing)
             mean, dense_mean = _mean_step(timing), _mean_step(dense_timing)
             entry[f"{key}_text"] = _phase_text(timing)
+            if timing["phases"]:
+                entry[f"{key}_backward"] = timing["phases"][-1].get("backward_s")
+                entry[f"{key}_opt_step"] = timing["phases"][-1].get("opt_step_s")
             entry[f"{key}_step"] = mean
             if len(timing["phases"]) > 1:
                 entry[f"{key}_step_compressed"] = last
@@ -590,7 +607,9 @@ def main(argv: Sequence[str] | None = None) -> str:
                                 value=value if value is not None else math.nan, unit="s",
                                 ratio=dense_step / value if value and dense_step else None,
                                 ratio_to="dense allreduce speedup" if value and dense_step else None,
-                                extra={"phase": phase["name"], "status": timing["status"]}))
+                                extra={"phase": phase["name"], "status": timing["status"],
+                                       "backward_s": _round(phase.get("backward_s")),
+                                       "opt_step_s": _round(phase.get("opt_step_s"))}))
             if key == "shaped" and run.result and _elapsed(timing, 1) is not None:
                 curve["shaped_seconds"] = [_elapsed(timing, s) for s in run.result["val_steps"]]
                 if target is not None:
@@ -614,6 +633,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     for line in verdicts:
         print(f"[{NAME}] {line}", file=sys.stderr, flush=True)
     notes += verdicts
+    total = time.perf_counter() - started
+    print(f"[{NAME}] total {total:.0f} s", file=sys.stderr, flush=True)
+    notes.append(f"benchmark wall time: {total:.0f} s (2 CPU cores shared with other work; loss runs "
+                 f"reused from --work-dir count as 0)")
+    notes.append("backward_s / opt_step_s: rank 0's median backward (DDP's hooks and their communication "
+                 "included) and optimizer.step() of the last phase: opt_step_s bounds what fusing the "
+                 "optimizer step into the hook could save")
     notes.append("speedup = dense allreduce's step time / this (phases weighted by their share of the run); "
                  "time to target = seconds on the shaped link until the validation loss reaches dense's "
                  "final loss + 2% (linear between validation points every 50 steps); '-' = never reached")

@@ -364,7 +364,9 @@ def method_unavailable(name: str) -> str | None:
     return None
 
 
-def _noop_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _noop_hook(state, bucket):  # type: ignore[no-untyped-def]
+    # Unannotated: DDP compares a hook's annotations with the real classes, and this module's annotations
+    # are strings (postponed), which it would refuse.
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
@@ -498,7 +500,8 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class TrainResult:
-    """What a run measured: validation loss by step, training loss and step time (slowest rank) by step."""
+    """What a run measured: validation loss by step; training loss, step time (slowest rank) and rank 0's
+    backward and optimizer-step times by step."""
 
     method: str
     description: str
@@ -509,7 +512,9 @@ class TrainResult:
     val_losses: list[float]
     train_losses: list[float]  # the mean over ranks, steps start_step + 1 ... steps
     step_seconds: list[float]  # the slowest rank's time of each of those steps
-    hook_stats: dict[str, float] | None
+    backward_seconds: list[float]  # rank 0's backward (with the hook's communication) of each step
+    optimizer_seconds: list[float]  # rank 0's optimizer.step() of each step
+    hook_stats: dict[str, float | str] | None
     lrs: list[float] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
@@ -631,6 +636,8 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
 
     train_losses: list[float] = []
     step_seconds: list[float] = []
+    backward_seconds: list[float] = []
+    optimizer_seconds: list[float] = []
     lrs: list[float] = []
     last = config.steps if config.stop_after is None else min(config.steps, config.stop_after)
     window_start = time.perf_counter()
@@ -639,11 +646,16 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
         tokens = stream.next()["tokens"][:, : context + 1].long()
         optimizer.zero_grad(set_to_none=True)
         loss = ddp(tokens[:, :-1], tokens[:, 1:])
+        backward_begin = time.perf_counter()
         loss.backward()
+        optimizer_begin = time.perf_counter()
         optimizer.step()
+        optimizer_end = time.perf_counter()
         lrs.append(scheduler.get_last_lr()[0])
         scheduler.step()
         step_seconds.append(time.perf_counter() - begin)
+        backward_seconds.append(optimizer_begin - backward_begin)
+        optimizer_seconds.append(optimizer_end - optimizer_begin)
         train_losses.append(loss.item())
         if not math.isfinite(train_losses[-1]):
             raise FloatingPointError(f"{config.method}: training loss {train_losses[-1]} at step {step}")
@@ -672,7 +684,9 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
         method=config.method, description=method.description, options=options, parameters=parameters,
         start_step=start_step, val_steps=val_steps, val_losses=val_losses,
         train_losses=(losses / world).tolist(), step_seconds=seconds.tolist(),
-        hook_stats={k: float(v) for k, v in stats.items()} if stats else None, lrs=lrs,
+        backward_seconds=backward_seconds, optimizer_seconds=optimizer_seconds,
+        hook_stats={k: float(v) if isinstance(v, (int, float)) else str(v) for k, v in stats.items()}
+        if stats else None, lrs=lrs,
     )
 
 
