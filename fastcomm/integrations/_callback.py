@@ -6,13 +6,25 @@ Each package's Trainer accepts only its own ``Callback`` class, so each integrat
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Any
 
 from fastcomm.hooks import HOOKS, HookName, register
 from fastcomm.integrations._ddp import comm_hook_state, find_ddp, refuse_second_hook
 
-__all__ = ["CommHookLogic"]
+__all__ = ["CommHookLogic", "callback_base"]
+
+
+def callback_base(module: str, package: str, other: str) -> type:
+    """``module.Callback``, or an ``ImportError`` naming ``package`` (and ``other``, its alternative)."""
+    try:
+        return importlib.import_module(module).Callback
+    except ImportError as exc:
+        raise ImportError(
+            f"fastcomm.integrations.{package} needs the '{package}' package (pip install {package}); "
+            f"with the '{other}' package use fastcomm.integrations.{other}"
+        ) from exc
 
 
 class CommHookLogic:

@@ -16,15 +16,9 @@ Example::
 
 from __future__ import annotations
 
-try:
-    from lightning.pytorch import Callback
-except ImportError as exc:
-    raise ImportError(
-        "fastcomm.integrations.lightning needs the 'lightning' package (pip install lightning); with the "
-        "older 'pytorch_lightning' package use fastcomm.integrations.pytorch_lightning"
-    ) from exc
+from fastcomm.integrations._callback import CommHookLogic, callback_base
 
-from fastcomm.integrations._callback import CommHookLogic
+Callback = callback_base("lightning.pytorch", "lightning", "pytorch_lightning")
 
 __all__ = ["CommHook"]
 

@@ -16,15 +16,9 @@ Example::
 
 from __future__ import annotations
 
-try:
-    from pytorch_lightning import Callback
-except ImportError as exc:
-    raise ImportError(
-        "fastcomm.integrations.pytorch_lightning needs the 'pytorch_lightning' package (pip install "
-        "pytorch-lightning); with the 'lightning' package use fastcomm.integrations.lightning"
-    ) from exc
+from fastcomm.integrations._callback import CommHookLogic, callback_base
 
-from fastcomm.integrations._callback import CommHookLogic
+Callback = callback_base("pytorch_lightning", "pytorch_lightning", "lightning")
 
 __all__ = ["CommHook"]
 
