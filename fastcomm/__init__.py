@@ -10,6 +10,7 @@ from fastcomm import integrations, ops
 from fastcomm.hooks import (
     CastState,
     HookName,
+    PeerCollectiveError,
     QuantState,
     SignState,
     TopKState,
@@ -26,6 +27,7 @@ __all__ = [
     "CastState",
     "CompressedAdam",
     "HookName",
+    "PeerCollectiveError",
     "QuantState",
     "SignState",
     "TopKState",

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from fastcomm.hooks._errors import collective_value
 from fastcomm.optim import CompressedAdam, precondition_
 
 __all__ = ["CompressedAdamState", "compressed_adam_hook", "register_optimizer"]
@@ -144,9 +145,10 @@ class CompressedAdamState:
             return future
         self._warmup_bytes += 2 * (world_size - 1) * buffer.numel() * buffer.element_size() // world_size
         work = dist.all_reduce(buffer.div_(world_size), group=self.process_group, async_op=True)
+        index = bucket.index()
 
         def reduced(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
-            return fut.value()[0]  # .value() raises a failed allreduce's error on DDP's wait
+            return collective_value(fut, "CompressedAdam warm-up allreduce", index)[0]
 
         return work.get_future().then(reduced)
 
