@@ -193,6 +193,7 @@ class _Settings:
     data_dir: Path
     work: Path
     reuse: bool
+    reuse_only: bool = False
 
 
 def _time_phase(method: str, phase: _Phase, link: netlab.Link | None, settings: _Settings,
@@ -308,6 +309,8 @@ def _loss_run(method: str, settings: _Settings, available: dict[str, str | None]
     cached = settings.work / f"loss-{method}-{settings.steps}.json"
     if settings.reuse and cached.exists():
         return _Run("ok", json.loads(cached.read_text()))
+    if settings.reuse_only:
+        return _Run(f"not run: no {cached.name} in --work-dir (--reuse-only)")
     args = ["--hook", method, "--steps", str(settings.steps), "--eval-every", "50", "--log-every", "50",
             "--data-dir", str(settings.data_dir)]
     run = _launch(args, None, _free_port(), 120.0 + 6.0 * settings.steps, settings.work,
@@ -462,7 +465,11 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--skip-speed", action="store_true", help="loss runs only")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="keep each run's result and logs here; loss runs found there are reused")
+    parser.add_argument("--reuse-only", action="store_true",
+                        help="with --work-dir: start no loss run, report only those found there")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.reuse_only and args.work_dir is None:
+        parser.error("--reuse-only needs --work-dir")
     started = time.perf_counter()
     train_lm = load_example()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -479,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         work.mkdir(parents=True, exist_ok=True)
         paths = train_lm.prepare_data(train_lm.default_data_dir())
         settings = _Settings(args.steps, args.warmup_steps, args.timed_steps, paths.train.parent.parent,
-                             work, args.work_dir is not None)
+                             work, args.work_dir is not None, args.reuse_only)
         available = {m: train_lm.method_unavailable(m) for m in [*methods, "noop"]}
         notes = [
             f"task: examples/train_lm.py, {_dense_payload_bytes(train_lm) // 4:,}-parameter byte-level GPT "
