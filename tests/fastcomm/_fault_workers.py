@@ -47,6 +47,11 @@ HOOK_CASES = {
     "sign": ("sign", {"min_compress_numel": 0}),
     "cast": ("cast", {}),
 }
+# case -> CompressedAdam options: dense warm-up through the fault step, or compressed (sign) momentum by then
+ADAM_CASES = {
+    "adam-warmup": {"warmup_steps": MAX_STEPS},
+    "adam": {"warmup_steps": 2, "min_compress_numel": 0},
+}
 FAULTS = ("kill", "stop", "stop-before-phase2")
 
 
@@ -68,10 +73,15 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
     model = workers.make_mlp(0)
     # several buckets, so the two-phase hooks pipeline phase 2 across them as in a real model
     ddp = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.004)
-    if hook != "dense":
-        name, options = HOOK_CASES[hook]
-        fastcomm.register(ddp, name, process_group=group, **options)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    optimizer: torch.optim.Optimizer
+    if hook in ADAM_CASES:
+        optimizer = fastcomm.CompressedAdam(ddp.parameters(), lr=1e-3, **ADAM_CASES[hook])
+        fastcomm.register(ddp, optimizer, process_group=group)
+    else:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        if hook != "dense":
+            name, options = HOOK_CASES[hook]
+            fastcomm.register(ddp, name, process_group=group, **options)
     for step in range(MAX_STEPS):
         if rank == 1 and step == FAULT_STEP:
             if fault == "stop-before-phase2":
@@ -119,7 +129,7 @@ def spawn_forked(workdir: Path, world_size: int, worker: Callable, *args: object
 
 
 def run_with_fault(workdir: Path, hook: str, fault: str, timeout_s: float, limit_s: float) -> dict:
-    """Train ``hook`` (``"dense"`` or a key of :data:`HOOK_CASES`) on 2 ranks, fault rank 1, report.
+    """Train ``hook`` (``"dense"``, a :data:`HOOK_CASES` or :data:`ADAM_CASES` key) on 2 ranks, fault rank 1.
 
     ``fault``: ``"kill"`` (``SIGKILL`` at the start of step ``FAULT_STEP``), ``"stop"`` (``SIGSTOP`` there),
     ``"stop-before-phase2"`` (``SIGSTOP`` in that step, just before rank 1's first phase-2 all-gather: the

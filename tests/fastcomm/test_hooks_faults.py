@@ -30,6 +30,8 @@ CASES = [
     ("quantize-inline", "kill"),
     ("sign", "kill"),
     ("cast", "kill"),
+    ("adam-warmup", "kill"),
+    ("adam", "kill"),
     ("topk", "stop"),
     ("sign", "stop"),
     ("sign", "stop-before-phase2"),
