@@ -22,6 +22,7 @@ Example::
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
+import dataclasses
 from typing import Any
 
 import torch
@@ -30,9 +31,19 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._state import ring_bytes
 from fastcomm.optim import CompressedAdam, precondition_
 
 __all__ = ["CompressedAdamState", "compressed_adam_hook", "register_optimizer"]
+
+
+@dataclasses.dataclass
+class _Counters:
+    """What the wrapper itself counts: the loss scale its compressors' residuals are in, warm-up traffic."""
+
+    scale: float = 1.0
+    warmup_bytes: int = 0
+    warmup_buckets: int = 0
 
 
 class CompressedAdamState:
@@ -77,9 +88,7 @@ class CompressedAdamState:
         self.grad_scaler = grad_scaler
         self.process_group = process_group
         self._betas: dict[int, tuple[float, float]] = {}
-        self._scale = 1.0
-        self._warmup_bytes = 0
-        self._warmup_buckets = 0
+        self._counters = _Counters()
 
     def bind(self, module: torch.nn.Module) -> None:
         """Check that the optimizer holds every trainable parameter of ``module``, and bind the compressor."""
@@ -107,17 +116,17 @@ class CompressedAdamState:
     def _begin_iteration(self) -> None:
         """At bucket 0: follow a changed loss scale (residuals hold scaled momentum)."""
         scale = self._grad_scale()
-        if scale != self._scale:
+        if scale != self._counters.scale:
             for state in (self.inner, None if self.warmup is None else self.warmup[0]):
                 if hasattr(state, "scale_residuals"):
-                    state.scale_residuals(scale / self._scale)
-            self._scale = scale
+                    state.scale_residuals(scale / self._counters.scale)
+            self._counters.scale = scale
 
     def _mix_momentum(self, bucket: dist.GradBucket) -> None:
         """``buffer = (1 - beta1) * g / denom + beta1 * scale * u`` for each parameter slice of the bucket."""
         flat = bucket.buffer().view(-1)
         offset = 0
-        scale = self._scale
+        scale = self._counters.scale
         for param in bucket.parameters():
             numel = param.numel()
             view = flat[offset : offset + numel]
@@ -138,12 +147,12 @@ class CompressedAdamState:
         """Warm-up: the mean gradient by one allreduce (divided first, so fp16 cannot overflow)."""
         buffer = bucket.buffer()
         world_size = dist.get_world_size(self.process_group)
-        self._warmup_buckets += 1
+        self._counters.warmup_buckets += 1
         if world_size == 1:
             future: torch.futures.Future[Tensor] = torch.futures.Future()
             future.set_result(buffer)
             return future
-        self._warmup_bytes += 2 * (world_size - 1) * buffer.numel() * buffer.element_size() // world_size
+        self._counters.warmup_bytes += ring_bytes(buffer.numel(), buffer.element_size(), world_size)
         work = dist.all_reduce(buffer.div_(world_size), group=self.process_group, async_op=True)
         index = bucket.index()
 
@@ -167,8 +176,8 @@ class CompressedAdamState:
             ``"compressed"``), ``warmup_buckets`` and ``optimizer_steps``.
         """
         stats: dict[str, Any] = dict(self.inner.stats())
-        stats["bytes_sent"] += self._warmup_bytes
-        stats["dense_bytes"] += self._warmup_bytes
+        stats["bytes_sent"] += self._counters.warmup_bytes
+        stats["dense_bytes"] += self._counters.warmup_bytes
         if self.warmup is not None:
             warmup = self.warmup[0].stats()
             stats["bytes_sent"] += warmup["bytes_sent"]
@@ -177,7 +186,7 @@ class CompressedAdamState:
             stats["dense_bytes"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
         )
         stats["phase"] = "compressed" if self.optimizer.compressing else "warmup"
-        stats["warmup_buckets"] = self._warmup_buckets
+        stats["warmup_buckets"] = self._counters.warmup_buckets
         stats["optimizer_steps"] = self.optimizer.steps
         return stats
 
@@ -190,9 +199,7 @@ class CompressedAdamState:
             "type": type(self).__name__,
             "inner": self.inner.state_dict(),
             "warmup": None if self.warmup is None else self.warmup[0].state_dict(),
-            "scale": self._scale,
-            "warmup_bytes": self._warmup_bytes,
-            "warmup_buckets": self._warmup_buckets,
+            "counters": dataclasses.asdict(self._counters),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -208,9 +215,7 @@ class CompressedAdamState:
             raise ValueError("state_dict was saved with another warmup_compressor than this optimizer's")
         if self.warmup is not None:
             self.warmup[0].load_state_dict(state_dict["warmup"])
-        self._scale = float(state_dict["scale"])
-        self._warmup_bytes = int(state_dict["warmup_bytes"])
-        self._warmup_buckets = int(state_dict["warmup_buckets"])
+        self._counters = _Counters(**state_dict["counters"])
 
     def __repr__(self) -> str:
         return f"CompressedAdamState(compressor={self.inner!r}, warmup_steps={self.optimizer.warmup_steps})"
