@@ -303,12 +303,18 @@ def _shaped_rate(noop_seconds: float, payload_bytes: int) -> str:
 # Loss runs
 
 
-def _loss_run(method: str, settings: _Settings, available: dict[str, str | None]) -> _Run:
+def _loss_run(train_lm: Any, method: str, settings: _Settings, available: dict[str, str | None]) -> _Run:
     if available.get(method):
         return _Run(f"skipped: {available[method]}")
     cached = settings.work / f"loss-{method}-{settings.steps}.json"
     if settings.reuse and cached.exists():
-        return _Run("ok", json.loads(cached.read_text()))
+        found = json.loads(cached.read_text())
+        wanted = json.loads(json.dumps(train_lm.METHODS[method].options))
+        if found.get("options") == wanted and found.get("start_step") == 0:
+            return _Run("ok", found)
+        if settings.reuse_only:
+            return _Run(f"not run: {cached.name} was trained with options {found.get('options')} from step "
+                        f"{found.get('start_step')}, the method now has {wanted} from step 0")
     if settings.reuse_only:
         return _Run(f"not run: no {cached.name} in --work-dir (--reuse-only)")
     args = ["--hook", method, "--steps", str(settings.steps), "--eval-every", "50", "--log-every", "50",
@@ -543,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         runs: dict[str, _Run] = {}
         for method in methods:
             begin = time.perf_counter()
-            runs[method] = _loss_run(method, settings, available)
+            runs[method] = _loss_run(train_lm, method, settings, available)
             run = runs[method]
             if run.status == "ok" and run.result is not None:
                 (work / f"loss-{method}-{args.steps}.json").write_text(json.dumps(run.result))
