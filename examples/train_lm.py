@@ -707,8 +707,8 @@ def _parse_option(text: str) -> tuple[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The torchrun entry point: parse arguments, join the gloo group, prepare data, train, report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hook", default="none", choices=sorted(METHODS),
-                        help="; ".join(f"{k}: {m.description}" for k, m in METHODS.items()))
+    methods_help = "; ".join(f"{k}: {m.description}" for k, m in METHODS.items()).replace("%", "%%")
+    parser.add_argument("--hook", default="none", choices=sorted(METHODS), help=methods_help)
     parser.add_argument("--opt", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                         help="override one of the method's hook/optimizer options (repeatable)")
     parser.add_argument("--steps", type=int, default=500)
