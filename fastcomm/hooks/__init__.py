@@ -1,13 +1,14 @@
 """DDP communication hooks, one family per file, each with its State class beside its hook function.
 
-=================  =====================  ==========================================================
-hook               state                  on the wire (per bucket, per rank)
-=================  =====================  ==========================================================
-``topk_hook``      ``TopKState``          one all-gather of k (int32 index, value) pairs
-``quantize_hook``  ``QuantState``         all-to-all then all-gather of 8/4/2-bit codes + fp32 scales
-``sign_hook``      ``SignState``          all-to-all then all-gather of sign bits + fp32 scales
-``cast_hook``      ``CastState``          one allreduce in bf16 (or fp16)
-=================  =====================  ==========================================================
+===================  ===================  ===========================================================
+hook                 state                on the wire (per bucket, per rank)
+===================  ===================  ===========================================================
+``topk_hook``        ``TopKState``        one all-gather of k (int32 index, value) pairs
+``quantize_hook``    ``QuantState``       all-to-all then all-gather of 8/4/2-bit codes + fp32 scales
+``sign_hook``        ``SignState``        all-to-all then all-gather of sign bits + fp32 scales
+``cast_hook``        ``CastState``        one allreduce in bf16 (or fp16)
+``compressor_hook``  ``CompressorState``  any registered ``fastcomm.compress.Compressor``
+===================  ===================  ===========================================================
 
 Collective order: every collective is issued inside a hook call, never from a callback, and DDP calls hooks
 in bucket order on every rank, so all ranks issue the same collectives in the same order. The two-phase hooks
@@ -23,25 +24,32 @@ Example::
     print(state.stats())
 """
 
+from fastcomm.hooks._base import HookState
+from fastcomm.hooks._compression import CompressionState
+from fastcomm.hooks._defaults import default_state
 from fastcomm.hooks._errors import PeerCollectiveError
-from fastcomm.hooks._state import CompressionState, HookState, default_state
 from fastcomm.hooks.cast import CastState, cast_hook
+from fastcomm.hooks.compressor import CompressorState, compressor_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
-from fastcomm.hooks.registry import HOOKS, HookName, register
+from fastcomm.hooks.registry import COMPRESSORS, HOOKS, HookName, add_compressor, register
 from fastcomm.hooks.sign import SignState, sign_hook
 from fastcomm.hooks.topk import TopKState, topk_hook
 
 __all__ = [
+    "COMPRESSORS",
     "HOOKS",
     "CastState",
     "CompressionState",
+    "CompressorState",
     "HookName",
     "HookState",
     "PeerCollectiveError",
     "QuantState",
     "SignState",
     "TopKState",
+    "add_compressor",
     "cast_hook",
+    "compressor_hook",
     "default_state",
     "quantize_hook",
     "register",

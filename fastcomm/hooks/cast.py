@@ -5,9 +5,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.hooks._base import HookState
+from fastcomm.hooks._defaults import resolve_state
 from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._options import OptionTypeError
-from fastcomm.hooks._state import HookState, Timer, all_finite, resolve_state, ring_bytes, world_of
+from fastcomm.hooks._util import Timer, all_finite, ring_bytes, world_of
 
 __all__ = ["CastState", "cast_hook"]
 
@@ -61,16 +63,16 @@ def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures
         ddp.register_comm_hook(fastcomm.CastState(torch.bfloat16), fastcomm.cast_hook)
     """
     state = resolve_state(state, bucket, CastState)
-    state._begin_bucket(bucket)
+    state.begin_bucket(bucket)
     buffer = bucket.buffer()
     world_size, _ = world_of(state.process_group)
     if world_size == 1:
-        return state._local(buffer)
+        return state.local(buffer)
     timer = Timer()
     with timer:
         wire = torch.div(buffer, world_size, out=buffer.new_empty(buffer.shape, dtype=state.dtype))
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
-    state._count(
+    state.accounting.count(
         ring_bytes(wire.numel(), wire.element_size(), world_size),
         ring_bytes(buffer.numel(), buffer.element_size(), world_size),
         timer.seconds,
@@ -81,7 +83,7 @@ def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures
 
     def finish(future: torch.futures.Future[list[Tensor]]) -> Tensor:
         result = collective_value(future, "CastState allreduce", bucket_index)[0]
-        state._note_output(all_finite(result))
+        state.accounting.note_output(all_finite(result))
         return buffer.copy_(result)
 
     return work.get_future().then(finish)

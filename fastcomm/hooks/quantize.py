@@ -2,16 +2,18 @@
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm import ops, reference
+from fastcomm import reference
+from fastcomm.compress.quantize import QuantCompressor
+from fastcomm.hooks._compression import run_compressed
 from fastcomm.hooks._options import require_bool, require_int
-from fastcomm.hooks._state import CompressedCall, begin_compressed, segment_layout
-from fastcomm.hooks._twophase import Codec, TwoPhaseState, two_phase_allreduce
-from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
+from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_bucket
+from fastcomm.hooks._util import segment_layout
 
 __all__ = ["QuantState", "quantize_hook"]
 
@@ -29,13 +31,9 @@ class QuantState(TwoPhaseState):
         seed: base seed of stochastic rounding.
         error_feedback: per-bucket residuals on both phases (what quantization dropped is sent later).
         start_iter: dense allreduce for the first ``start_iter`` steps.
-        min_compress_numel: buckets with fewer elements go dense.
-        wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
-            :class:`~fastcomm.hooks._state.CompressionState`).
-        overlap_phase2: finish each bucket on a background thread, with phase 2 on a second process group
-            over the same ranks, as soon as its phase 1 arrives (CPU buckets); else in the next hook call
-            (see :class:`~fastcomm.hooks._twophase.TwoPhaseState`).
-        process_group: the group to reduce over; ``None`` for the default group.
+        **options: keyword-only, as for every two-phase hook: ``min_compress_numel`` (buckets with fewer
+            elements go dense), ``wire_chunk_bytes``, ``overlap_phase2`` (see
+            :class:`~fastcomm.hooks._twophase.TwoPhaseState`) and ``process_group``.
 
     Example::
 
@@ -51,13 +49,7 @@ class QuantState(TwoPhaseState):
         block: int = 256,
         stochastic: bool = True,
         seed: int = 0,
-        *,
-        error_feedback: bool = True,
-        start_iter: int = 0,
-        min_compress_numel: int = 1024,
-        wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        overlap_phase2: bool = True,
-        process_group: dist.ProcessGroup | None = None,
+        **options: Any,
     ) -> None:
         if require_int("bits", bits) not in reference.QUANT_BITS:
             raise ValueError(f"bits must be one of {reference.QUANT_BITS}, got {bits!r}")
@@ -65,30 +57,13 @@ class QuantState(TwoPhaseState):
         self.block = require_int("block", block, minimum=1)
         self.stochastic = require_bool("stochastic", stochastic)
         self.seed = require_int("seed", seed)
-        super().__init__(
-            error_feedback=error_feedback,
-            start_iter=start_iter,
-            min_compress_numel=min_compress_numel,
-            wire_chunk_bytes=wire_chunk_bytes,
-            overlap_phase2=overlap_phase2,
-            process_group=process_group,
-        )
+        self._compressor = QuantCompressor(bits, block, stochastic)
+        super().__init__(**options)
 
-    def codec(self) -> Codec:
-        """The blockwise quantizer as the two-phase allreduce uses it."""
-        bits, block, stochastic = self.bits, self.block, self.stochastic
-
-        def compress(
-            x: Tensor, residual_out: Tensor | None, residual_in: Tensor | None, seed: int
-        ) -> tuple[Tensor, Tensor]:
-            return ops.quantize_blockwise(
-                x, bits, block, stochastic, seed, residual=residual_out, residual_source=residual_in
-            )
-
-        def decompress_into(out: Tensor, codes: Tensor, scales: Tensor, accumulate: bool) -> None:
-            ops.dequantize_blockwise_into(out, codes, scales, bits, block, accumulate)
-
-        return Codec(block=block, bits=bits, compress=compress, decompress_into=decompress_into)
+    def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
+        """Segments of whole blocks: ``ceil(numel / W)`` rounded up to ``lcm(block, 8)``."""
+        unit = math.lcm(self.block, 8)
+        return TwoPhaseLayout(self._compressor, segment_layout(numel, world_size, unit), unit, self.seed)
 
 
 def quantize_hook(state: QuantState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -119,11 +94,4 @@ def quantize_hook(state: QuantState | None, bucket: dist.GradBucket) -> torch.fu
 
         ddp.register_comm_hook(fastcomm.QuantState(bits=8), fastcomm.quantize_hook)
     """
-    call = begin_compressed(state, bucket, QuantState)
-    if not isinstance(call, CompressedCall):
-        return call
-    options = call.state
-    assert isinstance(options, QuantState)
-    unit = math.lcm(options.block, 8)
-    segment = segment_layout(call.flat.numel(), call.world_size, unit)
-    return two_phase_allreduce(call, segment, options.codec(), options.seed, bucket.is_last(), unit)
+    return run_compressed(state, bucket, QuantState, two_phase_bucket)

@@ -10,14 +10,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastcomm.hooks._state import HookState
+from fastcomm.compress.protocol import Compressor
+from fastcomm.hooks._base import HookState
 from fastcomm.hooks.cast import CastState, cast_hook
+from fastcomm.hooks.compressor import CompressorState, compressor_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
 from fastcomm.hooks.sign import SignState, sign_hook
 from fastcomm.hooks.topk import TopKState, topk_hook
 from fastcomm.optim import CompressedAdam
 
-__all__ = ["HOOKS", "HookName", "register"]
+__all__ = ["COMPRESSORS", "HOOKS", "HookName", "add_compressor", "register"]
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -38,6 +40,34 @@ HOOKS: dict[HookName, tuple[type[HookState], Hook]] = {
     HookName.CAST: (CastState, cast_hook),
 }
 
+# compressors served by compressor_hook, by name: a new compressor is its own file plus one line here
+COMPRESSORS: dict[str, Callable[..., Compressor]] = {}
+
+# the options register() gives the CompressorState of a named compressor; the others go to the compressor
+_STATE_OPTIONS = frozenset((*CompressorState._OPTIONS, "process_group")) - {"compressor"}
+
+
+def add_compressor(name: str, factory: Callable[..., Compressor]) -> None:
+    """Make ``fastcomm.register(ddp, name, **options)`` serve ``factory(**options)`` by ``compressor_hook``.
+
+    Args:
+        name: the name to register under (not a built-in hook's).
+        factory: the compressor class (or any callable returning a :class:`~fastcomm.compress.Compressor`).
+
+    Raises:
+        ValueError: ``name`` is a built-in hook's or already taken by another factory.
+
+    Example::
+
+        fastcomm.hooks.add_compressor("half", HalfCompressor)
+        state = fastcomm.register(ddp, "half", min_compress_numel=0)
+    """
+    if name in {h.value for h in HookName}:
+        raise ValueError(f"{name!r} is a built-in hook's name")
+    if COMPRESSORS.get(name, factory) is not factory:
+        raise ValueError(f"a compressor is already registered as {name!r}: {COMPRESSORS[name]!r}")
+    COMPRESSORS[name] = factory
+
 
 def register(
     ddp: DistributedDataParallel, name: str | HookName | HookState | torch.optim.Optimizer, **options: Any
@@ -53,9 +83,10 @@ def register(
 
     Args:
         ddp: the DistributedDataParallel model.
-        name: ``"topk"``, ``"quantize"``, ``"sign"`` or ``"cast"`` (or a state to register as is, or a
-            ``fastcomm.CompressedAdam``).
-        **options: the state's constructor arguments (not allowed with a state object).
+        name: ``"topk"``, ``"quantize"``, ``"sign"`` or ``"cast"``, a name in :data:`COMPRESSORS` (or a
+            state to register as is, or a ``fastcomm.CompressedAdam``).
+        **options: the state's constructor arguments (not allowed with a state object); for a named
+            compressor, the :class:`CompressorState` options and the compressor's own.
 
     Returns:
         The state, for ``stats()``, ``state_dict()`` and checkpoints.
@@ -78,14 +109,19 @@ def register(
         if options:
             raise TypeError("options cannot be given together with a state object")
         state = name
-        hook = next((h for cls, h in HOOKS.values() if type(state) is cls), None)
+        known = [*HOOKS.values(), (CompressorState, compressor_hook)]
+        hook = next((h for cls, h in known if type(state) is cls), None)
         if hook is None:
             raise TypeError(f"no fastcomm hook takes a {type(state).__name__}")
+    elif isinstance(name, str) and name in COMPRESSORS:
+        state_options = {k: v for k, v in options.items() if k in _STATE_OPTIONS}
+        compressor = COMPRESSORS[name](**{k: v for k, v in options.items() if k not in _STATE_OPTIONS})
+        state, hook = CompressorState(compressor, **state_options), compressor_hook
     else:
         try:
             hook_name = HookName(name)
         except ValueError:
-            known = ", ".join(repr(h.value) for h in HookName)
+            known = ", ".join(repr(n) for n in [*(h.value for h in HookName), *COMPRESSORS])
             raise ValueError(f"unknown hook {name!r}; known hooks: {known}") from None
         cls, hook = HOOKS[hook_name]
         state = cls(**options)

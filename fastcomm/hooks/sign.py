@@ -2,16 +2,17 @@
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm import ops
+from fastcomm.compress.sign import SignCompressor
+from fastcomm.hooks._compression import run_compressed
 from fastcomm.hooks._options import require_int
-from fastcomm.hooks._state import CompressedCall, begin_compressed, segment_layout
-from fastcomm.hooks._twophase import Codec, TwoPhaseState, two_phase_allreduce
-from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES
+from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_bucket
+from fastcomm.hooks._util import segment_layout
 
 __all__ = ["SignState", "sign_hook", "sign_layout"]
 
@@ -29,13 +30,9 @@ class SignState(TwoPhaseState):
             (:func:`sign_layout`), so each piece on the wire is whole bytes and whole chunks.
         error_feedback: per-bucket residuals on both phases.
         start_iter: dense allreduce for the first ``start_iter`` steps (1-bit Adam's warmup stage).
-        min_compress_numel: buckets with fewer elements go dense.
-        wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
-            :class:`~fastcomm.hooks._state.CompressionState`).
-        overlap_phase2: finish each bucket on a background thread, with phase 2 on a second process group
-            over the same ranks, as soon as its phase 1 arrives (CPU buckets); else in the next hook call
-            (see :class:`~fastcomm.hooks._twophase.TwoPhaseState`).
-        process_group: the group to reduce over; ``None`` for the default group.
+        **options: keyword-only, as for every two-phase hook: ``min_compress_numel`` (buckets with fewer
+            elements go dense), ``wire_chunk_bytes``, ``overlap_phase2`` (see
+            :class:`~fastcomm.hooks._twophase.TwoPhaseState`) and ``process_group``.
 
     Example::
 
@@ -48,23 +45,15 @@ class SignState(TwoPhaseState):
     def __init__(
         self,
         chunk: int = 2048,
-        *,
-        error_feedback: bool = True,
-        start_iter: int = 0,
-        min_compress_numel: int = 1024,
-        wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        overlap_phase2: bool = True,
-        process_group: dist.ProcessGroup | None = None,
+        **options: Any,
     ) -> None:
         self.chunk = require_int("chunk", chunk, minimum=1)
-        super().__init__(
-            error_feedback=error_feedback,
-            start_iter=start_iter,
-            min_compress_numel=min_compress_numel,
-            wire_chunk_bytes=wire_chunk_bytes,
-            overlap_phase2=overlap_phase2,
-            process_group=process_group,
-        )
+        super().__init__(**options)
+
+    def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
+        """The segment and chunk of :func:`sign_layout`, and the sign compressor of that chunk."""
+        segment, chunk = sign_layout(numel, world_size, self.chunk)
+        return TwoPhaseLayout(SignCompressor(chunk), segment, math.lcm(chunk, 8))
 
 
 def sign_layout(numel: int, world_size: int, chunk: int) -> tuple[int, int]:
@@ -72,6 +61,11 @@ def sign_layout(numel: int, world_size: int, chunk: int) -> tuple[int, int]:
 
     The segment is ``ceil(numel / W)`` rounded up to 8 when that is at most ``chunk`` (then the chunk is the
     whole segment), else rounded up to ``lcm(chunk, 8)``.
+
+    Example::
+
+        >>> sign_layout(1000, 2, 2048)
+        (504, 504)
     """
     small = segment_layout(numel, world_size, 8)
     if small <= chunk:
@@ -104,19 +98,4 @@ def sign_hook(state: SignState | None, bucket: dist.GradBucket) -> torch.futures
 
         ddp.register_comm_hook(fastcomm.SignState(), fastcomm.sign_hook)
     """
-    call = begin_compressed(state, bucket, SignState)
-    if not isinstance(call, CompressedCall):
-        return call
-    assert isinstance(call.state, SignState)
-    segment, chunk = sign_layout(call.flat.numel(), call.world_size, call.state.chunk)
-
-    def compress(
-        x: Tensor, residual_out: Tensor | None, residual_in: Tensor | None, seed: int
-    ) -> tuple[Tensor, Tensor]:
-        return ops.sign_compress(x, residual_out, chunk, residual_source=residual_in)
-
-    def decompress_into(out: Tensor, packed: Tensor, scales: Tensor, accumulate: bool) -> None:
-        ops.sign_decompress_into(out, packed, scales, chunk, accumulate)
-
-    codec = Codec(block=chunk, bits=1, compress=compress, decompress_into=decompress_into)
-    return two_phase_allreduce(call, segment, codec, 0, bucket.is_last(), math.lcm(chunk, 8))
+    return run_compressed(state, bucket, SignState, two_phase_bucket)

@@ -2,6 +2,8 @@
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -9,15 +11,10 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fastcomm import ops
+from fastcomm.compress.topk import TopKCompressor
+from fastcomm.hooks._compression import BucketCall, CompressionState, gather_payloads, run_compressed
 from fastcomm.hooks._errors import collective_value
-from fastcomm.hooks._state import (
-    CompressedCall,
-    CompressionState,
-    Timer,
-    all_finite,
-    begin_compressed,
-)
-from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES, all_gather_rows
+from fastcomm.hooks._util import Timer, all_finite
 
 __all__ = ["TopKState", "topk_hook"]
 
@@ -72,8 +69,9 @@ class TopKState(CompressionState):
         start_iter: dense allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
         wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
-            :class:`~fastcomm.hooks._state.CompressionState`).
+            :class:`~fastcomm.hooks._compression.CompressionState`).
         process_group: the group to reduce over; ``None`` for the default group.
+        (``error_feedback`` and the options after it are keyword-only.)
 
     Example::
 
@@ -105,11 +103,7 @@ class TopKState(CompressionState):
         nesterov: bool = False,
         momentum_masking: bool = True,
         clip_norm: float | None = None,
-        error_feedback: bool = True,
-        start_iter: int = 0,
-        min_compress_numel: int = 1024,
-        wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        process_group: dist.ProcessGroup | None = None,
+        **options: Any,
     ) -> None:
         if not _is_real(ratio) or not 0.0 < ratio <= 1.0:
             raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
@@ -141,13 +135,7 @@ class TopKState(CompressionState):
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         # numel of every parameter the hook serves: the model size that local clipping shares out
         self._clipped_numels: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        super().__init__(
-            error_feedback=error_feedback,
-            start_iter=start_iter,
-            min_compress_numel=min_compress_numel,
-            wire_chunk_bytes=wire_chunk_bytes,
-            process_group=process_group,
-        )
+        super().__init__(**options)
 
     def ratio_at(self, step: int) -> float:
         """The sparsity ratio used at ``step`` (warmup stage or ``ratio``)."""
@@ -164,8 +152,8 @@ class TopKState(CompressionState):
             if param.requires_grad:
                 self._clipped_numels[param] = param.numel()
 
-    def clip_threshold(self, bucket: dist.GradBucket, world_size: int) -> float:
-        """The norm a rank's gradient in ``bucket`` is clipped to (local gradient clipping).
+    def clip_threshold(self, bucket: dist.GradBucket | Sequence[Tensor], world_size: int) -> float:
+        """The norm a rank's gradient in ``bucket`` (or these parameters) is clipped to (local clipping).
 
         ``clip_norm * sqrt(bucket numel / model numel) / sqrt(world_size)``; the model numel counts every
         parameter of the bound module and of the buckets seen so far.
@@ -180,7 +168,7 @@ class TopKState(CompressionState):
         if self.clip_norm is None:
             raise ValueError("clip_threshold needs clip_norm; this state was made with clip_norm=None")
         numel = 0
-        for param in bucket.parameters():
+        for param in bucket.parameters() if hasattr(bucket, "parameters") else bucket:
             self._clipped_numels[param] = param.numel()
             numel += param.numel()
         model_numel = max(numel, sum(self._clipped_numels.values()))
@@ -210,26 +198,29 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
         bucket: the DDP gradient bucket.
 
     Returns:
-        A future holding the averaged bucket.
+        A future holding the averaged bucket (the result buffer kept for the bucket, or a dense one).
 
     Example::
 
         ddp.register_comm_hook(fastcomm.TopKState(ratio=0.01), fastcomm.topk_hook)
     """
-    call = begin_compressed(state, bucket, TopKState)
-    if not isinstance(call, CompressedCall):
-        return call
+    return run_compressed(state, bucket, TopKState, _topk_bucket)
+
+
+def _topk_bucket(call: BucketCall) -> torch.futures.Future[Tensor]:
+    """Steps 2-4 of :func:`topk_hook` for one bucket."""
     state, key, entry, flat, world_size = call.state, call.key, call.entry, call.flat, call.world_size
     assert isinstance(state, TopKState)
-    numel = flat.numel()
+    store, numel = state.store, flat.numel()
     timer = Timer()
     with timer:
-        k = min(numel, max(1, math.ceil(state.ratio_at(state._steps) * numel)))
+        k = min(numel, max(1, math.ceil(state.ratio_at(state.accounting.steps) * numel)))
+        compressor = TopKCompressor(k, state.exact)
         if state.clip_norm is not None:  # DGC local clipping: before the gradient enters the velocity
-            _clip_norm_(flat, state.clip_threshold(bucket, world_size))
+            _clip_norm_(flat, state.clip_threshold(call.params, world_size))
         source = flat
         if state.momentum > 0.0:
-            previous = state._current(entry, "velocity", flat)
+            previous = store.current(entry, "velocity", flat)
             if state.nesterov:  # DGC's Nesterov form: u = m (u + g); u + g accumulates
                 velocity = (previous + flat).mul_(state.momentum)
                 source = velocity + flat
@@ -238,53 +229,30 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket) -> torch.futures
                 source = velocity
         residual = current = None
         if state.error_feedback:  # the op writes acc with the sent entries zeroed into the spare buffer
-            current = state._current(entry, "residual", flat)
-            residual = state._spare(key, "residual", current)
-        selected_values, selected = ops.topk_select(
-            source, k, residual=residual, exact=state.exact, residual_source=current
-        )
-        values, indices, kept = _fit(selected_values, selected, k)
-        sent = selected if kept is None else indices
-        if kept is not None and residual is not None:  # cut to k: the dropped entries stay owed
-            dropped = torch.ones(selected.numel(), dtype=torch.bool, device=flat.device)
-            dropped[kept] = False
-            residual[selected[dropped].long()] = selected_values[dropped]
+            current = store.current(entry, "residual", flat)
+            residual = store.spare(key, "residual", current)
+        values, indices, sent = compressor.select(source, residual, current)
         if residual is not None:
-            state._stage(key, "residual", residual)
+            store.stage(key, "residual", residual)
         if state.momentum > 0.0:
             if state.error_feedback and state.momentum_masking:  # momentum factor masking
                 velocity.index_fill_(0, sent.long(), 0)
-            state._stage(key, "velocity", velocity)
-        row = torch.cat([indices.view(torch.uint8), values.contiguous().view(torch.uint8)])
-        gathered = state._wire_buffer(key, "gathered", row, world_size * row.numel())
-    gathered_future = all_gather_rows(
-        gathered.view(world_size, -1),
-        row,
-        group=state.process_group,
-        chunk_bytes=state.wire_chunk_bytes,
-        scratch=state._scratch(key, flat.device),
-    )
-    state._count(
-        (world_size - 1) * row.numel(),
-        2 * (world_size - 1) * numel * flat.element_size() // world_size,
-        timer.seconds,
-        compressed=True,
-    )
-    dtype, bucket_index = flat.dtype, bucket.index()
-    result = state._buffers.get((key, "result"))
-    if not isinstance(result, _SparseResult) or not result.fits(flat):
-        result = state._buffers[(key, "result")] = _SparseResult(flat)
+            store.stage(key, "velocity", velocity)
+        uint8 = torch.empty(0, dtype=torch.uint8, device=flat.device)
+        row = store.buffers.tensor(key, "row", uint8, compressor.wire_bytes(numel, flat.dtype))
+        compressor.pack(row, values, indices)
+    gathered, gathered_future = gather_payloads(call, row, timer.seconds)
+    dtype, bucket_index = flat.dtype, call.bucket_index
+    result = store.buffers.object(key, "result", lambda: _SparseResult(flat), lambda kept: kept.fits(flat))
 
     def decompress(arrived: torch.futures.Future[Tensor]) -> Tensor:
         collective_value(arrived, "TopKState all-gather", bucket_index)  # a failed all-gather raises here
         decompress_timer = Timer()
         with decompress_timer:
-            rows = gathered.view(world_size, -1)
-            all_indices = rows[:, : 4 * k].contiguous().view(torch.int32).reshape(-1)
-            all_values = rows[:, 4 * k :].contiguous().view(dtype).reshape(-1)
-            state._note_output(all_finite(all_values))
+            all_indices, all_values = compressor.unpack(gathered, dtype)
+            state.accounting.note_output(all_finite(all_values))
             out = result.fill(all_indices, all_values, world_size)
-        state._add_seconds(decompress_timer.seconds)
+        state.accounting.add_seconds(decompress_timer.seconds)
         return out
 
     return gathered_future.then(decompress)
@@ -329,21 +297,3 @@ def _clip_norm_(flat: Tensor, threshold: float) -> None:
     """Scale ``flat`` in place to L2 norm at most ``threshold`` (norm in fp32; no host sync)."""
     norm = torch.linalg.vector_norm(flat, dtype=torch.float32)
     flat.mul_((threshold / (norm + 1e-6)).clamp_(max=1.0).to(flat.dtype))
-
-
-def _fit(values: Tensor, indices: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Exactly k entries: keep the k largest magnitudes of an over-full selection, zero-pad a short one.
-
-    Returns ``(values, indices, kept)``: ``kept`` holds the positions (ascending, int64) of the entries an
-    over-full selection kept, else ``None``. Ties in magnitude keep the lower index.
-    """
-    count = indices.numel()
-    if count > k:
-        # the op's exact mode is an O(count) radix select returning ascending positions: no sort needed
-        _, positions = ops.topk_select(values, k, exact=True)
-        kept = positions.long()
-        return values[kept], indices[kept], kept
-    if count < k:
-        pad = k - count
-        return torch.cat([values, values.new_zeros(pad)]), torch.cat([indices, indices.new_zeros(pad)]), None
-    return values, indices, None

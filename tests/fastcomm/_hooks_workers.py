@@ -348,7 +348,7 @@ def _check_lane_fallback(rank: int) -> None:
     """No second process group to be had: a warning, and phase 2 from the next hook call, same results."""
     import pytest
 
-    from fastcomm.hooks import _twophase
+    from fastcomm.hooks import _lane
 
     def refuse(parent: dist.ProcessGroup) -> None:
         raise RuntimeError("no group today")
@@ -361,13 +361,13 @@ def _check_lane_fallback(rank: int) -> None:
         state = fastcomm.QuantState(**options, overlap_phase2=overlap, process_group=dist.new_group([0, 1]))
         buckets = [FakeBucket(b, params[b], grads[b]) for b in range(2)]
         if overlap:
-            original, _twophase._Lane = _twophase._Lane, refuse
+            original, _lane.Lane = _lane.Lane, refuse
             try:
                 with pytest.warns(RuntimeWarning, match="no group today") as caught:
                     results.append(run_hook(fastcomm.quantize_hook, state, buckets))
                 assert len(caught) == 1, "the failure must be remembered, not retried per bucket"
             finally:
-                _twophase._Lane = original
+                _lane.Lane = original
         else:
             results.append(run_hook(fastcomm.quantize_hook, state, buckets))
     for fallback, deferred in zip(*results, strict=True):

@@ -27,7 +27,7 @@ def test_error_feedback_invariant_and_bad_input(tmp_path):
 def test_warmup_schedule_and_fixed_size_payload():
     import torch
 
-    from fastcomm.hooks.topk import _fit
+    from fastcomm.compress.topk import fit_to_k as _fit
 
     state = fastcomm.TopKState(ratio=0.01, warmup_ratios=(0.5, 0.25), warmup_steps=4, start_iter=2)
     assert [state.ratio_at(step) for step in range(8)] == [0.01, 0.01, 0.5, 0.5, 0.25, 0.25, 0.01, 0.01]

@@ -1,0 +1,28 @@
+"""Gradient compressors usable outside a hook: the :class:`Compressor` protocol and its implementations.
+
+=====================  ==========================================================  =========
+compressor             payload                                                     blockwise
+=====================  ==========================================================  =========
+``SignCompressor``     1 bit per element + one fp32 mean magnitude per chunk       yes
+``QuantCompressor``    8/4/2-bit codes + one fp32 absmax per block                 yes
+``TopKCompressor``     k int32 indices + k values                                  no
+=====================  ==========================================================  =========
+
+A new compressor is one file here implementing :class:`Compressor` and one line in
+``fastcomm.hooks.registry.COMPRESSORS`` (or a call to ``fastcomm.hooks.add_compressor``); the hooks'
+bucket store gives it error feedback, rebuild inheritance, skipped-step staging and checkpoints.
+
+Example::
+
+    from fastcomm.compress import QuantCompressor
+    q = QuantCompressor(bits=8, block=256)
+    payload = torch.empty(q.wire_bytes(x.numel(), x.dtype), dtype=torch.uint8)
+    q.compress_into(payload, x, residual, residual, seed=0)
+"""
+
+from fastcomm.compress.protocol import Compressor, all_finite
+from fastcomm.compress.quantize import QuantCompressor
+from fastcomm.compress.sign import SignCompressor
+from fastcomm.compress.topk import TopKCompressor, fit_to_k
+
+__all__ = ["Compressor", "QuantCompressor", "SignCompressor", "TopKCompressor", "all_finite", "fit_to_k"]

@@ -1,0 +1,114 @@
+"""Step accounting and traffic statistics of one hook state, and the counters its checkpoint keeps.
+
+DDP calls a hook once per bucket, bucket 0 first. :class:`StepAccounting` turns that stream into
+iterations: one opens at bucket 0 and closes when the next opens (or when a reader asks). A hook's output
+is identical on every rank, so whether it held inf/NaN is a decision all ranks agree on without another
+collective: such an iteration is a skipped step (GradScaler skips it), any other a step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["COUNTERS", "StepAccounting"]
+
+# the counters a checkpoint keeps, with their types
+COUNTERS: dict[str, type] = {
+    "steps": int,
+    "skipped_steps": int,
+    "bytes_sent": int,
+    "dense_bytes": int,
+    "compress_seconds": float,
+    "compressed_buckets": int,
+    "dense_buckets": int,
+}
+
+
+class StepAccounting:
+    """Iterations, steps, skipped steps and traffic counters (safe to update from any thread).
+
+    Counters are updated from DDP's hook thread, gloo's callback threads and the phase-2 thread; the
+    iteration itself is opened and closed from the hook thread only.
+
+    Example::
+
+        accounting = StepAccounting()
+        accounting.open_iteration()
+        accounting.count(bytes_sent=100, dense_bytes=400, seconds=0.001, compressed=True)
+        accounting.close_iteration()  # True: a finite step was counted
+        print(accounting.stats()["compression_ratio"])  # 4.0
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[str, int | float] = {name: kind() for name, kind in COUNTERS.items()}
+        self.iterations_seen = 0
+        self._open = False
+        self._nonfinite = False
+
+    @property
+    def steps(self) -> int:
+        """Iterations closed with finite outputs (the open one is not counted yet)."""
+        return int(self._counters["steps"])
+
+    @property
+    def is_open(self) -> bool:
+        """Whether an iteration is open (its bucket 0 was seen and the next iteration has not started)."""
+        return self._open
+
+    def open_iteration(self) -> None:
+        """Start an iteration (the previous one must be closed)."""
+        self._open = True
+        self._nonfinite = False
+        self.iterations_seen += 1
+
+    def close_iteration(self) -> bool | None:
+        """Close the open iteration: ``True`` for a step, ``False`` if skipped, ``None`` if none was open."""
+        if not self._open:
+            return None
+        finite = not self._nonfinite
+        with self._lock:
+            self._counters["steps" if finite else "skipped_steps"] += 1
+        self._open = False
+        self._nonfinite = False
+        return finite
+
+    def note_output(self, finite: bool) -> None:
+        """Record whether a bucket's (rank-identical) result was finite."""
+        if not finite:
+            self._nonfinite = True
+
+    def count(self, bytes_sent: int, dense_bytes: int, seconds: float, compressed: bool) -> None:
+        """Add one hook call's traffic, its dense equivalent and its compression time."""
+        with self._lock:
+            self._counters["bytes_sent"] += bytes_sent
+            self._counters["dense_bytes"] += dense_bytes
+            self._counters["compress_seconds"] += seconds
+            self._counters["compressed_buckets" if compressed else "dense_buckets"] += 1
+
+    def add_seconds(self, seconds: float) -> None:
+        """Add compression time measured on another thread (a collective's callback)."""
+        with self._lock:
+            self._counters["compress_seconds"] += seconds
+
+    def stats(self) -> dict[str, float | int]:
+        """The counters and ``compression_ratio``: ``dense_bytes / bytes_sent`` (1.0 if nothing was sent)."""
+        with self._lock:
+            counters = dict(self._counters)
+        sent = counters["bytes_sent"]
+        counters["compression_ratio"] = counters["dense_bytes"] / sent if sent else 1.0
+        ordered = {name: counters[name] for name in ("steps", "skipped_steps", "bytes_sent", "dense_bytes")}
+        ordered.update(counters)
+        return ordered
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, as plain Python values."""
+        with self._lock:
+            return dict(self._counters)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the counters :meth:`state_dict` returned."""
+        with self._lock:
+            for name, kind in COUNTERS.items():
+                self._counters[name] = kind(state_dict[name])

@@ -1,0 +1,215 @@
+""":class:`HookState`, the base of every hook state: options, the model it serves, iterations, checkpoints.
+
+Parameters get an integer key each, in the order the state first sees them (the same in a fresh process
+for the same model and DDP configuration); a bucket layout is named by its parameters' keys. A state
+remembers the parameters it serves; handing it to a second model is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fastcomm.hooks._accounting import COUNTERS, StepAccounting
+from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._options import OptionTypeError
+from fastcomm.hooks._util import BucketKey, all_finite, completed, ring_bytes
+
+__all__ = ["HookState"]
+
+
+class HookState:
+    """Base of every hook state: process group, the served model, step accounting, statistics, pickling.
+
+    Subclasses list their user-facing options in ``_OPTIONS`` (constructor keyword names); those, not the
+    process group, are what pickling keeps. Hooks use :attr:`accounting` and the methods without a leading
+    underscore; subclasses that keep per-step tensors override :meth:`_end_iteration`.
+
+    Args:
+        process_group: the group to reduce over; ``None`` for the default group.
+
+    Example::
+
+        state = fastcomm.CastState(torch.bfloat16)
+        restored = pickle.loads(pickle.dumps(state))  # same options and counters, default process group
+    """
+
+    _OPTIONS: tuple[str, ...] = ()
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise OptionTypeError(
+                f"process_group must be None or a torch.distributed.ProcessGroup, got {process_group!r} "
+                f"({type(process_group).__name__})"
+            )
+        self.process_group = process_group
+        self._reset_internal()
+
+    def _reset_internal(self) -> None:
+        # parameters: identity -> integer key, in first-seen order; the model bound by register()
+        self._param_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._next_param_key = 0
+        self._bound_params: WeakIdKeyDictionary | None = None
+        self.accounting = StepAccounting()
+
+    # ------------------------------------------------------------------------------------------ options
+    def options(self) -> dict[str, Any]:
+        """The constructor options this state was made with (without the process group)."""
+        return {name: getattr(self, name) for name in self._OPTIONS}
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({fields})"
+
+    # ------------------------------------------------------------------------------------------ binding
+    def bind(self, module: torch.nn.Module) -> None:
+        """Tie this state to the parameters of ``module`` (``register()`` does this).
+
+        Raises:
+            ValueError: the state already serves another model.
+        """
+        params = [p for p in module.parameters() if p.requires_grad]
+        if self._bound_params is not None:
+            if all(p in self._bound_params for p in params):
+                return
+            raise ValueError(
+                f"this {type(self).__name__} is already registered on another model; a state holds "
+                f"per-bucket residuals and a step counter for one model, so create one state per DDP model"
+            )
+        if len(self._param_keys) and not all(p in self._param_keys for p in params):
+            raise ValueError(f"this {type(self).__name__} has already served another model's buckets")
+        self._bound_params = WeakIdKeyDictionary({p: True for p in params})
+
+    def param_key(self, param: Tensor) -> int | None:
+        """The integer key of ``param``, or ``None`` if this state has not seen it."""
+        return self._param_keys.get(param)
+
+    def _bucket_key(self, bucket: dist.GradBucket) -> BucketKey:
+        keys = []
+        for param in bucket.parameters():
+            key = self._param_keys.get(param)
+            if key is None:
+                foreign = (self._bound_params is not None and param not in self._bound_params) or (
+                    self._bound_params is None and self.accounting.iterations_seen > 1
+                )
+                if foreign:
+                    raise ValueError(
+                        f"{type(self).__name__} got a bucket with parameters of another model: a state is "
+                        f"registered on two models. Create one state per DDP model."
+                    )
+                key = self._next_param_key
+                self._param_keys[param] = key
+                self._next_param_key += 1
+            keys.append(key)
+        return tuple(keys)
+
+    # --------------------------------------------------------------------------------------- iterations
+    def begin_bucket(self, bucket: dist.GradBucket) -> BucketKey:
+        """Start of a hook call: a new iteration at bucket 0, then the bucket's parameter key."""
+        if bucket.index() == 0:
+            self._finish_iteration()
+            self.accounting.open_iteration()
+        return self._bucket_key(bucket)
+
+    def _finish_iteration(self) -> None:
+        """Close the open iteration, if any, and let the subclass commit or drop what it staged."""
+        finite = self.accounting.close_iteration()
+        if finite is not None:
+            self._end_iteration(finite)
+
+    def _end_iteration(self, finite: bool) -> None:
+        """An iteration closed: a step (``finite``) or a skipped one. Subclasses commit or drop here."""
+
+    def dense_allreduce(self, buffer: Tensor, world_size: int, bucket: int) -> torch.futures.Future[Tensor]:
+        """Mean over ranks by one async allreduce (divided first, so fp16 cannot overflow in the sum).
+
+        ``bucket`` (the DDP bucket index) names the bucket in the error a failed allreduce raises.
+        """
+        tensor = buffer.div_(world_size)
+        work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
+        dense = ring_bytes(tensor.numel(), tensor.element_size(), world_size)
+        self.accounting.count(dense, dense, 0.0, compressed=False)
+
+        def finish(future: torch.futures.Future[list[Tensor]]) -> Tensor:
+            result = collective_value(future, f"{type(self).__name__} dense allreduce", bucket)[0]
+            self.accounting.note_output(all_finite(result))
+            return result
+
+        return work.get_future().then(finish)
+
+    def local(self, buffer: Tensor) -> torch.futures.Future[Tensor]:
+        """World size 1: the gradient is already the mean; only the step accounting runs."""
+        self.accounting.note_output(all_finite(buffer))
+        self.accounting.count(0, 0, 0.0, compressed=False)
+        return completed(buffer)
+
+    # ------------------------------------------------------------------------------------------- public
+    @property
+    def steps(self) -> int:
+        """Optimizer steps really taken (iterations whose reduced gradients were all finite)."""
+        self._finish_iteration()
+        return self.accounting.steps
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters since construction (or since the checkpoint they were restored from).
+
+        Returns:
+            A dict with ``steps`` (finite iterations), ``skipped_steps`` (iterations with inf/NaN, which
+            GradScaler skips), ``bytes_sent`` (bytes this rank put on the wire: ``(W-1)/W`` of an
+            all-to-all's send buffer, ``W-1`` times an all-gather's payload, a ring allreduce's
+            ``2(W-1)/W``), ``dense_bytes`` (what a ring allreduce of the same buckets in their own dtype
+            would have sent), ``compression_ratio`` (``dense_bytes / bytes_sent``, 1.0 when nothing was
+            sent), ``compress_seconds`` (time in compression and decompression, not in collectives),
+            ``compressed_buckets`` and ``dense_buckets`` (hook calls of each kind).
+
+        Example::
+
+            stats = state.stats()
+            print(f"{stats['compression_ratio']:.1f}x less traffic, {stats['skipped_steps']} steps skipped")
+        """
+        self._finish_iteration()
+        return self.accounting.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-identically, without the process group.
+
+        Parameters are identified by the order in which this state first saw them, which is the same in a
+        fresh process for the same model and DDP configuration.
+
+        Returns:
+            A dict of plain Python values and CPU-clonable tensors, for ``torch.save``.
+
+        Example::
+
+            torch.save({"model": model.state_dict(), "comm": state.state_dict()}, path)
+            ...
+            state = fastcomm.register(ddp, "topk", ratio=0.01)
+            state.load_state_dict(torch.load(path)["comm"])
+        """
+        self._finish_iteration()
+        return {"type": type(self).__name__, "options": self.options(), **self.accounting.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (counters and per-bucket tensors; options stay as built).
+
+        Raises:
+            ValueError: the dict comes from another kind of state, or lacks a counter.
+        """
+        if state_dict.get("type") != type(self).__name__:
+            raise ValueError(f"state_dict is for {state_dict.get('type')!r}, not {type(self).__name__}")
+        missing = [name for name in COUNTERS if name not in state_dict]
+        if missing:
+            raise ValueError(f"state_dict lacks the counters {missing}")
+        self._finish_iteration()
+        self.accounting.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options(), "state_dict": self.state_dict()}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        self.__init__(**pickled["options"])  # type: ignore[misc]
+        self.load_state_dict(pickled["state_dict"])

@@ -1,0 +1,312 @@
+"""The bucket store: per-parameter compression state (residuals, velocity) across bucket layouts and steps.
+
+DDP groups parameters into buckets and calls a hook per bucket. The store keeps each layout's tensors (one
+element per gradient element, e.g. error-feedback residuals) and where every parameter lives, so that:
+
+* **Bucket rebuilds** lose nothing: a layout never seen before inherits every slice its parameters had in
+  their old buckets, so compression can start at step 0 (DDP regroups after the first iteration).
+* **Skipped steps** change nothing: tensors a hook updates are *staged* and committed when the iteration
+  closes with finite outputs, dropped when it does not (GradScaler skips that step).
+* **Resume** is bit-identical: a fresh DDP reduces its first iteration in its initial layout (every
+  parameter in one bucket, in forward order) and rebuilds after it, but the checkpoint was taken under the
+  rebuilt layout, whose blocks, segments and top-k budgets cover other elements. During the first iteration
+  after :meth:`BucketStore.load_state_dict`, a bucket made of whole checkpointed buckets is compressed as
+  those buckets (:meth:`BucketStore.resume_parts`): each part gathered into the checkpoint's parameter
+  order, compressed as the checkpointed bucket was, and scattered back. That costs one gather and one
+  scatter copy of the bucket, on that one iteration only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastcomm.hooks._buffers import BufferPool
+from fastcomm.hooks._util import BucketKey
+
+__all__ = ["BucketEntry", "BucketStore", "ResumePart"]
+
+# the segment tensor of two-phase hooks: this rank's phase-2 residual, not one element per bucket element
+SEGMENT_TENSOR = "server_residual"
+
+
+@dataclass
+class BucketEntry:
+    """State of one bucket layout: its parameters' sizes, in bucket order, and its tensors.
+
+    ``tensors`` holds bucket-layout tensors (one element per gradient element, e.g. ``"residual"``,
+    ``"velocity"``) and at most one segment tensor, ``"server_residual"``: the phase-2 residual of the part
+    ``[segment_start, segment_start + len)`` of the bucket that this rank reduces in two-phase hooks.
+    """
+
+    numels: tuple[int, ...]
+    world_size: int
+    segment_start: int = 0
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+
+@dataclass(frozen=True)
+class ResumePart:
+    """A checkpointed bucket inside a bucket of another layout: its key and where its parameters lie.
+
+    ``spans`` are ``(offset, numel)`` ranges of the enclosing bucket, in the checkpointed bucket's order.
+    """
+
+    key: BucketKey
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(numel for _, numel in self.spans)
+
+    def gather(self, flat: Tensor) -> Tensor:
+        """This part of ``flat`` (the enclosing bucket), in the checkpointed order, as a new tensor."""
+        return torch.cat([flat[offset : offset + numel] for offset, numel in self.spans])
+
+    def scatter(self, part: Tensor, flat: Tensor) -> None:
+        """Write ``part`` (what :meth:`gather` returned, reduced) back into ``flat``."""
+        start = 0
+        for offset, numel in self.spans:
+            flat[offset : offset + numel] = part[start : start + numel]
+            start += numel
+
+
+class BucketStore:
+    """Bucket tensors keyed by parameter, rebuild inheritance, staging for skipped steps, checkpoints.
+
+    Example::
+
+        store = BucketStore()
+        entry = store.entry((0, 1), numels=(6, 4), world_size=2)
+        residual = store.current(entry, "residual", like=torch.zeros(10))
+        store.stage((0, 1), "residual", residual + 1)
+        store.end_iteration(finite=True)  # the staged residual becomes current
+    """
+
+    def __init__(self) -> None:
+        self.buffers = BufferPool()
+        self._entries: dict[BucketKey, BucketEntry] = {}
+        # parameter key -> (bucket key, offset of the parameter in that bucket)
+        self._param_loc: dict[int, tuple[BucketKey, int]] = {}
+        self._staged: dict[tuple[BucketKey, str], Tensor] = {}
+        # tensors replaced at the last commit, reused as the next staged copies (no allocation per step)
+        self._spares: dict[tuple[BucketKey, str], Tensor] = {}
+        # keys restored by load_state_dict, until the first iteration after it closes
+        self._restored: tuple[BucketKey, ...] = ()
+
+    # ------------------------------------------------------------------------------------------ layouts
+    def holds(self, key: BucketKey) -> bool:
+        """Whether the store has an entry for this exact layout."""
+        return key in self._entries
+
+    def knows_any(self, key: BucketKey) -> bool:
+        """Whether any parameter of ``key`` has state from an earlier layout."""
+        return any(pkey in self._param_loc for pkey in key)
+
+    def entry(self, key: BucketKey, numels: tuple[int, ...], world_size: int) -> BucketEntry:
+        """The layout's entry; a new layout inherits its parameters' slices from their old buckets."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = BucketEntry(numels=numels, world_size=world_size)
+            self._inherit(key, entry)
+            self._entries[key] = entry
+        return entry
+
+    def _inherit(self, key: BucketKey, entry: BucketEntry) -> None:
+        """Copy each parameter's slices from the bucket that held it before a DDP bucket rebuild.
+
+        A two-phase hook's phase-2 residual covers only this rank's segment of the old bucket; it is folded
+        into this rank's phase-1 residual multiplied by the world size, which keeps the mean over ranks of
+        what is still owed unchanged, so error feedback loses nothing across the rebuild.
+        """
+        sources = []
+        offset = 0
+        for pkey, numel in zip(key, entry.numels, strict=True):
+            location = self._param_loc.get(pkey)
+            if location is not None and location[0] in self._entries:
+                sources.append((location[0], location[1], offset, numel))
+            self._param_loc[pkey] = (key, offset)
+            offset += numel
+        for old_key, old_offset, new_offset, numel in sources:
+            old = self._entries[old_key]
+            for name, tensor in old.tensors.items():
+                if name != SEGMENT_TENSOR:
+                    target = entry.tensors.setdefault(name, tensor.new_zeros(entry.numel))
+                    target[new_offset : new_offset + numel] = tensor[old_offset : old_offset + numel]
+            overlap = _segment_overlap(old, old_offset, numel)
+            if overlap is not None and "residual" in old.tensors:
+                start, stop, delta = overlap
+                target = entry.tensors["residual"]
+                lo, hi = new_offset + start - old_offset, new_offset + stop - old_offset
+                target[lo:hi] = (target[lo:hi].float() + delta).to(target.dtype)
+        for old_key in {source[0] for source in sources}:
+            if all(self._param_loc[p][0] != old_key for p in old_key):
+                del self._entries[old_key]
+                self.buffers.drop(old_key)
+                for stale in [k for k in self._spares if k[0] == old_key]:
+                    del self._spares[stale]
+
+    def resume_parts(self, key: BucketKey) -> list[ResumePart] | None:
+        """How to compress a new layout ``key`` as checkpointed buckets (first iteration after a restore).
+
+        Returns:
+            The checkpointed buckets that ``key`` is made of (each one whole, in the checkpoint's bucket
+            order), or ``None`` to compress ``key`` as one bucket: outside that iteration, for a layout the
+            store holds, or when ``key`` is not made of whole checkpointed buckets.
+        """
+        if not self._restored or key in self._entries:
+            return None
+        position = {pkey: index for index, pkey in enumerate(key)}
+        inside = [old for old in self._restored if old in self._entries and any(p in position for p in old)]
+        if sorted(p for old in inside for p in old) != sorted(key):
+            return None
+        numel_of = {p: n for old in inside for p, n in zip(old, self._entries[old].numels, strict=True)}
+        offsets, start = {}, 0
+        for pkey in key:
+            offsets[pkey], start = start, start + numel_of[pkey]
+        return [ResumePart(old, tuple((offsets[p], numel_of[p]) for p in old)) for old in inside]
+
+    # ---------------------------------------------------------------------------------------- tensors
+    def current(self, entry: BucketEntry, name: str, like: Tensor, numel: int | None = None) -> Tensor:
+        """The committed tensor ``name`` of a bucket, on ``like``'s device and dtype.
+
+        ``numel`` defaults to ``like.numel()``. A missing tensor, or one of another length, starts as zeros;
+        one restored from a checkpoint on another device is moved there.
+        """
+        numel = like.numel() if numel is None else numel
+        tensor = entry.tensors.get(name)
+        if tensor is None or tensor.numel() != numel:
+            tensor = like.new_zeros(numel)
+        elif tensor.dtype != like.dtype or tensor.device != like.device:
+            tensor = tensor.to(device=like.device, dtype=like.dtype)
+        entry.tensors[name] = tensor
+        return tensor
+
+    def spare(self, key: BucketKey, name: str, current: Tensor) -> Tensor:
+        """An uninitialised buffer like ``current`` (the one it replaced last time) for its successor.
+
+        Ops that read the committed tensor and write the new one in the same pass (``residual_source``)
+        stage this buffer instead of copying ``current`` first.
+        """
+        spare = self._spares.pop((key, name), None)
+        if (
+            spare is None
+            or (spare.shape, spare.dtype, spare.device) != (current.shape, current.dtype, current.device)
+            or spare.data_ptr() == current.data_ptr()
+        ):
+            return torch.empty_like(current)
+        return spare
+
+    def stage(self, key: BucketKey, name: str, tensor: Tensor) -> None:
+        """Keep ``tensor`` as the bucket's new ``name`` if this iteration turns out finite."""
+        self._staged[(key, name)] = tensor
+
+    def set_segment(self, entry: BucketEntry, start: int, world_size: int) -> None:
+        """Record which part of the bucket this rank's segment tensor covers (two-phase hooks)."""
+        entry.segment_start, entry.world_size = start, world_size
+
+    def end_iteration(self, finite: bool) -> None:
+        """Commit the staged tensors after a step, or drop them after a skipped one."""
+        staged, self._staged = self._staged, {}
+        self._restored = ()
+        if not finite:
+            return
+        for (key, name), tensor in staged.items():
+            entry = self._entries.get(key)
+            if entry is not None:
+                old = entry.tensors.get(name)
+                entry.tensors[name] = tensor
+                if old is not None and old.data_ptr() != tensor.data_ptr():
+                    self._spares[(key, name)] = old
+
+    def take_owed(self, key: BucketKey, numels: tuple[int, ...], world_size: int) -> Tensor | None:
+        """What a bucket's parameters still owe from compressed steps, staged as paid; ``None`` if nothing.
+
+        Only after a bucket rebuild put compressed parameters into a bucket that goes dense do such
+        residuals exist; they are sent with the dense allreduce instead of being stranded.
+        """
+        if not self.knows_any(key):
+            return None
+        owed = self.entry(key, numels, world_size).tensors.get("residual")
+        if owed is None or not bool(owed.any()):
+            return None
+        self.stage(key, "residual", torch.zeros_like(owed))
+        return owed
+
+    def scale(self, factor: float) -> None:
+        """Multiply every bucket tensor by ``factor`` (committed ones; call between iterations)."""
+        for entry in self._entries.values():
+            for tensor in entry.tensors.values():
+                tensor.mul_(factor)
+
+    def residual_of(self, pkey: int, numel: int) -> Tensor | None:
+        """Parameter ``pkey``'s residual (fp32, flat), the phase-2 residual folded in; ``None`` if none."""
+        location = self._param_loc.get(pkey)
+        if location is None:
+            return None
+        key, offset = location
+        entry = self._entries[key]
+        residual = entry.tensors.get("residual")
+        out = torch.zeros(numel, dtype=torch.float32, device=None if residual is None else residual.device)
+        if residual is not None:
+            out += residual[offset : offset + numel].float()
+        overlap = _segment_overlap(entry, offset, numel)
+        if overlap is not None:
+            start, stop, delta = overlap
+            out[start - offset : stop - offset] += delta
+        return out
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> list[dict[str, Any]]:
+        """Every layout's parameters, sizes, segment and tensors (cloned), in the order they were made."""
+        return [
+            {
+                "params": list(key),
+                "numels": list(entry.numels),
+                "world_size": entry.world_size,
+                "segment_start": entry.segment_start,
+                "tensors": {name: tensor.clone() for name, tensor in entry.tensors.items()},
+            }
+            for key, entry in self._entries.items()
+        ]
+
+    def load_state_dict(self, buckets: list[dict[str, Any]]) -> None:
+        """Replace everything with what :meth:`state_dict` returned."""
+        self.__init__()  # type: ignore[misc]
+        for item in buckets:
+            key = tuple(int(p) for p in item["params"])
+            entry = BucketEntry(
+                numels=tuple(int(n) for n in item["numels"]),
+                world_size=int(item["world_size"]),
+                segment_start=int(item["segment_start"]),
+                tensors={name: tensor.clone() for name, tensor in item["tensors"].items()},
+            )
+            self._entries[key] = entry
+            offset = 0
+            for pkey, numel in zip(key, entry.numels, strict=True):
+                self._param_loc[pkey] = (key, offset)
+                offset += numel
+        self._restored = tuple(self._entries)
+
+
+def _segment_overlap(entry: BucketEntry, offset: int, numel: int) -> tuple[int, int, Tensor] | None:
+    """The part ``[start, stop)`` of ``[offset, offset + numel)`` that this rank's segment tensor covers.
+
+    Returns ``(start, stop, W * segment tensor there)`` in bucket offsets (what the mean over ranks owes
+    for those elements, held by this rank alone), or ``None`` when they do not overlap.
+    """
+    server = entry.tensors.get(SEGMENT_TENSOR)
+    if server is None:
+        return None
+    start = max(offset, entry.segment_start)
+    stop = min(offset + numel, entry.segment_start + server.numel())
+    if start >= stop:
+        return None
+    return start, stop, server[start - entry.segment_start : stop - entry.segment_start] * entry.world_size

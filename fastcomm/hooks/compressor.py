@@ -1,0 +1,128 @@
+"""The hook of any :class:`~fastcomm.compress.Compressor`: error feedback, store and exchange for free.
+
+A compressor registered by name (``fastcomm.hooks.registry.COMPRESSORS`` or
+:func:`~fastcomm.hooks.registry.add_compressor`) is served by :func:`compressor_hook` with a
+:class:`CompressorState`: a blockwise compressor (``block > 0``) through the two-phase allreduce, any
+other by one all-gather of every rank's payload, decoded and averaged on every rank.
+"""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastcomm.compress.protocol import Compressor
+from fastcomm.hooks._compression import BucketCall, gather_payloads, run_compressed
+from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_allreduce
+from fastcomm.hooks._util import Timer, segment_layout
+
+__all__ = ["CompressorState", "compressor_hook"]
+
+
+class CompressorState(TwoPhaseState):
+    """State of :func:`compressor_hook`: the compressor, residuals, step accounting, statistics.
+
+    Args:
+        compressor: any :class:`~fastcomm.compress.Compressor`.
+        **options: the :class:`~fastcomm.hooks._twophase.TwoPhaseState` options (``error_feedback``,
+            ``start_iter``, ``min_compress_numel``, ``wire_chunk_bytes``, ``overlap_phase2``,
+            ``process_group``).
+
+    Raises:
+        TypeError: ``compressor`` does not provide the protocol.
+
+    Example::
+
+        state = fastcomm.hooks.CompressorState(fastcomm.compress.QuantCompressor(bits=8), start_iter=10)
+        ddp.register_comm_hook(state, fastcomm.hooks.compressor_hook)
+    """
+
+    _OPTIONS = ("compressor", *TwoPhaseState._OPTIONS)
+
+    def __init__(self, compressor: Compressor, **options: Any) -> None:
+        if not isinstance(compressor, Compressor):
+            name = type(compressor).__name__
+            raise TypeError(f"compressor must provide fastcomm.compress.Compressor, got {name}")
+        self.compressor = compressor
+        super().__init__(**options)
+
+    def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
+        """Segments of whole blocks and bytes: ``ceil(numel / W)`` rounded up to ``lcm(block, 8)``."""
+        unit = math.lcm(self.compressor.block, 8)
+        return TwoPhaseLayout(self.compressor, segment_layout(numel, world_size, unit), unit)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.compressor.load_state_dict(state_dict.get("compressor", {}))
+        super().load_state_dict(state_dict)
+
+
+def compressor_hook(state: CompressorState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP comm hook: mean over ranks through ``state.compressor``, with error feedback.
+
+    1. Dense allreduce instead before ``start_iter`` or for buckets under ``min_compress_numel``; the
+       gradient as is when the world size is 1.
+    2. Blockwise compressors: the two-phase allreduce (:mod:`fastcomm.hooks._twophase`), residuals on
+       both phases.
+    3. Others: compress ``grad + residual`` (new residual staged), all-gather every rank's payload, decode
+       them in rank order into the bucket (the first overwrites, the others add, each divided by ``W``).
+
+    Args:
+        state: a :class:`CompressorState` (a compressor hook has no default state).
+        bucket: the DDP gradient bucket.
+
+    Returns:
+        A future holding the averaged bucket.
+
+    Example::
+
+        state = fastcomm.register(ddp, "mycompressor")  # a name in fastcomm.hooks.registry.COMPRESSORS
+    """
+    if state is None:
+        raise TypeError("compressor_hook needs a CompressorState: a compressor has no default")
+    return run_compressed(state, bucket, CompressorState, _compressor_bucket)
+
+
+def _compressor_bucket(call: BucketCall) -> torch.futures.Future[Tensor]:
+    state = call.state
+    assert isinstance(state, CompressorState)
+    if state.compressor.block > 0:
+        return two_phase_allreduce(call, state.layout(call.flat.numel(), call.world_size))
+    return _all_gather_allreduce(call, state.compressor)
+
+
+def _all_gather_allreduce(call: BucketCall, compressor: Compressor) -> torch.futures.Future[Tensor]:
+    """Step 3 of :func:`compressor_hook`."""
+    state, key, entry, flat, world_size = call.state, call.key, call.entry, call.flat, call.world_size
+    store, numel = state.store, flat.numel()
+    timer = Timer()
+    with timer:
+        residual = current = None
+        if state.error_feedback:
+            current = store.current(entry, "residual", flat)
+            residual = store.spare(key, "residual", current)
+        uint8 = torch.empty(0, dtype=torch.uint8, device=flat.device)
+        row = store.buffers.tensor(key, "row", uint8, compressor.wire_bytes(numel, flat.dtype))
+        compressor.compress_into(row, flat, residual, current, 0)
+        if residual is not None:
+            store.stage(key, "residual", residual)
+    gathered, future = gather_payloads(call, row, timer.seconds)
+    bucket_index = call.bucket_index
+
+    def decompress(arrived: torch.futures.Future[Tensor]) -> Tensor:
+        collective_value(arrived, "compressor_hook", bucket_index)
+        decode_timer = Timer()
+        with decode_timer:
+            state.accounting.note_output(compressor.payload_finite(gathered, numel, flat.dtype))
+            for source in range(world_size):
+                compressor.decompress_into(flat, gathered[source], numel, source > 0, world_size)
+        state.accounting.add_seconds(decode_timer.seconds)
+        return flat
+
+    return future.then(decompress)

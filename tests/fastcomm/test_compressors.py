@@ -1,0 +1,108 @@
+"""The compressors of ``fastcomm.compress`` outside a hook, and a new compressor added by one registry call.
+
+Each compressor is checked against the reference ops on random inputs: the payload decodes to what the
+reference kernels give, error feedback keeps ``decoded + residual == input`` (up to one rounding), and the
+payload's size is what ``wire_bytes`` says.
+"""
+
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastcomm
+from fastcomm import reference
+from fastcomm.compress import Compressor, QuantCompressor, SignCompressor, TopKCompressor
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _compressor_workers  # noqa: E402
+import _hooks_workers as workers  # noqa: E402
+
+CASES = {
+    "sign": lambda: SignCompressor(chunk=64),
+    "q8": lambda: QuantCompressor(bits=8, block=64, stochastic=False),
+    "q4": lambda: QuantCompressor(bits=4, block=32, stochastic=False),
+    "q2_stochastic": lambda: QuantCompressor(bits=2, block=64, stochastic=True),
+    "topk": lambda: TopKCompressor(k=37, exact=True),
+}
+
+
+def _input(case: str, numel: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, numel)).encode()))
+    return torch.randn(numel, generator=gen) * 3
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compressor_error_feedback_keeps_the_input(case):
+    compressor = CASES[case]()
+    assert isinstance(compressor, Compressor)
+    x = _input(case, 1024)
+    residual_in = _input(case + "residual", 1024) * 0.1
+    residual_out = torch.empty_like(x)
+    payload = torch.empty(compressor.wire_bytes(x.numel(), x.dtype), dtype=torch.uint8)
+    compressor.compress_into(payload, x, residual_out, residual_in, seed=5)
+    decoded = torch.empty_like(x)
+    compressor.decompress_into(decoded, payload, x.numel())
+    torch.testing.assert_close(decoded + residual_out, x + residual_in, rtol=0, atol=4e-6)
+    assert compressor.payload_finite(payload.view(1, -1), x.numel(), x.dtype)
+    again = torch.empty_like(x).fill_(1.0)
+    compressor.decompress_into(again, payload, x.numel(), accumulate=True, divisor=2)
+    torch.testing.assert_close(again, 1.0 + decoded / 2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["sign", "q8", "q4"])
+def test_blockwise_payload_matches_the_reference_ops(case):
+    compressor = CASES[case]()
+    x = _input(case, 512)
+    payload = torch.empty(compressor.wire_bytes(x.numel(), x.dtype), dtype=torch.uint8)
+    compressor.compress_into(payload, x, None, None, seed=0)
+    decoded = torch.empty_like(x)
+    compressor.decompress_into(decoded, payload, x.numel())
+    if case == "sign":
+        packed, scales = reference.sign_compress(x, None, 64)
+        expected = reference.sign_decompress(packed, scales, x.numel(), 64)
+    else:
+        bits, block = compressor.bits, compressor.block
+        codes, scales = reference.quantize_blockwise(x, bits, block, False, 0)
+        expected = reference.dequantize_blockwise(codes, scales, x.numel(), bits, block)
+    assert torch.equal(decoded, expected)
+    nonfinite = x.clone()
+    nonfinite[100] = float("nan")
+    compressor.compress_into(payload, nonfinite, None, None, seed=0)
+    assert not compressor.payload_finite(payload.view(1, -1), x.numel(), x.dtype)
+
+
+def test_topk_payload_holds_the_k_largest_magnitudes():
+    x = _input("topk-largest", 1000)
+    compressor = TopKCompressor(k=10, exact=True)
+    payload = torch.empty(compressor.wire_bytes(x.numel(), x.dtype), dtype=torch.uint8)
+    compressor.compress_into(payload, x, None, None, seed=0)
+    indices, values = compressor.unpack(payload, x.dtype)
+    assert sorted(indices.tolist()) == sorted(x.abs().topk(10).indices.tolist())
+    assert torch.equal(values, x[indices.long()])
+
+
+def test_compressor_options_are_checked():
+    with pytest.raises(ValueError, match="bits"):
+        QuantCompressor(bits=8.0)
+    with pytest.raises(ValueError, match="chunk"):
+        SignCompressor(chunk=True)
+    with pytest.raises(ValueError, match="k must"):
+        TopKCompressor(k=0)
+    with pytest.raises(TypeError, match="Compressor"):
+        fastcomm.hooks.CompressorState(object())
+
+
+def test_added_compressor_is_registered_by_name():
+    fastcomm.hooks.add_compressor("half_in_process", _compressor_workers.HalfCompressor)
+    assert fastcomm.hooks.COMPRESSORS["half_in_process"] is _compressor_workers.HalfCompressor
+    with pytest.raises(ValueError, match="built-in"):
+        fastcomm.hooks.add_compressor("topk", _compressor_workers.HalfCompressor)
+    with pytest.raises(ValueError, match="already registered"):
+        fastcomm.hooks.add_compressor("half_in_process", SignCompressor)
+
+
+def test_new_compressor_trains_through_register(tmp_path):
+    workers.spawn(tmp_path, 2, _compressor_workers.registered_compressor_worker)
