@@ -1,4 +1,5 @@
-"""Rank processes for the fault tests: 2 gloo ranks train a DDP model until rank 1 dies or stops.
+"""Rank processes for the fault tests (2 gloo ranks train a DDP model until rank 1 dies or stops) and one
+option test (sign_hook with a chunk that is not a multiple of 8).
 
 Rank 1 sends itself ``SIGKILL`` (a dead peer) or ``SIGSTOP`` (a peer stopped past the process group's
 timeout) at the start of step ``FAULT_STEP``, or in that step just before its first phase-2 all-gather.
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import _hooks_workers as workers
 import torch
-import torch._dynamo  # noqa: F401 - DDP's constructor imports it (5-10 s): once here, not in every forked rank
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
@@ -32,9 +32,10 @@ from torch import nn
 import fastcomm
 from fastcomm.hooks import _twophase
 
-# fork: the ranks start from this process's imports (torch, fastcomm, what DDP imports) in milliseconds,
-# where spawned ones re-import them for seconds per rank; nothing here has started threads before the fork
-START_METHOD = "fork"
+# Ranks are forked by a forkserver that imported torch, fastcomm and what DDP's constructor imports
+# (torch._dynamo: 5-10 s) once: a rank then starts in milliseconds, where a spawned one imports for seconds.
+# The server is a fresh single-threaded process, so no thread of the test process is forked with it.
+PRELOAD = ["_fault_workers", "torch._dynamo"]
 FAULT_STEP = 4
 MAX_STEPS = 60
 # case -> (fastcomm.register name, options): small buckets compress too, so the compressed path is what
@@ -118,14 +119,22 @@ def _fault_entry(rank: int, world_size: int, workdir: str, args: tuple) -> None:
     workers._entry(rank, world_size, workdir, _train, (workdir, *args))
 
 
-def spawn_forked(workdir: Path, world_size: int, worker: Callable, *args: object) -> None:
-    """:func:`_hooks_workers.spawn` (bounded, a failing rank's traceback raised) with forked ranks."""
-    get_context = mp.get_context
-    workers.mp.get_context = lambda method=None: get_context(START_METHOD)
+_GET_CONTEXT = mp.get_context
+
+
+def _context() -> mp.context.BaseContext:
+    context = _GET_CONTEXT("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    return context
+
+
+def spawn_preloaded(workdir: Path, world_size: int, worker: Callable, *args: object) -> None:
+    """:func:`_hooks_workers.spawn` (bounded, a failing rank's traceback raised) with preloaded ranks."""
+    workers.mp.get_context = lambda method=None: _context()
     try:
         workers.spawn(workdir, world_size, worker, *args, timeout_s=60)
     finally:
-        workers.mp.get_context = get_context
+        workers.mp.get_context = _GET_CONTEXT
 
 
 def run_with_fault(workdir: Path, hook: str, fault: str, timeout_s: float, limit_s: float) -> dict:
@@ -143,7 +152,7 @@ def run_with_fault(workdir: Path, hook: str, fault: str, timeout_s: float, limit
             before the fault (its traceback is in the message).
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context(START_METHOD)
+    ctx = _context()
     procs = [
         ctx.Process(target=_fault_entry, args=(rank, 2, str(workdir), (hook, fault, timeout_s)), daemon=True)
         for rank in range(2)
@@ -167,3 +176,30 @@ def run_with_fault(workdir: Path, hook: str, fault: str, timeout_s: float, limit
     if not report_file.exists():
         raise AssertionError(f"the survivor neither raised nor finished within {limit_s} s (hang)")
     return json.loads(report_file.read_text())
+
+
+# ------------------------------------------------------------------------------------------ options
+def odd_chunk_worker(rank: int, world_size: int) -> None:
+    """sign_hook with chunk=3 (one piece, and many small pieces) equals the test's reference simulation."""
+    sizes = [(7,), (300,), (2000, 1000)]
+    for wire in ({}, {"wire_chunk_bytes": 40}):
+        state = fastcomm.SignState(chunk=3, min_compress_numel=0, **wire)
+        params = workers.make_buckets(sizes, torch.float32)
+        sims = [{"res": [torch.zeros(sum(s)) for _ in range(world_size)], "server": None} for s in sizes]
+        for step in range(3):
+            grads = [
+                [workers.grad_for(r, b, step, sum(s), torch.float32) for r in range(world_size)]
+                for b, s in enumerate(sizes)
+            ]
+            buckets = [workers.FakeBucket(b, params[b], grads[b][rank].clone()) for b in range(len(sizes))]
+            outputs = workers.run_hook(fastcomm.sign_hook, state, buckets)
+            for b, out in enumerate(outputs):
+                numel = grads[b][0].numel()
+                segment, compress, decompress = workers.sign_codec(numel, world_size, 3)
+                if sims[b]["server"] is None:
+                    sims[b]["server"] = [torch.zeros(segment) for _ in range(world_size)]
+                expected = workers.ref_two_phase(
+                    grads[b], sims[b]["res"], sims[b]["server"], segment, compress, decompress
+                )
+                what = f"chunk=3 {wire} bucket {sizes[b]} step {step}"
+                assert torch.equal(out, expected), f"{what}: max diff {(out - expected).abs().max()}"

@@ -23,7 +23,6 @@ LIMIT_S = 45.0  # hard bound per case: process start-up, the fault, the report
 
 CASES = [
     ("dense", "kill"),
-    ("dense", "stop"),
     ("topk", "kill"),
     ("topk-warmup", "kill"),
     ("quantize", "kill"),

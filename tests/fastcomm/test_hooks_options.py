@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fault_workers as faults  # noqa: E402
-import _hooks_workers as workers  # noqa: E402
 
 import fastcomm  # noqa: E402
 from fastcomm.hooks import sign  # noqa: E402
@@ -147,31 +146,5 @@ def test_any_positive_chunk_lays_out_whole_bytes_and_chunks(chunk):
                 assert start % unit == 0 and (stop % unit == 0 or stop == segment), (start, stop)
 
 
-def _odd_chunk_worker(rank: int, world_size: int) -> None:
-    """sign_hook with chunk=3 (one piece, and many small pieces) equals the test's reference simulation."""
-    sizes = [(7,), (300,), (2000, 1000)]
-    for wire in ({}, {"wire_chunk_bytes": 40}):
-        state = fastcomm.SignState(chunk=3, min_compress_numel=0, **wire)
-        params = workers.make_buckets(sizes, torch.float32)
-        sims = [{"res": [torch.zeros(sum(s)) for _ in range(world_size)], "server": None} for s in sizes]
-        for step in range(3):
-            grads = [
-                [workers.grad_for(r, b, step, sum(s), torch.float32) for r in range(world_size)]
-                for b, s in enumerate(sizes)
-            ]
-            buckets = [workers.FakeBucket(b, params[b], grads[b][rank].clone()) for b in range(len(sizes))]
-            outputs = workers.run_hook(fastcomm.sign_hook, state, buckets)
-            for b, out in enumerate(outputs):
-                numel = grads[b][0].numel()
-                segment, compress, decompress = workers.sign_codec(numel, world_size, 3)
-                if sims[b]["server"] is None:
-                    sims[b]["server"] = [torch.zeros(segment) for _ in range(world_size)]
-                expected = workers.ref_two_phase(
-                    grads[b], sims[b]["res"], sims[b]["server"], segment, compress, decompress
-                )
-                what = f"chunk=3 {wire} bucket {sizes[b]} step {step}"
-                assert torch.equal(out, expected), f"{what}: max diff {(out - expected).abs().max()}"
-
-
 def test_sign_chunk_not_a_multiple_of_8_matches_reference(tmp_path):
-    faults.spawn_forked(tmp_path, 2, _odd_chunk_worker)
+    faults.spawn_preloaded(tmp_path, 2, faults.odd_chunk_worker)
