@@ -339,6 +339,9 @@ METHODS: dict[str, Method] = {
     "sign": Method("fastcomm sign_hook (1-bit, error feedback), AdamW", hook="sign"),
     "cadam": Method("fastcomm.CompressedAdam (sign compressor) after a dense AdamW warm-up",
                     optimizer="compressed_adam", options={"compressor": "sign", "warmup_steps": 100}),
+    "cadam_q8w": Method("fastcomm.CompressedAdam (sign compressor) after an AdamW warm-up on 8-bit quantized "
+                        "gradients", optimizer="compressed_adam",
+                        options={"compressor": "sign", "warmup_steps": 100, "warmup_compressor": "quantize"}),
     "cadam_q8": Method("fastcomm.CompressedAdam (quantize compressor) after a dense AdamW warm-up",
                        optimizer="compressed_adam", options={"compressor": "quantize", "warmup_steps": 100}),
     "cadam_topk": Method("fastcomm.CompressedAdam (topk compressor) after a dense AdamW warm-up",
