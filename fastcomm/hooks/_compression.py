@@ -88,6 +88,12 @@ class CompressionState(HookState):
             self.flush_pending()
         return super().begin_bucket(bucket)
 
+    def dense_result(
+        self, key: BucketKey, params: tuple[Tensor, ...], world_size: int, mean: torch.futures.Future[Tensor]
+    ) -> torch.futures.Future[Tensor]:
+        """What a dense bucket returns, given the future of its mean over ranks (that future, here)."""
+        return mean
+
     def use_compression(self, numel: int) -> bool:
         """Whether a bucket of ``numel`` elements is compressed at the current step."""
         return self.accounting.steps >= self.start_iter and numel >= max(1, self.min_compress_numel)
@@ -176,6 +182,7 @@ def run_compressed(
 
     1. Resolve the state (the per-model default when ``None``) and open the iteration at bucket 0.
     2. World size 1: a completed future holding the gradient as is.
+    2. (and 4.) A dense result goes through :meth:`CompressionState.dense_result` (top-k's momentum).
     3. The first iteration after ``load_state_dict``, a bucket made of whole checkpointed buckets (see
        :meth:`~fastcomm.hooks._store.BucketStore.resume_parts`): each part is gathered, reduced by steps
        4-5 as the checkpointed bucket was, and scattered back.
@@ -191,9 +198,9 @@ def run_compressed(
     key = resolved.begin_bucket(bucket)
     buffer = bucket.buffer()
     world_size, rank = world_of(resolved.process_group)
-    if world_size == 1:
-        return resolved.local(buffer)
     params = tuple(bucket.parameters())
+    if world_size == 1:
+        return resolved.dense_result(key, params, 1, resolved.local(buffer))
     numels = tuple(p.numel() for p in params)
     if sum(numels) != buffer.numel():
         raise RuntimeError(
@@ -225,7 +232,7 @@ def _one(
         future = state.dense_allreduce(dense, world_size, index)
         if last:
             state.flush_pending()
-        return future
+        return state.dense_result(key, params, world_size, future)
     entry = state.store.entry(key, numels, world_size)
     return compress(BucketCall(state, key, entry, buffer.reshape(-1), world_size, rank, last, index, params))
 

@@ -14,7 +14,7 @@ from fastcomm import ops
 from fastcomm.compress.topk import TopKCompressor
 from fastcomm.hooks._compression import BucketCall, CompressionState, gather_payloads, run_compressed
 from fastcomm.hooks._errors import collective_value
-from fastcomm.hooks._util import Timer, all_finite
+from fastcomm.hooks._util import BucketKey, Timer, all_finite
 
 __all__ = ["TopKState", "topk_hook"]
 
@@ -47,9 +47,9 @@ class TopKState(CompressionState):
     ``clip_norm`` do not also call ``clip_grad_norm_`` on the reduced gradients: clipping belongs before the
     accumulation. Momentum correction is DGC's answer for momentum SGD, not for Adam (keep ``momentum=0``
     with AdamW, or use :class:`fastcomm.CompressedAdam`). Dense steps (before ``start_iter``, buckets
-    below ``min_compress_numel``, world size 1) are plain averages: neither the velocity nor the clipping
-    applies there, so with ``momentum > 0`` leave ``start_iter=0`` and make ``min_compress_numel`` small
-    enough for every bucket.
+    below ``min_compress_numel``, world size 1) apply the momentum to the mean gradient, as DGC's own code
+    does: ``u = m * u + mean(g)`` (Nesterov: ``u = m * (u + mean(g))``, returning ``u + mean(g)``), with
+    the velocity kept per parameter and staged like the residual; clipping does not apply there.
 
     Args:
         ratio: fraction of each bucket's entries a rank sends, in ``(0, 1]``; ``k = ceil(ratio * numel)``.
@@ -136,6 +136,28 @@ class TopKState(CompressionState):
         # numel of every parameter the hook serves: the model size that local clipping shares out
         self._clipped_numels: WeakIdKeyDictionary = WeakIdKeyDictionary()
         super().__init__(**options)
+
+    def dense_result(
+        self, key: BucketKey, params: tuple[Tensor, ...], world_size: int, mean: torch.futures.Future[Tensor]
+    ) -> torch.futures.Future[Tensor]:
+        """With ``momentum > 0``, the velocity of DGC's momentum correction applied to a dense mean."""
+        if self.momentum == 0.0:
+            return mean
+        entry = self.store.entry(key, tuple(p.numel() for p in params), world_size)
+
+        def with_momentum(done: torch.futures.Future[Tensor]) -> Tensor:
+            averaged = done.value()  # a failed allreduce raises here
+            previous = self.store.current(entry, "velocity", averaged.reshape(-1))
+            if self.nesterov:
+                velocity = (previous + averaged.reshape(-1)).mul_(self.momentum)
+                result = velocity + averaged.reshape(-1)
+            else:
+                velocity = previous * self.momentum + averaged.reshape(-1)
+                result = velocity
+            self.store.stage(key, "velocity", velocity)
+            return averaged.copy_(result.view_as(averaged))
+
+        return mean.then(with_momentum)
 
     def ratio_at(self, step: int) -> float:
         """The sparsity ratio used at ``step`` (warmup stage or ``ratio``)."""

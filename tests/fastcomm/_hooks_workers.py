@@ -894,6 +894,41 @@ def stress_worker(rank: int, world_size: int, steps: int) -> None:
             assert_same_on_all_ranks(p, f"{hook_name}: parameters after {steps} steps")
 
 
+# ------------------------------------------------------------------------- top-k momentum on dense steps
+DENSE_MOMENTUM = 0.9
+
+
+def dense_momentum_worker(rank: int, world_size: int, nesterov: bool) -> None:
+    """TopKState(momentum=m): dense steps return DGC's velocity of the mean gradient (plain or Nesterov)."""
+    state = fastcomm.TopKState(
+        ratio=0.5, momentum=DENSE_MOMENTUM, nesterov=nesterov, start_iter=2, min_compress_numel=1000
+    )
+    sizes = [(2000, 1000), (500,)]  # bucket 0: dense for 2 steps, then compressed; bucket 1: always dense
+    params = make_buckets(sizes, torch.float32)
+    velocity = [torch.zeros(sum(s)) for s in sizes]
+    for step in range(4):
+        grads = [
+            [grad_for(r, b, step, sum(s), torch.float32) for r in range(world_size)]
+            for b, s in enumerate(sizes)
+        ]
+        buckets = [FakeBucket(b, params[b], grads[b][rank].clone()) for b in range(len(sizes))]
+        outputs = run_hook(fastcomm.topk_hook, state, buckets)
+        for b, out in enumerate(outputs):
+            if b == 0 and step >= 2:
+                continue  # compressed: test_dgc checks that path
+            mean = sum(g / world_size for g in grads[b])
+            if nesterov:
+                velocity[b] = (velocity[b] + mean) * DENSE_MOMENTUM
+                expected = velocity[b] + mean
+            else:
+                velocity[b] = velocity[b] * DENSE_MOMENTUM + mean
+                expected = velocity[b]
+            assert torch.equal(out, expected), f"bucket {b} step {step}: {(out - expected).abs().max()}"
+            assert_same_on_all_ranks(out, f"bucket {b} step {step}")
+    assert state.stats()["steps"] == 4 and state.stats()["dense_buckets"] == 6
+    dist.barrier()
+
+
 # ---------------------------------------------------------------------------------------------- training
 def _blobs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
