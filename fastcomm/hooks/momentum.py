@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fastcomm.hooks._errors import collective_value
-from fastcomm.hooks._state import ring_bytes
+from fastcomm.hooks._util import ring_bytes
 from fastcomm.optim import CompressedAdam, precondition_
 
 __all__ = ["CompressedAdamState", "compressed_adam_hook", "register_optimizer"]
