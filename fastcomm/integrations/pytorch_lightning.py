@@ -1,17 +1,9 @@
-"""A Lightning callback (``pytorch_lightning`` package) that registers a fastcomm hook on the DDP model.
+"""The :mod:`fastcomm.integrations.lightning` callback for the ``pytorch_lightning`` package.
 
-The same callback as :mod:`fastcomm.integrations.lightning`, on the ``pytorch_lightning`` package's
-``Callback`` base (each package's Trainer accepts only its own callbacks).
-
-Example::
-
-    import pytorch_lightning as pl
-    from fastcomm.integrations.pytorch_lightning import CommHook
-
-    comm = CommHook("sign")
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[comm])
-    trainer.fit(model)
-    print(comm.state.stats())
+Each package's Trainer accepts only callbacks built on its own ``Callback`` class, so this module gives the
+same ``CommHook`` on ``pytorch_lightning.Callback``. Example: ``pl.Trainer(strategy="ddp",
+callbacks=[CommHook("sign")])`` after ``import pytorch_lightning as pl`` and
+``from fastcomm.integrations.pytorch_lightning import CommHook``.
 """
 
 from __future__ import annotations
