@@ -15,7 +15,7 @@ from torch import nn
 import fastcomm
 from fastcomm.optim import precondition_
 
-LAYOUT: dict = {"find_unused_parameters": True}
+LAYOUT: dict = {}  # DDP defaults: the resumed run starts on the initial bucket layout, then rebuilds
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 
 
