@@ -10,8 +10,9 @@ its public wrapper below, and its kernels). Backends are picked once, at import:
   against a CUDA torch, a ``CUDA`` top-k selection kernel. ``FASTCOMM_NO_NATIVE=1`` skips loading it.
 * Triton kernels (:mod:`fastcomm.triton`) are registered for ``CUDA`` when triton imports and CUDA is there.
 
-:func:`backend` reports what each op runs on and why, as data (:class:`OpBackend`). The wrappers below
-validate arguments (raising ``TypeError``/``ValueError`` that name the argument) and then dispatch through
+:func:`backend` reports what each op runs on and why, as data (:class:`OpBackend`). The public ops below
+(``fastcomm.ops.<name>``) take their signature, defaults and docstring from their reference twin, check
+their arguments (raising ``TypeError``/``ValueError`` that name the argument) and then dispatch through
 ``torch.ops.fastcomm``.
 
 Example::
@@ -28,34 +29,18 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
 from fastcomm import reference
-
-__all__ = [
-    "OP_NAMES",
-    "OP_SPECS",
-    "DeviceBackend",
-    "OpBackend",
-    "OpSpec",
-    "backend",
-    "dequantize_blockwise",
-    "dequantize_blockwise_into",
-    "native_error",
-    "quantize_blockwise",
-    "sign_compress",
-    "sign_decompress",
-    "sign_decompress_into",
-    "sparse_accumulate",
-    "topk_select",
-]
 
 
 # ---------------------------------------------------------------------------------------------- fake kernels
@@ -98,8 +83,13 @@ def _in_place_fake(*args, **kwargs) -> None:
     return None
 
 
-def _sparse_accumulate_reference(out: Tensor, indices: Tensor, values: Tensor) -> None:
-    reference.sparse_accumulate(out, indices, values)  # the schema returns (): drop the reference's ``out``
+def _in_place_kernel(twin: Callable[..., Tensor]) -> Callable[..., None]:
+    """``twin`` as the kernel of a ``-> ()`` schema: the twin returns ``out``, the op returns nothing."""
+
+    def kernel(*args: Any) -> None:
+        twin(*args)
+
+    return kernel
 
 
 # -------------------------------------------------------------------------------------------------- the table
@@ -161,7 +151,7 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "dequantize_blockwise_into",
         "(Tensor(a!) out, Tensor codes, Tensor scales, int bits=8, int block=256, bool accumulate=False)"
         " -> ()",
-        reference.dequantize_blockwise_into,
+        _in_place_kernel(reference.dequantize_blockwise_into),
         _in_place_fake,
         triton="quantize",
     ),
@@ -183,18 +173,30 @@ OP_SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "sign_decompress_into",
         "(Tensor(a!) out, Tensor packed, Tensor scales, int chunk=2048, bool accumulate=False) -> ()",
-        reference.sign_decompress_into,
+        _in_place_kernel(reference.sign_decompress_into),
         _in_place_fake,
         triton="sign",
     ),
     OpSpec(
         "sparse_accumulate",
         "(Tensor(a!) out, Tensor indices, Tensor values) -> ()",
-        _sparse_accumulate_reference,
+        _in_place_kernel(reference.sparse_accumulate),
         _in_place_fake,
     ),
 )
 OP_NAMES: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
+
+# Every op is a public function of this module (defined at the end, from the table's names).
+__all__ = [
+    "OP_NAMES",
+    "OP_SPECS",
+    "DeviceBackend",
+    "OpBackend",
+    "OpSpec",
+    "backend",
+    "native_error",
+    *OP_NAMES,
+]
 
 _LIB = torch.library.Library("fastcomm", "DEF")
 for _spec in OP_SPECS:
@@ -368,7 +370,7 @@ def _warn_if_unexpectedly_slow(x: Tensor) -> None:
         f"({_native_error}). Rebuild with `pip install --no-build-isolation -e .` (needs a C++ compiler), or "
         f"set FASTCOMM_NO_NATIVE=1 to use the reference on purpose and silence this warning.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -467,297 +469,95 @@ def _check_payload(name: str, t: Tensor, dtype: torch.dtype, expected: int) -> N
         raise ValueError(f"{name} has {t.numel()} elements, expected {expected} for these arguments")
 
 
-# -------------------------------------------------------------------------------------------- public ops
-def topk_select(
-    x: Tensor,
-    k: int,
-    residual: Tensor | None = None,
-    exact: bool = True,
-    residual_source: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Select the k largest-magnitude entries of ``x + residual``, with error feedback.
+def _check_numel(numel: int) -> None:
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
 
-    1. ``acc = x + residual`` (the residual is updated in place to hold ``acc`` minus what is sent). With
-       ``residual_source`` as well, ``acc = x + residual_source`` and ``residual`` is only written: the bits
-       of ``residual.copy_(residual_source)`` followed by the in-place call, without the copy (so two
-       buffers can alternate between steps).
-    2. Exact mode: the k-th largest magnitude by a 16-bit radix histogram, then the ``>`` entries and the
-       lowest-index ties; two passes over ``x``, O(n) and no sort (``torch.topk`` sorts candidates).
-    3. Approximate mode (``exact=False``): the threshold is estimated from a hashed sample of about
-       ``1000 * n / k`` elements, as in Deep Gradient Compression, and every entry at or above it is sent:
-       one pass over ``x``, about k entries (within a few percent), never fewer than one.
 
-    Args:
-        x: fp32/fp16/bf16 tensor of any shape (flattened).
-        k: how many entries to send, ``0 <= k <= x.numel()``.
-        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
-        exact: exactly k entries (True) or about k entries for one pass less (False).
-        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
-            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in reference.FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
 
-    Returns:
-        ``(values, indices)``: values in ``x.dtype``, int32 indices into ``x.reshape(-1)``, ascending.
 
-    Example::
-
-        >>> g = torch.randn(1000); r = torch.zeros_like(g)
-        >>> values, indices = topk_select(g, 10, residual=r)
-        >>> bool((g.index_put((indices.long(),), torch.zeros(10)) == r).all())
-        True
-        >>> r_next = torch.empty_like(g)  # double-buffered: r is read, r_next written
-        >>> values, indices = topk_select(g, 10, residual=r_next, exact=False, residual_source=r)
-        >>> bool((r_next.index_put((indices.long(),), values) == g + r).all())
-        True
-    """
+def _check_compress_input(args: dict[str, Any]) -> None:
+    """What every compressor takes first: a float ``x`` and its optional error-feedback buffers."""
+    x, residual = args["x"], args["residual"]
     _check_float("x", x)
     _check_residual(x, residual)
-    _check_residual_source(x, residual, residual_source)
+    _check_residual_source(x, residual, args["residual_source"])
+
+
+# -------------------------------------------------------------------------------------------- public ops
+# Each check takes the op's bound arguments by name (defaults applied), raises on a bad one, and may replace
+# a value by its normalised form (``bool(...)``, a flat view), which is what the op then receives.
+def _check_topk_select(args: dict[str, Any]) -> None:
+    _check_compress_input(args)
+    x, k = args["x"], args["k"]
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= x.numel():
         raise ValueError(f"k must be an int in [0, x.numel()={x.numel()}], got {k!r}")
+    args["exact"] = bool(args["exact"])
     _warn_if_unexpectedly_slow(x)
-    return torch.ops.fastcomm.topk_select(x, k, residual, bool(exact), residual_source)
 
 
-def quantize_blockwise(
-    x: Tensor,
-    bits: int = 8,
-    block: int = 256,
-    stochastic: bool = False,
-    seed: int = 0,
-    residual: Tensor | None = None,
-    residual_source: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Quantize to ``bits``-wide signed codes with one absmax fp32 scale per block, packed into bytes.
-
-    0. With ``residual`` (error feedback), ``acc = x + residual`` is quantized and ``residual`` is updated in
-       place to what the codes did not carry (``acc - dequantize(codes)``), in the same pass. With
-       ``residual_source`` as well, ``acc = x + residual_source`` and ``residual`` is only written: the
-       bits of ``residual.copy_(residual_source)`` followed by the in-place call, without the copy (so two
-       buffers can alternate between steps).
-    1. ``scale = max|x| / qmax`` per block of ``block`` elements, ``qmax = 2**(bits-1) - 1``.
-    2. ``q = round(x / scale)`` (``stochastic=False``) or ``floor(x / scale + u)`` with ``u`` uniform from a
-       hash of ``(index, seed)``, which is unbiased: ``E[dequantize(quantize(x))] == x``.
-    3. Codes are packed 8/bits per byte. A block holding inf/NaN gets a NaN scale, so it dequantizes to NaN
-       and an AMP GradScaler still sees the overflow.
-
-    Args:
-        x: fp32/fp16/bf16 tensor of any shape (flattened).
-        bits: 8, 4 or 2.
-        block: elements per scale.
-        stochastic: stochastic (unbiased) instead of nearest rounding.
-        seed: stochastic rounding seed; the same seed gives the same codes on every backend.
-        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
-        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
-            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
-
-    Returns:
-        ``(codes uint8 of ceil(numel * bits / 8), scales float32 of ceil(numel / block))``.
-
-    Example::
-
-        >>> codes, scales = quantize_blockwise(torch.randn(1000), bits=8)
-        >>> dequantize_blockwise(codes, scales, 1000).shape
-        torch.Size([1000])
-        >>> g = torch.randn(1000); r = [torch.zeros_like(g), torch.zeros_like(g)]  # double-buffered
-        >>> for step in range(2):
-        ...     codes, scales = quantize_blockwise(g, residual=r[step % 2], residual_source=r[1 - step % 2])
-    """
-    _check_float("x", x)
-    _check_residual(x, residual)
-    _check_residual_source(x, residual, residual_source)
-    _check_bits(bits)
-    _check_positive("block", block)
+def _check_quantize_blockwise(args: dict[str, Any]) -> None:
+    _check_compress_input(args)
+    _check_bits(args["bits"])
+    _check_positive("block", args["block"])
+    seed = args["seed"]
     if not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
         raise ValueError(f"seed must be an int64, got {seed!r}")
-    _warn_if_unexpectedly_slow(x)
-    return torch.ops.fastcomm.quantize_blockwise(
-        x, bits, block, bool(stochastic), seed, residual, residual_source
-    )
+    args["stochastic"] = bool(args["stochastic"])
+    _warn_if_unexpectedly_slow(args["x"])
 
 
-def dequantize_blockwise(
-    codes: Tensor,
-    scales: Tensor,
-    numel: int,
-    bits: int = 8,
-    block: int = 256,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """Inverse of :func:`quantize_blockwise`: ``numel`` values of ``dtype`` from packed codes and scales.
-
-    Example::
-
-        >>> x = torch.randn(7)
-        >>> (dequantize_blockwise(*quantize_blockwise(x), numel=7) - x).abs().max() < x.abs().max() / 127
-        tensor(True)
-    """
+def _check_dequantize_blockwise(args: dict[str, Any]) -> None:
+    bits, block, numel = args["bits"], args["block"], args["numel"]
     _check_bits(bits)
     _check_positive("block", block)
-    if not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-    _check_payload("codes", codes, torch.uint8, _num_blocks(numel * bits, 8))
-    _check_payload("scales", scales, torch.float32, _num_blocks(numel, block))
-    if dtype not in reference.FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    return torch.ops.fastcomm.dequantize_blockwise(codes, scales, numel, bits, block, dtype)
+    _check_numel(numel)
+    _check_payload("codes", args["codes"], torch.uint8, _num_blocks(numel * bits, 8))
+    _check_payload("scales", args["scales"], torch.float32, _num_blocks(numel, block))
+    _check_dtype(args["dtype"])
 
 
-def dequantize_blockwise_into(
-    out: Tensor,
-    codes: Tensor,
-    scales: Tensor,
-    bits: int = 8,
-    block: int = 256,
-    accumulate: bool = False,
-) -> Tensor:
-    """:func:`dequantize_blockwise` straight into a caller's buffer, optionally adding to what it holds.
-
-    1. ``numel = out.numel()``; only the first ``ceil(numel * bits / 8)`` codes and ``ceil(numel / block)``
-       scales are read, so a zero-padded payload decodes into an unpadded buffer.
-    2. ``accumulate=False``: ``out`` gets the bits of ``dequantize_blockwise(codes, scales, numel, bits,
-       block, out.dtype)``. ``accumulate=True``: ``out = (out.float() + dequantized_fp32).to(out.dtype)``,
-       one fp32 addition rounded once (for fp32 exactly ``out.add_(dequantized)``).
-
-    Args:
-        out: contiguous fp32/fp16/bf16 tensor of any shape, written in place.
-        codes: uint8 codes from :func:`quantize_blockwise`, at least ``ceil(out.numel() * bits / 8)``.
-        scales: fp32 scales, at least ``ceil(out.numel() / block)``.
-        bits: 8, 4 or 2.
-        block: elements per scale.
-        accumulate: add to ``out`` instead of overwriting it.
-
-    Returns:
-        ``out``.
-
-    Example::
-
-        >>> g = torch.randn(1000); total = torch.zeros(1000)
-        >>> codes, scales = quantize_blockwise(g, bits=4)
-        >>> dequantize_blockwise_into(total, codes, scales, bits=4, accumulate=True).shape
-        torch.Size([1000])
-    """
+def _check_dequantize_blockwise_into(args: dict[str, Any]) -> None:
+    out, bits, block = args["out"], args["bits"], args["block"]
     _check_out(out)
     _check_bits(bits)
     _check_positive("block", block)
-    _check_payload_prefix("codes", codes, torch.uint8, _num_blocks(out.numel() * bits, 8), out)
-    _check_payload_prefix("scales", scales, torch.float32, _num_blocks(out.numel(), block), out)
+    _check_payload_prefix("codes", args["codes"], torch.uint8, _num_blocks(out.numel() * bits, 8), out)
+    _check_payload_prefix("scales", args["scales"], torch.float32, _num_blocks(out.numel(), block), out)
+    args["accumulate"] = bool(args["accumulate"])
     _warn_if_unexpectedly_slow(out)
-    torch.ops.fastcomm.dequantize_blockwise_into(out, codes, scales, bits, block, bool(accumulate))
-    return out
 
 
-def sign_compress(
-    x: Tensor, residual: Tensor | None = None, chunk: int = 2048, residual_source: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """1-bit sign compression with one fp32 scale (mean magnitude) per chunk and error feedback.
+def _check_sign_compress(args: dict[str, Any]) -> None:
+    _check_compress_input(args)
+    _check_positive("chunk", args["chunk"])
+    _warn_if_unexpectedly_slow(args["x"])
 
-    1. ``acc = x + residual``, or ``x + residual_source`` when given (``residual`` is then only written:
-       the bits of ``residual.copy_(residual_source)`` followed by the in-place call, without the copy).
-    2. Per chunk: ``scale = mean |acc|``; one bit per element, 1 where ``acc >= 0``.
-    3. ``residual = acc - scale * sign(acc)`` in place (``sent + residual == acc`` up to one rounding).
 
-    Args:
-        x: fp32/fp16/bf16 tensor of any shape (flattened).
-        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
-        chunk: elements per scale.
-        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
-            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
-
-    Returns:
-        ``(packed uint8 of ceil(numel / 8), scales float32 of ceil(numel / chunk))``.
-
-    Example::
-
-        >>> g = torch.randn(5000); r = torch.zeros_like(g)
-        >>> packed, scales = sign_compress(g, r)
-        >>> sign_decompress(packed, scales, g.numel()).shape
-        torch.Size([5000])
-        >>> r_next = torch.empty_like(g)  # double-buffered: r is read, r_next written
-        >>> packed, scales = sign_compress(g, r_next, residual_source=r)
-    """
-    _check_float("x", x)
-    _check_residual(x, residual)
-    _check_residual_source(x, residual, residual_source)
+def _check_sign_decompress(args: dict[str, Any]) -> None:
+    chunk, numel = args["chunk"], args["numel"]
     _check_positive("chunk", chunk)
-    _warn_if_unexpectedly_slow(x)
-    return torch.ops.fastcomm.sign_compress(x, residual, chunk, residual_source)
+    _check_numel(numel)
+    _check_payload("packed", args["packed"], torch.uint8, _num_blocks(numel, 8))
+    _check_payload("scales", args["scales"], torch.float32, _num_blocks(numel, chunk))
+    _check_dtype(args["dtype"])
 
 
-def sign_decompress(
-    packed: Tensor, scales: Tensor, numel: int, chunk: int = 2048, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """Inverse of :func:`sign_compress`: ``numel`` values ``±scale`` of ``dtype``.
-
-    Example::
-
-        >>> packed, scales = sign_compress(torch.tensor([1.0, -3.0]))
-        >>> sign_decompress(packed, scales, 2)
-        tensor([ 2., -2.])
-    """
-    _check_positive("chunk", chunk)
-    if not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-    _check_payload("packed", packed, torch.uint8, _num_blocks(numel, 8))
-    _check_payload("scales", scales, torch.float32, _num_blocks(numel, chunk))
-    if dtype not in reference.FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    return torch.ops.fastcomm.sign_decompress(packed, scales, numel, chunk, dtype)
-
-
-def sign_decompress_into(
-    out: Tensor, packed: Tensor, scales: Tensor, chunk: int = 2048, accumulate: bool = False
-) -> Tensor:
-    """:func:`sign_decompress` straight into a caller's buffer, optionally adding to what it holds.
-
-    1. ``numel = out.numel()``; only the first ``ceil(numel / 8)`` bytes and ``ceil(numel / chunk)`` scales
-       are read, so a zero-padded payload decodes into an unpadded buffer.
-    2. ``accumulate=False``: ``out`` gets the bits of ``sign_decompress(packed, scales, numel, chunk,
-       out.dtype)``. ``accumulate=True``: ``out = (out.float() + (±scale)).to(out.dtype)``, one fp32
-       addition rounded once.
-
-    Args:
-        out: contiguous fp32/fp16/bf16 tensor of any shape, written in place.
-        packed: uint8 sign bits from :func:`sign_compress`, at least ``ceil(out.numel() / 8)``.
-        scales: fp32 scales, at least ``ceil(out.numel() / chunk)``.
-        chunk: elements per scale.
-        accumulate: add to ``out`` instead of overwriting it.
-
-    Returns:
-        ``out``.
-
-    Example::
-
-        >>> packed, scales = sign_compress(torch.tensor([1.0, -3.0]))
-        >>> sign_decompress_into(torch.ones(2), packed, scales, accumulate=True)
-        tensor([ 3., -1.])
-    """
+def _check_sign_decompress_into(args: dict[str, Any]) -> None:
+    out, chunk = args["out"], args["chunk"]
     _check_out(out)
     _check_positive("chunk", chunk)
-    _check_payload_prefix("packed", packed, torch.uint8, _num_blocks(out.numel(), 8), out)
-    _check_payload_prefix("scales", scales, torch.float32, _num_blocks(out.numel(), chunk), out)
+    _check_payload_prefix("packed", args["packed"], torch.uint8, _num_blocks(out.numel(), 8), out)
+    _check_payload_prefix("scales", args["scales"], torch.float32, _num_blocks(out.numel(), chunk), out)
+    args["accumulate"] = bool(args["accumulate"])
     _warn_if_unexpectedly_slow(out)
-    torch.ops.fastcomm.sign_decompress_into(out, packed, scales, chunk, bool(accumulate))
-    return out
 
 
-def sparse_accumulate(out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
-    """Scatter-add ``values`` into ``out.view(-1)`` at ``indices`` (duplicates add up), in place.
-
-    This is how one rank sums the sparse payloads that an all-gather brought from every rank.
-
-    Args:
-        out: contiguous fp32/fp16/bf16 tensor, accumulated in place.
-        indices: int32 or int64 flat indices, each in ``[0, out.numel())``.
-        values: one value per index, any float dtype (cast to ``out.dtype``).
-
-    Returns:
-        ``out``.
-
-    Example::
-
-        >>> sparse_accumulate(torch.zeros(4), torch.tensor([1, 1, 3], dtype=torch.int32), torch.ones(3))
-        tensor([0., 2., 0., 1.])
-    """
+def _check_sparse_accumulate(args: dict[str, Any]) -> None:
+    out, indices, values = args["out"], args["indices"], args["values"]
     _check_float("out", out)
     _check_float("values", values)
     if not out.is_contiguous():
@@ -768,5 +568,43 @@ def sparse_accumulate(out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
         raise ValueError(f"indices has {indices.numel()} elements but values has {values.numel()}")
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= out.numel()):
         raise ValueError(f"indices must lie in [0, out.numel()={out.numel()})")
-    torch.ops.fastcomm.sparse_accumulate(out, indices.reshape(-1), values.reshape(-1))
-    return out
+    args["indices"], args["values"] = indices.reshape(-1), values.reshape(-1)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _public_op(twin: Callable[_P, _R], check: Callable[[dict[str, Any]], None]) -> Callable[_P, _R]:
+    """The public op of ``twin``'s name: bind the arguments to ``twin``'s signature, ``check`` them, dispatch.
+
+    The twin is the one home of the op's signature, defaults and docstring (the schema in :data:`OP_SPECS`
+    states the same parameters for the dispatcher; ``test_ops.py`` holds the two to each other). An op whose
+    schema returns nothing writes its first argument in place and returns it, as the twin does.
+    """
+    signature = inspect.signature(twin)
+    op = getattr(torch.ops.fastcomm, twin.__name__)
+    returns_first = not op.default._schema.returns
+
+    @functools.wraps(twin)
+    def public(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        first = next(iter(arguments.values()))
+        check(arguments)
+        result = op(*arguments.values())
+        return first if returns_first else result
+
+    public.__module__ = __name__
+    return public
+
+
+topk_select = _public_op(reference.topk_select, _check_topk_select)
+quantize_blockwise = _public_op(reference.quantize_blockwise, _check_quantize_blockwise)
+dequantize_blockwise = _public_op(reference.dequantize_blockwise, _check_dequantize_blockwise)
+dequantize_blockwise_into = _public_op(reference.dequantize_blockwise_into, _check_dequantize_blockwise_into)
+sign_compress = _public_op(reference.sign_compress, _check_sign_compress)
+sign_decompress = _public_op(reference.sign_decompress, _check_sign_decompress)
+sign_decompress_into = _public_op(reference.sign_decompress_into, _check_sign_decompress_into)
+sparse_accumulate = _public_op(reference.sparse_accumulate, _check_sparse_accumulate)

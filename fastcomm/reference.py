@@ -1,9 +1,12 @@
 """Plain-PyTorch twins of every fastcomm op: the specification the native and Triton kernels are held to.
 
 Each function here is also registered as the default kernel of its op (see ``fastcomm.ops``), so an op runs
-on any device that has no native kernel. The definitions are written so that a native kernel can reproduce
-them bit for bit: every float operation below is a single fp32 IEEE operation that C++ and Triton perform in
-the same order.
+on any device that has no native kernel, and it is the one home of its op's signature, defaults and
+documentation: the public ``fastcomm.ops.<name>`` checks its arguments, then dispatches, under this
+function's signature and docstring. Called directly, a twin checks nothing.
+
+The definitions are written so that a native kernel can reproduce them bit for bit: every float operation
+below is a single fp32 IEEE operation that C++ and Triton perform in the same order.
 
 Shared conventions:
 
@@ -105,18 +108,42 @@ def topk_select(
     exact: bool = True,
     residual_source: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The k largest-magnitude entries of ``x + residual``; ``residual`` keeps what was not sent.
+    """Select the k largest-magnitude entries of ``x + residual``, with error feedback.
 
-    1. ``acc = x + residual`` in ``x``'s dtype (or ``x`` when there is no residual), or
-       ``x + residual_source`` when that is given (it is only read, and may be ``residual`` itself: the
-       result is that of ``residual.copy_(residual_source)`` followed by the call without it).
+    1. ``acc = x + residual`` in ``x``'s dtype (or ``x`` when there is no residual). With
+       ``residual_source`` as well, ``acc = x + residual_source`` and ``residual`` is only written: the bits
+       of ``residual.copy_(residual_source)`` followed by the in-place call, without the copy (so two
+       buffers can alternate between steps).
     2. Exact: the k-th largest magnitude key ``t``; every entry above ``t`` is selected, then entries equal
-       to ``t`` by ascending index until there are k. Approximate: ``t`` is estimated from a sample
-       (:func:`approx_sample_size` elements) and every entry with key ``>= t`` is selected (about k).
-    3. ``residual`` becomes ``acc`` with the selected entries set to zero, so
+       to ``t`` by ascending index until there are k. The native kernels find ``t`` by a 16-bit radix
+       histogram: two passes over ``x``, O(n) and no sort (``torch.topk`` sorts candidates).
+    3. Approximate (``exact=False``): ``t`` is estimated from a hashed sample of :func:`approx_sample_size`
+       (about ``1000 * n / k``) elements, as in Deep Gradient Compression, and every entry with key
+       ``>= t`` is sent: one pass over ``x``, about k entries (within a few percent), never fewer than one.
+    4. ``residual`` becomes ``acc`` with the selected entries set to zero, so
        ``scatter(values) + residual == x + old_residual`` exactly.
 
-    Returns ``(values in x.dtype, indices int32 ascending)`` into ``x.reshape(-1)``.
+    Args:
+        x: fp32/fp16/bf16 tensor of any shape (flattened).
+        k: how many entries to send, ``0 <= k <= x.numel()``.
+        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
+        exact: exactly k entries (True) or about k entries for one pass less (False).
+        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
+            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
+
+    Returns:
+        ``(values, indices)``: values in ``x.dtype``, int32 indices into ``x.reshape(-1)``, ascending.
+
+    Example::
+
+        >>> g = torch.randn(1000); r = torch.zeros_like(g)
+        >>> values, indices = topk_select(g, 10, residual=r)
+        >>> bool((g.index_put((indices.long(),), torch.zeros(10)) == r).all())
+        True
+        >>> r_next = torch.empty_like(g)  # double-buffered: r is read, r_next written
+        >>> values, indices = topk_select(g, 10, residual=r_next, exact=False, residual_source=r)
+        >>> bool((r_next.index_put((indices.long(),), values) == g + r).all())
+        True
     """
     source = _residual_source(residual, residual_source)
     flat = x.reshape(-1)
@@ -177,24 +204,44 @@ def quantize_blockwise(
     residual: Tensor | None = None,
     residual_source: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Absmax blockwise quantization to signed ``bits``-wide codes, packed into uint8.
+    """Quantize to ``bits``-wide signed codes with one absmax fp32 scale per block, packed into bytes.
 
     With ``qmax = 2**(bits-1) - 1`` and ``x`` replaced by ``acc = x + residual`` (rounded in ``x``'s dtype)
-    when a residual is given, or ``acc = x + residual_source`` when that is given too, for each block of
-    ``block`` elements:
+    when a residual is given, or ``acc = x + residual_source`` when that is given too (``residual`` is then
+    only written: the bits of ``residual.copy_(residual_source)`` followed by the in-place call, without the
+    copy, so two buffers can alternate between steps), for each block of ``block`` elements:
 
-    1. ``absmax = max |x|`` (NaN if the block holds inf/NaN); ``scale = absmax / qmax`` (fp32).
+    1. ``absmax = max |x|`` (NaN if the block holds inf/NaN, so the block dequantizes to NaN and an AMP
+       GradScaler still sees the overflow); ``scale = absmax / qmax`` (fp32).
     2. ``inv = qmax / absmax`` when absmax is finite and positive and the quotient finite (a subnormal
        absmax overflows it), else 0; ``v = x * inv`` (0 where inv is 0).
     3. ``code = clamp(trunc(v + (qmax + u)), 0, 2*qmax) + 1`` with ``u = 0.5`` (round to nearest) or, when
        ``stochastic``, ``u = uniform_hash(i, seed)``, which makes ``floor(v + u)`` unbiased: E[deq] = x.
-
+       Codes ``1 .. 2*qmax+1`` stand for ``-qmax .. qmax`` (code 0 is unused), packed 8/bits per byte.
     4. With a residual (error feedback), it becomes ``acc - dequantize(codes)`` computed in fp32 and rounded
-       once to ``x``'s dtype, in place. ``residual_source`` (which may be ``residual`` itself) is only read:
-       the result is that of ``residual.copy_(residual_source)`` followed by the call without it.
+       once to ``x``'s dtype, in place, in the same pass.
 
-    Codes ``1 .. 2*qmax+1`` stand for ``-qmax .. qmax`` (code 0 is unused). Returns ``(packed codes of
-    ceil(n * bits / 8) bytes, fp32 scales of ceil(n / block))``.
+    Args:
+        x: fp32/fp16/bf16 tensor of any shape (flattened).
+        bits: 8, 4 or 2.
+        block: elements per scale.
+        stochastic: stochastic (unbiased) instead of nearest rounding.
+        seed: stochastic rounding seed (an int64); the same seed gives the same codes on every backend.
+        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
+        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
+            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
+
+    Returns:
+        ``(codes uint8 of ceil(numel * bits / 8), scales float32 of ceil(numel / block))``.
+
+    Example::
+
+        >>> codes, scales = quantize_blockwise(torch.randn(1000), bits=8)
+        >>> dequantize_blockwise(codes, scales, 1000).shape
+        torch.Size([1000])
+        >>> g = torch.randn(1000); r = [torch.zeros_like(g), torch.zeros_like(g)]  # double-buffered
+        >>> for step in range(2):
+        ...     codes, scales = quantize_blockwise(g, residual=r[step % 2], residual_source=r[1 - step % 2])
     """
     source = _residual_source(residual, residual_source)
     acc = x.reshape(-1)
@@ -235,56 +282,105 @@ def dequantize_blockwise(
     block: int = 256,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """Inverse of :func:`quantize_blockwise`: ``(code - qmax - 1) * scale`` in fp32, cast to ``dtype``."""
+    """Inverse of :func:`quantize_blockwise`: ``numel`` values ``(code - qmax - 1) * scale`` in ``dtype``.
+
+    Example::
+
+        >>> x = torch.randn(7)
+        >>> (dequantize_blockwise(*quantize_blockwise(x), numel=7) - x).abs().max() < x.abs().max() / 127
+        tensor(True)
+    """
     qmax = 2 ** (bits - 1) - 1
     signed = _unpack(codes, bits, numel) - (qmax + 1)
     block_of = torch.arange(numel, device=codes.device) // block
     return (signed.to(torch.float32) * scales.reshape(-1)[block_of]).to(dtype)
 
 
-def _decode_into(out: Tensor, decoded: Tensor, accumulate: bool) -> None:
+def _prefix(payload: Tensor, numel: int) -> Tensor:
+    """The first ``numel`` elements of a payload that may carry zero padding after them."""
+    return payload.reshape(-1)[:numel]
+
+
+def _decode_into(out: Tensor, decoded: Tensor, accumulate: bool) -> Tensor:
     """``out = decoded`` or, accumulating, ``out = out + decoded`` added in fp32 and rounded once."""
     view = out.view(-1)
     if accumulate:
         view.copy_(view.float() + decoded)
     else:
         view.copy_(decoded)
+    return out
 
 
 def dequantize_blockwise_into(
-    out: Tensor,
-    codes: Tensor,
-    scales: Tensor,
-    bits: int = 8,
-    block: int = 256,
-    accumulate: bool = False,
-) -> None:
-    """:func:`dequantize_blockwise` of ``out.numel()`` values written into (or added to) ``out``, contiguous.
+    out: Tensor, codes: Tensor, scales: Tensor, bits: int = 8, block: int = 256, accumulate: bool = False
+) -> Tensor:
+    """:func:`dequantize_blockwise` straight into a caller's buffer, optionally adding to what it holds.
 
-    Only the first ``ceil(numel * bits / 8)`` codes and ``ceil(numel / block)`` scales are read; longer
-    payloads (zero padding) are allowed. ``accumulate=True`` gives ``(out.float() + dequantized).to(dtype)``:
-    one fp32 addition rounded once (for fp32 ``out`` exactly ``out.add_(dequantized)``).
+    1. ``numel = out.numel()``; only the first ``ceil(numel * bits / 8)`` codes and ``ceil(numel / block)``
+       scales are read, so a zero-padded payload decodes into an unpadded buffer.
+    2. ``accumulate=False``: ``out`` gets the bits of ``dequantize_blockwise(codes, scales, numel, bits,
+       block, out.dtype)``. ``accumulate=True``: ``out = (out.float() + dequantized_fp32).to(out.dtype)``,
+       one fp32 addition rounded once (for fp32 exactly ``out.add_(dequantized)``).
+
+    Args:
+        out: contiguous fp32/fp16/bf16 tensor of any shape, written in place.
+        codes: uint8 codes from :func:`quantize_blockwise`, at least ``ceil(out.numel() * bits / 8)``.
+        scales: fp32 scales, at least ``ceil(out.numel() / block)``.
+        bits: 8, 4 or 2.
+        block: elements per scale.
+        accumulate: add to ``out`` instead of overwriting it.
+
+    Returns:
+        ``out``.
+
+    Example::
+
+        >>> g = torch.randn(1000); total = torch.zeros(1000)
+        >>> codes, scales = quantize_blockwise(g, bits=4)
+        >>> dequantize_blockwise_into(total, codes, scales, bits=4, accumulate=True).shape
+        torch.Size([1000])
     """
     n = out.numel()
-    codes = codes.reshape(-1)[: -(-n * bits // 8)]
-    scales = scales.reshape(-1)[: -(-n // block)]
-    decoded = dequantize_blockwise(codes, scales, n, bits, block, torch.float32 if accumulate else out.dtype)
-    _decode_into(out, decoded, accumulate)
+    dtype = torch.float32 if accumulate else out.dtype
+    decoded = dequantize_blockwise(
+        _prefix(codes, -(-n * bits // 8)), _prefix(scales, -(-n // block)), n, bits, block, dtype
+    )
+    return _decode_into(out, decoded, accumulate)
 
 
 def sign_compress(
     x: Tensor, residual: Tensor | None = None, chunk: int = 2048, residual_source: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """1-bit compression with a per-chunk scale and error feedback (EF-SignSGD, 1-bit Adam).
+    """1-bit sign compression with one fp32 scale (mean magnitude) per chunk and error feedback.
 
-    1. ``acc = x + residual`` in ``x``'s dtype, or ``x + residual_source`` when that is given (it is only
-       read, and may be ``residual`` itself: the result is that of ``residual.copy_(residual_source)``
-       followed by the call without it).
+    This is the compressor of EF-SignSGD and 1-bit Adam.
+
+    1. ``acc = x + residual`` in ``x``'s dtype, or ``x + residual_source`` when that is given (``residual``
+       is then only written: the bits of ``residual.copy_(residual_source)`` followed by the in-place call,
+       without the copy; ``residual_source`` may be ``residual`` itself).
     2. Per chunk of ``chunk`` elements: ``scale = mean |acc|`` (summed in fp64, rounded to fp32 once);
        bit ``1`` where ``acc >= 0``, packed 8 per byte, element ``i`` at bit ``i % 8``.
-    3. ``residual = acc - scale * sign`` (in ``x``'s dtype): what the sign did not carry.
+    3. ``residual = acc - scale * sign`` (in ``x``'s dtype), in place: what the sign did not carry, so
+       ``sent + residual == acc`` up to one rounding.
 
-    Returns ``(packed uint8 of ceil(n / 8) bytes, fp32 scales of ceil(n / chunk))``.
+    Args:
+        x: fp32/fp16/bf16 tensor of any shape (flattened).
+        residual: error-feedback buffer like ``x``, updated in place; ``None`` for no feedback.
+        chunk: elements per scale.
+        residual_source: last step's residual, like ``x``, read but not written; needs ``residual``, and
+            must be ``residual`` itself or not overlap it. ``None``: ``residual`` is its own source.
+
+    Returns:
+        ``(packed uint8 of ceil(numel / 8), scales float32 of ceil(numel / chunk))``.
+
+    Example::
+
+        >>> g = torch.randn(5000); r = torch.zeros_like(g)
+        >>> packed, scales = sign_compress(g, r)
+        >>> sign_decompress(packed, scales, g.numel()).shape
+        torch.Size([5000])
+        >>> r_next = torch.empty_like(g)  # double-buffered: r is read, r_next written
+        >>> packed, scales = sign_compress(g, r_next, residual_source=r)
     """
     source = _residual_source(residual, residual_source)
     flat = x.reshape(-1)
@@ -309,7 +405,14 @@ def sign_compress(
 def sign_decompress(
     packed: Tensor, scales: Tensor, numel: int, chunk: int = 2048, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    """Inverse of :func:`sign_compress`: ``+scale`` where the bit is 1, ``-scale`` where it is 0."""
+    """Inverse of :func:`sign_compress`: ``numel`` values of ``dtype``, ``+scale`` for bit 1, else ``-scale``.
+
+    Example::
+
+        >>> packed, scales = sign_compress(torch.tensor([1.0, -3.0]))
+        >>> sign_decompress(packed, scales, 2)
+        tensor([ 2., -2.])
+    """
     bits = _unpack(packed, 1, numel).bool()
     magnitude = scales.reshape(-1)[torch.arange(numel, device=packed.device) // chunk]
     return torch.where(bits, magnitude, -magnitude).to(dtype)
@@ -317,20 +420,55 @@ def sign_decompress(
 
 def sign_decompress_into(
     out: Tensor, packed: Tensor, scales: Tensor, chunk: int = 2048, accumulate: bool = False
-) -> None:
-    """:func:`sign_decompress` of ``out.numel()`` values written into (or added to) ``out``, contiguous.
+) -> Tensor:
+    """:func:`sign_decompress` straight into a caller's buffer, optionally adding to what it holds.
 
-    Only the first ``ceil(numel / 8)`` bytes and ``ceil(numel / chunk)`` scales are read. ``accumulate=True``
-    gives ``(out.float() + decompressed).to(dtype)``: one fp32 addition rounded once.
+    1. ``numel = out.numel()``; only the first ``ceil(numel / 8)`` bytes and ``ceil(numel / chunk)`` scales
+       are read, so a zero-padded payload decodes into an unpadded buffer.
+    2. ``accumulate=False``: ``out`` gets the bits of ``sign_decompress(packed, scales, numel, chunk,
+       out.dtype)``. ``accumulate=True``: ``out = (out.float() + (±scale)).to(out.dtype)``, one fp32
+       addition rounded once.
+
+    Args:
+        out: contiguous fp32/fp16/bf16 tensor of any shape, written in place.
+        packed: uint8 sign bits from :func:`sign_compress`, at least ``ceil(out.numel() / 8)``.
+        scales: fp32 scales, at least ``ceil(out.numel() / chunk)``.
+        chunk: elements per scale.
+        accumulate: add to ``out`` instead of overwriting it.
+
+    Returns:
+        ``out``.
+
+    Example::
+
+        >>> packed, scales = sign_compress(torch.tensor([1.0, -3.0]))
+        >>> sign_decompress_into(torch.ones(2), packed, scales, accumulate=True)
+        tensor([ 3., -1.])
     """
     n = out.numel()
-    packed = packed.reshape(-1)[: -(-n // 8)]
-    scales = scales.reshape(-1)[: -(-n // chunk)]
-    decoded = sign_decompress(packed, scales, n, chunk, torch.float32 if accumulate else out.dtype)
-    _decode_into(out, decoded, accumulate)
+    dtype = torch.float32 if accumulate else out.dtype
+    decoded = sign_decompress(_prefix(packed, -(-n // 8)), _prefix(scales, -(-n // chunk)), n, chunk, dtype)
+    return _decode_into(out, decoded, accumulate)
 
 
 def sparse_accumulate(out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
-    """``out.view(-1)[indices[j]] += values[j]`` for every j, duplicates accumulating in order."""
+    """Scatter-add ``values`` into ``out.view(-1)`` at ``indices`` (duplicates add up, in order), in place.
+
+    ``out.view(-1)[indices[j]] += values[j]`` for every j: how one rank sums the sparse payloads that an
+    all-gather brought from every rank.
+
+    Args:
+        out: contiguous fp32/fp16/bf16 tensor, accumulated in place.
+        indices: int32 or int64 flat indices, each in ``[0, out.numel())``.
+        values: one value per index, any float dtype (cast to ``out.dtype``).
+
+    Returns:
+        ``out``.
+
+    Example::
+
+        >>> sparse_accumulate(torch.zeros(4), torch.tensor([1, 1, 3], dtype=torch.int32), torch.ones(3))
+        tensor([0., 2., 0., 1.])
+    """
     out.view(-1).index_add_(0, indices.long(), values.to(out.dtype))
     return out

@@ -1,20 +1,44 @@
-"""What the Triton kernel families share: the one tile-size helper, the device guard, and code packing.
+"""What the Triton kernel families share: the tile-size helper, the row-kernel launches, and code packing.
 
 Every kernel here lays a tensor out as rows of ``row_length`` elements (a quantization block or a sign
 chunk), so a row's reduction is a plain ``tl.max``/``tl.sum`` along the tile's column axes and no integer
 division by a runtime length is needed. :func:`tile_for` is the only place that picks tile shapes and warps.
+
+A family's encoder kernel takes ``(*inputs, codes, scales, n, row_length, row_bytes, nrows, *scalars)`` and
+the constexprs ``PER_BYTE, ROWS, COLUMNS, LOOPS`` (plus its own); its decoder kernel takes ``(codes, scales,
+out, n, row_length, nrows)`` and ``ROWS, COLUMNS`` (plus its own). :func:`launch_encoder`,
+:func:`launch_decoder` and :func:`decode_into` are the host side of that contract, and :func:`row_tile`,
+:func:`tile_index` and :func:`store_bytes` the shared index arithmetic inside the kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Tile", "device_guard", "pack_codes", "round_to", "store_decoded", "tile_for", "to_float32"]
+__all__ = [
+    "Tile",
+    "adopt_residual_source",
+    "decode_into",
+    "decoder_tile",
+    "device_guard",
+    "launch_decoder",
+    "launch_encoder",
+    "pack_codes",
+    "round_to",
+    "row_tile",
+    "store_bytes",
+    "store_decoded",
+    "tile_for",
+    "tile_index",
+    "to_float32",
+]
 
 # A row wider than this is walked in column tiles of this width (two passes: reduce, then encode).
 MAX_COLUMNS = 4096
@@ -62,6 +86,19 @@ def store_decoded(out: torch.Tensor, decoded: torch.Tensor, accumulate: bool) ->
         flat.add_(decoded)
     else:
         flat.copy_(flat.float() + decoded)
+
+
+def adopt_residual_source(residual: torch.Tensor | None, residual_source: torch.Tensor | None) -> None:
+    """Compose ``residual_source`` as ``residual.copy_(residual_source)``, so the in-place path follows.
+
+    Raises:
+        ValueError: ``residual_source`` is given without ``residual``.
+    """
+    if residual_source is None:
+        return
+    if residual is None:
+        raise ValueError("residual_source needs residual: acc - sent is written to residual")
+    residual.copy_(residual_source)  # a no-op when they are the same tensor
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -129,3 +166,184 @@ def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tenso
             enable_fp_fusion=False,
         )
     return out
+
+
+@triton.jit
+def row_tile(row_length, ROWS: tl.constexpr, COLUMNS: tl.constexpr, PER_BYTE: tl.constexpr):
+    """An encoder program's rows, their first elements, and its ``[rows, bytes, per_byte]`` column offsets.
+
+    Returns ``(rows, first, byte_col, lane, col)``: ``rows`` and ``first = rows * row_length`` are
+    ``[ROWS]``, ``byte_col`` is ``[COLUMNS // PER_BYTE]``, ``lane`` is ``[PER_BYTE]`` and ``col`` the
+    ``[1, COLUMNS // PER_BYTE, PER_BYTE]`` element offsets within a row.
+    """
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    byte_col = tl.arange(0, COLUMNS // PER_BYTE)
+    lane = tl.arange(0, PER_BYTE)
+    col = byte_col[None, :, None] * PER_BYTE + lane[None, None, :]
+    return rows, rows * row_length, byte_col, lane, col
+
+
+@triton.jit
+def decoder_tile(scales_ptr, row_length, nrows, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """A decoder program's ``[ROWS, 1]`` row scales and first elements, and its ``[1, COLUMNS]`` offsets."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    scale = tl.load(scales_ptr + rows, mask=rows < nrows, other=0.0)[:, None]
+    return scale, rows[:, None] * row_length, tl.arange(0, COLUMNS)[None, :]
+
+
+@triton.jit
+def tile_index(first, col, n, row_length):
+    """Flat indices of the elements at offsets ``col`` of rows starting at ``first``, and which exist."""
+    index = first + col
+    return index, (col < row_length) & (index < n)
+
+
+@triton.jit
+def store_bytes(
+    out_ptr, packed, rows, first, byte_col, start, n, row_length, row_bytes, PER_BYTE: tl.constexpr
+):
+    """Store the ``[rows, bytes]`` packed bytes of the column tile at element ``start`` of each row.
+
+    A byte exists when its first element lies inside its row and inside the tensor.
+    """
+    bc = start // PER_BYTE + byte_col[None, :]
+    byte_ok = (bc * PER_BYTE < row_length) & (first[:, None] + bc * PER_BYTE < n)
+    tl.store(out_ptr + rows[:, None] * row_bytes + bc, packed, mask=byte_ok)
+
+
+def launch_encoder(
+    kernel: Any,
+    inputs: tuple[torch.Tensor, ...],
+    flat: torch.Tensor,
+    bits: int,
+    row_length: int,
+    scalars: tuple[int, ...] = (),
+    **constexprs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch a row encoder over ``flat``: ``bits``-wide codes packed into bytes and one fp32 scale per row.
+
+    1. ``codes`` (``ceil(n * bits / 8)`` bytes) and ``scales`` (``ceil(n / row_length)``) are allocated on
+       ``flat``'s device; nothing is launched for an empty ``flat``.
+    2. One program per ``tile.rows`` rows. When ``row_length`` is not a multiple of the codes per byte, a
+       byte straddles two rows: the kernel then writes one code per byte (``PER_BYTE=1``) and
+       :func:`pack_codes` packs them.
+
+    Args:
+        kernel: the family's ``@triton.jit`` encoder (see the module docstring for its arguments).
+        inputs: the tensors it reads (and writes) before ``codes``; the first is ``flat``'s data.
+        flat: the contiguous 1-D input, whose length and device size the outputs.
+        bits: code width (1 for sign bits).
+        row_length: elements per scale.
+        scalars: runtime arguments after ``nrows``.
+        constexprs: the family's own compile-time arguments.
+
+    Returns:
+        ``(codes, scales)``.
+    """
+    n = flat.numel()
+    nrows = triton.cdiv(n, row_length)
+    per_byte = 8 // bits
+    codes = torch.empty(triton.cdiv(n * bits, 8), dtype=torch.uint8, device=flat.device)
+    scales = torch.empty(nrows, dtype=torch.float32, device=flat.device)
+    if n == 0:
+        return codes, scales
+    aligned = row_length % per_byte == 0
+    layout = per_byte if aligned else 1
+    target = codes if aligned else torch.empty(n, dtype=torch.uint8, device=flat.device)
+    tile = tile_for(row_length, align=layout)
+    with device_guard(flat):
+        kernel[(triton.cdiv(nrows, tile.rows),)](
+            *inputs,
+            target,
+            scales,
+            n,
+            row_length,
+            row_length // layout,
+            nrows,
+            *scalars,
+            PER_BYTE=layout,
+            ROWS=tile.rows,
+            COLUMNS=tile.columns,
+            LOOPS=tile.loops,
+            num_warps=tile.num_warps,
+            enable_fp_fusion=False,
+            **constexprs,
+        )
+    if not aligned:
+        pack_codes(target, bits, out=codes)
+    return codes, scales
+
+
+def launch_decoder(
+    kernel: Any,
+    codes_name: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    row_length: int,
+    dtype: torch.dtype,
+    **constexprs: Any,
+) -> torch.Tensor:
+    """Launch a row decoder: ``numel`` values of ``dtype`` from packed ``codes`` and one scale per row.
+
+    Args:
+        kernel: the family's ``@triton.jit`` decoder (see the module docstring for its arguments).
+        codes_name: what the op calls ``codes`` (``"codes"``, ``"packed"``), for the error message.
+        codes: packed uint8 codes; the output goes on their device.
+        scales: fp32 scales, one per row, on the same device.
+        numel: how many values to produce.
+        row_length: elements per scale.
+        dtype: output dtype.
+        constexprs: the family's own compile-time arguments.
+
+    Returns:
+        A 1-D tensor of ``numel`` values.
+
+    Raises:
+        ValueError: ``scales`` is on another device than ``codes``.
+    """
+    if scales.device != codes.device:
+        owner = codes_name + ("'" if codes_name.endswith("s") else "'s")
+        raise ValueError(f"scales must be on {owner} device {codes.device}, got {scales.device}")
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    if numel == 0:
+        return out
+    nrows = triton.cdiv(numel, row_length)
+    tile = tile_for(row_length)
+    with device_guard(codes):
+        kernel[(triton.cdiv(nrows, tile.rows),)](
+            codes.contiguous(),
+            scales.contiguous(),
+            out,
+            numel,
+            row_length,
+            nrows,
+            ROWS=tile.rows,
+            COLUMNS=tile.columns,
+            num_warps=tile.num_warps,
+            enable_fp_fusion=False,
+            **constexprs,
+        )
+    return out
+
+
+def decode_into(
+    out: torch.Tensor,
+    decode: Callable[[torch.Tensor, torch.Tensor, int, torch.dtype], torch.Tensor],
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    row_length: int,
+    accumulate: bool,
+) -> None:
+    """A ``*_into`` op composed from its functional decoder: decode what ``out`` needs, then store it.
+
+    The first ``ceil(numel * bits / 8)`` codes and ``ceil(numel / row_length)`` scales of the payload are
+    decoded by ``decode(codes, scales, numel, dtype)`` (in ``out.dtype``, or in fp32 when accumulating) and
+    stored with :func:`store_decoded`.
+    """
+    n = out.numel()
+    codes = codes.reshape(-1)[: triton.cdiv(n * bits, 8)]
+    scales = scales.reshape(-1)[: triton.cdiv(n, row_length)]
+    decoded = decode(codes, scales, n, torch.float32 if accumulate else out.dtype)
+    store_decoded(out, decoded, accumulate)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcomm.triton._common import device_guard, pack_codes, round_to, store_decoded, tile_for, to_float32
+from fastcomm.triton import _common
+from fastcomm.triton._common import decoder_tile, round_to, row_tile, store_bytes, tile_index, to_float32
 
 __all__ = ["dequantize_blockwise", "dequantize_blockwise_into", "quantize_blockwise"]
 
@@ -81,32 +82,25 @@ def _quantize_kernel(
     BITS: tl.constexpr,
     PER_BYTE: tl.constexpr,
     ROWS: tl.constexpr,
-    BYTES: tl.constexpr,
+    COLUMNS: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     LOOPS: tl.constexpr,
 ):
-    COLUMNS: tl.constexpr = BYTES * PER_BYTE
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    first = rows * block
-    byte_col = tl.arange(0, BYTES)
-    lane = tl.arange(0, PER_BYTE)
-    col = byte_col[None, :, None] * PER_BYTE + lane[None, None, :]
+    rows, first, byte_col, lane, col = row_tile(block, ROWS, COLUMNS, PER_BYTE)
     seed32 = seed.to(tl.uint32)
     qmax = tl.full([ROWS], QMAX, tl.float32)
 
+    # Pass 1: each row's absmax, over the whole row in registers or walked in column tiles.
     if LOOPS:
         absmax = tl.zeros([ROWS], tl.float32)
         bad = tl.zeros([ROWS], tl.int32)
         for start in range(0, block, COLUMNS):
-            c = start + col
-            index = first[:, None, None] + c
-            x = to_float32(tl.load(x_ptr + index, mask=(c < block) & (index < n), other=0.0))
-            tile_absmax, tile_bad = _row_absmax(x)
+            index, mask = tile_index(first[:, None, None], start + col, n, block)
+            tile_absmax, tile_bad = _row_absmax(to_float32(tl.load(x_ptr + index, mask=mask, other=0.0)))
             absmax = tl.maximum(absmax, tile_absmax)
             bad = tl.maximum(bad, tile_bad)
     else:
-        index = first[:, None, None] + col
-        mask = (col < block) & (index < n)
+        index, mask = tile_index(first[:, None, None], col, n, block)
         x = to_float32(tl.load(x_ptr + index, mask=mask, other=0.0))
         absmax, bad = _row_absmax(x)
 
@@ -117,21 +111,16 @@ def _quantize_kernel(
     usable = usable & (inv != float("inf"))  # a subnormal absmax overflows qmax / absmax
     inv = tl.where(usable, inv, 0.0)
 
+    # Pass 2: encode and store, from the registers of pass 1 or reading each column tile again.
     if LOOPS:
         for start in range(0, block, COLUMNS):
-            c = start + col
-            index = first[:, None, None] + c
-            mask = (c < block) & (index < n)
+            index, mask = tile_index(first[:, None, None], start + col, n, block)
             x = to_float32(tl.load(x_ptr + index, mask=mask, other=0.0))
             packed = _encode(x, inv, usable, index, mask, lane, seed32, QMAX, BITS, STOCHASTIC)
-            bc = start // PER_BYTE + byte_col[None, :]
-            byte_ok = (bc * PER_BYTE < block) & (first[:, None] + bc * PER_BYTE < n)
-            tl.store(out_ptr + rows[:, None] * block_bytes + bc, packed, mask=byte_ok)
+            store_bytes(out_ptr, packed, rows, first, byte_col, start, n, block, block_bytes, PER_BYTE)
     else:
         packed = _encode(x, inv, usable, index, mask, lane, seed32, QMAX, BITS, STOCHASTIC)
-        bc = byte_col[None, :]
-        byte_ok = (bc * PER_BYTE < block) & (first[:, None] + bc * PER_BYTE < n)
-        tl.store(out_ptr + rows[:, None] * block_bytes + bc, packed, mask=byte_ok)
+        store_bytes(out_ptr, packed, rows, first, byte_col, 0, n, block, block_bytes, PER_BYTE)
 
 
 @triton.jit(do_not_specialize=["n", "nblocks"])
@@ -148,14 +137,9 @@ def _dequantize_kernel(
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    scale = tl.load(scales_ptr + rows, mask=rows < nblocks, other=0.0)[:, None]
-    first = rows[:, None] * block
-    col = tl.arange(0, COLUMNS)[None, :]
+    scale, first, col = decoder_tile(scales_ptr, block, nblocks, ROWS, COLUMNS)
     for start in range(0, block, COLUMNS):
-        c = start + col
-        index = first + c
-        mask = (c < block) & (index < n)
+        index, mask = tile_index(first, start + col, n, block)
         byte = tl.load(codes_ptr + index // PER_BYTE, mask=mask, other=0).to(tl.int32)
         code = (byte >> ((index % PER_BYTE) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
         value = (code - (QMAX + 1)).to(tl.float32) * scale
@@ -177,28 +161,18 @@ def quantize_blockwise(
     2. The same program encodes and packs its codes. When ``block`` is not a multiple of the codes per
        byte, a byte straddles two blocks: codes are then written one per byte and packed by a second kernel.
 
-    Args:
-        x: fp32/fp16/bf16 tensor of any shape and strides (flattened; converted to fp32 in the kernel).
-        bits: 8, 4 or 2.
-        block: elements per scale, any positive int.
-        stochastic: ``u`` from the counter hash of ``(index, seed)`` instead of 0.5.
-        seed: int64 seed, folded to 32 bits as ``(seed ^ (seed >> 32)) & 0xFFFFFFFF``.
-        residual: error-feedback buffer like ``x``: ``x + residual`` is quantized and ``residual`` becomes
-            ``acc - dequantized`` (fp32, rounded once), with torch ops around the kernel (not fused yet).
-        residual_source: read instead of ``residual`` for ``acc``; composed as
-            ``residual.copy_(residual_source)`` followed by the in-place path (needs ``residual``).
+    3. ``x`` may have any strides (it is flattened, and converted to fp32 in the kernel); ``seed`` is folded
+       to 32 bits as ``(seed ^ (seed >> 32)) & 0xFFFFFFFF``. With ``residual``, ``x + residual`` is
+       quantized and ``residual`` becomes ``acc - dequantized`` with torch ops around the kernel (not fused
+       yet); ``residual_source`` is composed as ``residual.copy_(residual_source)`` then the in-place path.
 
-    Returns:
-        ``(codes uint8 of ceil(n * bits / 8), scales float32 of ceil(n / block))`` on ``x``'s device.
+    The outputs are on ``x``'s device.
 
     Example::
 
         >>> codes, scales = quantize_blockwise(torch.randn(1000, device="cuda"), bits=4)
     """
-    if residual_source is not None:
-        if residual is None:
-            raise ValueError("residual_source needs residual: acc - sent is written to residual")
-        residual.copy_(residual_source)  # a no-op when they are the same tensor
+    _common.adopt_residual_source(residual, residual_source)
     if residual is not None:
         acc = x.reshape(-1) + residual.reshape(-1)
         codes, scales = quantize_blockwise(acc, bits, block, stochastic, seed)
@@ -206,41 +180,17 @@ def quantize_blockwise(
         residual.copy_((acc.float() - sent).to(x.dtype).view_as(residual))
         return codes, scales
     flat = x.reshape(-1).contiguous()
-    n = flat.numel()
-    nblocks = triton.cdiv(n, block)
-    per_byte = 8 // bits
-    codes = torch.empty(triton.cdiv(n * bits, 8), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return codes, scales
-    aligned = block % per_byte == 0
-    layout = per_byte if aligned else 1
-    target = codes if aligned else torch.empty(n, dtype=torch.uint8, device=x.device)
-    tile = tile_for(block, align=layout)
-    seed32 = (seed ^ (seed >> 32)) & _MASK32
-    with device_guard(flat):
-        _quantize_kernel[(triton.cdiv(nblocks, tile.rows),)](
-            flat,
-            target,
-            scales,
-            n,
-            block,
-            block // layout,
-            nblocks,
-            seed32,
-            QMAX=2 ** (bits - 1) - 1,
-            BITS=bits,
-            PER_BYTE=layout,
-            ROWS=tile.rows,
-            BYTES=tile.columns // layout,
-            STOCHASTIC=bool(stochastic),
-            LOOPS=tile.loops,
-            num_warps=tile.num_warps,
-            enable_fp_fusion=False,
-        )
-    if not aligned:
-        pack_codes(target, bits, out=codes)
-    return codes, scales
+    return _common.launch_encoder(
+        _quantize_kernel,
+        (flat,),
+        flat,
+        bits,
+        block,
+        scalars=((seed ^ (seed >> 32)) & _MASK32,),
+        QMAX=2 ** (bits - 1) - 1,
+        BITS=bits,
+        STOCHASTIC=bool(stochastic),
+    )
 
 
 def dequantize_blockwise(
@@ -253,16 +203,8 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """Triton twin of :func:`fastcomm.reference.dequantize_blockwise`: ``(code - qmax - 1) * scale`` in fp32.
 
-    Args:
-        codes: packed uint8 codes from :func:`quantize_blockwise`.
-        scales: fp32 scales, one per block.
-        numel: how many values to produce.
-        bits: 8, 4 or 2.
-        block: elements per scale.
-        dtype: output dtype (fp32/fp16/bf16, rounded to nearest even from fp32).
-
-    Returns:
-        A 1-D tensor of ``numel`` values on ``codes``' device.
+    One program per ``rows`` blocks; the fp32 value is rounded to ``dtype`` to nearest even. The output is
+    on ``codes``' device.
 
     Raises:
         ValueError: ``scales`` is on another device than ``codes``.
@@ -271,30 +213,18 @@ def dequantize_blockwise(
 
         >>> out = dequantize_blockwise(*quantize_blockwise(g), numel=g.numel())
     """
-    if scales.device != codes.device:
-        raise ValueError(f"scales must be on codes' device {codes.device}, got {scales.device}")
-    out = torch.empty(numel, dtype=dtype, device=codes.device)
-    if numel == 0:
-        return out
-    nblocks = triton.cdiv(numel, block)
-    tile = tile_for(block)
-    with device_guard(codes):
-        _dequantize_kernel[(triton.cdiv(nblocks, tile.rows),)](
-            codes.contiguous(),
-            scales.contiguous(),
-            out,
-            numel,
-            block,
-            nblocks,
-            QMAX=2 ** (bits - 1) - 1,
-            BITS=bits,
-            PER_BYTE=8 // bits,
-            ROWS=tile.rows,
-            COLUMNS=tile.columns,
-            num_warps=tile.num_warps,
-            enable_fp_fusion=False,
-        )
-    return out
+    return _common.launch_decoder(
+        _dequantize_kernel,
+        "codes",
+        codes,
+        scales,
+        numel,
+        block,
+        dtype,
+        QMAX=2 ** (bits - 1) - 1,
+        BITS=bits,
+        PER_BYTE=8 // bits,
+    )
 
 
 def dequantize_blockwise_into(
@@ -307,23 +237,15 @@ def dequantize_blockwise_into(
 ) -> None:
     """Triton twin of :func:`fastcomm.reference.dequantize_blockwise_into`, composed from the kernel above.
 
-    The first ``ceil(numel * bits / 8)`` codes and ``ceil(numel / block)`` scales of the payload are decoded
-    (in ``out.dtype``, or in fp32 when accumulating) and stored with :func:`store_decoded`.
-
-    Args:
-        out: contiguous fp32/fp16/bf16 tensor; ``numel = out.numel()``.
-        codes: packed uint8 codes, at least as many as ``numel`` values need.
-        scales: fp32 scales, at least ``ceil(numel / block)``.
-        bits: 8, 4 or 2.
-        block: elements per scale.
-        accumulate: add to ``out`` (in fp32, rounded once) instead of overwriting it.
+    Only the first ``ceil(out.numel() * bits / 8)`` codes and ``ceil(out.numel() / block)`` scales are
+    read, through :func:`~fastcomm.triton._common.decode_into`.
 
     Example::
 
         >>> dequantize_blockwise_into(grad, *quantize_blockwise(g), accumulate=True)
     """
-    n = out.numel()
-    codes = codes.reshape(-1)[: triton.cdiv(n * bits, 8)]
-    scales = scales.reshape(-1)[: triton.cdiv(n, block)]
-    dtype = torch.float32 if accumulate else out.dtype
-    store_decoded(out, dequantize_blockwise(codes, scales, n, bits, block, dtype), accumulate)
+
+    def decode(codes: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blockwise(codes, scales, numel, bits, block, dtype)
+
+    _common.decode_into(out, decode, codes, scales, bits, block, accumulate)

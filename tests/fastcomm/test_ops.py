@@ -10,6 +10,7 @@ Run under FASTCOMM_NO_NATIVE=1 as well (``make test`` does): the same checks the
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pickle
@@ -380,6 +381,33 @@ def test_every_table_row_is_registered(spec):
     # Only register_fake installs a Meta kernel (fastcomm._C registers CPU and CUDA ones).
     assert torch._C._dispatch_has_kernel_for_dispatch_key(spec.qualname, "Meta")
     assert spec.name in ops.__all__ and callable(getattr(ops, spec.name))
+
+
+@pytest.mark.parametrize("spec", ops.OP_SPECS, ids=lambda spec: spec.name)
+def test_public_op_states_its_schema_arguments(spec):
+    """The reference twin is the one Python home of an op's signature: it must match the schema's."""
+    public, twin = getattr(ops, spec.name), getattr(ref, spec.name)
+    assert inspect.signature(public) == inspect.signature(twin) and public.__doc__ == twin.__doc__
+    params = inspect.signature(public).parameters
+    arguments = getattr(torch.ops.fastcomm, spec.name).default._schema.arguments
+    assert list(params) == [argument.name for argument in arguments]
+    for argument in arguments:
+        default = params[argument.name].default
+        if not argument.has_default_value():
+            assert default is inspect.Parameter.empty, argument.name
+        elif isinstance(default, torch.dtype):  # the schema holds a dtype default as a ScalarType number
+            assert argument.default_value == 6 and default == torch.float32, argument.name  # 6: Float
+        else:
+            assert default == argument.default_value, argument.name
+
+
+def test_in_place_ops_return_out():
+    out = torch.zeros(10)
+    assert ops.sparse_accumulate(out, torch.tensor([3]), torch.ones(1)) is out
+    codes, scales = ops.quantize_blockwise(_randn(10, torch.float32, "cpu", 7), bits=4)
+    assert ops.dequantize_blockwise_into(out, codes, scales, bits=4, accumulate=True) is out
+    packed, scales = ops.sign_compress(_randn(10, torch.float32, "cpu", 8))
+    assert ops.sign_decompress_into(out, packed, scales) is out
 
 
 def test_op_names_come_from_the_table():
