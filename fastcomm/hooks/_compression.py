@@ -142,19 +142,20 @@ class CompressionState(HookState):
         return None if owed is None else owed.view_as(param)
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters and every bucket layout's tensors (see :meth:`HookState.state_dict`).
+        """The counters, every bucket layout's tensors and the last iteration's bucket layout.
 
-        After :meth:`load_state_dict`, the first iteration compresses a bucket made of whole checkpointed
-        buckets (a fresh DDP's initial layout) as those buckets, so a resumed run is bit-identical to the
-        uninterrupted one with DDP's default bucket layout as well.
+        After :meth:`load_state_dict`, the first iteration reduces a bucket made of whole buckets of that
+        layout (a fresh DDP's initial one-bucket layout) as those buckets, so a resumed run is
+        bit-identical to the uninterrupted one with DDP's default bucket layout as well (see
+        :meth:`HookState.state_dict`).
         """
         state = super().state_dict()
-        state["buckets"] = self.store.state_dict()
+        state.update(self.store.state_dict())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.store.load_state_dict(state_dict["buckets"])
+        self.store.load_state_dict(state_dict)
 
 
 @dataclass
@@ -181,11 +182,11 @@ def run_compressed(
     """The common body of the compressing hooks; ``compress(call)`` compresses one bucket.
 
     1. Resolve the state (the per-model default when ``None``) and open the iteration at bucket 0.
-    2. World size 1: a completed future holding the gradient as is.
-    2. (and 4.) A dense result goes through :meth:`CompressionState.dense_result` (top-k's momentum).
-    3. The first iteration after ``load_state_dict``, a bucket made of whole checkpointed buckets (see
-       :meth:`~fastcomm.hooks._store.BucketStore.resume_parts`): each part is gathered, reduced by steps
-       4-5 as the checkpointed bucket was, and scattered back.
+    2. World size 1: a completed future holding the gradient as is. This and every dense result of step 4
+       go through :meth:`CompressionState.dense_result` (top-k's momentum).
+    3. The first iteration after ``load_state_dict``, a bucket made of whole buckets of the checkpoint's
+       layout (:meth:`~fastcomm.hooks._store.BucketStore.resume_parts`): each part is gathered, reduced by
+       steps 4-5 as the checkpointed bucket was, and scattered back.
     4. Before ``start_iter`` or below ``min_compress_numel``: a dense allreduce (with what the bucket's
        parameters still owe, after a rebuild; a last bucket also issues a pending phase 2).
     5. Otherwise ``compress(call)``.
@@ -208,6 +209,7 @@ def run_compressed(
             f"fastcomm relies on DDP laying parameters out back to back"
         )
     where = (world_size, rank, bucket.index())
+    resolved.store.note_bucket(key, numels)
     parts = resolved.store.resume_parts(key)
     if parts is None:
         return _one(resolved, key, params, buffer, where, bucket.is_last(), compress)

@@ -10,8 +10,9 @@ element per gradient element, e.g. error-feedback residuals) and where every par
 * **Resume** is bit-identical: a fresh DDP reduces its first iteration in its initial layout (every
   parameter in one bucket, in forward order) and rebuilds after it, but the checkpoint was taken under the
   rebuilt layout, whose blocks, segments and top-k budgets cover other elements. During the first iteration
-  after :meth:`BucketStore.load_state_dict`, a bucket made of whole checkpointed buckets is compressed as
-  those buckets (:meth:`BucketStore.resume_parts`): each part gathered into the checkpoint's parameter
+  after :meth:`BucketStore.load_state_dict`, a bucket made of whole buckets of the checkpoint's layout
+  (every bucket of its last iteration, dense ones too) is reduced as those buckets
+  (:meth:`BucketStore.resume_parts`): each part gathered into the checkpoint's parameter
   order, compressed as the checkpointed bucket was, and scattered back. That costs one gather and one
   scatter copy of the bucket, on that one iteration only.
 """
@@ -98,10 +99,17 @@ class BucketStore:
         self._staged: dict[tuple[BucketKey, str], Tensor] = {}
         # tensors replaced at the last commit, reused as the next staged copies (no allocation per step)
         self._spares: dict[tuple[BucketKey, str], Tensor] = {}
-        # keys restored by load_state_dict, until the first iteration after it closes
-        self._restored: tuple[BucketKey, ...] = ()
+        # every bucket of the iteration in progress and of the last one closed (dense ones too), by key
+        self._layout: dict[BucketKey, tuple[int, ...]] = {}
+        self._last_layout: dict[BucketKey, tuple[int, ...]] = {}
+        # the checkpoint's layout, from load_state_dict until the first iteration after it closes
+        self._restored: dict[BucketKey, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------------------------------ layouts
+    def note_bucket(self, key: BucketKey, numels: tuple[int, ...]) -> None:
+        """Record that DDP's current layout has this bucket (kept in checkpoints for the resume)."""
+        self._layout[key] = numels
+
     def holds(self, key: BucketKey) -> bool:
         """Whether the store has an entry for this exact layout."""
         return key in self._entries
@@ -157,17 +165,18 @@ class BucketStore:
         """How to compress a new layout ``key`` as checkpointed buckets (first iteration after a restore).
 
         Returns:
-            The checkpointed buckets that ``key`` is made of (each one whole, in the checkpoint's bucket
-            order), or ``None`` to compress ``key`` as one bucket: outside that iteration, for a layout the
-            store holds, or when ``key`` is not made of whole checkpointed buckets.
+            The buckets of the checkpoint's layout that ``key`` is made of (each one whole, in the
+            checkpoint's bucket order), or ``None`` to reduce ``key`` as one bucket: outside that
+            iteration, for a bucket of the checkpoint's layout itself, or when ``key`` is not made of whole
+            buckets of it.
         """
-        if not self._restored or key in self._entries:
+        if not self._restored or key in self._restored:
             return None
         position = {pkey: index for index, pkey in enumerate(key)}
-        inside = [old for old in self._restored if old in self._entries and any(p in position for p in old)]
+        inside = [old for old in self._restored if any(p in position for p in old)]
         if sorted(p for old in inside for p in old) != sorted(key):
             return None
-        numel_of = {p: n for old in inside for p, n in zip(old, self._entries[old].numels, strict=True)}
+        numel_of = {p: n for old in inside for p, n in zip(old, self._restored[old], strict=True)}
         offsets, start = {}, 0
         for pkey in key:
             offsets[pkey], start = start, start + numel_of[pkey]
@@ -215,7 +224,9 @@ class BucketStore:
     def end_iteration(self, finite: bool) -> None:
         """Commit the staged tensors after a step, or drop them after a skipped one."""
         staged, self._staged = self._staged, {}
-        self._restored = ()
+        self._restored = {}
+        if self._layout:
+            self._last_layout, self._layout = self._layout, {}
         if not finite:
             return
         for (key, name), tensor in staged.items():
@@ -264,8 +275,13 @@ class BucketStore:
         return out
 
     # ------------------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> list[dict[str, Any]]:
-        """Every layout's parameters, sizes, segment and tensors (cloned), in the order they were made."""
+    def state_dict(self) -> dict[str, Any]:
+        """``buckets``: every entry's parameters, sizes, segment and tensors (cloned), in the order they
+        were made; ``layout``: the parameters and sizes of every bucket of the last iteration, in order."""
+        layout = [{"params": list(key), "numels": list(numels)} for key, numels in self._last_layout.items()]
+        return {"buckets": self._entries_state(), "layout": layout}
+
+    def _entries_state(self) -> list[dict[str, Any]]:
         return [
             {
                 "params": list(key),
@@ -277,10 +293,10 @@ class BucketStore:
             for key, entry in self._entries.items()
         ]
 
-    def load_state_dict(self, buckets: list[dict[str, Any]]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace everything with what :meth:`state_dict` returned."""
         self.__init__()  # type: ignore[misc]
-        for item in buckets:
+        for item in state_dict["buckets"]:
             key = tuple(int(p) for p in item["params"])
             entry = BucketEntry(
                 numels=tuple(int(n) for n in item["numels"]),
@@ -293,7 +309,11 @@ class BucketStore:
             for pkey, numel in zip(key, entry.numels, strict=True):
                 self._param_loc[pkey] = (key, offset)
                 offset += numel
-        self._restored = tuple(self._entries)
+        layout = state_dict.get("layout") or state_dict["buckets"]  # a checkpoint without one: its entries
+        self._restored = {
+            tuple(int(p) for p in item["params"]): tuple(int(n) for n in item["numels"]) for item in layout
+        }
+        self._last_layout = dict(self._restored)
 
 
 def _segment_overlap(entry: BucketEntry, offset: int, numel: int) -> tuple[int, int, Tensor] | None:

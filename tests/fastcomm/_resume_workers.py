@@ -28,6 +28,8 @@ RESUME_HOOKS = {
     "q4": ("quantize", {"bits": 4, "block": 64, "min_compress_numel": 0}),
     "sign": ("sign", {"chunk": 256, "min_compress_numel": 0}),
     "cast": ("cast", {}),
+    # dense first step and a small bucket that stays dense: a layout the store holds no tensors for
+    "sign_dense_start": ("sign", {"chunk": 256, "start_iter": 1, "min_compress_numel": 2000}),
 }
 # DDP keyword arguments: the default bucket size (one bucket for this model in both layouts, parameters
 # in another order) and a small one (the rebuilt layout has several buckets, the initial one only one)
