@@ -583,14 +583,15 @@ def _public_op(twin: Callable[_P, _R], check: Callable[[dict[str, Any]], None]) 
     schema returns nothing writes its first argument in place and returns it, as the twin does.
     """
     signature = inspect.signature(twin)
+    defaults = tuple((name, parameter.default) for name, parameter in signature.parameters.items())
     op = getattr(torch.ops.fastcomm, twin.__name__)
     returns_first = not op.default._schema.returns
 
     @functools.wraps(twin)
     def public(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = bound.arguments
+        given = signature.bind(*args, **kwargs).arguments  # raises TypeError as a call of the twin would
+        # In signature order, defaults filled in (BoundArguments.apply_defaults costs more than the op).
+        arguments = {name: given[name] if name in given else default for name, default in defaults}
         first = next(iter(arguments.values()))
         check(arguments)
         result = op(*arguments.values())
