@@ -471,11 +471,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--skip-speed", action="store_true", help="loss runs only")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="keep each run's result and logs here; loss runs found there are reused")
+    parser.add_argument("--reuse-speed", action="store_true",
+                        help="with --work-dir: take the speed rows an earlier run saved there (speed.json)")
     parser.add_argument("--reuse-only", action="store_true",
                         help="with --work-dir: start no loss run, report only those found there")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.reuse_only and args.work_dir is None:
-        parser.error("--reuse-only needs --work-dir")
+    if (args.reuse_only or args.reuse_speed) and args.work_dir is None:
+        parser.error("--reuse-only and --reuse-speed need --work-dir")
     started = time.perf_counter()
     train_lm = load_example()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -514,11 +516,19 @@ def main(argv: Sequence[str] | None = None) -> str:
         shaped_name, fast_name = "shaped", FAST_LINK
         timings: dict[str, dict[str, dict[str, Any]]] = {}
         reason = netlab.unavailable_reason()
+        speed_cache = work / "speed.json"
         if args.skip_speed:
             notes.append("speed: skipped (--skip-speed)")
+        elif args.reuse_speed:
+            if not speed_cache.exists():
+                parser.error(f"--reuse-speed: no {speed_cache}")
+            cached = json.loads(speed_cache.read_text())
+            shaped_name, timings = cached["shaped_name"], cached["timings"]
+            notes += [*cached["notes"], f"speed rows reused from an earlier run ({cached['when']})"]
         elif reason:
             notes.append(f"speed: skipped, {reason}")
         else:
+            speed_notes_start = len(notes)
             noop = _time_link(train_lm, ["noop"], None, "loopback", settings, available)["noop"]
             noop_seconds = _last_phase_step(noop)
             if noop_seconds is None:
@@ -544,6 +554,10 @@ def main(argv: Sequence[str] | None = None) -> str:
             notes.append(f"speed: {args.warmup_steps} warm-up + {args.timed_steps} timed steps per method "
                          "and phase, the slower rank's median; loss vs seconds = the loss run's validation "
                          "curve with each step at its phase's measured step time on that link")
+            speed_notes = notes[speed_notes_start:]
+            when = time.strftime("%Y-%m-%d %H:%M")
+            speed_cache.write_text(json.dumps({"shaped_name": shaped_name, "timings": timings,
+                                               "notes": speed_notes, "when": when}))
 
         # -- loss --------------------------------------------------------------------------------------
         runs: dict[str, _Run] = {}
