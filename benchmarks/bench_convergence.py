@@ -57,7 +57,9 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = _REPO_ROOT / "examples" / "train_lm.py"
 NAME = "bench_convergence"
 # Rows of the loss comparison, each against its dense reference (AdamW rows: "none"; DGC: dense SGD m0.9).
-LOSS_METHODS = ("none", "cast", "q8", "q4", "topk", "sign", "cadam", "cadam_q8w", "fp16", "sgd", "dgc")
+LOSS_METHODS = (
+    "none", "cast", "q8", "q4", "topk", "sign", "cadam", "cadam_q8w", "cadam_q8", "fp16", "sgd", "dgc",
+)
 REFERENCE = {"sgd": "none", "dgc": "sgd"}
 FAST_LINK = "1gbit"
 COMM_TO_COMPUTE = 3.0  # the shaped link: dense allreduce's communication about 3x the no-comm step
