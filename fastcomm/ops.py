@@ -2,7 +2,8 @@
 
 One table, :data:`OP_SPECS`, drives every registration: each row names an op, its schema, its reference
 twin, its fake kernel and the Triton module that holds its CUDA kernel, if any. A new op is one row (plus
-its public wrapper below, and its kernels). Backends are picked once, at import:
+its reference twin, its argument check and one ``_public_op`` line below, and its kernels). Backends are
+picked once, at import:
 
 * The plain-PyTorch twin from :mod:`fastcomm.reference` is the ``CompositeExplicitAutograd`` kernel: the
   default on any device without a native kernel.
