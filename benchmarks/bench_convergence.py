@@ -450,10 +450,13 @@ def _plot(curves: dict[str, dict[str, Any]], shaped: str, target: float | None, 
     by_time.set_title(f"validation loss vs wall time, {shaped} link")
     by_step.legend(fontsize=7)
     by_time.legend(fontsize=7)
-    low = min((min(c["val_losses"]) for c in curves.values() if c.get("val_losses")), default=None)
-    if low is not None:
+    drawn = [c["val_losses"] for c in curves.values() if c.get("val_losses")]
+    if drawn:
+        # Every curve's end in view, without the first points' steep fall flattening the rest.
+        low = min(min(v) for v in drawn)
+        high = min(max(max(v) for v in drawn), max(v[-1] for v in drawn) + 0.3, low + 1.5)
         for ax in (by_step, by_time):
-            ax.set_ylim(low - 0.05, low + 1.2)
+            ax.set_ylim(low - 0.05, max(high, low + 0.3))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
