@@ -59,6 +59,7 @@ __all__ = ["COMPRESSORS", "WARMUP_COMPRESSORS", "CompressedAdam", "precondition_
 
 COMPRESSORS = ("sign", "quantize", "topk")
 WARMUP_COMPRESSORS = (None, "cast", "quantize")
+EXCHANGES = ("update", "momentum")
 
 
 def _check_number(name: str, value: Any, low: float, high: float, *, high_open: bool = True) -> float:
@@ -97,6 +98,14 @@ def precondition_(grad: Tensor, denom: Tensor, beta2: float, grad_scale: float =
     return grad.div_(torch.maximum(floor, denom, out=floor))
 
 
+def _adam_update_bound(beta1: float, beta2: float) -> float:
+    """The largest ``|m_hat / sqrt(v_hat)|`` Adam itself can produce: ``(1 - b1) / (sqrt(1 - b2) (1 - b1 /
+    sqrt(b2)))`` when ``b1 < sqrt(b2)`` (each past gradient's share of ``m`` over its share of ``v``)."""
+    if beta1 >= math.sqrt(beta2):
+        return math.inf
+    return (1 - beta1) / (math.sqrt(1 - beta2) * (1 - beta1 / math.sqrt(beta2)))
+
+
 class CompressedAdam(torch.optim.Optimizer):
     """AdamW with a dense warm-up, then frozen variance and compressed, error-fed momentum (1-bit Adam).
 
@@ -121,6 +130,11 @@ class CompressedAdam(torch.optim.Optimizer):
             dtype), ``"cast"`` (a bf16 allreduce, ``fastcomm.cast_hook``) or ``"quantize"`` (8-bit blockwise
             with error feedback, ``fastcomm.quantize_hook``), both within 0.5% of dense AdamW's loss on our LM
             task, at 1/2 and 1/4 of the traffic.
+        exchange: what the hook averages after warm-up: ``"update"`` (the preconditioned momentum
+            ``m / denom``, see the module docstring) or ``"momentum"`` (``m`` itself, as 1-bit Adam; the step
+            divides by ``denom`` after the exchange, clamps each coordinate to Adam's own largest step
+            ``(1 - b1) / (sqrt(1 - b2) (1 - b1 / sqrt(b2)))`` and never moves one that had no gradient in
+            warm-up).
         **compressor_options: options of the compressor's hook state (``fastcomm.SignState``,
             ``QuantState`` or ``TopKState``), e.g. ``chunk=2048`` or ``bits=4``; ``start_iter`` is not
             allowed (``warmup_steps`` plays its part).
@@ -144,6 +158,7 @@ class CompressedAdam(torch.optim.Optimizer):
         warmup_steps: int = 100,
         compressor: str = "sign",
         warmup_compressor: str | None = None,
+        exchange: str = "update",
         **compressor_options: Any,
     ) -> None:
         lr = _check_number("lr", lr, 0.0, math.inf)
@@ -167,11 +182,14 @@ class CompressedAdam(torch.optim.Optimizer):
             raise ValueError(
                 f"warmup_compressor must be one of {WARMUP_COMPRESSORS}, got {warmup_compressor!r}"
             )
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         if "start_iter" in compressor_options:
             raise ValueError("start_iter is not a CompressedAdam option: warmup_steps sets the dense phase")
         self.warmup_steps = warmup_steps
         self.compressor = compressor
         self.warmup_compressor = warmup_compressor
+        self.exchange = exchange
         self.compressor_options = dict(compressor_options)
         # set by fastcomm.register: then p.grad holds the averaged momentum in the compressed phase
         self.hook_attached = False
@@ -242,7 +260,10 @@ class CompressedAdam(torch.optim.Optimizer):
             p.addcdiv_(exp_avg, denom, value=-lr / bias1)
             if step == self.warmup_steps:
                 state["frozen_denom"] = denom
-                exp_avg.div_(denom)  # from now on the momentum is kept preconditioned
+                if self.exchange == "update":
+                    exp_avg.div_(denom)  # from now on the momentum is kept preconditioned
+                else:  # a coordinate without any warm-up gradient never moves (its denom is eps)
+                    denom.masked_fill_(exp_avg_sq == 0, math.inf)
 
     def _frozen_step(self, group: dict[str, Any], params: list[Tensor], step: int) -> None:
         lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
@@ -254,11 +275,16 @@ class CompressedAdam(torch.optim.Optimizer):
                     f"the {self.warmup_steps} warm-up steps, so it has no variance to freeze; give it a "
                     "gradient in warm-up or put it in a plain AdamW"
                 )
-            exp_avg = state["exp_avg"]
+            exp_avg, denom = state["exp_avg"], state["frozen_denom"]
             if self.hook_attached:
-                exp_avg.copy_(p.grad)  # the hook's result: m / denom averaged over ranks
+                exp_avg.copy_(p.grad)  # the hook's result, averaged over ranks
+            elif self.exchange == "update":
+                exp_avg.mul_(beta1).add_(precondition_(p.grad.clone(), denom, beta2), alpha=1 - beta1)
             else:
-                local = precondition_(p.grad.clone(), state["frozen_denom"], beta2)
-                exp_avg.mul_(beta1).add_(local, alpha=1 - beta1)
+                exp_avg.lerp_(p.grad, 1 - beta1)
             p.mul_(1 - lr * wd)
-            p.add_(exp_avg, alpha=-lr / (1 - beta1**step))
+            if self.exchange == "update":
+                p.add_(exp_avg, alpha=-lr / (1 - beta1**step))
+            else:
+                bound = _adam_update_bound(beta1, beta2)
+                p.add_(torch.div(exp_avg, denom).clamp_(-bound, bound), alpha=-lr / (1 - beta1**step))

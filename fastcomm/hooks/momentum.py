@@ -137,7 +137,8 @@ class CompressedAdamState:
             if momentum is None or denom is None:  # no warm-up gradient: step() reports it
                 view.mul_(1 - beta1)
                 continue
-            precondition_(view, denom.view(-1), beta2, scale)
+            if self.optimizer.exchange == "update":
+                precondition_(view, denom.view(-1), beta2, scale)
             if scale == 1.0:
                 view.lerp_(momentum.view(-1), beta1)
             else:

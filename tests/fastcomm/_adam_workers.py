@@ -190,9 +190,10 @@ def convergence_worker(rank: int, world_size: int, result_dir: str) -> None:
     cases = {
         "dense": None,
         "dense_seed2": None,
-        "sign": {"chunk": 256},
-        "quantize": {"bits": 4, "block": 64},
-        "topk": {"ratio": 0.1},
+        "sign": {"compressor": "sign", "chunk": 256},
+        "sign_momentum": {"compressor": "sign", "chunk": 256, "exchange": "momentum"},
+        "quantize": {"compressor": "quantize", "bits": 4, "block": 64},
+        "topk": {"compressor": "topk", "ratio": 0.1},
     }
     for name, options in cases.items():
         model = make_mlp(41 if name != "dense_seed2" else 42, (20, 64, 64, 4))
@@ -200,14 +201,8 @@ def convergence_worker(rank: int, world_size: int, result_dir: str) -> None:
         if options is None:
             optimizer: torch.optim.Optimizer = torch.optim.AdamW(ddp.parameters(), **ADAM)
         else:
-            compressor = name
             optimizer = fastcomm.CompressedAdam(
-                ddp.parameters(),
-                **ADAM,
-                warmup_steps=20,
-                compressor=compressor,
-                min_compress_numel=0,
-                **options,
+                ddp.parameters(), **ADAM, warmup_steps=20, min_compress_numel=0, **options
             )
             fastcomm.register(ddp, optimizer)
         curves[name] = _train(rank, ddp, optimizer, range(150), _blob_batch)

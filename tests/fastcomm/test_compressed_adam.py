@@ -47,32 +47,66 @@ def test_warmup_steps_equal_torch_adamw():
     assert optimizer.compressing and optimizer.steps == 6
 
 
-def test_frozen_phase_without_hook_matches_reference():
+@pytest.mark.parametrize("exchange", ["update", "momentum"])
+def test_frozen_phase_without_hook_matches_reference(exchange):
     model, twin = _model(2), _model(2)
     lr, (beta1, beta2), eps, wd, warmup = 2e-3, (0.8, 0.99), 1e-6, 0.05, 3
     optimizer = fastcomm.CompressedAdam(
-        model.parameters(), lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd, warmup_steps=warmup
+        model.parameters(),
+        lr=lr,
+        betas=(beta1, beta2),
+        eps=eps,
+        weight_decay=wd,
+        warmup_steps=warmup,
+        exchange=exchange,
     )
     m = [torch.zeros_like(p) for p in twin.parameters()]
     v = [torch.zeros_like(p) for p in twin.parameters()]
+    bound = (1 - beta1) / ((1 - beta2) ** 0.5 * (1 - beta1 / beta2**0.5))  # Adam's own largest step
     for step in range(1, 9):
         _fill_grads(model, step)
         _fill_grads(twin, step)
+        list(model.parameters())[0].grad[0] *= 1e4  # one coordinate far beyond its frozen variance
+        list(twin.parameters())[0].grad[0] *= 1e4
         optimizer.step()
         with torch.no_grad():
             for i, p in enumerate(twin.parameters()):
                 g = p.grad
-                m[i] = beta1 * m[i] + (1 - beta1) * g
                 if step <= warmup:
+                    m[i] = beta1 * m[i] + (1 - beta1) * g
                     v[i] = beta2 * v[i] + (1 - beta2) * g * g
-                frozen = min(step, warmup)
-                denom = (v[i] / (1 - beta2**frozen)).sqrt() + eps
-                if step > warmup:  # a frozen variance is never below what Adam's would be after seeing g
-                    denom = torch.maximum(denom, (1 - beta2) ** 0.5 * g.abs())
+                    update = m[i] / ((v[i] / (1 - beta2**step)).sqrt() + eps)
+                else:
+                    denom = (v[i] / (1 - beta2**warmup)).sqrt() + eps
+                    if exchange == "update":  # u = m / denom, each gradient floored as Adam's v would be
+                        if step == warmup + 1:
+                            m[i] = m[i] / denom
+                        floored = torch.maximum(denom, (1 - beta2) ** 0.5 * g.abs())
+                        m[i] = beta1 * m[i] + (1 - beta1) * g / floored
+                        update = m[i]
+                    else:  # raw momentum through the frozen denom, clamped to Adam's bound
+                        m[i] = beta1 * m[i] + (1 - beta1) * g
+                        update = (m[i] / denom).clamp(-bound, bound)
                 p.mul_(1 - lr * wd)
-                p.sub_(lr * m[i] / (1 - beta1**step) / denom)
+                p.sub_(lr * update / (1 - beta1**step))
         for a, b in zip(model.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{exchange} step {step}")
+
+
+def test_momentum_exchange_never_moves_a_coordinate_without_warmup_gradient():
+    model = _model(4)
+    optimizer = fastcomm.CompressedAdam(model.parameters(), lr=0.1, warmup_steps=2, exchange="momentum")
+    weight = list(model.parameters())[0]
+    for step in range(6):
+        _fill_grads(model, step)
+        if step < 2:
+            weight.grad[0] = 0.0  # row 0 has no gradient in warm-up, then a large one
+        optimizer.step()
+        assert torch.isfinite(weight).all()
+    frozen_row = weight.detach()[0].clone()
+    _fill_grads(model, 7)
+    optimizer.step()
+    assert torch.equal(weight.detach()[0], frozen_row * (1 - 0.1 * 1e-2)), "only weight decay moves it"
 
 
 def test_precondition_floors_a_frozen_variance_by_the_gradient():
@@ -99,6 +133,7 @@ def test_precondition_floors_a_frozen_variance_by_the_gradient():
         ({"warmup_steps": 10.0}, TypeError),
         ({"compressor": "zip"}, ValueError),
         ({"warmup_compressor": "sign"}, ValueError),
+        ({"exchange": "gradient"}, ValueError),
         ({"start_iter": 5}, ValueError),
     ],
 )
@@ -151,7 +186,7 @@ def test_loss_goes_down_like_dense_adamw(tmp_path):
     assert dense < 0.6 * start, curves["dense"][::10]  # the task is learnable
     # tolerance from dense itself: the spread of two dense seeds, and at least 5% of dense's progress
     tolerance = max(abs(final("dense_seed2") - dense), 0.05 * (start - dense))
-    for name in ("sign", "quantize", "topk"):
+    for name in ("sign", "sign_momentum", "quantize", "topk"):
         assert final(name) <= dense + tolerance, (
             f"{name}: {final(name):.4f} vs dense {dense:.4f} (+{tolerance:.4f})"
         )
