@@ -350,6 +350,11 @@ METHODS: dict[str, Method] = {
     "dgc": Method("fastcomm topk_hook 1% with DGC momentum correction (0.9) and sparsity warm-up, SGD",
                   optimizer="sgd_nomomentum", hook="topk",
                   options={"ratio": 0.01, "momentum": 0.9, "warmup_steps": 50}),
+    "sgd_clip": Method("dense SGD momentum 0.9 on DGC's locally clipped gradients (topk_hook at ratio 1.0, "
+                       "every entry sent; clip_norm 1.0, momentum correction 0.9): dgc's clipped reference",
+                       optimizer="sgd_nomomentum", hook="topk",
+                       options={"ratio": 1.0, "momentum": 0.9, "momentum_masking": False, "warmup_steps": 0,
+                                "clip_norm": 1.0}),
     "fp16": Method("torch fp16_compress_hook, AdamW", hook="torch_fp16"),
     "noop": Method("no communication at all (the compute floor; ranks train apart, for timing only)",
                    hook="noop"),
