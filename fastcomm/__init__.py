@@ -6,7 +6,7 @@ Example::
     state = fastcomm.register(ddp_model, "topk", ratio=0.01)
 """
 
-from fastcomm import integrations, ops
+from fastcomm import compress, integrations, ops
 from fastcomm.hooks import (
     CastState,
     HookName,
@@ -33,6 +33,7 @@ __all__ = [
     "TopKState",
     "backend",
     "cast_hook",
+    "compress",
     "integrations",
     "ops",
     "quantize_hook",

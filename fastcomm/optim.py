@@ -122,8 +122,11 @@ class CompressedAdam(torch.optim.Optimizer):
         betas: ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: added to the frozen ``sqrt(v_hat)``.
         weight_decay: decoupled weight decay, as AdamW (``p *= 1 - lr * weight_decay``).
-        warmup_steps: dense AdamW steps before the variance freezes, at least 1. 1-bit Adam uses 15-25% of
-            training; on our 500-step LM task 100 steps reached dense AdamW's loss.
+        warmup_steps: AdamW steps before the variance freezes, at least 1. 1-bit Adam uses 15-25% of
+            training. On our 500-step LM task (cosine schedule) 200 steps (40%) ended at dense AdamW's loss
+            (+0.01%) and 100 steps 2.8% above it, with the 8-bit compressor instead of sign 1.7% above: a
+            variance frozen too early, not the 1-bit code, is what costs. ``warmup_compressor="quantize"``
+            makes a long warm-up cheap on a slow link.
         compressor: what averages the momentum after warm-up: ``"sign"`` (1 bit per element plus one fp32
             scale per ``chunk``), ``"quantize"`` (8/4/2-bit blockwise) or ``"topk"``.
         warmup_compressor: how warm-up averages gradients: ``None`` (dense allreduce in the gradients'
