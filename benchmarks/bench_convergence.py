@@ -58,8 +58,8 @@ EXAMPLE = _REPO_ROOT / "examples" / "train_lm.py"
 NAME = "bench_convergence"
 # Rows of the loss comparison, each against its dense reference (AdamW rows: "none"; DGC: dense SGD m0.9).
 LOSS_METHODS = (
-    "none", "cast", "q8", "q4", "topk", "sign", "cadam", "cadam_q8w", "cadam_q8", "fp16", "sgd", "sgd_clip",
-    "dgc",
+    "none", "cast", "q8", "q4", "topk", "sign", "cadam", "cadam_w100", "cadam_q8w", "cadam_q8", "fp16", "sgd",
+    "sgd_clip", "dgc",
 )
 REFERENCE = {"sgd": "none", "sgd_clip": "sgd", "dgc": "sgd"}
 LOSS_ONLY = {"sgd_clip": "a loss reference (top-k at ratio 1.0 sends twice the dense bytes): not timed"}

@@ -337,8 +337,11 @@ METHODS: dict[str, Method] = {
     "q4": Method("fastcomm quantize_hook 4-bit, AdamW", hook="quantize", options={"bits": 4}),
     "topk": Method("fastcomm topk_hook ratio 0.01, AdamW", hook="topk", options={"ratio": 0.01}),
     "sign": Method("fastcomm sign_hook (1-bit, error feedback), AdamW", hook="sign"),
-    "cadam": Method("fastcomm.CompressedAdam (sign compressor) after a dense AdamW warm-up",
-                    optimizer="compressed_adam", options={"compressor": "sign", "warmup_steps": 100}),
+    "cadam": Method("fastcomm.CompressedAdam (sign compressor) after an AdamW warm-up on 8-bit quantized "
+                    "gradients", optimizer="compressed_adam",
+                    options={"compressor": "sign", "warmup_steps": 200, "warmup_compressor": "quantize"}),
+    "cadam_w100": Method("fastcomm.CompressedAdam (sign compressor) after a dense AdamW warm-up",
+                         optimizer="compressed_adam", options={"compressor": "sign", "warmup_steps": 100}),
     "cadam_q8w": Method("fastcomm.CompressedAdam (sign compressor) after an AdamW warm-up on 8-bit quantized "
                         "gradients", optimizer="compressed_adam",
                         options={"compressor": "sign", "warmup_steps": 100, "warmup_compressor": "quantize"}),
@@ -347,9 +350,10 @@ METHODS: dict[str, Method] = {
     "cadam_topk": Method("fastcomm.CompressedAdam (topk compressor) after a dense AdamW warm-up",
                          optimizer="compressed_adam", options={"compressor": "topk", "warmup_steps": 100}),
     "sgd": Method("dense allreduce, SGD momentum 0.9", optimizer="sgd"),
-    "dgc": Method("fastcomm topk_hook 1% with DGC momentum correction (0.9) and sparsity warm-up, SGD",
+    "dgc": Method("fastcomm topk_hook 1% with DGC momentum correction (0.9), local clipping and sparsity "
+                  "warm-up, SGD",
                   optimizer="sgd_nomomentum", hook="topk",
-                  options={"ratio": 0.01, "momentum": 0.9, "warmup_steps": 50}),
+                  options={"ratio": 0.01, "momentum": 0.9, "warmup_steps": 100, "clip_norm": 1.0}),
     "sgd_clip": Method("dense SGD momentum 0.9 on DGC's locally clipped gradients (topk_hook at ratio 1.0, "
                        "every entry sent; clip_norm 1.0, momentum correction 0.9): dgc's clipped reference",
                        optimizer="sgd_nomomentum", hook="topk",
