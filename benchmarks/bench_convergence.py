@@ -58,8 +58,20 @@ EXAMPLE = _REPO_ROOT / "examples" / "train_lm.py"
 NAME = "bench_convergence"
 # Rows of the loss comparison, each against its dense reference (AdamW rows: "none"; DGC: dense SGD m0.9).
 LOSS_METHODS = (
-    "none", "cast", "q8", "q4", "topk", "sign", "cadam", "cadam_w100", "cadam_q8w", "cadam_q8", "fp16", "sgd",
-    "sgd_clip", "dgc",
+    "none",
+    "cast",
+    "q8",
+    "q4",
+    "topk",
+    "sign",
+    "cadam",
+    "cadam_w100",
+    "cadam_q8w",
+    "cadam_q8",
+    "fp16",
+    "sgd",
+    "sgd_clip",
+    "dgc",
 )
 REFERENCE = {"sgd": "none", "sgd_clip": "sgd", "dgc": "sgd"}
 LOSS_ONLY = {"sgd_clip": "a loss reference (top-k at ratio 1.0 sends twice the dense bytes): not timed"}
@@ -115,8 +127,9 @@ def _tail(path: Path, lines: int = 3) -> str:
     return " | ".join((errors or text)[-lines:])[-400:] or "(no output)"
 
 
-def _launch(args: Sequence[str], link: netlab.Link | None, port: int, timeout_s: float, work: Path,
-            tag: str) -> _Run:
+def _launch(
+    args: Sequence[str], link: netlab.Link | None, port: int, timeout_s: float, work: Path, tag: str
+) -> _Run:
     """Run ``examples/train_lm.py args`` as ranks 0 and 1 (in the link's namespaces when given)."""
     out = work / f"{tag}.json"
     out.unlink(missing_ok=True)
@@ -126,14 +139,30 @@ def _launch(args: Sequence[str], link: netlab.Link | None, port: int, timeout_s:
     try:
         for rank in range(2):
             pythonpath = os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))))
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_PORT=str(port),
-                       MASTER_ADDR=link.addresses[0] if link else "127.0.0.1", OMP_NUM_THREADS="1",
-                       GLOO_SOCKET_IFNAME=link.interfaces[rank] if link else "lo", PYTHONPATH=pythonpath)
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK="0",
+                WORLD_SIZE="2",
+                MASTER_PORT=str(port),
+                MASTER_ADDR=link.addresses[0] if link else "127.0.0.1",
+                OMP_NUM_THREADS="1",
+                GLOO_SOCKET_IFNAME=link.interfaces[rank] if link else "lo",
+                PYTHONPATH=pythonpath,
+            )
             prefix = link.exec_prefix(rank) if link else []
             command = [*prefix, sys.executable, str(EXAMPLE), *args, "--json", str(out)]
             with logs[rank].open("wb") as log:
-                procs.append(subprocess.Popen(command, cwd=_REPO_ROOT, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=_REPO_ROOT,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         failed_at: float | None = None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
@@ -148,8 +177,9 @@ def _launch(args: Sequence[str], link: netlab.Link | None, port: int, timeout_s:
     seconds = time.monotonic() - start
     bad = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in running]
     if bad:
-        return _Run(f"crashed (rank {bad[0]} exit {procs[bad[0]].returncode}): {_tail(logs[bad[0]])}",
-                    seconds=seconds)
+        return _Run(
+            f"crashed (rank {bad[0]} exit {procs[bad[0]].returncode}): {_tail(logs[bad[0]])}", seconds=seconds
+        )
     if running:
         return _Run(f"timed out after {seconds:.0f} s (rank(s) {running} killed)", seconds=seconds)
     if not out.exists():
@@ -175,11 +205,15 @@ def _phases(train_lm: Any, method: str, steps: int) -> list[_Phase]:
     options = train_lm.METHODS[method].options
     warmup = int(options.get("warmup_steps", 0))
     if method.startswith("cadam") and 0 < warmup < steps:
-        return [_Phase("dense warm-up", 1, warmup), _Phase("compressed", warmup + 1, steps,
-                                                           (("warmup_steps", 2),))]
+        return [
+            _Phase("dense warm-up", 1, warmup),
+            _Phase("compressed", warmup + 1, steps, (("warmup_steps", 2),)),
+        ]
     if method == "dgc" and 0 < warmup < steps:
-        return [_Phase("sparsity warm-up", 1, warmup), _Phase("top-k", warmup + 1, steps,
-                                                              (("warmup_steps", 0),))]
+        return [
+            _Phase("sparsity warm-up", 1, warmup),
+            _Phase("top-k", warmup + 1, steps, (("warmup_steps", 0),)),
+        ]
     return [_Phase("all", 1, steps)]
 
 
@@ -200,26 +234,49 @@ class _Settings:
     reuse_only: bool = False
 
 
-def _time_phase(method: str, phase: _Phase, link: netlab.Link | None, settings: _Settings,
-                tag: str, port: int) -> tuple[dict[str, float] | None, str]:
+def _time_phase(
+    method: str, phase: _Phase, link: netlab.Link | None, settings: _Settings, tag: str, port: int
+) -> tuple[dict[str, float] | None, str]:
     """Medians over the timed steps of ``method`` in ``phase`` on ``link`` (the slower rank's step time,
     rank 0's backward and optimizer step), and the run's status."""
     n = settings.warmup + settings.timed
-    args = ["--hook", method, "--steps", str(n), "--schedule-steps", str(settings.steps), "--eval-every",
-            "0", "--val-rows", "1", "--log-every", "0", "--data-dir", str(settings.data_dir)]
+    args = [
+        "--hook",
+        method,
+        "--steps",
+        str(n),
+        "--schedule-steps",
+        str(settings.steps),
+        "--eval-every",
+        "0",
+        "--val-rows",
+        "1",
+        "--log-every",
+        "0",
+        "--data-dir",
+        str(settings.data_dir),
+    ]
     for key, value in phase.options:
         args += ["--opt", f"{key}={value}"]
     run = _launch(args, link, port, 90.0 + 20.0 * n, settings.work, tag)
     if run.status != "ok" or run.result is None:
         return None, run.status
     timed = slice(settings.warmup, None)
-    return {"seconds_per_step": _median(run.result["step_seconds"][timed]),
-            "backward_s": _median(run.result["backward_seconds"][timed]),
-            "opt_step_s": _median(run.result["optimizer_seconds"][timed])}, "ok"
+    return {
+        "seconds_per_step": _median(run.result["step_seconds"][timed]),
+        "backward_s": _median(run.result["backward_seconds"][timed]),
+        "opt_step_s": _median(run.result["optimizer_seconds"][timed]),
+    }, "ok"
 
 
-def _time_link(train_lm: Any, methods: Sequence[str], link: netlab.Link | None, link_name: str,
-               settings: _Settings, available: dict[str, str | None]) -> dict[str, dict[str, Any]]:
+def _time_link(
+    train_lm: Any,
+    methods: Sequence[str],
+    link: netlab.Link | None,
+    link_name: str,
+    settings: _Settings,
+    available: dict[str, str | None],
+) -> dict[str, dict[str, Any]]:
     """Per method: each phase's step time on ``link`` (``{"phases": [...], "status": ...}``)."""
     timings: dict[str, dict[str, Any]] = {}
     for index, method in enumerate(methods):
@@ -232,16 +289,33 @@ def _time_link(train_lm: Any, methods: Sequence[str], link: netlab.Link | None, 
         for number, phase in enumerate(_phases(train_lm, method, settings.steps)):
             port = 29600 + 10 * index + number if link else _free_port()
             begin = time.perf_counter()
-            measured, phase_status = _time_phase(method, phase, link, settings,
-                                                 f"time-{link_name}-{method}-{number}", port)
-            shown = (f"{measured['seconds_per_step']:.3f} s/step (backward {measured['backward_s']:.3f}, "
-                     f"optimizer {measured['opt_step_s']:.4f})" if measured else phase_status)
-            print(f"[{NAME}] {link_name:10s} {method:8s} {phase.name:16s} {shown} "
-                  f"({time.perf_counter() - begin:.0f} s)", file=sys.stderr, flush=True)
+            measured, phase_status = _time_phase(
+                method, phase, link, settings, f"time-{link_name}-{method}-{number}", port
+            )
+            shown = (
+                f"{measured['seconds_per_step']:.3f} s/step (backward {measured['backward_s']:.3f}, "
+                f"optimizer {measured['opt_step_s']:.4f})"
+                if measured
+                else phase_status
+            )
+            print(
+                f"[{NAME}] {link_name:10s} {method:8s} {phase.name:16s} {shown} "
+                f"({time.perf_counter() - begin:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             if measured is None:
                 status = phase_status
-            phases.append({"name": phase.name, "first": phase.first, "last": phase.last,
-                           "seconds_per_step": None, **(measured or {}), "options": dict(phase.options)})
+            phases.append(
+                {
+                    "name": phase.name,
+                    "first": phase.first,
+                    "last": phase.last,
+                    "seconds_per_step": None,
+                    **(measured or {}),
+                    "options": dict(phase.options),
+                }
+            )
         timings[method] = {"status": status, "phases": phases}
     return timings
 
@@ -271,8 +345,9 @@ def _elapsed(timing: dict[str, Any], step: int) -> float | None:
     return total
 
 
-def _time_to_loss(val_steps: Sequence[int], val_losses: Sequence[float], timing: dict[str, Any],
-                  target: float) -> tuple[float | None, float | None]:
+def _time_to_loss(
+    val_steps: Sequence[int], val_losses: Sequence[float], timing: dict[str, Any], target: float
+) -> tuple[float | None, float | None]:
     """``(seconds, step)`` at which validation loss first reaches ``target`` (linear between points)."""
     points = [(0, 0.0, math.inf)]
     for step, loss in zip(val_steps, val_losses, strict=True):
@@ -318,14 +393,32 @@ def _loss_run(train_lm: Any, method: str, settings: _Settings, available: dict[s
         if found.get("options") == wanted and found.get("start_step") == 0:
             return _Run("ok", found)
         if settings.reuse_only:
-            return _Run(f"not run: {cached.name} was trained with options {found.get('options')} from step "
-                        f"{found.get('start_step')}, the method now has {wanted} from step 0")
+            return _Run(
+                f"not run: {cached.name} was trained with options {found.get('options')} from step "
+                f"{found.get('start_step')}, the method now has {wanted} from step 0"
+            )
     if settings.reuse_only:
         return _Run(f"not run: no {cached.name} in --work-dir (--reuse-only)")
-    args = ["--hook", method, "--steps", str(settings.steps), "--eval-every", "50", "--log-every", "50",
-            "--data-dir", str(settings.data_dir)]
-    run = _launch(args, None, _free_port(), 120.0 + 6.0 * settings.steps, settings.work,
-                  f"loss-{method}-{settings.steps}")
+    args = [
+        "--hook",
+        method,
+        "--steps",
+        str(settings.steps),
+        "--eval-every",
+        "50",
+        "--log-every",
+        "50",
+        "--data-dir",
+        str(settings.data_dir),
+    ]
+    run = _launch(
+        args,
+        None,
+        _free_port(),
+        120.0 + 6.0 * settings.steps,
+        settings.work,
+        f"loss-{method}-{settings.steps}",
+    )
     return run
 
 
@@ -364,16 +457,22 @@ def _verdicts(summary: dict[str, dict[str, Any]], shaped: str) -> list[str]:
     label = f"cadam >= 2.5x faster per step than dense allreduce on the {shaped} link (compressed phase)"
     if step_c and step_d:
         ratio = step_d / step_c
-        lines.append(f"{label}: {'PASS' if ratio >= 2.5 else 'FAIL'} "
-                     f"({step_d:.3f} s / {step_c:.3f} s = {ratio:.2f}x)")
+        lines.append(
+            f"{label}: {'PASS' if ratio >= 2.5 else 'FAIL'} ({step_d:.3f} s / {step_c:.3f} s = {ratio:.2f}x)"
+        )
     else:
         lines.append(f"{label}: not evaluated (no step time)")
 
-    reached = {m: s["time_to_target"] for m, s in summary.items()
-               if s.get("time_to_target") is not None and m not in ("none", "fp16", "sgd", "sgd_clip", "dgc")}
+    reached = {
+        m: s["time_to_target"]
+        for m, s in summary.items()
+        if s.get("time_to_target") is not None and m not in ("none", "fp16", "sgd", "sgd_clip", "dgc")
+    }
     t_dense, t_fp16 = dense.get("time_to_target"), summary.get("fp16", {}).get("time_to_target")
-    label = f"best fastcomm method >= 2x sooner to dense's loss +2% than dense, and sooner than torch fp16 " \
-            f"({shaped} link)"
+    label = (
+        f"best fastcomm method >= 2x sooner to dense's loss +2% than dense, and sooner than torch fp16 "
+        f"({shaped} link)"
+    )
     if reached and t_dense:
         best = min(reached, key=reached.__getitem__)
         ok = t_dense / reached[best] >= 2.0 and (t_fp16 is None or reached[best] < t_fp16)
@@ -381,8 +480,10 @@ def _verdicts(summary: dict[str, dict[str, Any]], shaped: str) -> list[str]:
             fp16_text = f", fp16 {t_fp16:.0f} s"
         else:
             fp16_text = ", fp16 never reached it" if "fp16" in summary else ", fp16 not run"
-        lines.append(f"{label}: {'PASS' if ok else 'FAIL'} ({best} {reached[best]:.0f} s, dense "
-                     f"{t_dense:.0f} s = {t_dense / reached[best]:.2f}x{fp16_text})")
+        lines.append(
+            f"{label}: {'PASS' if ok else 'FAIL'} ({best} {reached[best]:.0f} s, dense "
+            f"{t_dense:.0f} s = {t_dense / reached[best]:.2f}x{fp16_text})"
+        )
     else:
         lines.append(f"{label}: not evaluated (no fastcomm method reached it, or dense has no time)")
     within("dgc", "sgd", 2.0)
@@ -393,24 +494,53 @@ def _verdicts(summary: dict[str, dict[str, Any]], shaped: str) -> list[str]:
 
 
 def _summary_table(summary: dict[str, dict[str, Any]], shaped: str) -> str:
-    head = ["method", "val loss", "vs dense", f"s/step {shaped}", "speedup", "s/step 1gbit", "speedup",
-            "time to target", "vs dense", "vs fp16", "backward_s 1gbit", "opt_step_s 1gbit", "status"]
+    head = [
+        "method",
+        "val loss",
+        "vs dense",
+        f"s/step {shaped}",
+        "speedup",
+        "s/step 1gbit",
+        "speedup",
+        "time to target",
+        "vs dense",
+        "vs fp16",
+        "backward_s 1gbit",
+        "opt_step_s 1gbit",
+        "status",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def fmt(value: float | None, pattern: str) -> str:
         return pattern.format(value) if value is not None else "-"
 
     for method, s in summary.items():
-        lines.append("| " + " | ".join([
-            f"{method} ({s['optimizer']})", fmt(s.get("val_loss"), "{:.4f}"),
-            fmt(s.get("vs_reference_pct"), "{:+.2f}%") + (f" vs {s['reference']}" if s["reference"] != "none"
-                                                         and s.get("vs_reference_pct") is not None else ""),
-            s.get("shaped_text", "-"), fmt(s.get("shaped_speedup"), "{:.2f}x"),
-            s.get("fast_text", "-"), fmt(s.get("fast_speedup"), "{:.2f}x"),
-            fmt(s.get("time_to_target"), "{:.0f} s"), fmt(s.get("ttt_vs_dense"), "{:.2f}x"),
-            fmt(s.get("ttt_vs_fp16"), "{:.2f}x"), fmt(s.get("fast_backward"), "{:.3f}"),
-            fmt(s.get("fast_opt_step"), "{:.4f}"), s.get("status", ""),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{method} ({s['optimizer']})",
+                    fmt(s.get("val_loss"), "{:.4f}"),
+                    fmt(s.get("vs_reference_pct"), "{:+.2f}%")
+                    + (
+                        f" vs {s['reference']}"
+                        if s["reference"] != "none" and s.get("vs_reference_pct") is not None
+                        else ""
+                    ),
+                    s.get("shaped_text", "-"),
+                    fmt(s.get("shaped_speedup"), "{:.2f}x"),
+                    s.get("fast_text", "-"),
+                    fmt(s.get("fast_speedup"), "{:.2f}x"),
+                    fmt(s.get("time_to_target"), "{:.0f} s"),
+                    fmt(s.get("ttt_vs_dense"), "{:.2f}x"),
+                    fmt(s.get("ttt_vs_fp16"), "{:.2f}x"),
+                    fmt(s.get("fast_backward"), "{:.3f}"),
+                    fmt(s.get("fast_opt_step"), "{:.4f}"),
+                    s.get("status", ""),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -431,29 +561,35 @@ def _plot(curves: dict[str, dict[str, Any]], shaped: str, target: float | None, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(15, 5.5))
     for method, curve in curves.items():
         if not curve.get("val_steps"):
             continue
         style = {"color": "black", "linewidth": 2.5, "zorder": 5} if method == "none" else {"linewidth": 1.3}
         dashed = {"linestyle": "--"} if curve["optimizer"].startswith("sgd") else {}
-        label = f"{method}: {curve['label']}"
-        by_step.plot(curve["val_steps"], curve["val_losses"], marker="o", markersize=3, label=label,
-                     **style, **dashed)
-        if curve.get("shaped_seconds"):
-            by_time.plot(curve["shaped_seconds"], curve["val_losses"], marker="o", markersize=3, label=method,
-                         **style, **dashed)
+        by_step.plot(
+            curve["val_steps"], curve["val_losses"], marker="o", markersize=3, label=method, **style, **dashed
+        )
+        if curve.get("shaped_seconds") and max(curve["shaped_seconds"]) > 0:  # untimed rows: step panel only
+            by_time.plot(
+                curve["shaped_seconds"], curve["val_losses"], marker="o", markersize=3, **style, **dashed
+            )
     for ax in (by_step, by_time):
         if target is not None:
-            ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="dense AdamW's loss + 2%")
+            ax.axhline(
+                target,
+                color="grey",
+                linestyle=":",
+                linewidth=1,
+                label="dense AdamW + 2%" if ax is by_step else None,
+            )
         ax.set_ylabel("validation loss (nats per byte)")
         ax.grid(alpha=0.3)
     by_step.set_xlabel("step")
     by_step.set_title("validation loss vs step (2 gloo ranks)")
     by_time.set_xlabel(f"seconds on the {shaped} link (step count x measured step time of its phase)")
     by_time.set_title(f"validation loss vs wall time, {shaped} link")
-    by_step.legend(fontsize=7)
-    by_time.legend(fontsize=7)
+    fig.legend(loc="center right", fontsize=8, title="--hook (dashed: SGD rows)", title_fontsize=8)
     drawn = [c["val_losses"] for c in curves.values() if c.get("val_losses")]
     if drawn:
         # Every curve's end in view, without the first points' steep fall flattening the rest.
@@ -461,7 +597,7 @@ def _plot(curves: dict[str, dict[str, Any]], shaped: str, target: float | None, 
         high = min(max(max(v) for v in drawn), max(v[-1] for v in drawn) + 0.3, low + 1.5)
         for ax in (by_step, by_time):
             ax.set_ylim(low - 0.05, max(high, low + 0.3))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.87, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -478,12 +614,22 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--timed-steps", type=int, default=20, help="timed steps of each speed run")
     parser.add_argument("--rate", default=None, help="the shaped link's tbf rate (default: derived)")
     parser.add_argument("--skip-speed", action="store_true", help="loss runs only")
-    parser.add_argument("--work-dir", type=Path, default=None,
-                        help="keep each run's result and logs here; loss runs found there are reused")
-    parser.add_argument("--reuse-speed", action="store_true",
-                        help="with --work-dir: take the speed rows an earlier run saved there (speed.json)")
-    parser.add_argument("--reuse-only", action="store_true",
-                        help="with --work-dir: start no loss run, report only those found there")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="keep each run's result and logs here; loss runs found there are reused",
+    )
+    parser.add_argument(
+        "--reuse-speed",
+        action="store_true",
+        help="with --work-dir: take the speed rows an earlier run saved there (speed.json)",
+    )
+    parser.add_argument(
+        "--reuse-only",
+        action="store_true",
+        help="with --work-dir: start no loss run, report only those found there",
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
     if (args.reuse_only or args.reuse_speed) and args.work_dir is None:
         parser.error("--reuse-only and --reuse-speed need --work-dir")
@@ -502,8 +648,15 @@ def main(argv: Sequence[str] | None = None) -> str:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         paths = train_lm.prepare_data(train_lm.default_data_dir())
-        settings = _Settings(args.steps, args.warmup_steps, args.timed_steps, paths.train.parent.parent,
-                             work, args.work_dir is not None, args.reuse_only)
+        settings = _Settings(
+            args.steps,
+            args.warmup_steps,
+            args.timed_steps,
+            paths.train.parent.parent,
+            work,
+            args.work_dir is not None,
+            args.reuse_only,
+        )
         available = {m: train_lm.method_unavailable(m) for m in [*methods, "noop"]}
         notes = [
             f"task: examples/train_lm.py, {_dense_payload_bytes(train_lm) // 4:,}-parameter byte-level GPT "
@@ -546,27 +699,38 @@ def main(argv: Sequence[str] | None = None) -> str:
             rate = args.rate or _shaped_rate(noop_seconds, payload)
             shaped_name = f"shaped {rate}"
             how = "given" if args.rate else f"derived for communication = {COMM_TO_COMPUTE}x compute"
-            notes.append(f"no-communication step (no-op hook, loopback): {noop_seconds:.3f} s; dense payload "
-                         f"{payload / 1e6:.2f} MB per rank and step; shaped link rate {rate} ({how})")
+            notes.append(
+                f"no-communication step (no-op hook, loopback): {noop_seconds:.3f} s; dense payload "
+                f"{payload / 1e6:.2f} MB per rank and step; shaped link rate {rate} ({how})"
+            )
             for name, link_rate in ((shaped_name, rate), (fast_name, FAST_LINK)):
                 with netlab.Link(rate=link_rate) as link:
                     measured = netlab.measure_throughput(link, nbytes=8 << 20)
-                    notes.append(f"{name}: veth between two namespaces, tbf {link_rate} each way, measured "
-                                 f"{measured:.2f} MB/s (TCP, one direction, 8 MB)")
+                    notes.append(
+                        f"{name}: veth between two namespaces, tbf {link_rate} each way, measured "
+                        f"{measured:.2f} MB/s (TCP, one direction, 8 MB)"
+                    )
                     timings[name] = _time_link(train_lm, methods, link, name.split()[0], settings, available)
             dense_shaped = _last_phase_step(timings[shaped_name].get("none", {}))
             if dense_shaped is not None:
                 comm = dense_shaped - noop_seconds
-                notes.append(f"{shaped_name}: dense allreduce step {dense_shaped:.3f} s = no-comm "
-                             f"{noop_seconds:.3f} s + {comm:.3f} s communication ({comm / noop_seconds:.2f}x "
-                             "the no-comm step)")
-            notes.append(f"speed: {args.warmup_steps} warm-up + {args.timed_steps} timed steps per method "
-                         "and phase, the slower rank's median; loss vs seconds = the loss run's validation "
-                         "curve with each step at its phase's measured step time on that link")
+                notes.append(
+                    f"{shaped_name}: dense allreduce step {dense_shaped:.3f} s = no-comm "
+                    f"{noop_seconds:.3f} s + {comm:.3f} s communication ({comm / noop_seconds:.2f}x "
+                    "the no-comm step)"
+                )
+            notes.append(
+                f"speed: {args.warmup_steps} warm-up + {args.timed_steps} timed steps per method "
+                "and phase, the slower rank's median; loss vs seconds = the loss run's validation "
+                "curve with each step at its phase's measured step time on that link"
+            )
             speed_notes = notes[speed_notes_start:]
             when = time.strftime("%Y-%m-%d %H:%M")
-            speed_cache.write_text(json.dumps({"shaped_name": shaped_name, "timings": timings,
-                                               "notes": speed_notes, "when": when}))
+            speed_cache.write_text(
+                json.dumps(
+                    {"shaped_name": shaped_name, "timings": timings, "notes": speed_notes, "when": when}
+                )
+            )
 
         # -- loss --------------------------------------------------------------------------------------
         runs: dict[str, _Run] = {}
@@ -579,8 +743,11 @@ def main(argv: Sequence[str] | None = None) -> str:
                 shown = f"val loss {run.result['val_losses'][-1]:.4f}"
             else:
                 shown = run.status
-            print(f"[{NAME}] loss {method:8s} {shown} ({time.perf_counter() - begin:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[{NAME}] loss {method:8s} {shown} ({time.perf_counter() - begin:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # -- assemble ----------------------------------------------------------------------------------------
     def final(method: str) -> float | None:
@@ -590,8 +757,10 @@ def main(argv: Sequence[str] | None = None) -> str:
     dense_loss = final("none")
     target = dense_loss * TARGET_SLACK if dense_loss is not None else None
     if target is not None:
-        notes.append(f"time-to-loss target: dense AdamW's {args.steps}-step validation loss {dense_loss:.4f} "
-                     f"+ 2% = {target:.4f}")
+        notes.append(
+            f"time-to-loss target: dense AdamW's {args.steps}-step validation loss {dense_loss:.4f} "
+            f"+ 2% = {target:.4f}"
+        )
     rows: list[Row] = []
     summary: dict[str, dict[str, Any]] = {}
     curves: dict[str, dict[str, Any]] = {}
@@ -605,19 +774,38 @@ def main(argv: Sequence[str] | None = None) -> str:
             entry["val_loss"] = loss
             if ref_loss is not None and method != reference:
                 entry["vs_reference_pct"] = _pct(loss, ref_loss)
-            rows.append(Row(case=f"val loss at step {args.steps}", backend=method, metric="val_loss",
-                            value=loss, unit="nats/byte", ratio=loss / ref_loss if ref_loss else None,
-                            ratio_to=f"{reference} loss" if ref_loss and method != reference else None,
-                            extra={"status": run.status}))
+            rows.append(
+                Row(
+                    case=f"val loss at step {args.steps}",
+                    backend=method,
+                    metric="val_loss",
+                    value=loss,
+                    unit="nats/byte",
+                    ratio=loss / ref_loss if ref_loss else None,
+                    ratio_to=f"{reference} loss" if ref_loss and method != reference else None,
+                    extra={"status": run.status},
+                )
+            )
         else:
-            rows.append(Row(case=f"val loss at step {args.steps}", backend=method, metric="val_loss",
-                            value=math.nan, unit="nats/byte", extra={"status": run.status}))
+            rows.append(
+                Row(
+                    case=f"val loss at step {args.steps}",
+                    backend=method,
+                    metric="val_loss",
+                    value=math.nan,
+                    unit="nats/byte",
+                    extra={"status": run.status},
+                )
+            )
         curve = {"label": spec.description, "optimizer": spec.optimizer, "status": run.status}
         if run.result:
-            curve.update(val_steps=run.result["val_steps"], val_losses=run.result["val_losses"],
-                         train_losses=run.result["train_losses"],
-                         loopback_step_seconds=_median(run.result["step_seconds"]),
-                         hook_stats=run.result["hook_stats"])
+            curve.update(
+                val_steps=run.result["val_steps"],
+                val_losses=run.result["val_losses"],
+                train_losses=run.result["train_losses"],
+                loopback_step_seconds=_median(run.result["step_seconds"]),
+                hook_stats=run.result["hook_stats"],
+            )
         for link_name, key in ((shaped_name, "shaped"), (fast_name, "fast")):
             timing = timings.get(link_name, {}).get(method)
             if timing is None:
@@ -639,18 +827,29 @@ def main(argv: Sequence[str] | None = None) -> str:
             curve[f"{key}_phases"] = timing["phases"]
             for phase in timing["phases"] or [{"name": "all", "seconds_per_step": None}]:
                 value = phase["seconds_per_step"]
-                rows.append(Row(case=link_name, backend=method, metric="step_time",
-                                value=value if value is not None else math.nan, unit="s",
-                                ratio=dense_step / value if value and dense_step else None,
-                                ratio_to="dense allreduce speedup" if value and dense_step else None,
-                                extra={"phase": phase["name"], "status": timing["status"],
-                                       "backward_s": _round(phase.get("backward_s")),
-                                       "opt_step_s": _round(phase.get("opt_step_s"))}))
+                rows.append(
+                    Row(
+                        case=link_name,
+                        backend=method,
+                        metric="step_time",
+                        value=value if value is not None else math.nan,
+                        unit="s",
+                        ratio=dense_step / value if value and dense_step else None,
+                        ratio_to="dense allreduce speedup" if value and dense_step else None,
+                        extra={
+                            "phase": phase["name"],
+                            "status": timing["status"],
+                            "backward_s": _round(phase.get("backward_s")),
+                            "opt_step_s": _round(phase.get("opt_step_s")),
+                        },
+                    )
+                )
             if key == "shaped" and run.result and _elapsed(timing, 1) is not None:
                 curve["shaped_seconds"] = [_elapsed(timing, s) for s in run.result["val_steps"]]
                 if target is not None:
                     entry["time_to_target"], entry["step_to_target"] = _time_to_loss(
-                        run.result["val_steps"], run.result["val_losses"], timing, target)
+                        run.result["val_steps"], run.result["val_losses"], timing, target
+                    )
         summary[method] = entry
         curves[method] = curve
     t_dense = summary.get("none", {}).get("time_to_target")
@@ -661,30 +860,50 @@ def main(argv: Sequence[str] | None = None) -> str:
             continue
         entry["ttt_vs_dense"] = t_dense / seconds if t_dense else None
         entry["ttt_vs_fp16"] = t_fp16 / seconds if t_fp16 else None
-        rows.append(Row(case=f"{shaped_name}: time to dense loss + 2%", backend=method, metric="time_to_loss",
-                        value=seconds, unit="s", ratio=entry["ttt_vs_dense"], ratio_to="dense time / this",
-                        extra={"step": round(entry["step_to_target"], 1),
-                               "vs_fp16": round(entry["ttt_vs_fp16"], 2) if entry["ttt_vs_fp16"] else ""}))
+        rows.append(
+            Row(
+                case=f"{shaped_name}: time to dense loss + 2%",
+                backend=method,
+                metric="time_to_loss",
+                value=seconds,
+                unit="s",
+                ratio=entry["ttt_vs_dense"],
+                ratio_to="dense time / this",
+                extra={
+                    "step": round(entry["step_to_target"], 1),
+                    "vs_fp16": round(entry["ttt_vs_fp16"], 2) if entry["ttt_vs_fp16"] else "",
+                },
+            )
+        )
     verdicts = _verdicts(summary, shaped_name)
     for line in verdicts:
         print(f"[{NAME}] {line}", file=sys.stderr, flush=True)
     notes += verdicts
     total = time.perf_counter() - started
     print(f"[{NAME}] total {total:.0f} s", file=sys.stderr, flush=True)
-    notes.append(f"benchmark wall time: {total:.0f} s (2 CPU cores shared with other work; loss runs "
-                 f"reused from --work-dir count as 0)")
-    notes.append("backward_s / opt_step_s: rank 0's median backward (DDP's hooks and their communication "
-                 "included) and optimizer.step() of the last phase: opt_step_s bounds what fusing the "
-                 "optimizer step into the hook could save")
-    notes.append("speedup = dense allreduce's step time / this (phases weighted by their share of the run); "
-                 "time to target = seconds on the shaped link until the validation loss reaches dense's "
-                 "final loss + 2% (linear between validation points every 50 steps); '-' = never reached")
+    notes.append(
+        f"benchmark wall time: {total:.0f} s (2 CPU cores shared with other work; loss runs "
+        f"reused from --work-dir count as 0)"
+    )
+    notes.append(
+        "backward_s / opt_step_s: rank 0's median backward (DDP's hooks and their communication "
+        "included) and optimizer.step() of the last phase: opt_step_s bounds what fusing the "
+        "optimizer step into the hook could save"
+    )
+    notes.append(
+        "speedup = dense allreduce's step time / this (phases weighted by their share of the run); "
+        "time to target = seconds on the shaped link until the validation loss reaches dense's "
+        "final loss + 2% (linear between validation points every 50 steps); '-' = never reached"
+    )
     text = write_results(NAME, rows, notes=notes, plot_metric="loss curves are drawn by this script")
     table = _summary_table(summary, shaped_name)
     with (RESULTS_DIR / f"{NAME}.md").open("a") as handle:
         handle.write(f"\n## Summary\n\n{table}\n")
-    (RESULTS_DIR / f"{NAME}.curves.json").write_text(json.dumps(
-        {"target": target, "shaped_link": shaped_name, "curves": curves, "summary": summary}, indent=1))
+    (RESULTS_DIR / f"{NAME}.curves.json").write_text(
+        json.dumps(
+            {"target": target, "shaped_link": shaped_name, "curves": curves, "summary": summary}, indent=1
+        )
+    )
     _plot(curves, shaped_name, target, RESULTS_DIR / f"{NAME}.png")
     return f"{text}\n## Summary\n\n{table}\n"
 
