@@ -50,7 +50,7 @@ class HookState:
         self._reset_internal()
 
     def _reset_internal(self) -> None:
-        # parameters: identity -> integer key, in first-seen order; the model bound by register()
+        # parameters: identity -> integer key (module order once bound, else first-seen); the bound model
         self._param_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._next_param_key = 0
         self._bound_params: WeakIdKeyDictionary | None = None
@@ -83,6 +83,13 @@ class HookState:
         if len(self._param_keys) and not all(p in self._param_keys for p in params):
             raise ValueError(f"this {type(self).__name__} has already served another model's buckets")
         self._bound_params = WeakIdKeyDictionary({p: True for p in params})
+        if not len(self._param_keys):
+            # keys in module order: the same in every process for the same model whichever bucket layout
+            # the state first sees (CompressedAdam's compressor first sees buckets after warm-up, under
+            # DDP's rebuilt layout, a resumed run's under the initial one), so checkpoints map back
+            for param in params:
+                self._param_keys[param] = self._next_param_key
+                self._next_param_key += 1
 
     def param_key(self, param: Tensor) -> int | None:
         """The integer key of ``param``, or ``None`` if this state has not seen it."""
