@@ -38,7 +38,6 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import netlab
-from benchmarks.harness import RESULTS_DIR, Row, write_results
+from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, write_results
 
 __all__ = ["LOSS_METHODS", "main"]
 
@@ -109,18 +108,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGKILL each rank's whole process group (a rank may have children) and reap it."""
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for proc in procs:
-        proc.wait()
-
-
 def _tail(path: Path, lines: int = 3) -> str:
     text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in text if "Error" in line or "error" in line]
@@ -173,7 +160,7 @@ def _launch(
             time.sleep(0.5)
         running = [r for r, p in enumerate(procs) if p.poll() is None]
     finally:
-        _stop(procs)
+        kill_process_groups(procs)
     seconds = time.monotonic() - start
     bad = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in running]
     if bad:

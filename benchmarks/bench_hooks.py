@@ -36,7 +36,6 @@ import json
 import math
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -52,7 +51,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import netlab
-from benchmarks.harness import RESULTS_DIR, Row, time_call, write_results
+from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, time_call, write_results
 
 __all__ = ["CONFIGS", "Config", "main", "plot_results"]
 
@@ -270,17 +269,6 @@ class _Outcome:
     stats: dict[str, float] | None = None
 
 
-def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for proc in procs:
-        proc.wait()
-
-
 def _cpu_seconds(procs: Sequence[subprocess.Popen[bytes]]) -> float | None:
     """CPU time the rank processes have used so far (Linux ``/proc``), or ``None`` where unknown."""
     total = 0.0
@@ -350,7 +338,7 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
             hung = [r for r, p in enumerate(procs) if p.poll() is None]
             waited = time.monotonic() - start
         finally:
-            _kill(procs)
+            kill_process_groups(procs)
         crashed = [r for r, p in enumerate(procs) if p.returncode not in (0, None) and r not in hung]
         if crashed:
             # The rank that failed first holds the cause; its peer only sees the connection drop.

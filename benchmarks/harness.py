@@ -11,15 +11,25 @@ import dataclasses
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-__all__ = ["RESULTS_DIR", "Row", "machine_info", "markdown_table", "time_call", "write_results"]
+__all__ = [
+    "RESULTS_DIR",
+    "Row",
+    "kill_process_groups",
+    "machine_info",
+    "markdown_table",
+    "time_call",
+    "write_results",
+]
 
 
 @dataclasses.dataclass
@@ -145,3 +155,15 @@ def write_results(
     (RESULTS_DIR / f"{name}.md").write_text(text)
     _plot(name, rows, RESULTS_DIR / f"{name}.png", plot_metric)
     return text
+
+
+def kill_process_groups(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL each benchmark rank's whole process group (a rank may have children) and reap it."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()
