@@ -945,7 +945,9 @@ CONVERGENCE_CASES = {
         {"ratio": 0.05, "momentum": 0.9, "warmup_steps": 40, "min_compress_numel": 0},
     ),
     "quantize": ("quantize", {"bits": 4, "min_compress_numel": 0}),
+    "quantize8": ("quantize", {"bits": 8, "min_compress_numel": 0}),
     "sign": ("sign", {"min_compress_numel": 0}),
+    "cast": ("cast", {}),
 }
 
 
