@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fastcomm.hooks._errors import collective_value
-from fastcomm.hooks._util import ring_bytes
+from fastcomm.hooks._util import completed, ring_bytes
 from fastcomm.optim import CompressedAdam, precondition_
 
 __all__ = ["CompressedAdamState", "compressed_adam_hook", "register_optimizer"]
@@ -150,9 +150,7 @@ class CompressedAdamState:
         world_size = dist.get_world_size(self.process_group)
         self._counters.warmup_buckets += 1
         if world_size == 1:
-            future: torch.futures.Future[Tensor] = torch.futures.Future()
-            future.set_result(buffer)
-            return future
+            return completed(buffer)
         self._counters.warmup_bytes += ring_bytes(buffer.numel(), buffer.element_size(), world_size)
         work = dist.all_reduce(buffer.div_(world_size), group=self.process_group, async_op=True)
         index = bucket.index()
