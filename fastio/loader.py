@@ -50,10 +50,11 @@ Example::
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,7 @@ from fastio._native import default_threads
 from fastio.collate import collate_samples
 from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
 from fastio.pack import Pack, PackedEpoch, TokenPacker
+from fastio.registry import OpenOptions, open_source
 from fastio.seeding import (
     STREAM_COLLATE,
     STREAM_FETCH,
@@ -72,7 +74,7 @@ from fastio.seeding import (
     sample_seeds,
     seed_global_rngs,
 )
-from fastio.sources import BatchBuffers, BufferPool, DatasetSource, StageTimes, open_source
+from fastio.sources import BatchBuffers, BufferPool, StageTimes, shard_read_order
 from fastio.stages import BatchStage, StageContext
 from fastio.workers import (
     BatchPass,
@@ -190,8 +192,7 @@ class _Producer:
                 batch = self._run_stages(batch, indices, buffers)
             if self.python_path:
                 start = time.perf_counter()
-                dataset = isinstance(self.source, DatasetSource)
-                samples = batch if dataset else _split_batch(batch, len(indices))
+                samples = batch if self.source.per_sample else _split_batch(batch, len(indices))
                 if self.transform is not None:
                     samples = self._transform(samples, indices)
                 collated = time.perf_counter()
@@ -252,6 +253,8 @@ class _EpochIterator(BatchPass):
         order = loader._order(epoch)
         indices = rank_indices(order, start, loader.world_size, loader.rank, loader.drop_last)
         self.begin_pass(num_batches(len(indices), loader.batch_size, loader.drop_last))
+        # Before any fetch and before worker processes fork: they inherit what prepare() set up.
+        loader._source.prepare(shard_read_order(loader._source.shard_sizes, indices), epoch)
         workers = loader.num_workers
         slots = workers + loader.prefetch if workers else 1
         processes = workers > 0 and loader.worker_mode == "process"
@@ -314,12 +317,15 @@ class StreamLoader:
 
     Args:
         source: a shard directory (:class:`fastio.ShardWriter`), a tar path / glob / brace pattern
-            (``"data/shard-{000000..000099}.tar"``) or list of them, or a map-style ``Dataset``.
+            (``"data/shard-{000000..000099}.tar"``) or list of them, a map-style ``Dataset``, a URL whose
+            scheme has an opener, or a :class:`fastio.sources.Source`: whatever
+            :func:`fastio.registry.open_source` opens (formats and schemes are registered there).
         batch_size: samples per batch.
         shuffle: ``False`` (the default, as in DataLoader: storage order), ``True`` (a full global
             permutation per epoch, as in DataLoader) or ``"shard"`` (shard-aware, for sources where random
             access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
-            batch, see :mod:`fastio.order`).
+            batch, see :mod:`fastio.order`). Sources that declare ``requires_shard_order`` (remote
+            stores) refuse ``True``.
         seed: with the epoch, the only source of randomness.
         num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
         pin_memory: page-locked output buffers; default: when CUDA is available.
@@ -348,6 +354,9 @@ class StreamLoader:
             ``transform`` (the image pipeline is one): they write into reused fixed-shape buffers.
         pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token
             field (shard directories), with document boundaries; see :mod:`fastio.pack`.
+        cache_dir, cache_limit: sources that bring shards local (remote stores, compressed tars): where
+            they keep them and the most bytes kept (``"50GB"`` or an int).
+        storage_options: keyword arguments of the storage client (fsspec's ``storage_options``).
 
     Returns batches: for shard and tar sources a dict field -> tensor ``[B, ...]`` (fixed shapes) or list
     (variable ones; tar sources add ``"__key__"``); for Dataset sources what ``collate`` returns.
@@ -389,6 +398,9 @@ class StreamLoader:
         pack: Pack | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         worker_init_fn: Callable[[int], None] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if collate_fn is not None:
             if collate is not None:
@@ -427,10 +439,24 @@ class StreamLoader:
                     f"stages: {type(stage).__name__} is not a fastio.stages.BatchStage "
                     "(needs output_specs() and __call__(batch, out, ctx))"
                 )
-        self._source = open_source(source, decode=decode, verify=verify, tar_strict=tar_strict)
-        self._python_path = (
-            transform is not None or collate is not None or isinstance(self._source, DatasetSource)
+        self._source = open_source(
+            source,
+            OpenOptions(
+                decode=decode,
+                verify=verify,
+                tar_strict=tar_strict,
+                cache_dir=None if cache_dir is None else str(cache_dir),
+                cache_limit=cache_limit,
+                storage_options=storage_options,
+            ),
         )
+        if self._source.requires_shard_order and self.shuffle == "full":
+            raise ValueError(
+                f"shuffle=True (a full permutation) on {self._source.name}, a source read shard by shard: "
+                "nearly every sample would come from another shard, each fetched whole; use shuffle='shard' "
+                "(a shard-aware shuffle: shards, then blocks within a window of shards, then samples)"
+            )
+        self._python_path = transform is not None or collate is not None or self._source.per_sample
         if worker_mode == "auto":
             worker_mode = "process" if self._python_path else "thread"
         self.worker_mode = worker_mode

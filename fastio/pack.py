@@ -57,7 +57,7 @@ import torch
 from fastio._native import default_threads, gather_ranges
 from fastio.errors import CorruptShardError, EmptySourceError, SchemaMismatchError
 from fastio.format.decode import npy_layout
-from fastio.sources import BufferPool, ShardSource, StageTimes, TarSource, torch_dtype
+from fastio.sources import BufferPool, ShardSource, StageTimes, TarSource, shard_read_order, torch_dtype
 from fastio.workers import BatchPass, ThreadPipeline
 
 __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
@@ -360,6 +360,8 @@ class PackedEpoch(BatchPass):
         self.epoch, self.start = epoch, start
         plan = packer.plan(epoch)
         self.begin_pass(packer.num_batches(epoch, start))
+        first_doc = max(0, int(np.searchsorted(plan.starts, start * packer.pack.seq_len, "right")) - 1)
+        packer.source.prepare(shard_read_order(packer.source.shard_sizes, plan.docs[first_doc:]), epoch)
         self.device = options["device"]
         slots = num_workers + prefetch if num_workers else 1
         threads = options["threads"] or max(1, default_threads() // max(1, num_workers))

@@ -1,0 +1,322 @@
+"""Which :class:`fastio.sources.Source` opens what a :class:`fastio.StreamLoader` was given: one table of
+local formats and one of URL schemes. :func:`open_source` consults only these tables.
+
+1. A string (or ``os.PathLike``) with a URL scheme (``s3://...``, ``https://...``), or a list of such
+   strings with one scheme, goes to the opener registered for that scheme
+   (:func:`register_scheme`); an unknown scheme raises ``ValueError`` naming the URL and the registered
+   schemes. ``file://`` URLs are local paths.
+2. Anything else goes to the first format (:func:`register_format`) whose ``matches(target)`` is True.
+   Formats registered by users are consulted first (newest last), then the built-ins in this order: an
+   object that already is a :class:`~fastio.sources.Source`; a directory (a fastio shard directory); a
+   ``.tar`` path, glob or brace pattern, or a list of paths (WebDataset tar shards); any other object (a
+   map-style ``Dataset``).
+3. A path no format takes: ``FileNotFoundError`` if it does not exist, else ``ValueError`` listing what
+   the path formats expect.
+
+A built-in entry names its opener as ``"module:function"``, imported at its first use, so optional
+dependencies (fsspec for remote stores) are imported only when a URL needs them.
+
+An opener is ``opener(target, options: OpenOptions) -> Source``; ``target`` is the path string, the list of
+path strings, the URL (or list of URLs) or the object, as given (``os.PathLike`` turned into ``str``).
+
+Example::
+
+    from fastio.registry import OpenOptions, register_format, register_scheme
+
+    register_format(
+        "npy-dir",
+        matches=lambda target: isinstance(target, str) and target.endswith(".npydir"),
+        opener=lambda target, options: NpyDirSource(target),
+        description="a .npydir directory of .npy files",
+    )
+    register_scheme("mem", lambda url, options: MemorySource(url))
+    loader = fastio.StreamLoader("mem://train", batch_size=8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fastio.sources.base import Source, missing_members
+
+__all__ = [
+    "Format",
+    "OpenOptions",
+    "formats",
+    "open_source",
+    "register_format",
+    "register_scheme",
+    "schemes",
+    "unregister_format",
+    "unregister_scheme",
+    "url_scheme",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenOptions:
+    """What a :class:`fastio.StreamLoader` passes every opener besides the target. Each source reads the
+    options it knows and ignores the rest.
+
+    Attributes:
+        decode: tar sources: None, ``"pil"`` or ``decode(field, bytes) -> value``.
+        verify: shard checksums: None (lazily), True (all at open), False.
+        tar_strict: refuse tars without a clean end-of-archive marker.
+        cache_dir: where sources that bring shards local (remote stores, decompressed tars) keep them.
+        cache_limit: the most bytes that cache may hold (an int, or a string such as ``"50GB"``).
+        storage_options: keyword arguments for the storage client (fsspec's ``storage_options``:
+            ``endpoint_url``, ``anon``...).
+
+    Example::
+
+        options = OpenOptions(verify=True, cache_dir="/tmp/fastio-cache")
+    """
+
+    decode: Callable[[str, bytes], Any] | str | None = None
+    verify: bool | None = None
+    tar_strict: bool = True
+    cache_dir: str | None = None
+    cache_limit: int | str | None = None
+    storage_options: Mapping[str, Any] | None = None
+
+
+Opener = Callable[[Any, OpenOptions], Source]
+Matcher = Callable[[Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One row of the format table.
+
+    Attributes:
+        name: the row's key (registering the same name again replaces the row).
+        matches: ``matches(target) -> bool``, or ``"module:function"``.
+        opener: ``opener(target, options) -> Source``, or ``"module:function"``.
+        description: for paths, what the format expects (``"a fastio shard directory"``), listed when a
+            path matches no format; None for formats that do not take paths.
+    """
+
+    name: str
+    matches: Matcher | str
+    opener: Opener | str
+    description: str | None = None
+
+
+def _is_path(target: Any) -> bool:
+    return isinstance(target, str)
+
+
+def _is_path_list(target: Any) -> bool:
+    return isinstance(target, list) and bool(target) and all(isinstance(t, str) for t in target)
+
+
+def _is_source(target: Any) -> bool:
+    return not isinstance(target, (str, list)) and not missing_members(target)
+
+
+def _is_directory(target: Any) -> bool:
+    return _is_path(target) and os.path.isdir(target)
+
+
+def _is_tar(target: Any) -> bool:
+    if _is_path_list(target):
+        return True
+    return _is_path(target) and (target.endswith(".tar") or any(c in target for c in "*?[{"))
+
+
+def _is_object(target: Any) -> bool:
+    return not _is_path(target) and not _is_path_list(target)
+
+
+def _open_itself(target: Any, options: OpenOptions) -> Source:
+    return target
+
+
+def _open_file_url(target: Any, options: OpenOptions) -> Source:
+    local = [t[len("file://") :] for t in target] if isinstance(target, list) else target[len("file://") :]
+    return open_source(local, options)
+
+
+_BUILTIN_FORMATS = (
+    Format("source", _is_source, _open_itself),
+    Format(
+        "fastio-shards",
+        _is_directory,
+        "fastio.sources.shards:open_shard_directory",
+        "a fastio shard directory",
+    ),
+    Format("webdataset-tar", _is_tar, "fastio.sources.tar:open_tar_shards", "WebDataset .tar shards"),
+    Format("dataset", _is_object, "fastio.sources.dataset:open_dataset"),
+)
+_formats: list[Format] = []  # registered by users; consulted before the built-ins
+_schemes: dict[str, Opener | str] = {"file": _open_file_url}
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def register_format(
+    name: str, matches: Matcher | str, opener: Opener | str, description: str | None = None
+) -> None:
+    """Add a local format (or replace the one of that name): ``matches(target)`` says whether it takes a
+    target, ``opener(target, options)`` opens it. Consulted before the built-in formats, in the order
+    registered.
+
+    Example::
+
+        register_format("npy-dir", lambda t: isinstance(t, str) and t.endswith(".npydir"),
+                        lambda t, options: NpyDirSource(t), "a .npydir directory of .npy files")
+    """
+    if any(f.name == name for f in _BUILTIN_FORMATS):
+        raise ValueError(f"format {name!r} is built in; register yours under another name")
+    row = Format(name, matches, opener, description)
+    for i, existing in enumerate(_formats):
+        if existing.name == name:
+            _formats[i] = row
+            return
+    _formats.append(row)
+
+
+def unregister_format(name: str) -> None:
+    """Remove a format added by :func:`register_format` (``KeyError`` if there is none of that name).
+
+    Example::
+
+        unregister_format("npy-dir")
+    """
+    for i, existing in enumerate(_formats):
+        if existing.name == name:
+            del _formats[i]
+            return
+    raise KeyError(f"no registered format {name!r} (registered: {[f.name for f in _formats]})")
+
+
+def register_scheme(scheme: str, opener: Opener | str) -> None:
+    """Open URLs ``<scheme>://...`` (and lists of them) with ``opener(url_or_urls, options)``; replaces an
+    earlier opener of that scheme.
+
+    Example::
+
+        register_scheme("mem", lambda url, options: MemorySource(url))
+    """
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.\-]*", scheme):
+        raise ValueError(f"not a URL scheme: {scheme!r} (give it without '://', e.g. 's3')")
+    _schemes[scheme.lower()] = opener
+
+
+def unregister_scheme(scheme: str) -> None:
+    """Remove a scheme's opener (``KeyError`` if it has none).
+
+    Example::
+
+        unregister_scheme("mem")
+    """
+    del _schemes[scheme.lower()]
+
+
+def formats() -> list[Format]:
+    """The format table in the order :func:`open_source` consults it.
+
+    Example::
+
+        assert formats()[-1].name == "dataset"
+    """
+    return [*_formats, *_BUILTIN_FORMATS]
+
+
+def schemes() -> list[str]:
+    """The URL schemes that have an opener, sorted.
+
+    Example::
+
+        assert "file" in schemes()
+    """
+    return sorted(_schemes)
+
+
+def url_scheme(target: Any) -> str | None:
+    """The URL scheme of a string (lower case), or of a list of strings that all have the same one; None
+    for local paths and other objects. A list mixing schemes (or URLs and paths) raises ``ValueError``.
+
+    Example::
+
+        assert url_scheme("S3://bucket/train/") == "s3" and url_scheme("data/train") is None
+    """
+    if isinstance(target, str):
+        match = _SCHEME.match(target)
+        return match.group(1).lower() if match else None
+    if not _is_path_list(target):
+        return None
+    found = {url_scheme(t) for t in target}
+    if len(found) > 1:
+        shown = sorted("a local path" if s is None else f"{s}://" for s in found)
+        raise ValueError(f"a list of shards must all have one URL scheme (or none), got {', '.join(shown)}")
+    return found.pop()
+
+
+def _resolve(entry: Callable[..., Any] | str) -> Callable[..., Any]:
+    if callable(entry):
+        return entry
+    module, _, attr = entry.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise ImportError(f"fastio registry: {entry} failed to import ({exc})") from exc
+
+
+def _normalize(target: Any) -> Any:
+    if isinstance(target, os.PathLike):
+        return os.fspath(target)
+    if isinstance(target, Sequence) and not isinstance(target, (str, bytes)) and target:
+        if all(isinstance(t, (str, os.PathLike)) for t in target):
+            return [os.fspath(t) for t in target]
+    return target
+
+
+def _checked(source: Any, opened_by: str) -> Source:
+    missing = missing_members(source)
+    if missing:
+        raise TypeError(
+            f"{opened_by} returned a {type(source).__name__}, which lacks {', '.join(missing)} of "
+            "fastio.sources.Source (subclass it to inherit the optional members' defaults)"
+        )
+    return source
+
+
+def open_source(source: Any, options: OpenOptions | None = None, **fields: Any) -> Source:
+    """The batch source for what :class:`fastio.StreamLoader` was given (see the module docstring).
+
+    Args:
+        source: a path, a list of paths, a URL (or list of URLs), a map-style ``Dataset`` or a
+            :class:`fastio.sources.Source`.
+        options: what every opener is passed; ``fields`` override single options
+            (``open_source(path, tar_strict=False)``).
+
+    Example::
+
+        source = open_source("data/shard-{000000..000009}.tar")
+    """
+    options = dataclasses.replace(options or OpenOptions(), **fields)
+    target = _normalize(source)
+    scheme = url_scheme(target)
+    if scheme is not None:
+        opener = _schemes.get(scheme)
+        if opener is None:
+            shown = target if isinstance(target, str) else f"{target[0]} (+{len(target) - 1})"
+            raise ValueError(
+                f"{shown}: no source is registered for URL scheme {scheme!r} (registered: "
+                f"{', '.join(schemes())}); fastio.registry.register_scheme({scheme!r}, opener) adds one"
+            )
+        return _checked(_resolve(opener)(target, options), f"the opener of {scheme}://")
+    for row in formats():
+        if _resolve(row.matches)(target):
+            return _checked(_resolve(row.opener)(target, options), f"format {row.name!r}")
+    if not os.path.exists(target):
+        raise FileNotFoundError(f"{target}: no such shard directory or tar shard")
+    expected = [row.description for row in formats() if row.description]
+    listed = ", ".join(expected[:-1]) + " or " + expected[-1] if len(expected) > 1 else expected[0]
+    raise ValueError(f"{target}: expected {listed}")

@@ -1,0 +1,42 @@
+"""Sources of a :class:`fastio.StreamLoader`: each turns global sample indices into one batch.
+
+The contract is :class:`Source` (:mod:`fastio.sources.base`); :mod:`fastio.registry` says which source opens
+what the loader was given. Built in, one file each:
+
+* :class:`ShardSource` (:mod:`~fastio.sources.shards`, a fastio shard directory): fixed fields gathered
+  natively into the caller's output tensors, variable fields into one reused payload buffer, as views.
+* :class:`TarSource` (:mod:`~fastio.sources.tar`, WebDataset tar shards): uniform ``.npy`` members gathered
+  like fixed fields, integer members decoded once at open, everything else decoded per sample.
+* :class:`DatasetSource` (:mod:`~fastio.sources.dataset`, any map-style ``Dataset``): ``__getitems__`` when
+  present, else ``__getitem__``.
+
+The reused output memory they fill is :mod:`fastio.sources.buffers`.
+
+Example::
+
+    source = open_source("data/train")
+    batch = source.fetch(np.arange(8), BatchBuffers(source.fixed_specs(), 8, pin=False), 2, StageTimes())
+"""
+
+from fastio.registry import OpenOptions, open_source
+from fastio.sources.base import Source, StageTimes, missing_members, shard_read_order, torch_dtype
+from fastio.sources.buffers import BatchBuffers, BufferPool, storage_refs
+from fastio.sources.dataset import DatasetSource
+from fastio.sources.shards import ShardSource
+from fastio.sources.tar import TarSource
+
+__all__ = [
+    "BatchBuffers",
+    "BufferPool",
+    "DatasetSource",
+    "OpenOptions",
+    "ShardSource",
+    "Source",
+    "StageTimes",
+    "TarSource",
+    "missing_members",
+    "open_source",
+    "shard_read_order",
+    "storage_refs",
+    "torch_dtype",
+]

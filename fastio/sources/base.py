@@ -1,0 +1,183 @@
+"""The contract every batch source of a :class:`fastio.StreamLoader` meets: :class:`Source`.
+
+A source turns global sample indices into one batch. The loader knows nothing else about it: it never
+checks a source's type, only reads what this protocol declares. A new source (a shard format, a remote
+store) is one file with a class that subclasses :class:`Source` (for its defaults) plus one line in
+:mod:`fastio.registry`.
+
+Lifecycle, as the loader drives it:
+
+1. :func:`fastio.registry.open_source` opens it once, in the consumer's process.
+2. Before the first :meth:`Source.fetch` of an epoch (and of a resumed epoch), the loader calls
+   :meth:`Source.prepare` with the shards this rank will read, in the order its batches read them first.
+   Sources whose shards become local lazily (downloaded, decompressed into a cache) start bringing them in
+   there, ahead of the reads; every other source inherits the no-op. A later call replaces the earlier plan
+   (a new epoch, a resume, a new ``iter()``).
+3. :meth:`Source.fetch` is called from the consumer's thread, from worker threads (concurrently), or from
+   forked worker processes. It may block until the shards it needs are local. Worker processes are forked
+   after :meth:`Source.prepare` ran: they hold a copy of the source as it was then, without its threads, so a
+   fetch there must find its shards through what survives a fork (files in a cache directory, file locks),
+   not through in-memory state that the parent's threads update. Nothing is pickled.
+
+Example::
+
+    class Squares(Source):
+        name, num_samples, shard_sizes = "squares", 10, [5, 5]
+        def fixed_specs(self):
+            return {"y": (torch.int64, ())}
+        def fetch(self, indices, buffers, threads, times):
+            out = buffers.fixed("y", len(indices))
+            out.copy_(torch.from_numpy(indices) ** 2)
+            return {"y": out}
+
+    loader = fastio.StreamLoader(Squares(), batch_size=4)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from fastio.sources.buffers import BatchBuffers
+
+__all__ = ["REQUIRED_MEMBERS", "Source", "StageTimes", "missing_members", "shard_read_order", "torch_dtype"]
+
+FixedSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class StageTimes:
+    """Seconds per loader stage, summed over threads, plus bytes and samples produced. Thread-safe.
+
+    Example::
+
+        times = StageTimes(); times.add("read", 0.01)
+    """
+
+    STAGES = ("read", "decode_transform", "collate", "host_to_device")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.bytes = 0
+
+    def add(self, stage: str, seconds: float, nbytes: int = 0) -> None:
+        with self._lock:
+            self.seconds[stage] += seconds
+            self.bytes += nbytes
+
+
+class Source(Protocol):
+    """What a :class:`fastio.StreamLoader` needs of a batch source (see the module docstring for when the
+    loader calls what).
+
+    Subclass it to inherit the defaults of the optional members (``per_sample``, ``requires_shard_order``,
+    :meth:`prepare`); a class that does not subclass it must define them all
+    (:func:`fastio.registry.open_source` says which are missing).
+
+    Attributes:
+        name: what errors and progress bars call the source (a path, a URL, a class name).
+        num_samples: samples in the source, every rank's share together.
+        shard_sizes: samples per shard in storage order (global index ``i`` lies in the shard whose
+            cumulative range holds it); the shard-aware shuffle (:mod:`fastio.order`) permutes these shards.
+        per_sample: False (the default): :meth:`fetch` returns a dict of batched fields (tensors ``[B, ...]``
+            or lists); True: it returns a list of ``B`` samples (any Python objects), which the loader passes
+            through ``transform`` and ``collate`` (the Python path), as for a map-style ``Dataset``.
+        requires_shard_order: True for sources where reading a random sample costs a whole shard (remote
+            stores, compressed tars): ``StreamLoader(shuffle=True)`` (a full permutation) is refused with an
+            error pointing to ``shuffle="shard"``. Default False.
+
+    Example::
+
+        class Tokens(Source):
+            name, num_samples, shard_sizes = "tokens", 6, [6]
+            def fixed_specs(self):
+                return {"t": (torch.int32, (4,))}
+            def fetch(self, indices, buffers, threads, times):
+                out = buffers.fixed("t", len(indices))
+                out.copy_(torch.from_numpy(indices).int()[:, None].expand(-1, 4))
+                return {"t": out}
+    """
+
+    name: str
+    num_samples: int
+    shard_sizes: Sequence[int]
+    per_sample: bool = False
+    requires_shard_order: bool = False
+
+    def fixed_specs(self) -> FixedSpecs:
+        """Fixed-shape fields -> ``(dtype, per-sample shape)``: the loader allocates (and reuses, pins)
+        ``[batch_size, *shape]`` buffers for them, which :meth:`fetch` fills (``buffers.fixed(name, B)``)."""
+        ...
+
+    def fetch(self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes) -> Any:
+        """The batch of global sample ``indices`` (int64, any order, repeats allowed).
+
+        Args:
+            indices: global sample indices in ``[0, num_samples)``.
+            buffers: this batch's reused output buffers (:class:`fastio.sources.BatchBuffers`).
+            threads: threads a native gather may use.
+            times: add the seconds spent (``"read"``, ``"decode_transform"``) and bytes read here.
+
+        Returns:
+            a dict of batched fields, or a list of samples when ``per_sample`` is True.
+        """
+        ...
+
+    def prepare(self, shard_order: np.ndarray, epoch: int) -> None:
+        """Called before the epoch's first :meth:`fetch` with ``shard_order`` (int64): the shards this
+        rank reads from this pass on, each once, in the order its batches first touch them. Default: nothing
+        (the shards are local already).
+
+        Example::
+
+            source.prepare(np.array([3, 0, 2]), epoch=1)   # a remote source starts downloading shard 3
+        """
+        return None
+
+
+REQUIRED_MEMBERS = ("name", "num_samples", "shard_sizes", "per_sample", "requires_shard_order")
+_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare")
+
+
+def missing_members(source: Any) -> list[str]:
+    """The members of :class:`Source` that ``source`` lacks (empty when it meets the protocol).
+
+    Example::
+
+        assert missing_members(object()) == [*REQUIRED_MEMBERS, "fixed_specs()", "fetch()", "prepare()"]
+    """
+    missing = [name for name in REQUIRED_MEMBERS if not hasattr(source, name)]
+    return missing + [f"{name}()" for name in _REQUIRED_METHODS if not callable(getattr(source, name, None))]
+
+
+def shard_read_order(shard_sizes: Sequence[int], indices: np.ndarray) -> np.ndarray:
+    """The shards holding ``indices``, each once, in the order the indices first reach them: what the
+    loader hands :meth:`Source.prepare`.
+
+    Example::
+
+        assert shard_read_order([2, 2, 2], np.array([5, 4, 0, 3])).tolist() == [2, 0, 1]
+    """
+    if len(indices) == 0:
+        return np.zeros(0, dtype=np.int64)
+    cumulative = np.cumsum(np.asarray(shard_sizes, dtype=np.int64))
+    shards = np.searchsorted(cumulative, indices, side="right")
+    _, first = np.unique(shards, return_index=True)
+    return shards[np.sort(first)].astype(np.int64)
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype (native byte order required).
+
+    Example::
+
+        torch_dtype(np.dtype("uint8")) is torch.uint8
+    """
+    if not dtype.isnative:
+        raise ValueError(f"{dtype} is not in native byte order; torch cannot view it")
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype

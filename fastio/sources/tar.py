@@ -1,0 +1,166 @@
+"""WebDataset tar shards as a batch source: a ``.npy`` field whose members share one header throughout the
+set is gathered like a fixed field (the header is skipped by offset), integer fields (``cls``...) are decoded
+once at open and gathered as an int64 tensor, everything else decoded per sample.
+
+Example::
+
+    source = TarSource(TarShardSet("data/shard-{000000..000003}.tar"))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fastio._native import MappedTable, gather_rows, read_ranges
+from fastio.errors import CorruptShardError
+from fastio.format.decode import INT_EXTENSIONS, decode_default, last_extension, npy_layout
+from fastio.format.tar import TarShardSet
+from fastio.sources.base import Source, StageTimes, torch_dtype
+from fastio.sources.buffers import BatchBuffers
+
+if TYPE_CHECKING:
+    from fastio.registry import OpenOptions
+
+__all__ = ["TarSource", "open_tar_shards"]
+
+
+class TarSource(Source):
+    """WebDataset tar shards as a batch source (fields named as WebDataset names them, plus ``__key__``).
+
+    Args:
+        shards: the indexed tar set.
+        decode: None for :func:`fastio.format.decode.decode_default`, ``"pil"`` for that plus Pillow images,
+            or ``decode(field, data: bytes) -> value`` for every field (no fast paths then).
+
+    Example::
+
+        source = TarSource(TarShardSet("data/shard-{000000..000003}.tar"))
+    """
+
+    def __init__(self, shards: TarShardSet, decode: Callable[[str, bytes], Any] | str | None = None) -> None:
+        if decode is not None and decode != "pil" and not callable(decode):
+            raise ValueError(f"decode must be None, 'pil' or a callable, got {decode!r}")
+        self.shards = shards
+        self.name = (
+            shards.paths[0] if len(shards.paths) == 1 else f"{shards.paths[0]} (+{len(shards.paths) - 1})"
+        )
+        self.decode = decode
+        self.shard_sizes = shards.shard_sizes
+        self.num_samples = shards.num_samples
+        self.table = MappedTable(shards.files)
+        self.keys = np.concatenate([ix.keys for ix in shards.indexes])
+        self.columns = {f: shards.column(f) for f in shards.fields}
+        self._shard_of = np.repeat(np.arange(len(shards.files), dtype=np.int32), self.shard_sizes)
+        self._npy_fixed: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
+        self._ints: dict[str, np.ndarray] = {}
+        if not callable(decode):
+            for field in shards.fields:
+                offsets, sizes = self.columns[field]
+                if (sizes < 0).any():
+                    continue
+                kind = last_extension(field)
+                if kind == "npy":
+                    spec = self._uniform_npy(field, offsets, sizes)
+                    if spec is not None:
+                        self._npy_fixed[field] = spec
+                elif kind in INT_EXTENSIONS:
+                    self._ints[field] = self._decode_ints(field, offsets, sizes)
+
+    def _uniform_npy(
+        self, field: str, offsets: np.ndarray, sizes: np.ndarray
+    ) -> tuple[np.dtype, tuple[int, ...], int] | None:
+        if (sizes != sizes[0]).any():
+            return None
+        shard0 = self.table.files[int(self._shard_of[0])]
+        first = read_ranges(self.table, self._shard_of[:1], offsets[:1], sizes[:1])[0]
+        # Every member has this size and (checked below) this header, so one check covers them all.
+        member = f"{self.keys[0]}.{field}"
+        dtype, shape, fortran, header = npy_layout(first, int(sizes[0]), shard0.path, member)
+        if fortran or dtype.hasobject or not dtype.isnative:
+            return None
+        reference = torch.frombuffer(bytearray(first[:header]), dtype=torch.uint8)
+        step = 1 << 16  # bounded scratch memory for huge shards
+        heads = torch.empty((min(step, len(offsets)), header), dtype=torch.uint8)
+        for chunk in range(0, len(offsets), step):
+            rows = slice(chunk, chunk + step)
+            out = heads[: len(offsets[rows])]
+            gather_rows(self.table, self._shard_of[rows], offsets[rows], header, out)
+            if (out != reference).any():
+                return None
+        return dtype, shape, header
+
+    def _decode_ints(self, field: str, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        files = self.table.files
+        raw = read_ranges(self.table, self._shard_of, offsets, sizes)
+        return np.array(
+            [
+                decode_default(field, data, path=files[s].path, member=f"{key}.{field}")
+                for s, key, data in zip(self._shard_of.tolist(), self.keys.tolist(), raw, strict=True)
+            ],
+            dtype=np.int64,
+        )
+
+    def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        specs = {name: (torch_dtype(dtype), shape) for name, (dtype, shape, _) in self._npy_fixed.items()}
+        specs.update({name: (torch.int64, ()) for name in self._ints})
+        return specs
+
+    def fetch(
+        self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes
+    ) -> dict[str, Any]:
+        start = time.perf_counter()
+        shard_ids = self._shard_of[indices]
+        batch: dict[str, Any] = {"__key__": self.keys[indices].tolist()}
+        nbytes = 0
+        for name, (_, _, header) in self._npy_fixed.items():
+            out = buffers.fixed(name, len(indices))
+            offsets, sizes = self.columns[name]
+            row = int(sizes[0]) - header
+            gather_rows(self.table, shard_ids, offsets[indices] + header, row, out, threads)
+            batch[name] = out
+            nbytes += row * len(indices)
+        for name, values in self._ints.items():
+            out = buffers.fixed(name, len(indices))
+            out.copy_(torch.from_numpy(values[indices]))
+            batch[name] = out
+        read_done = time.perf_counter()
+        times.add("read", read_done - start, nbytes)
+        files = self.table.files
+        decoded = 0
+        for name in self.shards.fields:
+            if name in batch:
+                continue
+            offsets, sizes = self.columns[name]
+            sizes = sizes[indices]
+            present = np.flatnonzero(sizes >= 0)
+            raw = read_ranges(self.table, shard_ids[present], offsets[indices][present], sizes[present])
+            values = [None] * len(indices)
+            decoded += int(sizes[present].sum())
+            for row, data in zip(present.tolist(), raw, strict=True):
+                if callable(self.decode):
+                    values[row] = self.decode(name, data)
+                    continue
+                try:
+                    values[row] = decode_default(name, data, images=self.decode)
+                except CorruptShardError as err:  # name the tar and the member (not known to the decoder)
+                    path, member = files[int(shard_ids[row])].path, f"{batch['__key__'][row]}.{name}"
+                    raise CorruptShardError(path, member, err.expected, err.actual) from None
+            batch[name] = values
+        times.add("decode_transform", time.perf_counter() - read_done, decoded)
+        return batch
+
+
+def open_tar_shards(paths: str | list[str], options: OpenOptions) -> TarSource:
+    """The registry's opener of WebDataset tar shards: a path, glob or brace pattern, or a list of them
+    (``options.tar_strict`` and ``options.decode`` apply).
+
+    Example::
+
+        source = open_tar_shards("data/shard-{000000..000009}.tar", OpenOptions())
+    """
+    return TarSource(TarShardSet(paths, strict=options.tar_strict), decode=options.decode)
