@@ -254,7 +254,7 @@ class _EpochIterator(BatchPass):
         indices = rank_indices(order, start, loader.world_size, loader.rank, loader.drop_last)
         self.begin_pass(num_batches(len(indices), loader.batch_size, loader.drop_last))
         # Before any fetch and before worker processes fork: they inherit what prepare() set up.
-        loader._source.prepare(shard_read_order(loader._source.shard_sizes, indices), epoch)
+        loader._source.prepare(shard_read_order(loader._source.shard_sizes, indices), epoch, indices)
         workers = loader.num_workers
         slots = workers + loader.prefetch if workers else 1
         processes = workers > 0 and loader.worker_mode == "process"

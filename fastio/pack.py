@@ -360,8 +360,10 @@ class PackedEpoch(BatchPass):
         self.epoch, self.start = epoch, start
         plan = packer.plan(epoch)
         self.begin_pass(packer.num_batches(epoch, start))
+        # The documents are the source's samples; this pass reads them from the start row's first one on.
         first_doc = max(0, int(np.searchsorted(plan.starts, start * packer.pack.seq_len, "right")) - 1)
-        packer.source.prepare(shard_read_order(packer.source.shard_sizes, plan.docs[first_doc:]), epoch)
+        docs = plan.docs[first_doc:]
+        packer.source.prepare(shard_read_order(packer.source.shard_sizes, docs), epoch, docs)
         self.device = options["device"]
         slots = num_workers + prefetch if num_workers else 1
         threads = options["threads"] or max(1, default_threads() // max(1, num_workers))

@@ -128,10 +128,12 @@ class Source(Protocol):
         """
         ...
 
-    def prepare(self, shard_order: np.ndarray, epoch: int) -> None:
+    def prepare(self, shard_order: np.ndarray, epoch: int, indices: np.ndarray | None = None) -> None:
         """Called before the epoch's first :meth:`fetch` with ``shard_order`` (int64): the shards this
-        rank reads from this pass on, each once, in the order its batches first touch them. Default: nothing
-        (the shards are local already).
+        rank reads from this pass on, each once, in the order its batches first touch them; ``indices``: the
+        pass's global sample indices in the order they will be fetched (this rank's share, after the resume
+        point; batches are consecutive slices of it), so a source can count what each shard still has to
+        serve. Default: nothing (the shards are local already).
 
         Example::
 

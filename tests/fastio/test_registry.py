@@ -60,8 +60,9 @@ class MemorySource(Source):
         self.prepared: list[tuple[list[int], int]] = []
         self.fetched_shards: list[int] = []
 
-    def prepare(self, shard_order, epoch):
+    def prepare(self, shard_order, epoch, indices=None):
         self.prepared.append((shard_order.tolist(), epoch))
+        self.prepared_indices = indices.tolist()
 
     def fixed_specs(self):
         return {"y": (torch.int64, ())}
@@ -154,7 +155,8 @@ def test_prepare_gets_the_order_this_rank_reads_shards_in(toy_registry, rank):
     for epoch in (0, 1):
         loader.set_epoch(epoch)
         source.fetched_shards.clear()
-        list(loader)
+        fetched = [((y - 1) // 3).tolist() for batch in loader for y in batch["y"]]
+        assert source.prepared_indices == fetched
         order, prepared_epoch = source.prepared[-1]
         assert prepared_epoch == epoch
         assert order == _first_touched(source.fetched_shards)
@@ -171,8 +173,9 @@ def test_prepare_on_resume_gets_only_the_shards_still_to_read(toy_registry):
     resumed = fastio.StreamLoader("mem://r", batch_size=4, shuffle="shard", shuffle_block=3, seed=2)
     resumed.load_state_dict(state)
     source.fetched_shards.clear()
-    rest = list(resumed)
-    assert len(rest) == len(loader) - 6
+    rest = [((y - 1) // 3).tolist() for batch in resumed for y in batch["y"]]
+    assert len(rest) == len(source.prepared_indices) == sum(_SHARDS) - 6 * 4
+    assert source.prepared_indices == rest
     order, epoch = source.prepared[-1]
     assert epoch == 0 and order == _first_touched(source.fetched_shards)
 
