@@ -22,6 +22,7 @@ import json
 import os
 import threading
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -342,6 +343,26 @@ class ShardSet:
                     str(path), "num_samples", f"{entry['num_samples']} (index.json)", reader.num_samples
                 )
             self.readers.append(reader)
+        self._count()
+
+    @classmethod
+    def from_readers(
+        cls, directory: str | os.PathLike[str], schema: Schema, readers: Sequence[ShardReader]
+    ) -> ShardSet:
+        """A set of shards already opened (no I/O, no checks beyond a non-empty count): for sources that
+        serve a subset of a set's shards, such as those a remote cache holds, with the set's ``schema``.
+
+        Example::
+
+            full = ShardSet("data/train")
+            part = ShardSet.from_readers(full.directory, full.schema, full.readers[2:4])
+        """
+        shards = cls.__new__(cls)
+        shards.directory, shards.schema, shards.readers = Path(directory), schema, list(readers)
+        shards._count()
+        return shards
+
+    def _count(self) -> None:
         self.shard_sizes = [r.num_samples for r in self.readers]
         self.num_samples = int(sum(self.shard_sizes))
         if self.num_samples == 0:

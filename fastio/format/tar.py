@@ -311,8 +311,32 @@ class TarShardSet:
         for p in self.paths:
             if not os.path.exists(p):
                 raise FileNotFoundError(f"{p}: no such tar shard")
-        self.indexes = [load_tar_index(p, build=build_index, strict=strict) for p in self.paths]
-        self.files = [MappedFile(p) for p in self.paths]
+        self._fill([load_tar_index(p, build=build_index, strict=strict) for p in self.paths], pattern)
+
+    @classmethod
+    def from_parts(
+        cls, paths: Sequence[str], indexes: Sequence[TarIndex], files: Sequence[MappedFile] | None = None
+    ) -> TarShardSet:
+        """A set of tars already indexed (:func:`load_tar_index`), mapped here unless ``files`` are given:
+        for sources that serve a subset of a set's shards, such as those a remote cache holds. The same
+        checks as the constructor (every index fits its mapped file, some samples).
+
+        Example::
+
+            part = TarShardSet.from_parts(paths[:2], [load_tar_index(p) for p in paths[:2]])
+        """
+        shards = cls.__new__(cls)
+        shards.paths = list(paths)
+        if len(indexes) != len(shards.paths) or (files is not None and len(files) != len(shards.paths)):
+            raise ValueError(f"TarShardSet.from_parts: {len(shards.paths)} paths but {len(indexes)} indexes")
+        shards._fill(list(indexes), shards.paths[0] if shards.paths else "[]", files)
+        return shards
+
+    def _fill(
+        self, indexes: list[TarIndex], pattern: object, files: Sequence[MappedFile] | None = None
+    ) -> None:
+        self.indexes = indexes
+        self.files = list(files) if files is not None else [MappedFile(p) for p in self.paths]
         for index, file in zip(self.indexes, self.files, strict=True):
             ends = index.offsets + index.sizes
             if index.num_samples and ends.max() > file.size:  # the tar changed between its index and its map

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from fastio._native import MappedTable, gather_rows, read_ranges
-from fastio.errors import CorruptShardError
+from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.decode import INT_EXTENSIONS, decode_default, last_extension, npy_layout
 from fastio.format.tar import TarShardSet
 from fastio.sources.base import Source, StageTimes, torch_dtype
@@ -26,7 +27,29 @@ from fastio.sources.buffers import BatchBuffers
 if TYPE_CHECKING:
     from fastio.registry import OpenOptions
 
-__all__ = ["TarSource", "open_tar_shards"]
+__all__ = ["TarLayout", "TarSource", "open_tar_shards"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TarLayout:
+    """How a tar set's fields come out of :meth:`TarSource.fetch`: decided once over the whole set, so a
+    source over part of its shards (a remote cache's) gives batches of the same fields and types.
+
+    Attributes:
+        fields: every field of the set, in order (a batch has each; ``None`` where a sample lacks it).
+        npy_fixed: ``.npy`` fields whose members share one header throughout the set, gathered as tensors:
+            field -> ``(dtype, shape, header bytes)``.
+        ints: integer fields (``cls``...) present in every sample, decoded at open to an int64 tensor.
+
+    Example::
+
+        layout = TarSource(TarShardSet("data/shard-{000000..000003}.tar")).layout
+        part = TarSource(TarShardSet.from_parts(paths[:1], indexes[:1]), layout=layout)
+    """
+
+    fields: tuple[str, ...]
+    npy_fixed: dict[str, tuple[np.dtype, tuple[int, ...], int]]
+    ints: tuple[str, ...]
 
 
 class TarSource(Source):
@@ -36,13 +59,21 @@ class TarSource(Source):
         shards: the indexed tar set.
         decode: None for :func:`fastio.format.decode.decode_default`, ``"pil"`` for that plus Pillow images,
             or ``decode(field, data: bytes) -> value`` for every field (no fast paths then).
+        layout: the :class:`TarLayout` of a larger set these shards are part of (``.layout`` of a source
+            over that set); default: decided from these shards. A ``.npy`` member that does not fit it
+            raises :class:`fastio.SchemaMismatchError`.
 
     Example::
 
         source = TarSource(TarShardSet("data/shard-{000000..000003}.tar"))
     """
 
-    def __init__(self, shards: TarShardSet, decode: Callable[[str, bytes], Any] | str | None = None) -> None:
+    def __init__(
+        self,
+        shards: TarShardSet,
+        decode: Callable[[str, bytes], Any] | str | None = None,
+        layout: TarLayout | None = None,
+    ) -> None:
         if decode is not None and decode != "pil" and not callable(decode):
             raise ValueError(f"decode must be None, 'pil' or a callable, got {decode!r}")
         self.shards = shards
@@ -54,12 +85,15 @@ class TarSource(Source):
         self.num_samples = shards.num_samples
         self.table = MappedTable(shards.files)
         self.keys = np.concatenate([ix.keys for ix in shards.indexes])
-        self.columns = {f: shards.column(f) for f in shards.fields}
+        fields = list(layout.fields) if layout is not None else shards.fields
+        self.columns = {f: shards.column(f) for f in fields}
         self._shard_of = np.repeat(np.arange(len(shards.files), dtype=np.int32), self.shard_sizes)
         self._npy_fixed: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
         self._ints: dict[str, np.ndarray] = {}
-        if not callable(decode):
-            for field in shards.fields:
+        if layout is not None:
+            self._apply(layout)
+        elif not callable(decode):
+            for field in fields:
                 offsets, sizes = self.columns[field]
                 if (sizes < 0).any():
                     continue
@@ -70,6 +104,27 @@ class TarSource(Source):
                         self._npy_fixed[field] = spec
                 elif kind in INT_EXTENSIONS:
                     self._ints[field] = self._decode_ints(field, offsets, sizes)
+        self.layout = TarLayout(tuple(fields), dict(self._npy_fixed), tuple(self._ints))
+
+    def _apply(self, layout: TarLayout) -> None:
+        for field, spec in layout.npy_fixed.items():
+            offsets, sizes = self.columns[field]
+            found = self._uniform_npy(field, offsets, sizes) if (sizes >= 0).all() else None
+            if found is None or found[0] != spec[0] or found[1:] != spec[1:]:
+                raise SchemaMismatchError(
+                    self.name,
+                    field,
+                    f"{spec[0]} {spec[1]} .npy, a {spec[2]}-byte header, in every sample (the set's)",
+                    "members that differ"
+                    if found is None
+                    else f"{found[0]} {found[1]}, {found[2]}-byte header",
+                )
+            self._npy_fixed[field] = spec
+        for field in layout.ints:
+            offsets, sizes = self.columns[field]
+            if (sizes < 0).any():
+                raise SchemaMismatchError(self.name, field, "in every sample (the set's)", "missing in some")
+            self._ints[field] = self._decode_ints(field, offsets, sizes)
 
     def _uniform_npy(
         self, field: str, offsets: np.ndarray, sizes: np.ndarray
@@ -132,7 +187,7 @@ class TarSource(Source):
         times.add("read", read_done - start, nbytes)
         files = self.table.files
         decoded = 0
-        for name in self.shards.fields:
+        for name in self.layout.fields:
             if name in batch:
                 continue
             offsets, sizes = self.columns[name]
