@@ -7,6 +7,7 @@ remembers the parameters it serves; handing it to a second model is an error.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fastcomm.hooks._accounting import COUNTERS, StepAccounting
 from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._options import OptionTypeError
+from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_counters
 from fastcomm.hooks._util import BucketKey, all_finite, completed, ring_bytes
 
 __all__ = ["HookState"]
@@ -213,6 +215,50 @@ class HookState:
             raise ValueError(f"state_dict lacks the counters {missing}")
         self._finish_iteration()
         self.accounting.load_state_dict(state_dict)
+
+    @classmethod
+    def merge_state_dicts(
+        cls, states: Sequence[dict[str, Any]], world_size: int, rank: int
+    ) -> tuple[dict[str, Any], str]:
+        """The state_dict that rank ``rank`` of a ``world_size``-rank group loads, from every old rank's.
+
+        For a restart at another world size (an elastic restart). This base serves states without
+        per-rank tensors (:class:`~fastcomm.CastState`): the merged state is old rank 0's type, options and
+        counters (steps and skipped steps agree on every rank; traffic counters are rank 0's). Subclasses
+        with per-rank tensors extend it (:meth:`CompressionState.merge_state_dicts`); the rule per kind
+        of state is in :mod:`fastcomm.hooks._reshard`.
+
+        1. Check that ``states`` are all of this class, with one set of options, at one step.
+        2. Same world size (``len(states) == world_size``): ``states[rank]`` itself, unchanged, so the
+           resume stays bit-identical.
+        3. Otherwise old rank 0's counters.
+
+        Args:
+            states: every old rank's :meth:`state_dict`, indexed by old rank (``len`` = old world size).
+            world_size: the new group's size.
+            rank: this process's rank in the new group.
+
+        Returns:
+            ``(state_dict, why)``: the dict to :meth:`load_state_dict` and one log line saying what was
+            done and why.
+
+        Raises:
+            ValueError: no states, a rank outside the new group, or states of another type, with other
+                options or at another step than old rank 0's.
+
+        Example::
+
+            states = [torch.load(f"ckpt/comm_{r}.pt") for r in range(2)]  # saved by 2 ranks, now 3
+            merged, why = fastcomm.CastState.merge_state_dicts(states, world_size=3, rank=dist.get_rank())
+            state.load_state_dict(merged)
+            logging.info(why)
+        """
+        unchanged = keep_if_same_world(cls.__name__, states, world_size, rank)
+        if unchanged is not None:
+            return unchanged
+        return merge_counters(states), describe(
+            cls.__name__, len(states), world_size, ["no per-rank tensors; counters: old rank 0's"]
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options(), "state_dict": self.state_dict()}

@@ -7,7 +7,7 @@ restore) live here once, and ``compress_bucket(call)`` only compresses one bucke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ from fastcomm.hooks._base import HookState
 from fastcomm.hooks._defaults import resolve_state
 from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._options import require_bool, require_int
+from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_buckets, merge_counters
 from fastcomm.hooks._store import BucketEntry, BucketStore, ResumePart
 from fastcomm.hooks._util import BucketKey, ring_bytes, world_of
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES, all_gather_rows
@@ -156,6 +157,64 @@ class CompressionState(HookState):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.store.load_state_dict(state_dict)
+
+    @classmethod
+    def merge_state_dicts(
+        cls, states: Sequence[dict[str, Any]], world_size: int, rank: int
+    ) -> tuple[dict[str, Any], str]:
+        """The state_dict rank ``rank`` of a ``world_size``-rank group loads: residuals re-partitioned.
+
+        For every compressing hook (top-k, sign, quantize, compressors):
+
+        1. Same world size: ``states[rank]`` unchanged (a bit-identical resume).
+        2. Error-feedback residuals are re-partitioned: every new rank owes, per parameter, the mean over
+           old ranks of what each old rank still owed (:meth:`residual_of`: a two-phase hook's phase-2
+           segment residual folded in times the old world size). The mean over ranks of what is still
+           owed, the error-feedback invariant, is unchanged, so no gradient is lost or sent twice.
+           Dropping them instead would lose what compression held back; giving each new rank a share of
+           one old rank's would need a rank mapping that the mean does not.
+        3. Top-k's DGC momentum velocity: the mean over old ranks.
+        4. Nothing of the old ranks' own survives: no segment (entries record the new world size) and no
+           restored bucket layout (``"layout": []``), so the first iteration reduces DDP's buckets as
+           they come instead of as the old layout's (whose segments and budgets were the old group's).
+        5. Counters: old rank 0's.
+
+        Args:
+            states: every old rank's :meth:`state_dict`, indexed by old rank.
+            world_size: the new group's size.
+            rank: this process's rank in the new group.
+
+        Returns:
+            ``(state_dict, why)``: the dict to :meth:`load_state_dict` and the log line.
+
+        Raises:
+            ValueError: no states, states of another type, with other options or bucket entries, or at
+                another step than old rank 0's.
+
+        Example::
+
+            states = [torch.load(f"ckpt/comm_{r}.pt") for r in range(2)]  # 2 ranks saved, 3 resume
+            merged, why = fastcomm.SignState.merge_state_dicts(states, 3, dist.get_rank())
+            state.load_state_dict(merged)  # sum over parameters of residual_of is what 2 ranks owed
+        """
+        kept = keep_if_same_world(cls.__name__, states, world_size, rank)
+        if kept is not None:
+            return kept
+        merged, notes = cls._merge(states, world_size)
+        return merged, describe(cls.__name__, len(states), world_size, notes)
+
+    @classmethod
+    def _merge(cls, states: Sequence[dict[str, Any]], world_size: int) -> tuple[dict[str, Any], list[str]]:
+        """Steps 2-5 of :meth:`merge_state_dicts`: the merged dict and the log line's clauses."""
+        buckets, summary = merge_buckets(states, world_size)
+        merged = {**merge_counters(states), "buckets": buckets, "layout": []}
+        notes = [
+            *summary.notes(),
+            "no restored bucket layout (the first iteration is reduced in the new layout, not as a "
+            "bit-identical resume of the old one)",
+            "counters: old rank 0's",
+        ]
+        return merged, notes
 
 
 @dataclass

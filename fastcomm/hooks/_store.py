@@ -52,6 +52,26 @@ class BucketEntry:
     def numel(self) -> int:
         return sum(self.numels)
 
+    def owed(self) -> Tensor | None:
+        """What this rank still owes for the whole bucket (fp32), or ``None`` if it holds no residual.
+
+        The ``"residual"`` tensor plus the segment tensor times the world size over the segment (the part
+        that runs past the bucket is padding, and owes nothing): :meth:`BucketStore.residual_of` of every
+        parameter of the bucket, side by side.
+        """
+        residual = self.tensors.get("residual")
+        if residual is None and SEGMENT_TENSOR not in self.tensors:
+            return None
+        device = self.tensors.get("residual", self.tensors.get(SEGMENT_TENSOR)).device
+        out = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        if residual is not None:
+            out += residual[: self.numel].float()
+        overlap = _segment_overlap(self, 0, self.numel)
+        if overlap is not None:
+            start, stop, delta = overlap
+            out[start:stop] += delta
+        return out
+
 
 @dataclass(frozen=True)
 class ResumePart:
@@ -277,7 +297,8 @@ class BucketStore:
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """``buckets``: every entry's parameters, sizes, segment and tensors (cloned), in the order they
-        were made; ``layout``: the parameters and sizes of every bucket of the last iteration, in order."""
+        were made; ``layout``: the parameters and sizes of every bucket of the last iteration, in order
+        (``[]`` when no bucket was reduced since the store was made or restored without a layout)."""
         layout = [{"params": list(key), "numels": list(numels)} for key, numels in self._last_layout.items()]
         return {"buckets": self._entries_state(), "layout": layout}
 
@@ -294,7 +315,14 @@ class BucketStore:
         ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Replace everything with what :meth:`state_dict` returned."""
+        """Replace everything with what :meth:`state_dict` returned.
+
+        The ``layout`` becomes the restored layout that the first iteration is reduced as
+        (:meth:`resume_parts`). ``"layout": []`` means none: the first iteration reduces DDP's buckets as
+        they come (a state merged for another world size, :mod:`fastcomm.hooks._reshard`, whose old
+        layout's segments and budgets belong to the old ranks). A dict without a ``layout`` key (an older
+        checkpoint) restores its entries' layout.
+        """
         self.__init__()  # type: ignore[misc]
         for item in state_dict["buckets"]:
             key = tuple(int(p) for p in item["params"])
@@ -309,7 +337,7 @@ class BucketStore:
             for pkey, numel in zip(key, entry.numels, strict=True):
                 self._param_loc[pkey] = (key, offset)
                 offset += numel
-        layout = state_dict.get("layout") or state_dict["buckets"]  # a checkpoint without one: its entries
+        layout = state_dict["layout"] if "layout" in state_dict else state_dict["buckets"]
         self._restored = {
             tuple(int(p) for p in item["params"]): tuple(int(n) for n in item["numels"]) for item in layout
         }

@@ -3,20 +3,25 @@
 A compressor registered by name (``fastcomm.hooks.registry.COMPRESSORS`` or
 :func:`~fastcomm.hooks.registry.add_compressor`) is served by :func:`compressor_hook` with a
 :class:`CompressorState`: a blockwise compressor (``block > 0``) through the two-phase allreduce, any
-other by one all-gather of every rank's payload, decoded and averaged on every rank.
+other by one all-gather of every rank's payload, decoded and averaged on every rank; an
+:class:`~fastcomm.compress.AllreduceCompressor` (PowerSGD) by its two allreduces
+(:mod:`fastcomm.hooks._rounds`).
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.compress.protocol import Compressor
+from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.hooks._compression import BucketCall, gather_payloads, run_compressed
 from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._reshard import same_value
+from fastcomm.hooks._rounds import allreduce_rounds
 from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_allreduce
 from fastcomm.hooks._util import Timer, segment_layout
 
@@ -27,7 +32,8 @@ class CompressorState(TwoPhaseState):
     """State of :func:`compressor_hook`: the compressor, residuals, step accounting, statistics.
 
     Args:
-        compressor: any :class:`~fastcomm.compress.Compressor`.
+        compressor: any :class:`~fastcomm.compress.Compressor` or
+            :class:`~fastcomm.compress.AllreduceCompressor`.
         **options: the :class:`~fastcomm.hooks._twophase.TwoPhaseState` options (``error_feedback``,
             ``start_iter``, ``min_compress_numel``, ``wire_chunk_bytes``, ``overlap_phase2``,
             ``process_group``).
@@ -43,10 +49,12 @@ class CompressorState(TwoPhaseState):
 
     _OPTIONS = ("compressor", *TwoPhaseState._OPTIONS)
 
-    def __init__(self, compressor: Compressor, **options: Any) -> None:
-        if not isinstance(compressor, Compressor):
+    def __init__(self, compressor: Compressor | AllreduceCompressor, **options: Any) -> None:
+        if not isinstance(compressor, (Compressor, AllreduceCompressor)):
             name = type(compressor).__name__
-            raise TypeError(f"compressor must provide fastcomm.compress.Compressor, got {name}")
+            raise TypeError(
+                f"compressor must provide fastcomm.compress.Compressor or AllreduceCompressor, got {name}"
+            )
         self.compressor = compressor
         super().__init__(**options)
 
@@ -62,13 +70,32 @@ class CompressorState(TwoPhaseState):
         self.compressor.load_state_dict(state_dict.get("compressor", {}))
         super().load_state_dict(state_dict)
 
+    @classmethod
+    def _merge(cls, states: Sequence[dict[str, Any]], world_size: int) -> tuple[dict[str, Any], list[str]]:
+        """:meth:`CompressionState._merge` (residuals re-partitioned) and the compressor's own state.
+
+        A compressor's ``state_dict`` is what it learned across steps, not per-bucket state (residuals
+        live in the store). The same on every old rank: kept. Different: old rank 0's, said in the log
+        line (the protocol gives no rule to merge it).
+        """
+        merged, notes = super()._merge(states, world_size)
+        learned = [state.get("compressor", {}) for state in states]
+        merged["compressor"] = learned[0]
+        if learned[0]:
+            if all(same_value(learned[0], other) for other in learned[1:]):
+                notes.append("compressor state: the same on every old rank, kept")
+            else:
+                notes.append("compressor state: differs across the old ranks; old rank 0's is used")
+        return merged, notes
+
 
 def compressor_hook(state: CompressorState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP comm hook: mean over ranks through ``state.compressor``, with error feedback.
 
     1. Dense allreduce instead before ``start_iter`` or for buckets under ``min_compress_numel``; the
        gradient as is when the world size is 1.
-    2. Blockwise compressors: the two-phase allreduce (:mod:`fastcomm.hooks._twophase`), residuals on
+    2. An :class:`~fastcomm.compress.AllreduceCompressor`: its two allreduces (:mod:`fastcomm.hooks._rounds`).
+       Blockwise compressors: the two-phase allreduce (:mod:`fastcomm.hooks._twophase`), residuals on
        both phases.
     3. Others: compress ``grad + residual`` (new residual staged), all-gather every rank's payload, decode
        them in rank order into the bucket (the first overwrites, the others add, each divided by ``W``).
@@ -92,6 +119,8 @@ def compressor_hook(state: CompressorState, bucket: dist.GradBucket) -> torch.fu
 def _compressor_bucket(call: BucketCall) -> torch.futures.Future[Tensor]:
     state = call.state
     assert isinstance(state, CompressorState)
+    if isinstance(state.compressor, AllreduceCompressor):
+        return allreduce_rounds(call, state.compressor)
     if state.compressor.block > 0:
         return two_phase_allreduce(call, state.layout(call.flat.numel(), call.world_size))
     return _all_gather_allreduce(call, state.compressor)

@@ -23,6 +23,7 @@ Example::
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._reshard import describe, keep_if_same_world
 from fastcomm.hooks._util import completed, ring_bytes
 from fastcomm.optim import CompressedAdam, precondition_
 
@@ -216,8 +218,74 @@ class CompressedAdamState:
             self.warmup[0].load_state_dict(state_dict["warmup"])
         self._counters = _Counters(**state_dict["counters"])
 
+    @classmethod
+    def merge_state_dicts(
+        cls, states: Sequence[dict[str, Any]], world_size: int, rank: int
+    ) -> tuple[dict[str, Any], str]:
+        """The state_dict rank ``rank`` of a ``world_size``-rank group loads, from every old rank's.
+
+        1. Same world size: ``states[rank]`` unchanged (a bit-identical resume).
+        2. The compressor's state and the warm-up compressor's, if any, by their own
+           ``merge_state_dicts``: their residuals (of preconditioned momentum after warm-up, of gradients
+           during it) are re-partitioned, every new rank owing the mean over old ranks of what each still
+           owed, so the mean over ranks of the momentum still owed is unchanged
+           (:meth:`~fastcomm.hooks._compression.CompressionState.merge_state_dicts`).
+        3. The loss scale and the warm-up counters: old rank 0's (the scale is the same on every rank).
+
+        The optimizer's momentum and frozen variance are the same on every rank (each adopts the mean the
+        hook returns); they come from ``optimizer.state_dict()``.
+
+        Args:
+            states: every old rank's :meth:`state_dict`, indexed by old rank.
+            world_size: the new group's size.
+            rank: this process's rank in the new group.
+
+        Returns:
+            ``(state_dict, why)``: the dict to :meth:`load_state_dict` and the log line.
+
+        Raises:
+            ValueError: no states, states of another type, of other compressors or options, some with a
+                warm-up compressor and some without.
+
+        Example::
+
+            states = [torch.load(f"ckpt/comm_{r}.pt") for r in range(2)]  # 2 ranks saved, 3 resume
+            merged, why = type(state).merge_state_dicts(states, 3, dist.get_rank())
+            state.load_state_dict(merged)
+        """
+        kept = keep_if_same_world(cls.__name__, states, world_size, rank, options=False)
+        if kept is not None:
+            return kept
+        if any((state["warmup"] is None) != (states[0]["warmup"] is None) for state in states):
+            raise ValueError("some old ranks' CompressedAdamState has a warm-up compressor and some not")
+        inner, inner_why = _merged_part([state["inner"] for state in states], world_size, rank)
+        notes = [f"compressor {inner_why}"]
+        warmup = None
+        if states[0]["warmup"] is not None:
+            warmup, warmup_why = _merged_part([state["warmup"] for state in states], world_size, rank)
+            notes.append(f"warm-up compressor {warmup_why}")
+        notes.append("loss scale and warm-up counters: old rank 0's")
+        merged = {
+            "type": cls.__name__,
+            "inner": inner,
+            "warmup": warmup,
+            "counters": dict(states[0]["counters"]),
+        }
+        return merged, describe(cls.__name__, len(states), world_size, notes)
+
     def __repr__(self) -> str:
         return f"CompressedAdamState(compressor={self.inner!r}, warmup_steps={self.optimizer.warmup_steps})"
+
+
+def _merged_part(states: list[dict[str, Any]], world_size: int, rank: int) -> tuple[dict[str, Any], str]:
+    """A wrapped compressor's states merged by the ``merge_state_dicts`` of the class they name."""
+    from fastcomm.hooks.registry import HOOKS  # the registry imports this module
+
+    by_name = {cls.__name__: cls for cls, _ in HOOKS.values()}
+    name = states[0].get("type")
+    if name not in by_name:
+        raise ValueError(f"CompressedAdamState wraps a {name!r} state; known: {sorted(by_name)}")
+    return by_name[name].merge_state_dicts(states, world_size, rank)
 
 
 def compressed_adam_hook(state: CompressedAdamState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
