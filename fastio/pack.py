@@ -55,9 +55,8 @@ import numpy as np
 import torch
 
 from fastio._native import default_threads, gather_ranges
-from fastio.errors import CorruptShardError, EmptySourceError, SchemaMismatchError
-from fastio.format.decode import npy_layout
-from fastio.sources import BufferPool, ShardSource, StageTimes, TarSource, shard_read_order, torch_dtype
+from fastio.errors import EmptySourceError
+from fastio.sources import BufferPool, StageTimes, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers import BatchPass, ThreadPipeline
 
 __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
@@ -124,16 +123,6 @@ class Pack:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Documents:
-    """Where every document of the set lies: shard, byte offset of its first token, token count."""
-
-    shard: np.ndarray  # int32 [N]
-    src: np.ndarray  # int64 [N]
-    tokens: np.ndarray  # int64 [N]
-    dtype: np.dtype
-
-
-@dataclasses.dataclass(frozen=True)
 class _EpochPlan:
     """This rank's token stream of one epoch."""
 
@@ -143,64 +132,15 @@ class _EpochPlan:
     rows: int  # rows every rank yields this epoch
 
 
-def _documents(source: Any, field_name: str) -> _Documents:
-    if isinstance(source, TarSource):
-        return _tar_documents(source, field_name)
-    if not isinstance(source, ShardSource):
+def _documents(source: Any, field_name: str) -> TokenDocuments:
+    token_documents = getattr(source, "token_documents", None)
+    if token_documents is None:
         raise TypeError(
             "pack= needs a fastio shard directory (ShardWriter with a variable-length token field) or tar "
-            f"shards of .npy token members, got a {type(source).__name__} ({getattr(source, 'name', source)})"
+            f"shards of .npy token members, got a {type(source).__name__} "
+            f"({getattr(source, 'name', source)}), which has no token_documents(field)"
         )
-    field = source.schema.get(field_name)
-    expected = "a 1-D variable-length integer array, e.g. ShardWriter(schema={name: ('int32', None)})"
-    if field is None:
-        raise SchemaMismatchError(
-            source.name, field_name, expected, f"no such field (has {sorted(source.schema)})"
-        )
-    if field.kind != "array" or field.shape or field.np_dtype.kind not in "iu":
-        raise SchemaMismatchError(source.name, field_name, expected, field.describe())
-    itemsize = field.np_dtype.itemsize
-    shards, srcs, counts = [], [], []
-    for s, reader in enumerate(source.shards.readers):
-        offsets, base = reader.variable_layout(field_name)
-        if (offsets % itemsize).any():
-            raise CorruptShardError(
-                reader.path, f"{field_name}.offsets", f"multiples of {itemsize} bytes", "a misaligned offset"
-            )
-        counts.append(np.diff(offsets) // itemsize)
-        srcs.append(base + offsets[:-1])
-        shards.append(np.full(len(offsets) - 1, s, dtype=np.int32))
-    return _Documents(
-        np.concatenate(shards), np.concatenate(srcs).astype(np.int64), np.concatenate(counts), field.np_dtype
-    )
-
-
-def _tar_documents(source: TarSource, field_name: str) -> _Documents:
-    """Documents of a tar set's ``.npy`` member ``field_name``: each member's header is parsed once."""
-    expected = "a .npy member of a 1-D native-endian integer array in every sample (e.g. 'tokens.npy')"
-    if field_name not in source.shards.fields or not field_name.endswith(".npy"):
-        raise SchemaMismatchError(source.name, field_name, expected, f"members {source.shards.fields}")
-    offsets, sizes = source.shards.column(field_name)
-    shard = np.repeat(np.arange(len(source.shard_sizes), dtype=np.int32), source.shard_sizes)
-    files = source.table.files
-    dtype = None
-    src, counts = np.empty(len(offsets), np.int64), np.empty(len(offsets), np.int64)
-    for i, (s, at, size) in enumerate(zip(shard.tolist(), offsets.tolist(), sizes.tolist(), strict=True)):
-        path = files[s].path
-        if size < 0:
-            raise SchemaMismatchError(path, field_name, expected, f"sample {i} has no {field_name}")
-        member = f"{field_name} (sample {i})"
-        kind, shape, _, header = npy_layout(files[s].array[at : at + size], size, path, member)
-        if (
-            len(shape) != 1
-            or kind.kind not in "iu"
-            or not kind.isnative
-            or (dtype is not None and kind != dtype)
-        ):
-            found = f"sample {i}: {kind} {shape}" + (f" after {dtype} members" if dtype is not None else "")
-            raise SchemaMismatchError(path, field_name, expected, found)
-        dtype, src[i], counts[i] = kind, at + header, shape[0]
-    return _Documents(shard, src, counts, dtype)
+    return token_documents(field_name)
 
 
 def _out_dtype(pack: Pack, stored: np.dtype) -> torch.dtype:
@@ -239,7 +179,7 @@ class _RowRuns:
     row_eos: np.ndarray  # int64 [rows + 1]
 
 
-def _plan_rows(plan: _EpochPlan, docs: _Documents, pack: Pack, first: int, rows: int) -> _RowRuns:
+def _plan_rows(plan: _EpochPlan, docs: TokenDocuments, pack: Pack, first: int, rows: int) -> _RowRuns:
     """Every run of rows ``[first, first + rows)``: vectorized, no token read (see the module docstring)."""
     width, cs = pack.row_len, plan.starts
     row_start = (first + np.arange(rows, dtype=np.int64)) * pack.seq_len
@@ -303,9 +243,7 @@ class _PackProducer:
                 first = self.start_row + index * self.batches_per_chunk * self.batch_size
                 rows = min(self.batches_per_chunk * self.batch_size, self.plan.rows - first)
                 runs = _plan_rows(self.plan, self.docs, self.pack, first, rows)
-                readers = self.packer.readers
-                for shard in np.unique(runs.shard).tolist() if readers else ():  # once per shard, process
-                    readers[shard].ensure_verified()
+                self.docs.verify(runs.shard)  # checksums, once per shard and process
                 self._chunks[index] = runs
                 for old in sorted(self._chunks)[: -self._KEEP_CHUNKS]:
                     del self._chunks[old]
@@ -332,7 +270,7 @@ class _PackProducer:
         target = out[self._RAW] if self.convert else tokens
         dst = runs.dst[ra:rb] - base
         gather_ranges(
-            self.packer.table, runs.shard[ra:rb], runs.src[ra:rb], runs.nbytes[ra:rb], target, self.threads,
+            self.docs.table, runs.shard[ra:rb], runs.src[ra:rb], runs.nbytes[ra:rb], target, self.threads,
             dst=dst * size,
         )  # fmt: skip
         if self.convert:
@@ -401,7 +339,8 @@ class TokenPacker:
     """The packing side of a :class:`fastio.StreamLoader` with ``pack=``: plans, iterates and resumes.
 
     Args:
-        source: the loader's :class:`fastio.sources.ShardSource` or :class:`fastio.sources.TarSource`.
+        source: the loader's source; it must offer ``token_documents(field)``
+            (:class:`fastio.sources.TokenDocuments`), as shard directories and tar shards do.
         pack: what to pack and how.
         order: ``order(epoch) -> int64 [N]``, the loader's epoch order of the documents.
         batch_size, world_size, rank, drop_last: the loader's.
@@ -438,8 +377,6 @@ class TokenPacker:
         self.settings = dict(settings)
         self.documents = _documents(source, pack.field)
         self.out_dtype = _out_dtype(pack, self.documents.dtype)
-        self.table = source.table
-        self.readers = source.shards.readers if isinstance(source, ShardSource) else []  # tar: no checksums
         self.num_tokens = int(self.documents.tokens.sum())
         self._plan: _EpochPlan | None = None
         self._plan_lock = threading.Lock()

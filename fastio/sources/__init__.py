@@ -19,7 +19,14 @@ Example::
 """
 
 from fastio.registry import OpenOptions, open_source
-from fastio.sources.base import Source, StageTimes, missing_members, shard_read_order, torch_dtype
+from fastio.sources.base import (
+    Source,
+    StageTimes,
+    TokenDocuments,
+    missing_members,
+    shard_read_order,
+    torch_dtype,
+)
 from fastio.sources.buffers import BatchBuffers, BufferPool, storage_refs
 from fastio.sources.dataset import DatasetSource
 from fastio.sources.shards import ShardSource
@@ -34,6 +41,7 @@ __all__ = [
     "Source",
     "StageTimes",
     "TarSource",
+    "TokenDocuments",
     "missing_members",
     "open_source",
     "shard_read_order",

@@ -35,17 +35,27 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from fastio._native import MappedTable
     from fastio.sources.buffers import BatchBuffers
 
-__all__ = ["REQUIRED_MEMBERS", "Source", "StageTimes", "missing_members", "shard_read_order", "torch_dtype"]
+__all__ = [
+    "REQUIRED_MEMBERS",
+    "Source",
+    "StageTimes",
+    "TokenDocuments",
+    "missing_members",
+    "shard_read_order",
+    "torch_dtype",
+]
 
 FixedSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -140,6 +150,32 @@ class Source(Protocol):
             source.prepare(np.array([3, 0, 2]), epoch=1)   # a remote source starts downloading shard 3
         """
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDocuments:
+    """Where every sample's token array of one field lies, for ``StreamLoader(pack=...)``
+    (:mod:`fastio.pack`): a source that can be packed offers ``token_documents(field) -> TokenDocuments``.
+
+    Attributes:
+        shard, src, tokens: per sample (document): its shard (int32, an index into ``table.files``), the byte
+            offset of its first token there (int64), its token count (int64).
+        dtype: the stored integer dtype of the tokens (native byte order).
+        table: the mapped files the gathers read from.
+        verify: ``verify(shard_ids)`` runs before shards are read (checksums once per shard; may be a no-op).
+
+    Example::
+
+        docs = source.token_documents("tokens")
+        print(int(docs.tokens.sum()), "tokens in", len(docs.tokens), "documents")
+    """
+
+    shard: np.ndarray
+    src: np.ndarray
+    tokens: np.ndarray
+    dtype: np.dtype
+    table: MappedTable
+    verify: Callable[[np.ndarray], None]
 
 
 REQUIRED_MEMBERS = ("name", "num_samples", "shard_sizes", "per_sample", "requires_shard_order")

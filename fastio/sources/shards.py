@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from fastio._native import MappedTable, gather_ranges, gather_rows, read_ranges
-from fastio.errors import CorruptShardError
+from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.reader import ShardSet
-from fastio.sources.base import Source, StageTimes, torch_dtype
+from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype
 from fastio.sources.buffers import BatchBuffers
 
 if TYPE_CHECKING:
@@ -77,6 +77,44 @@ class ShardSource(Source):
                     self.shards.readers[int(s)].ensure_verified()
                     self._verified[s] = True
                     self._all_verified = bool(self._verified.all())
+
+    def token_documents(self, field_name: str) -> TokenDocuments:
+        """The documents of a 1-D variable-length integer field, for ``pack=`` (:mod:`fastio.pack`).
+
+        Example::
+
+            docs = ShardSource(ShardSet("data/lm")).token_documents("tokens")
+        """
+        field = self.schema.get(field_name)
+        expected = "a 1-D variable-length integer array, e.g. ShardWriter(schema={name: ('int32', None)})"
+        if field is None:
+            raise SchemaMismatchError(
+                self.name, field_name, expected, f"no such field (has {sorted(self.schema)})"
+            )
+        if field.kind != "array" or field.shape or field.np_dtype.kind not in "iu":
+            raise SchemaMismatchError(self.name, field_name, expected, field.describe())
+        itemsize = field.np_dtype.itemsize
+        shards, srcs, counts = [], [], []
+        for s, reader in enumerate(self.shards.readers):
+            offsets, base = reader.variable_layout(field_name)
+            if (offsets % itemsize).any():
+                raise CorruptShardError(
+                    reader.path,
+                    f"{field_name}.offsets",
+                    f"multiples of {itemsize} bytes",
+                    "a misaligned offset",
+                )
+            counts.append(np.diff(offsets) // itemsize)
+            srcs.append(base + offsets[:-1])
+            shards.append(np.full(len(offsets) - 1, s, dtype=np.int32))
+        return TokenDocuments(
+            np.concatenate(shards),
+            np.concatenate(srcs).astype(np.int64),
+            np.concatenate(counts),
+            field.np_dtype,
+            self.table,
+            self._verify,
+        )
 
     def fetch(
         self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes

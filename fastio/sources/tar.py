@@ -21,7 +21,7 @@ from fastio._native import MappedTable, gather_rows, read_ranges
 from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.decode import INT_EXTENSIONS, decode_default, last_extension, npy_layout
 from fastio.format.tar import TarShardSet
-from fastio.sources.base import Source, StageTimes, torch_dtype
+from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype
 from fastio.sources.buffers import BatchBuffers
 
 if TYPE_CHECKING:
@@ -160,6 +160,41 @@ class TarSource(Source):
             dtype=np.int64,
         )
 
+    def token_documents(self, field_name: str) -> TokenDocuments:
+        """The documents of a ``.npy`` member of 1-D integer arrays, for ``pack=`` (:mod:`fastio.pack`):
+        each member's header is parsed once.
+
+        Example::
+
+            docs = TarSource(TarShardSet("data/lm-{0..3}.tar")).token_documents("tokens.npy")
+        """
+        expected = "a .npy member of a 1-D native-endian integer array in every sample (e.g. 'tokens.npy')"
+        if field_name not in self.shards.fields or not field_name.endswith(".npy"):
+            raise SchemaMismatchError(self.name, field_name, expected, f"members {self.shards.fields}")
+        offsets, sizes = self.shards.column(field_name)
+        shard = np.repeat(np.arange(len(self.shard_sizes), dtype=np.int32), self.shard_sizes)
+        files = self.table.files
+        dtype = None
+        src, counts = np.empty(len(offsets), np.int64), np.empty(len(offsets), np.int64)
+        for i, (s, at, size) in enumerate(zip(shard.tolist(), offsets.tolist(), sizes.tolist(), strict=True)):
+            path = files[s].path
+            if size < 0:
+                raise SchemaMismatchError(path, field_name, expected, f"sample {i} has no {field_name}")
+            member = f"{field_name} (sample {i})"
+            kind, shape, _, header = npy_layout(files[s].array[at : at + size], size, path, member)
+            if (
+                len(shape) != 1
+                or kind.kind not in "iu"
+                or not kind.isnative
+                or (dtype is not None and kind != dtype)
+            ):
+                found = f"sample {i}: {kind} {shape}" + (
+                    f" after {dtype} members" if dtype is not None else ""
+                )
+                raise SchemaMismatchError(path, field_name, expected, found)
+            dtype, src[i], counts[i] = kind, at + header, shape[0]
+        return TokenDocuments(shard, src, counts, dtype, self.table, _no_checksums)
+
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         specs = {name: (torch_dtype(dtype), shape) for name, (dtype, shape, _) in self._npy_fixed.items()}
         specs.update({name: (torch.int64, ()) for name in self._ints})
@@ -208,6 +243,10 @@ class TarSource(Source):
             batch[name] = values
         times.add("decode_transform", time.perf_counter() - read_done, decoded)
         return batch
+
+
+def _no_checksums(shard_ids: np.ndarray) -> None:
+    """Tar shards carry no checksums to verify."""
 
 
 def open_tar_shards(paths: str | list[str], options: OpenOptions) -> TarSource:
