@@ -1,0 +1,468 @@
+"""A node-local cache of whole shards, shared by every rank, worker and process of one node.
+
+Layout under ``cache_dir`` (default ``$FASTIO_CACHE``, else ``~/.cache/fastio``): each entry is a file at
+its key (a relative path the source picks), beside two empty lock files, ``<key>.lock`` (held exclusively
+while the entry is downloaded) and ``<key>.pin`` (held shared by every process reading it).
+
+1. :meth:`ShardCache.fill` brings an entry in once per node: under the entry's download lock it checks
+   whether another process already did; if not, it reserves the space (evicting, see 3), writes a temporary
+   ``.<name>.part-<pid>-<thread>`` file, verifies it (size, then the caller's check: a checksum, a header)
+   and renames it into place, so a partial download is never visible under the entry's name.
+2. A pinned entry (:meth:`ShardCache.pin`: a shared ``flock`` on ``<key>.pin``, held by an open descriptor)
+   is never evicted. Pins are per open file, so they hold across processes; a forked worker drops the
+   descriptors it inherited (they stay with the parent) and takes its own.
+3. Space: with ``cache_limit`` set, a reservation first evicts unpinned entries until the new one fits,
+   entries marked read (:meth:`ShardCache.mark_read`: read this epoch) first, least recently used
+   otherwise; it then starts only while the bytes in the cache (entries, sidecars and reservations: what
+   :meth:`ShardCache.usage` reports) are at most the limit, so the cache holds at most the limit plus one
+   shard. When every entry is pinned it waits for a pin to go, up to ``wait_s`` seconds, then raises
+   :class:`CacheFullError`. Reservations are made one at a time under ``.fastio-cache.lock``.
+
+The recency of an entry is the mtime of its pin file (set on every pin); :meth:`mark_read` moves it back by
+``_READ_SHIFT_S`` so read entries sort before any unread one while keeping their order.
+
+Example::
+
+    cache = ShardCache("/tmp/fastio-cache", cache_limit="50GB")
+    with cache.pinned("ds/shard-000.tar"):
+        path = cache.fill("ds/shard-000.tar", 4096, lambda tmp: download(url, tmp, 4096, RetryPolicy()))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from fastio.errors import CorruptShardError, FastIOError
+
+__all__ = ["CacheFullError", "Reservation", "ShardCache", "default_cache_dir", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_LOCK_SUFFIXES = (".lock", ".pin")
+_GLOBAL_LOCK = ".fastio-cache.lock"
+_READ_SHIFT_S = 1e9  # ~31 years: a read entry's recency sorts before every unread one
+_POLL_S = 0.05
+
+
+class CacheFullError(FastIOError):
+    """Every entry of the cache is pinned and the next shard does not fit under ``cache_limit``.
+
+    Example::
+
+        err = CacheFullError("/cache", 10, 12, 4)
+        assert "cache_limit" in str(err)
+    """
+
+    def __init__(self, cache_dir: str, limit: int, used: int, needed: int) -> None:
+        self.cache_dir, self.limit, self.used, self.needed = cache_dir, limit, used, needed
+        super().__init__(
+            f"{cache_dir}: cache_limit {limit} bytes is full ({used} bytes, every entry pinned: being read or"
+            f" about to be) and the next shard needs {needed} bytes; raise cache_limit to at least the"
+            " shards one batch and the prefetch touch"
+        )
+
+
+def parse_size(value: int | str | None) -> int | None:
+    """Bytes of ``"50GB"``, ``"512MB"``, ``"1.5GiB"``, ``"800k"`` or an int; None stays None (no limit).
+    Decimal units (GB = 10**9) unless an ``i`` makes them binary (GiB = 2**30).
+
+    Example::
+
+        assert parse_size("512MB") == 512 * 10**6 and parse_size("1KiB") == 1024
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"cache_limit must be bytes (int) or a size like '50GB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"cache_limit must be > 0 bytes, got {value}")
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise ValueError(
+            f"cache_limit: cannot read {value!r} as a size (e.g. '50GB', '512MB', '1.5GiB', 10**9)"
+        )
+    number, unit, binary, _ = match.groups()
+    scale = 1024 ** "bkmgt".index(unit.lower()) if binary and unit else _UNITS[unit.lower()]
+    size = int(float(number) * scale)
+    if size <= 0:
+        raise ValueError(f"cache_limit must be > 0 bytes, got {value!r}")
+    return size
+
+
+def default_cache_dir() -> Path:
+    """``$FASTIO_CACHE`` when set, else ``~/.cache/fastio``.
+
+    Example::
+
+        cache = ShardCache(default_cache_dir())
+    """
+    env = os.environ.get("FASTIO_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "fastio"
+
+
+# Every descriptor that holds (or waits for) a lock, so that a forked child closes its copies: a copy left
+# open in the child would keep the parent's lock held for as long as the child lives.
+_LOCK_FDS: set[int] = set()
+_LOCK_FDS_LOCK = threading.Lock()
+
+
+def _open_lock(path: Path | str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    with _LOCK_FDS_LOCK:
+        _LOCK_FDS.add(fd)
+    return fd
+
+
+def _close_lock(fd: int) -> None:
+    with _LOCK_FDS_LOCK:
+        _LOCK_FDS.discard(fd)
+    os.close(fd)  # closing the last descriptor of the open file releases its flock
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int) -> Iterator[int]:
+    fd = _open_lock(path)
+    try:
+        fcntl.flock(fd, mode)
+        yield fd
+    finally:
+        _close_lock(fd)
+
+
+_CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _LOCK_FDS_LOCK
+    _LOCK_FDS_LOCK = threading.Lock()
+    for fd in list(_LOCK_FDS):  # the parent's copies keep its locks; the child lets go of its own
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+    for cache in list(_CACHES):
+        cache._forget_inherited_pins()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ShardCache:
+    """Whole shards on local disk, bounded by ``cache_limit`` (see the module docstring).
+
+    Args:
+        cache_dir: where entries live (created); default :func:`default_cache_dir`.
+        cache_limit: bytes (int) or a size string (``"50GB"``); None: no limit.
+        wait_s: how long a reservation waits for a pinned entry to go before :class:`CacheFullError`.
+
+    Example::
+
+        cache = ShardCache(cache_limit="512MB")
+        print(cache.usage(), cache.limit)
+    """
+
+    def __init__(
+        self, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str | None = None,
+        wait_s: float = 600.0,
+    ) -> None:  # fmt: skip
+        self.directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.limit = parse_size(cache_limit)
+        self.wait_s = float(wait_s)
+        self._lock = threading.Lock()
+        self._pins: dict[str, tuple[int, int]] = {}  # key -> (descriptor holding the shared flock, count)
+        self.evictions = 0
+        _CACHES.add(self)
+        self.clear_stale_parts()
+
+    # -- names -------------------------------------------------------------------------------------------
+    def path(self, key: str) -> Path:
+        """Where entry ``key`` lives (whether or not it is there).
+
+        Example::
+
+            cache.path("ds/shard-000.tar").exists()
+        """
+        if not key or key.startswith("/") or ".." in Path(key).parts or key.endswith(_LOCK_SUFFIXES):
+            raise ValueError(
+                f"cache key {key!r}: expected a relative path without '..' and not ending in .lock/.pin"
+            )
+        return self.directory / key
+
+    def has(self, key: str, size: int | None = None) -> bool:
+        """True when entry ``key`` is there (of ``size`` bytes, when given)."""
+        try:
+            return size is None or self.path(key).stat().st_size == size
+        except FileNotFoundError:
+            return False
+
+    # -- pins --------------------------------------------------------------------------------------------
+    def pin(self, key: str) -> None:
+        """Keep ``key`` from eviction until as many :meth:`unpin` calls (counted per process); marks it used.
+
+        Example::
+
+            cache.pin("ds/shard-000.tar")
+        """
+        pin_path = Path(str(self.path(key)) + ".pin")
+        with self._lock:
+            fd, count = self._pins.get(key, (-1, 0))
+            if count == 0:
+                pin_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = _open_lock(pin_path)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an evictor holds it for a moment
+            self._pins[key] = (fd, count + 1)
+        os.utime(pin_path)
+
+    def unpin(self, key: str) -> None:
+        """Undo one :meth:`pin` of ``key``; the last one lets it be evicted."""
+        with self._lock:
+            fd, count = self._pins.get(key, (-1, 0))
+            if count == 0:
+                raise ValueError(f"cache key {key!r} is not pinned by this process")
+            if count == 1:
+                del self._pins[key]
+                _close_lock(fd)
+            else:
+                self._pins[key] = (fd, count - 1)
+
+    @contextlib.contextmanager
+    def pinned(self, key: str) -> Iterator[None]:
+        """``pin(key)`` for the duration of a ``with`` block."""
+        self.pin(key)
+        try:
+            yield
+        finally:
+            self.unpin(key)
+
+    def pinned_keys(self) -> list[str]:
+        """Keys this process pins now."""
+        with self._lock:
+            return sorted(self._pins)
+
+    def mark_read(self, key: str) -> None:
+        """Say ``key`` was read this epoch: evicted before any entry not marked (see the module docstring)."""
+        pin_path = Path(str(self.path(key)) + ".pin")
+        with contextlib.suppress(FileNotFoundError):
+            st = pin_path.stat()
+            if st.st_mtime > _READ_SHIFT_S:  # not marked yet
+                when = st.st_mtime - _READ_SHIFT_S
+                os.utime(pin_path, (when, when))
+
+    def unmark_read(self, key: str) -> None:
+        """Undo :meth:`mark_read` (a new epoch reads it again), keeping its recency."""
+        pin_path = Path(str(self.path(key)) + ".pin")
+        with contextlib.suppress(FileNotFoundError):
+            st = pin_path.stat()
+            if st.st_mtime <= _READ_SHIFT_S:
+                when = st.st_mtime + _READ_SHIFT_S
+                os.utime(pin_path, (when, when))
+
+    def _forget_inherited_pins(self) -> None:
+        """In a forked child: drop the parent's pin descriptors without unlocking (the parent keeps them)."""
+        self._lock = threading.Lock()
+        self._pins = {}  # their descriptors were closed with every other lock descriptor
+
+    # -- space -------------------------------------------------------------------------------------------
+    def usage(self) -> int:
+        """Bytes in the cache now: entries, their sidecars and downloads in progress (at their full size,
+        reserved up front). What ``cache_limit`` bounds.
+
+        Example::
+
+            assert cache.usage() <= cache.limit + largest_shard
+        """
+        total = 0
+        for root, _, files in os.walk(self.directory):
+            for name in files:
+                if name.endswith(_LOCK_SUFFIXES) or name == _GLOBAL_LOCK:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(root, name)).st_size
+        return total
+
+    def _entries(self) -> list[tuple[float, Path, Path]]:
+        """``(recency, data path, pin path)`` of every complete entry, oldest (or read) first."""
+        found = []
+        for root, _, files in os.walk(self.directory):
+            names = set(files)
+            for name in files:
+                if not name.endswith(".pin") or name[: -len(".pin")] not in names:
+                    continue
+                pin_path = Path(root) / name
+                with contextlib.suppress(FileNotFoundError):
+                    found.append((pin_path.stat().st_mtime, Path(root) / name[: -len(".pin")], pin_path))
+        return sorted(found)
+
+    def _evict_until(self, needed: int) -> int:
+        """Evict unpinned entries (read first, then LRU) until ``needed`` more bytes fit; returns usage."""
+        assert self.limit is not None
+        used = self.usage()
+        for _, data, pin_path in self._entries():
+            if used + needed <= self.limit:
+                break
+            fd = _open_lock(pin_path)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # pinned by some process: being read or about to be
+                freed = 0
+                for victim in (data, Path(f"{data}.fidx")):  # the entry and the tar index built beside it
+                    with contextlib.suppress(FileNotFoundError):
+                        freed += victim.stat().st_size
+                        victim.unlink()
+                used -= freed
+                self.evictions += 1
+            finally:
+                _close_lock(fd)
+        return used
+
+    def _reserve(self, part: Path, size: int | None, cancel: threading.Event | None) -> bool:
+        """Make ``part`` a ``size``-byte file (empty when the size is not known) once the cache has room for
+        it (see the module docstring); False when ``cancel`` was set meanwhile."""
+        deadline = time.monotonic() + self.wait_s
+        part.parent.mkdir(parents=True, exist_ok=True)
+        needed = size or 0
+        while True:
+            with _flock(self.directory / _GLOBAL_LOCK, fcntl.LOCK_EX):
+                used = self._evict_until(needed) if self.limit is not None else 0
+                if self.limit is None or used <= self.limit:
+                    with open(part, "wb") as fh:
+                        fh.truncate(needed)  # counted at full size from now on (sparse until written)
+                    return True
+            if time.monotonic() > deadline:
+                raise CacheFullError(str(self.directory), self.limit, used, needed)
+            if cancel is not None and cancel.wait(_POLL_S):
+                return False
+            if cancel is None:
+                time.sleep(_POLL_S)
+
+    # -- filling -----------------------------------------------------------------------------------------
+    def reserve(
+        self, key: str, size: int | None, cancel: threading.Event | None = None
+    ) -> Reservation | None:
+        """Start making entry ``key`` (``size`` bytes; None: not known yet, e.g. a tar being decompressed):
+        None when it is there already (or another process made it while this one waited for the entry's
+        download lock), or when ``cancel`` is set while waiting for room; else a :class:`Reservation`
+        holding that lock and a ``size``-byte temporary file counted against the limit. Blocks while the
+        cache has no room (see the module docstring). The caller should hold a :meth:`pin` so it stays.
+
+        Example::
+
+            job = cache.reserve("ds/shard-000.tar", 4096)
+            if job is not None:
+                download(url, job.part, 4096, RetryPolicy())
+                job.finish()
+        """
+        dest = self.path(key)
+        if self.has(key, size):
+            return None
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd = _open_lock(f"{dest}.lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one download per entry per node
+            part = dest.with_name(f".{dest.name}.part-{os.getpid()}-{threading.get_ident()}")
+            if self.has(key, size) or not self._reserve(part, size, cancel):
+                _close_lock(fd)
+                return None
+        except BaseException:
+            _close_lock(fd)
+            raise
+        return Reservation(dest, part, size, fd)
+
+    def fill(
+        self,
+        key: str,
+        size: int | None,
+        write: Callable[[Path], object],
+        check: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """The path of entry ``key`` (``size`` bytes), made by ``write(temporary path)`` unless some process
+        made it already (:meth:`reserve`, then :meth:`Reservation.finish` with ``check``).
+
+        Example::
+
+            cache.fill("ds/index.json", n, lambda tmp: tmp.write_bytes(data))
+        """
+        job = self.reserve(key, size)
+        if job is not None:
+            try:
+                write(job.part)
+            except BaseException:
+                job.abort()
+                raise
+            job.finish(check)
+        return self.path(key)
+
+    def clear_stale_parts(self) -> int:
+        """Remove temporary files of downloads whose process is gone (a crash mid-download); returns how many.
+
+        Example::
+
+            ShardCache("/tmp/c").clear_stale_parts()
+        """
+        removed = 0
+        for root, _, files in os.walk(self.directory):
+            for name in files:
+                match = re.match(r"^\..+\.part-(\d+)-\d+$", name)
+                if match is None:
+                    continue
+                pid = int(match.group(1))
+                try:
+                    os.kill(pid, 0)
+                    continue
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(root, name))
+                    removed += 1
+        return removed
+
+
+class Reservation:
+    """An entry being made: its temporary file ``part`` (written by the caller from byte 0), the entry's
+    download lock held until :meth:`finish` or :meth:`abort`. Usable from another thread than the one that
+    reserved it.
+
+    Example::
+
+        job = cache.reserve(key, size)
+        job.part.write_bytes(data); job.finish()
+    """
+
+    def __init__(self, dest: Path, part: Path, size: int | None, lock_fd: int) -> None:
+        self.dest, self.part, self.size, self._fd = dest, part, size, lock_fd
+
+    def finish(self, check: Callable[[Path], None] | None = None) -> Path:
+        """Verify the size (and ``check(part)``), rename into place, release the lock; returns the entry's
+        path. Raises :class:`fastio.CorruptShardError` for a wrong size (the temporary file is removed)."""
+        try:
+            actual = self.part.stat().st_size
+            if self.size is not None and actual != self.size:
+                raise CorruptShardError(str(self.dest), "download", f"{self.size} bytes", f"{actual} bytes")
+            if check is not None:
+                check(self.part)
+            os.replace(self.part, self.dest)
+        finally:
+            self.abort()
+        return self.dest
+
+    def abort(self) -> None:
+        """Drop the temporary file and release the lock (idempotent)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.part.unlink()
+        if self._fd >= 0:
+            _close_lock(self._fd)
+            self._fd = -1
