@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType, TracebackType
 
-__all__ = ["Link", "cleanup_stale", "measure_throughput", "unavailable_reason"]
+__all__ = ["HostLink", "Link", "cleanup_stale", "measure_throughput", "unavailable_reason"]
 
 SUBNET_PREFIX = "10.231.0."
 _NS_PATTERN = re.compile(r"^fcnl(\d+)([ab])$")
@@ -222,6 +222,88 @@ def measure_throughput(link: Link, nbytes: int = 64 << 20, port: int = 29399) ->
     finally:
         sink.kill()
         sink.wait()
+
+
+
+class HostLink(Link):
+    """One namespace joined to the root namespace by a veth pair shaped to ``rate`` in both directions.
+
+    For a server inside the namespace and its clients in the benchmark process itself:
+
+    1. a namespace ``fcnl<pid>b`` with ``lo`` up (named as :class:`Link` names its second side, so
+       :func:`cleanup_stale` removes what a dead run left behind);
+    2. a veth pair: ``fcv<pid>a`` stays in the root namespace, ``fcv<pid>b`` goes into the namespace;
+       they get the two host addresses of a free ``/30`` in ``10.231.0.128/25`` (the root namespace
+       may hold several at once; :class:`Link` keeps ``10.231.0.1`` and ``.2`` inside its own
+       namespaces), so the only new route is that ``/30`` and nothing else is reachable through it;
+    3. the same token-bucket filter as :class:`Link` on each end.
+
+    ``addresses`` is ``(root end, namespace end)`` once up; ``exec_prefix(0)`` runs a program inside the
+    namespace. A process holds at most one :class:`HostLink` at a time (the names carry its pid), and not
+    beside a :class:`Link`.
+
+    Example::
+
+        with HostLink(rate="1gbit") as link:
+            server = subprocess.Popen([*link.exec_prefix(0), "python", "-m", "http.server", "8000"])
+            # from here: http://{link.addresses[1]}:8000/
+    """
+
+    def __init__(self, rate: str | None = "1gbit", burst: str = "256kb", latency: str = "50ms") -> None:
+        super().__init__(rate, burst, latency)
+        self.namespaces = (self.namespaces[1],)
+
+    def exec_prefix(self, side: int = 0) -> list[str]:
+        """The command prefix that runs a program inside the namespace (``side`` must be 0)."""
+        if side != 0:
+            raise ValueError(f"a HostLink has one namespace (side 0), got side={side}")
+        return ["ip", "netns", "exec", self.namespaces[0]]
+
+    def up(self) -> HostLink:
+        """Build the namespace, the veth pair, the addresses and the shaping; undo everything on failure."""
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        cleanup_stale()
+        self._up = True
+        atexit.register(self.down)
+        self._trap_sigterm()
+        try:
+            ns, (outer, inner) = self.namespaces[0], self.interfaces
+            self.addresses = _free_host_pair()
+            _run(["ip", "netns", "add", ns])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
+            _run(["ip", "link", "set", inner, "netns", ns])
+            _run(["ip", "addr", "add", f"{self.addresses[0]}/30", "dev", outer])
+            _run(["ip", "link", "set", outer, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[1]}/30", "dev", inner])
+            _run(["ip", "-n", ns, "link", "set", inner, "up"])
+            if self.rate is not None:
+                shaping = ["root", "tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency]
+                _run(["tc", "qdisc", "add", "dev", outer, *shaping])
+                _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, *shaping])
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __enter__(self) -> HostLink:
+        return self.up()
+
+
+def _free_host_pair() -> tuple[str, str]:
+    """The two host addresses of the first ``/30`` in ``10.231.0.128/25`` that no root interface uses,
+    starting from one picked by pid (concurrent runs rarely collide, and when they do the next is free)."""
+    taken = set(re.findall(r"inet (10\.231\.0\.\d+)/", _run(["ip", "-o", "-4", "addr", "show"]).stdout))
+    blocks = 32
+    first = os.getpid() % blocks
+    for step in range(blocks):
+        base = 128 + 4 * ((first + step) % blocks)
+        pair = (f"{SUBNET_PREFIX}{base + 1}", f"{SUBNET_PREFIX}{base + 2}")
+        if not taken & set(pair):
+            return pair
+    raise RuntimeError("no free /30 left in 10.231.0.128/25 in the root namespace (leftover HostLinks?)")
 
 
 
