@@ -20,7 +20,7 @@ optionally ``"positions"`` (int32 ``[b, L]``) for attention masks. How a batch i
    ``B`` consecutive rows; the last batch may have fewer rows, and ``drop_last=True`` drops it.
 5. Each batch is planned with numpy (``searchsorted`` of the rows' starts in the documents' cumulative
    stream positions gives every ``(document, offset, length)`` run of every row), then filled by one
-   native :func:`fastio._native.gather_ranges` call straight into the batch buffer, eos slots set after.
+   native :func:`fastio._gather.gather_ranges` call straight into the batch buffer, eos slots set after.
    ``document_ids``: the document's number within its row, counting from 0 (a document continued from
    the previous row is 0 in the new row); ``positions``: the token's position within that document's
    piece of the row (0 at each document start and at each row start: the ``position_ids`` and
@@ -54,7 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio._native import default_threads, gather_ranges
+from fastio._gather import gather_ranges
+from fastio._native import default_threads
 from fastio.errors import EmptySourceError
 from fastio.sources import BufferPool, StageTimes, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers import BatchPass, ThreadPipeline

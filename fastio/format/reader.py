@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from fastio._native import MappedFile, read_chunks
+from fastio._gather import read_chunks
+from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError, SchemaMismatchError
 from fastio.format.layout import INDEX_NAME, MAGIC, PREFIX, SHARD_SUFFIX, VERSION
 from fastio.format.schema import Schema, schema_from_json

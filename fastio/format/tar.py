@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio._native import MappedFile, scan_tar
+from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError
+from fastio.format.tarscan import scan_tar
 
 __all__ = ["INDEX_SUFFIX", "TarIndex", "TarShardSet", "expand_pattern", "index_tar", "load_tar_index"]
 

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from fastio._native import MappedTable
+    from fastio._mapped import MappedTable
     from fastio.sources.buffers import BatchBuffers
 
 __all__ = [

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastio._native import MappedTable, gather_ranges, gather_rows, read_ranges
+from fastio._gather import gather_ranges, gather_rows, read_ranges
+from fastio._mapped import MappedTable
 from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.reader import ShardSet
 from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastio._native import MappedTable, gather_rows, read_ranges
+from fastio._gather import gather_rows, read_ranges
+from fastio._mapped import MappedTable
 from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.decode import INT_EXTENSIONS, decode_default, last_extension, npy_layout
 from fastio.format.tar import TarShardSet
