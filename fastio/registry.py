@@ -4,12 +4,14 @@ local formats and one of URL schemes. :func:`open_source` consults only these ta
 1. A string (or ``os.PathLike``) with a URL scheme (``s3://...``, ``https://...``), or a list of such
    strings with one scheme, goes to the opener registered for that scheme
    (:func:`register_scheme`); an unknown scheme raises ``ValueError`` naming the URL and the registered
-   schemes. ``file://`` URLs are local paths.
+   schemes. ``file://`` URLs are local paths; ``s3``, ``gs``/``gcs``, ``az``/``abfs(s)``/``adl``, ``http(s)``,
+   ``hf`` and ``memory`` open :mod:`fastio.remote` (through fsspec and its per-store extras).
 2. Anything else goes to the first format (:func:`register_format`) whose ``matches(target)`` is True.
    Formats registered by users are consulted first (newest last), then the built-ins in this order: an
-   object that already is a :class:`~fastio.sources.Source`; a directory (a fastio shard directory); a
-   ``.tar`` path, glob or brace pattern, or a list of paths (WebDataset tar shards); any other object (a
-   map-style ``Dataset``).
+   object that already is a :class:`~fastio.sources.Source`; a directory (a fastio shard directory);
+   ``.tar.gz``/``.tgz``/``.tar.zst`` paths or patterns (decompressed once into the cache,
+   :mod:`fastio.remote.compressed`); a ``.tar`` path, glob or brace pattern, or a list of paths (WebDataset
+   tar shards); any other object (a map-style ``Dataset``).
 3. A path no format takes: ``FileNotFoundError`` if it does not exist, else ``ValueError`` listing what
    the path formats expect.
 
@@ -129,6 +131,15 @@ def _is_tar(target: Any) -> bool:
     return _is_path(target) and (target.endswith(".tar") or any(c in target for c in "*?[{"))
 
 
+_COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst")
+
+
+def _is_compressed_tar(target: Any) -> bool:
+    # Decided here, by name only, so that matching a local path never imports fastio.remote (and fsspec).
+    names = target if _is_path_list(target) else [target] if _is_path(target) else []
+    return bool(names) and all(n.lower().endswith(_COMPRESSED_TAR_SUFFIXES) for n in names)
+
+
 def _is_object(target: Any) -> bool:
     return not _is_path(target) and not _is_path_list(target)
 
@@ -150,11 +161,23 @@ _BUILTIN_FORMATS = (
         "fastio.sources.shards:open_shard_directory",
         "a fastio shard directory",
     ),
+    Format(
+        "compressed-tar",
+        _is_compressed_tar,
+        "fastio.remote.compressed:open_compressed_tars",
+        "WebDataset .tar.gz/.tgz/.tar.zst shards",
+    ),
     Format("webdataset-tar", _is_tar, "fastio.sources.tar:open_tar_shards", "WebDataset .tar shards"),
     Format("dataset", _is_object, "fastio.sources.dataset:open_dataset"),
 )
 _formats: list[Format] = []  # registered by users; consulted before the built-ins
-_schemes: dict[str, Opener | str] = {"file": _open_file_url}
+_REMOTE = "fastio.remote.source:open_remote"  # through fsspec: any store it (and its extras) can reach
+_schemes: dict[str, Opener | str] = {
+    "file": _open_file_url,
+    **dict.fromkeys(
+        ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https", "hf", "memory"), _REMOTE
+    ),
+}
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 

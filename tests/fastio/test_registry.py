@@ -4,6 +4,8 @@ protocol, exercised through StreamLoader with a toy format and a toy scheme defi
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -228,18 +230,37 @@ def test_a_path_no_format_takes_lists_what_they_expect(toy_registry, tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello")
     with pytest.raises(
-        ValueError, match="expected a directory of .npy, a fastio shard directory or WebDataset"
-    ):
+        ValueError, match=r"notes\.txt: expected a directory of \.npy, a fastio shard dir"
+    ) as err:
         fastio.StreamLoader(path, batch_size=4)
+    assert str(err.value).endswith(" or WebDataset .tar shards")
 
 
 def test_a_path_no_format_takes_keeps_the_builtin_message(tmp_path):
-    path = tmp_path / "data.tar.gz"
-    path.write_bytes(b"\x1f\x8b")
+    path = tmp_path / "data.zip"
+    path.write_bytes(b"PK")
     with pytest.raises(
-        ValueError, match=r"data\.tar\.gz: expected a fastio shard directory or WebDataset .tar"
+        ValueError, match=r"data\.zip: expected a fastio shard directory, .* or WebDataset \.tar"
     ):
         fastio.StreamLoader(path, batch_size=4)
+
+
+@pytest.mark.parametrize(
+    "target", ["a/shard-{000..003}.tar.gz", "b.TGZ", ["c.tar.zst", "d.tgz"]], ids=["brace", "upper", "list"]
+)
+def test_compressed_tars_go_to_their_format_not_the_tar_one(target):
+    row = next(r for r in registry.formats() if registry._resolve(r.matches)(target))
+    assert row.name == "compressed-tar"
+
+
+def test_matching_a_local_tar_does_not_import_the_remote_package(tmp_path):
+    code = (
+        "import sys, fastio.registry as r; "
+        "[r._resolve(f.matches)('x.tar') for f in r.formats()]; "
+        "print('fastio.remote' in sys.modules, 'fsspec' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_builtin_formats_cannot_be_replaced():
