@@ -297,6 +297,10 @@ class _EpochIterator(BatchPass):
         self.count(size)
         if self.bar is not None:
             self.bar.update(1)
+            if self.yielded % _PROGRESS_EVERY == 1:
+                note = _source_note(self.loader._source.stats())
+                if note:
+                    self.bar.set_postfix_str(note, refresh=False)
         return batch
 
     def close(self) -> None:
@@ -304,6 +308,24 @@ class _EpochIterator(BatchPass):
         super().close()
         if not finished and self.bar is not None:
             self.bar.close()
+
+
+_PROGRESS_EVERY = 10  # batches between updates of the source's part of the progress bar
+
+
+def _source_note(stats: dict[str, Any]) -> str:
+    """The progress bar's note on a source's counters: bytes downloaded and cache use, where it has them."""
+    parts = []
+    if "downloaded_bytes" in stats:
+        parts.append(f"{stats['downloaded_bytes'] / 1e6:.0f} MB down")
+    if "cache_bytes" in stats:
+        limit = stats.get("cache_limit")
+        parts.append(
+            f"cache {stats['cache_bytes'] / 1e6:.0f}/{'-' if limit is None else f'{limit / 1e6:.0f}'} MB"
+        )
+    if "network_wait_s" in stats:
+        parts.append(f"net wait {stats['network_wait_s']:.1f} s")
+    return ", ".join(parts)
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -653,14 +675,16 @@ class StreamLoader:
         seconds in read, decode_transform, collate and host_to_device (summed over worker threads;
         host_to_device is the time to issue the copies); ``wait_share``: the share of the consumer's time
         spent waiting for a batch (near 1: input-bound; near 0: the input keeps up); ``input_bound``:
-        ``wait_share >= 0.5``.
+        ``wait_share >= 0.5``. Sources with counters of their own (:meth:`fastio.sources.Source.stats`: a
+        remote source's downloads and cache) add them as ``source``, and ``network_wait_s``: seconds its
+        fetches waited for shards to become local (not part of ``stage_s["read"]``, which is the gather).
 
         Example::
 
             s = loader.stats(); print(f"{s['samples_per_s']:.0f} samples/s, waiting {s['wait_share']:.0%}")
         """
         if self._current is None:
-            return {
+            out = {
                 "epoch": self.epoch,
                 "batches": 0,
                 "samples": 0,
@@ -672,4 +696,10 @@ class StreamLoader:
                 "wait_share": 0.0,
                 "input_bound": False,
             }
-        return self._current.stats()
+        else:
+            out = self._current.stats()
+        source = self._source.stats()
+        if source:
+            out["source"] = source
+            out["network_wait_s"] = source.get("network_wait_s", 0.0)
+        return out

@@ -86,7 +86,7 @@ class Source(Protocol):
     loader calls what).
 
     Subclass it to inherit the defaults of the optional members (``per_sample``, ``requires_shard_order``,
-    :meth:`prepare`); a class that does not subclass it must define them all
+    :meth:`prepare`, :meth:`stats`); a class that does not subclass it must define them all
     (:func:`fastio.registry.open_source` says which are missing).
 
     Attributes:
@@ -151,6 +151,17 @@ class Source(Protocol):
         """
         return None
 
+    def stats(self) -> dict[str, Any]:
+        """Counters of the source's own (a remote source: ``network_wait_s``, ``downloaded_bytes``,
+        ``cache_bytes``, ``cache_limit``...), which :meth:`fastio.StreamLoader.stats` reports as ``source``
+        and the progress bar shows. Default: none.
+
+        Example::
+
+            print(source.stats().get("downloaded_bytes", 0))
+        """
+        return {}
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenDocuments:
@@ -179,7 +190,7 @@ class TokenDocuments:
 
 
 REQUIRED_MEMBERS = ("name", "num_samples", "shard_sizes", "per_sample", "requires_shard_order")
-_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare")
+_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare", "stats")
 
 
 def missing_members(source: Any) -> list[str]:
@@ -187,7 +198,7 @@ def missing_members(source: Any) -> list[str]:
 
     Example::
 
-        assert missing_members(object()) == [*REQUIRED_MEMBERS, "fixed_specs()", "fetch()", "prepare()"]
+        assert missing_members(object())[-1] == "stats()"
     """
     missing = [name for name in REQUIRED_MEMBERS if not hasattr(source, name)]
     return missing + [f"{name}()" for name in _REQUIRED_METHODS if not callable(getattr(source, name, None))]

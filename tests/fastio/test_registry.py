@@ -286,3 +286,37 @@ def test_shard_read_order_matches_its_reference_on_random_indices():
     cumulative = np.cumsum([0, *sizes])
     shards = [int(np.searchsorted(cumulative, i, side="right") - 1) for i in indices]
     assert shard_read_order(sizes, indices).tolist() == _first_touched(shards)
+
+
+class CountingSource(MemorySource):
+    """A toy remote source with counters of its own."""
+
+    def stats(self):
+        return {
+            "network_wait_s": 0.25,
+            "downloaded_bytes": 3_000_000,
+            "cache_bytes": 2_000_000,
+            "cache_limit": None,
+        }
+
+
+def test_a_source_s_own_counters_reach_loader_stats():
+    loader = fastio.StreamLoader(CountingSource("mem://c", _SHARDS), batch_size=8)
+    assert loader.stats()["source"]["downloaded_bytes"] == 3_000_000
+    list(loader)
+    stats = loader.stats()
+    assert stats["network_wait_s"] == 0.25 and stats["samples"] == sum(_SHARDS)
+
+
+def test_a_source_without_counters_adds_nothing_to_stats():
+    loader = fastio.StreamLoader(MemorySource("mem://n", _SHARDS), batch_size=8)
+    list(loader)
+    assert "source" not in loader.stats() and "network_wait_s" not in loader.stats()
+
+
+def test_the_progress_bar_shows_downloads_and_cache_use():
+    pytest.importorskip("tqdm")
+    it = iter(fastio.StreamLoader(CountingSource("mem://b", _SHARDS), batch_size=8, progress=True))
+    next(it)
+    assert it.bar.postfix == "3 MB down, cache 2/- MB, net wait 0.2 s"
+    it.close()
