@@ -20,7 +20,10 @@ from the same server, compare?
    * fastio over HTTP (fastio shards, and the tars), ``num_workers`` 0 and 2, ``shuffle="shard"`` (the
      order remote sources require), an empty cache: epoch 1 comes over the link; epochs 2.. read the cache
      (the server's byte count says whether anything was fetched again). MB/s counts the set's bytes on the
-     server (shard files and index) over the epoch's wall time from ``iter()`` to the last batch.
+     server (shard files and index) over the epoch's wall time: for epoch 1 from constructing the
+     ``StreamLoader`` (opening the remote set: its index, object sizes, tar indexes) to the last batch,
+     for the others from ``iter()`` to the last batch. The served tars have no ``.fidx`` sidecar, as a
+     WebDataset publisher has them (the local baseline reads hard links of them in another directory).
    * fastio on the same shards on local disk (page cache warm: one warm-up epoch, then the median of the
      rest), the baseline of the cache epochs.
    * ``webdataset.WebDataset`` over the same tars from the same server (its http support, a ``curl``
@@ -218,6 +221,11 @@ def _write_data(root: Path, gigabytes: float, shard_mb: float) -> dict[str, Any]
             for i in range(k):
                 sink.write({"__key__": f"s{start + i:09d}", "x.bin": x[i].tobytes(), "cls": int(ids[i])})
     tars = sorted(p.name for p in (root / "tar").iterdir() if p.name.endswith(".tar"))
+    # The local baseline reads hard links elsewhere: fastio writes its tar index (.fidx) beside the tars it
+    # reads, and the served tars must stay as a WebDataset publisher has them, without one.
+    (root / "local" / "tar").mkdir(parents=True)
+    for name in tars:
+        os.link(root / "tar" / name, root / "local" / "tar" / name)
     return {
         "num_samples": n,
         "fixed_bytes": sum(p.stat().st_size for p in (root / "fixed").iterdir()),
@@ -242,19 +250,24 @@ def _fastio_epochs(spec: dict[str, Any]) -> list[dict[str, Any]]:
     kwargs: dict[str, Any] = {}
     if spec.get("cache_dir"):
         kwargs["cache_dir"] = spec["cache_dir"]
+    served = _served_bytes(spec.get("stats_url"))
+    start = time.perf_counter()  # epoch 1 includes opening: a remote set's index, sizes and tar indexes
     loader = fastio.StreamLoader(
         spec["target"], batch_size=BATCH, shuffle="shard", seed=0, num_workers=spec["workers"], **kwargs
     )
+    open_s = time.perf_counter() - start
     epochs = []
     for epoch in range(spec["epochs"]):
         loader.set_epoch(epoch)
-        served = _served_bytes(spec.get("stats_url"))
+        if epoch:
+            served = _served_bytes(spec.get("stats_url"))
+            start = time.perf_counter()
         ids: list[Any] = []
-        start = time.perf_counter()
         for batch in loader:
             ids.append(np.array(batch[spec["id_field"]]))  # a copy: the loader reuses its buffers
         seconds = time.perf_counter() - start
         epochs.append(_epoch_record(spec, ids, seconds, served, loader.stats()))
+    epochs[0]["open_s"] = open_s
     return epochs
 
 
@@ -292,7 +305,9 @@ def _epoch_record(
     if served_before is not None:
         record["served_mb"] = (_served_bytes(spec["stats_url"]) - served_before) / 1e6
     if isinstance(stats, dict):
-        record["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+        nested = stats.get("source") if isinstance(stats.get("source"), dict) else {}
+        flat = {**stats, **{f"source.{k}": v for k, v in nested.items()}}
+        record["stats"] = {k: v for k, v in flat.items() if isinstance(v, (int, float, str))}
     return record
 
 
@@ -389,6 +404,8 @@ def _epoch_rows(
         "samples/s": f"{first['samples'] / first['seconds']:,.0f}",
         "exactly_once": first["exactly_once"],
         "served_MB": f"{first.get('served_mb', float('nan')):,.0f}",
+        "open_s": f"{first['open_s']:.2f}" if "open_s" in first else "",
+        "network_wait_s": _stat(first, "network_wait_s"),
         "loadavg_1m": f"{result['loadavg_1m']:.2f}",
         "target": f">= {EPOCH1_TARGET}x link",
     }
@@ -425,6 +442,11 @@ def _epoch_rows(
     return rows
 
 
+def _stat(epoch: dict[str, Any], name: str) -> str:
+    value = epoch.get("stats", {}).get(name)
+    return f"{value:.2f}" if isinstance(value, (int, float)) else ""
+
+
 def _local_row(case: str, label: str, result: dict[str, Any]) -> tuple[Row, float | None]:
     if "error" in result:
         return Row(case, label, "MB/s local", float("nan"), "MB/s", extra={"error": result["error"]}), None
@@ -450,7 +472,7 @@ def _measure_all(
         "tar shards": (
             "tar",
             f"{base}/{data['tar_pattern']}",
-            str(root / data["tar_pattern"]),
+            str(root / "local" / data["tar_pattern"]),
             data["tar_bytes"],
             "__key__",
         ),
@@ -588,9 +610,13 @@ def main(argv: Sequence[str] | None = None) -> str:
         f"link: {netlab.HostLink.__name__} veth between the root namespace (loaders) and a namespace (the "
         f"HTTP server: ThreadingHTTPServer with Range, sendfile, HTTP/1.1), tbf {LINK_RATE} each way; link "
         f"rate = best of 3 curl downloads of one {probe_mb} MB file from that server: {link_mb_s:.1f} MB/s",
-        "MB/s = the set's bytes on the server / the epoch's wall time (iter() to the last batch); epoch 1 "
-        "starts from an empty cache; the cache epochs are the median of the epochs after it; served_MB = "
-        "bytes the server sent during those epochs (0 means read from the cache alone)",
+        "MB/s = the set's bytes on the server / the epoch's wall time; epoch 1 starts from an empty cache "
+        "and is timed from constructing the StreamLoader (open_s: opening the remote set, its index, object "
+        "sizes and tar indexes) to the last batch, the others from iter() to the last batch; the cache "
+        "epochs are the median of the epochs after epoch 1; served_MB = bytes the server sent during those "
+        "epochs (0: read from the cache alone); network_wait_s: stats()['network_wait_s'] of epoch 1",
+        "the served tars have no .fidx sidecar (as a WebDataset publisher has them); the local tar rows "
+        "read hard links of them in another directory",
         f"fastio: StreamLoader(batch_size={BATCH}, shuffle='shard', seed=0); local disk rows: the same "
         "shards on local disk, page cache warm (median of the epochs after a warm-up epoch)",
         "webdataset.WebDataset: its http support (a curl pipe per shard), shardshuffle=False, no decode, "
