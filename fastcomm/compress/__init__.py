@@ -6,7 +6,11 @@ compressor             payload                                                  
 ``SignCompressor``     1 bit per element + one fp32 mean magnitude per chunk       yes
 ``QuantCompressor``    8/4/2-bit codes + one fp32 absmax per block                 yes
 ``TopKCompressor``     k int32 indices + k values                                  no
+``PowerSGDCompressor`` rank-r factors P, Q of each matrix (two allreduces)         no
 =====================  ==========================================================  =========
+
+``PowerSGDCompressor`` is an :class:`AllreduceCompressor`: its payloads are summed over ranks, not decoded
+per rank, so it has its own protocol (two allreduces per bucket, sizes from the parameter shapes).
 
 A new compressor is one file here implementing :class:`Compressor` and one line in
 ``fastcomm.hooks.registry.COMPRESSORS`` (or a call to ``fastcomm.hooks.add_compressor``); the hooks'
@@ -20,9 +24,20 @@ Example::
     q.compress_into(payload, x, residual, residual, seed=0)
 """
 
-from fastcomm.compress.protocol import Compressor, all_finite
+from fastcomm.compress.powersgd import PowerSGDCompressor, orthogonalize_
+from fastcomm.compress.protocol import AllreduceCompressor, Compressor, all_finite
 from fastcomm.compress.quantize import QuantCompressor
 from fastcomm.compress.sign import SignCompressor
 from fastcomm.compress.topk import TopKCompressor, fit_to_k
 
-__all__ = ["Compressor", "QuantCompressor", "SignCompressor", "TopKCompressor", "all_finite", "fit_to_k"]
+__all__ = [
+    "AllreduceCompressor",
+    "Compressor",
+    "PowerSGDCompressor",
+    "QuantCompressor",
+    "SignCompressor",
+    "TopKCompressor",
+    "all_finite",
+    "fit_to_k",
+    "orthogonalize_",
+]

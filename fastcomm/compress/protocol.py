@@ -15,16 +15,21 @@ that learn something of their own across steps.
   all-gather), whose traffic per rank does not grow with the world size.
 * ``block == 0``: the payload belongs to the whole tensor (top-k's selection, for example); the hooks
   all-gather the payloads and every rank decodes all of them.
+
+Compressors whose payloads are *summed* over ranks (linear in the input, like PowerSGD's factors) implement
+:class:`AllreduceCompressor` instead: two allreduces per bucket, the second computed from the first's sum,
+with sizes that follow from the bucket's parameter shapes alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-__all__ = ["Compressor", "all_finite"]
+__all__ = ["AllreduceCompressor", "AllreducePlan", "Compressor", "all_finite"]
 
 
 def all_finite(tensor: Tensor) -> bool:
@@ -95,6 +100,79 @@ class Compressor(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         """What the compressor learned across steps (``{}`` for a stateless one)."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
+
+
+class AllreducePlan(Protocol):
+    """How an :class:`AllreduceCompressor` lays out one bucket: what the hook needs to know of it."""
+
+    first_numel: int  # fp32 elements of the first allreduced vector
+    second_numel: int  # fp32 elements of the second (0: one allreduce is enough for this bucket)
+
+
+@runtime_checkable
+class AllreduceCompressor(Protocol):
+    """A compressor exchanged by two allreduces (sums) of fp32 vectors, the second computed from the first's.
+
+    For each bucket the hook (``fastcomm.hooks.compressor_hook``) runs, with ``x`` the bucket's gradient
+    plus its error-feedback residual (fp32, 1-D, parameters back to back):
+
+    1. ``plan = plan(shapes, min_compress_numel)``: sizes from the parameter shapes alone, so every rank
+       issues collectives of the same sizes for any bucket layout.
+    2. ``first_round(plan, out, x, state, seed)``; ``out`` (``plan.first_numel``) is summed over ranks.
+    3. ``second_round(plan, out, first_sum, x)`` (``first_sum`` may be changed in place); ``out``
+       (``plan.second_numel``) is summed over ranks. The hook issues it from its phase-2 lane or from its
+       next call, never from a collective's callback.
+    4. ``finish(plan, mean, residual, state_out, first_sum, second_sum, world_size)`` writes the mean over
+       ranks into ``mean`` and what this rank still owes into ``residual`` (which holds ``x`` on entry;
+       ``None`` without error feedback).
+
+    A compressor that keeps state across steps (``keeps_state``) keeps it in a tensor of the bucket's
+    layout, each parameter's inside that parameter's own slice: the hooks' bucket store then carries it
+    across bucket rebuilds, skipped steps and checkpoints as it does residuals. ``state`` is the committed
+    one (zeros at first), ``state_out`` (``None`` if not ``keeps_state``) receives the next, both fp32.
+
+    Example::
+
+        compressor = fastcomm.compress.PowerSGDCompressor(rank=4)
+        plan = compressor.plan([torch.Size([64, 32]), torch.Size([64])], min_compress_numel=0)
+        first = torch.empty(plan.first_numel)
+        compressor.first_round(plan, first, torch.randn(64 * 32 + 64), torch.zeros(64 * 32 + 64), seed=0)
+    """
+
+    keeps_state: bool
+
+    def plan(self, shapes: Sequence[torch.Size], min_compress_numel: int) -> AllreducePlan:
+        """The layout of a bucket of parameters of these shapes (in bucket order)."""
+        ...
+
+    def first_round(self, plan: Any, out: Tensor, x: Tensor, state: Tensor | None, seed: int) -> None:
+        """Write the first vector of ``x`` into ``out``; ``seed`` is the same on every rank."""
+        ...
+
+    def second_round(self, plan: Any, out: Tensor, first_sum: Tensor, x: Tensor) -> None:
+        """Write the second vector into ``out`` from every rank's first summed (``first_sum``) and ``x``."""
+        ...
+
+    def finish(
+        self,
+        plan: Any,
+        mean: Tensor,
+        residual: Tensor | None,
+        state_out: Tensor | None,
+        first_sum: Tensor,
+        second_sum: Tensor,
+        world_size: int,
+    ) -> None:
+        """Write the mean over ranks into ``mean``, the new residual into ``residual`` and the state."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the compressor learned across steps of its own (``{}`` for a stateless one)."""
         ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,14 +47,30 @@ from fastcomm.hooks._wire import MAX_CHUNKS
 __all__ = [
     "Phase1",
     "Piece",
+    "SecondPhase",
     "TwoPhaseLayout",
     "TwoPhaseState",
     "finish_phase2",
     "piece_ranges",
+    "schedule_second_phase",
     "start_phase1",
     "two_phase_allreduce",
     "two_phase_bucket",
 ]
+
+
+class SecondPhase(Protocol):
+    """A bucket whose first collective is in flight; :meth:`finish` issues its second (any exchange).
+
+    :func:`schedule_second_phase` decides where ``finish`` runs (the lane, the next hook call, or now);
+    ``future`` completes with the bucket's result once the second collective's data is decoded.
+    """
+
+    future: torch.futures.Future[Tensor]
+
+    def finish(self, group: dist.ProcessGroup | None = None) -> None:
+        """Wait for the first collective, then issue the second over ``group`` (default: the state's)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -157,14 +173,6 @@ class Phase1:
     def finish(self, group: dist.ProcessGroup | None = None) -> None:
         """:func:`finish_phase2` of this bucket (over ``group``, by default the state's)."""
         finish_phase2(self, group)
-
-    def finish_on_lane(self, group: dist.ProcessGroup) -> None:
-        """:meth:`finish` on a lane's thread and group; a failure reaches DDP through the future."""
-        try:
-            self.finish(group)
-        except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
-            if not self.future.done():
-                self.future.set_exception(error)
 
     def where(self, collective: str) -> str:
         return f"{type(self.call.state).__name__} {collective}"
@@ -336,14 +344,26 @@ def two_phase_allreduce(call: BucketCall, layout: TwoPhaseLayout) -> torch.futur
     Returns:
         A future holding the averaged bucket, completed once phase 2 is done.
     """
+    return schedule_second_phase(call, lambda: start_phase1(call, layout))
+
+
+def schedule_second_phase(call: BucketCall, start: Callable[[], SecondPhase]) -> torch.futures.Future[Tensor]:
+    """Issue a bucket's first collective (``start()``, now) and schedule its second; return DDP's future.
+
+    Steps 3-4 of :func:`two_phase_allreduce`, for any exchange of two dependent collectives: the bucket
+    deferred by the previous hook call is finished after ``start()``, then this one's ``finish`` goes to the
+    lane (``overlap_phase2`` and a CPU bucket), or runs now (the last bucket), or is deferred to the next
+    hook call. Never from a collective's callback, so every rank issues the same collectives in the same
+    order on each group.
+    """
     state = call.state
     assert isinstance(state, TwoPhaseState)
     lane = lane_for(state.process_group) if state.overlap_phase2 and call.flat.device.type == "cpu" else None
-    mine = start_phase1(call, layout)
+    mine = start()
     state.flush_pending()
     if lane is not None:
         lane_group = lane.group
-        lane.submit(lambda: mine.finish_on_lane(lane_group))
+        lane.submit(lambda: _finish_on_lane(mine, lane_group))
     elif call.last:
         mine.finish()
     else:
@@ -351,6 +371,15 @@ def two_phase_allreduce(call: BucketCall, layout: TwoPhaseLayout) -> torch.futur
     # DDP reads a future's value as the tensor; a value() in a callback turns the exception set on
     # mine.future into a real error of the returned future, which DDP's backward raises
     return mine.future.then(_result)
+
+
+def _finish_on_lane(pending: SecondPhase, group: dist.ProcessGroup) -> None:
+    """``pending.finish`` on a lane's thread and group; a failure reaches DDP through the future."""
+    try:
+        pending.finish(group)
+    except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
+        if not pending.future.done():
+            pending.future.set_exception(error)
 
 
 def _result(future: torch.futures.Future[Tensor]) -> Tensor:

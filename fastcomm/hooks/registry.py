@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastcomm.compress.protocol import Compressor
+from fastcomm.compress.powersgd import PowerSGDCompressor
+from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.hooks._base import HookState
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
@@ -41,7 +42,7 @@ HOOKS: dict[HookName, tuple[type[HookState], Hook]] = {
 }
 
 # compressors served by compressor_hook, by name: a new compressor is its own file plus one line here
-COMPRESSORS: dict[str, Callable[..., Compressor]] = {}
+COMPRESSORS: dict[str, Callable[..., Compressor | AllreduceCompressor]] = {"powersgd": PowerSGDCompressor}
 
 # the options register() gives the CompressorState of a named compressor; the others go to the compressor
 _STATE_OPTIONS = frozenset((*CompressorState._OPTIONS, "process_group")) - {"compressor"}
