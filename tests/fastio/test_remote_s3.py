@@ -23,7 +23,7 @@ pytest.importorskip("moto.server", reason="the S3 tests need moto's server: pip 
 pytest.importorskip("boto3", reason="the S3 tests upload with boto3: pip install boto3")
 
 import fastio  # noqa: E402
-from fastio.remote import RemoteNotFoundError  # noqa: E402
+from fastio.remote import RemoteAccessError, RemoteNotFoundError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _moto import MotoS3  # noqa: E402
@@ -153,4 +153,21 @@ def test_credentials_from_storage_options_work_and_stay_out_of_errors(
         for _ in loader:
             pass
     assert caught.value.url == s3.url(keys[-1])
+    assert secret not in str(caught.value) and secret not in repr(caught.value)
+
+
+def test_denied_access_raises_a_named_error_with_url_and_code(s3, shard_dir, tmp_path, monkeypatch):
+    import moto.settings
+
+    prefix = "shards-denied"
+    s3.upload_dir(shard_dir, prefix)
+    # From here moto checks signatures, and the dummy key is no IAM user's: every request is refused.
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    secret = "another-secret-never-printed"
+    storage = {**s3.storage_options, "key": "AKIAUNKNOWNKEY000000", "secret": secret}
+    with pytest.raises(RemoteAccessError) as caught:
+        fastio.StreamLoader(s3.url(f"{prefix}/"), cache_dir=tmp_path / "cache", storage_options=storage)
+    assert caught.value.url.startswith(s3.url(f"{prefix}/"))
+    assert caught.value.code in {"403", "InvalidAccessKeyId", "AccessDenied"}
+    assert caught.value.code in str(caught.value)
     assert secret not in str(caught.value) and secret not in repr(caught.value)
