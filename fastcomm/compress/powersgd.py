@@ -4,13 +4,19 @@ Each parameter of two or more dimensions, viewed as an ``n x m`` matrix ``M`` (i
 rest), is sent as two thin factors when that is worth it (``(n + m) r < n m`` and at least
 ``min_compress_numel`` elements); everything else of the bucket goes densely in the first allreduce.
 
-1. ``P = M Q`` for every compressed matrix, ``Q`` (``m x r``) being last step's (warm start) or random;
-   the first vector is the dense elements then every ``P``, summed over ranks.
+1. ``P = M Q`` for every compressed matrix, ``Q`` (``m x r``) being last step's (warm start) or random:
+   ``torch.randn(m, r)`` from a generator seeded with the hook's seed plus the matrix's index among the
+   bucket's compressed matrices (the same on every rank); the first vector is the dense elements then
+   every ``P``, summed over ranks.
 2. Each summed ``P`` is orthonormalized (its columns; ``torch.linalg.qr`` or Gram-Schmidt), then
    ``Q = M^T P``; the second vector is every ``Q``, summed over ranks.
 3. The mean is ``P (Q_sum / W)^T`` for the compressed matrices and ``first_sum / W`` for the dense
    elements; the residual is ``M - P (Q_sum / W)^T`` (zero for dense elements), and ``Q_sum / W`` is kept
    as the next step's warm start, in the first ``m r`` elements of the parameter's slice of the state.
+
+``Q`` is held transposed (``r x m``, row-major) in the second vector and the state: on CPU (MKL, one
+thread) ``P^T M`` took 9 ms for a 4096x4096 ``M`` where ``M^T P`` took 210 ms, and ``M (Q^T)^T`` 12 ms
+where ``M Q`` took 22 ms.
 
 The mean's projection ``P P^T`` depends only on the span of ``P``, so both orthogonalizations give the same
 result up to rounding; on CPU at the sizes of a 25M-parameter MLP (``P`` of 4096x4, 4096x4, 1024x4)
@@ -41,7 +47,7 @@ class MatrixSlot:
     rows: int  # n
     cols: int  # m
     p_offset: int  # of its P (n x r) in the first vector
-    q_offset: int  # of its Q (m x r) in the second vector
+    q_offset: int  # of its Q, transposed (r x m), in the second vector
 
 
 @dataclass(frozen=True)
@@ -155,29 +161,30 @@ class PowerSGDCompressor:
         _copy_dense(plan, out, x)
         rank = plan.rank
         for index, slot in enumerate(plan.matrices):
-            q = self._start_q(slot, rank, state, seed + index, x.device)
+            q_t = self._start_q_t(slot, rank, state, seed + index, x.device)
             p = out[slot.p_offset : slot.p_offset + slot.rows * rank].view(slot.rows, rank)
-            torch.mm(_matrix(x, slot), q, out=p)
+            torch.mm(_matrix(x, slot), q_t.T, out=p)
 
-    def _start_q(
+    def _start_q_t(
         self, slot: MatrixSlot, rank: int, state: Tensor | None, seed: int, device: torch.device
     ) -> Tensor:
+        """``Q^T`` (``r x m``) to start from: the warm one, else a random draw."""
         if state is not None:
-            q = state[slot.offset : slot.offset + slot.cols * rank].view(slot.cols, rank)
-            if bool(q.any()):
-                return q
+            q_t = state[slot.offset : slot.offset + slot.cols * rank].view(rank, slot.cols)
+            if bool(q_t.any()):
+                return q_t
         # the same draw on every rank; a warm start begins here too (and again if its Q became all zero)
         generator = torch.Generator().manual_seed(seed % (2**63))
-        return torch.randn(slot.cols, rank, generator=generator).to(device)
+        return torch.randn(slot.cols, rank, generator=generator).to(device).T
 
     def second_round(self, plan: PowerSGDPlan, out: Tensor, first_sum: Tensor, x: Tensor) -> None:
-        """Orthonormalize each summed ``P`` in place in ``first_sum``; write ``Q = M^T P`` into ``out``."""
+        """Orthonormalize each summed ``P`` in place in ``first_sum``; write ``Q^T = P^T M`` into ``out``."""
         rank = plan.rank
         for slot in plan.matrices:
             p = first_sum[slot.p_offset : slot.p_offset + slot.rows * rank].view(slot.rows, rank)
             orthogonalize_(p, self.orthogonalization)
-            q = out[slot.q_offset : slot.q_offset + slot.cols * rank].view(slot.cols, rank)
-            torch.mm(_matrix(x, slot).T, p, out=q)
+            q_t = out[slot.q_offset : slot.q_offset + slot.cols * rank].view(rank, slot.cols)
+            torch.mm(p.T, _matrix(x, slot), out=q_t)
 
     def finish(
         self,
@@ -202,18 +209,18 @@ class PowerSGDCompressor:
             state_out.zero_()
         for slot in plan.matrices:
             p = first_sum[slot.p_offset : slot.p_offset + slot.rows * rank].view(slot.rows, rank)
-            q = second_sum[slot.q_offset : slot.q_offset + slot.cols * rank].view(slot.cols, rank)
+            q_t = second_sum[slot.q_offset : slot.q_offset + slot.cols * rank].view(rank, slot.cols)
             target = _matrix(mean, slot)
             if mean.dtype == torch.float32:
-                torch.mm(p, q.T, out=target)
+                torch.mm(p, q_t, out=target)
                 approx = target
             else:
-                approx = p @ q.T
+                approx = p @ q_t
                 target.copy_(approx)
             if residual is not None:
                 _matrix(residual, slot).sub_(approx)
             if state_out is not None:
-                state_out[slot.offset : slot.offset + slot.cols * rank] = q.reshape(-1)
+                state_out[slot.offset : slot.offset + slot.cols * rank] = q_t.reshape(-1)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -136,6 +136,23 @@ def simulation_worker(rank: int, world_size: int, variants: tuple[str, ...]) -> 
                 assert err < bound, f"{where} off by {err:.3g}"
         stats = state.stats()
         assert stats["steps"] == SIM_STEPS and stats["compression_ratio"] > 1.0, stats
+        _check_skipped_step(state, params, rank, dtype, variant)
+
+
+def _check_skipped_step(state: PowerSGDState, params, rank: int, dtype: torch.dtype, variant: str) -> None:
+    """inf on rank 0: every rank's output is non-finite, the step is skipped, residuals stay as they were."""
+    before = [[state.residual_of(p).clone() for p in bucket] for bucket in params]
+    numels = [sum(p.numel() for p in bucket) for bucket in params]
+    grads = [grad_for(rank, b, 99, numels[b], dtype) for b in range(len(params))]
+    if rank == 0:
+        grads[0][5] = float("inf")
+    outs = run_hook(powersgd_hook, state, [FakeBucket(b, params[b], grads[b]) for b in range(len(params))])
+    assert not bool(torch.isfinite(outs[0]).all()), f"{variant}: an inf gradient came back finite"
+    stats = state.stats()
+    assert stats["skipped_steps"] == 1 and stats["steps"] == SIM_STEPS, f"{variant}: {stats}"
+    for bucket, kept in zip(params, before, strict=True):
+        for p, residual in zip(bucket, kept, strict=True):
+            assert torch.equal(state.residual_of(p), residual), f"{variant}: a skipped step moved a residual"
 
 
 # --------------------------------------------------------------------------------------- DDP, layouts
