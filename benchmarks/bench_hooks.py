@@ -13,7 +13,7 @@ The question: how much of a training step does each hook save, on a slow link an
 4. Configurations: dense allreduce (no hook), a no-op hook (returns the bucket untouched without
    communicating: the compute floor), torch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 4, with
    DDP's default buckets and with one bucket), and fastcomm's bf16 cast, top-k (ratio 0.01), 8- and 4-bit
-   quantization and sign hooks.
+   quantization, sign and PowerSGD (rank 4, DDP's default buckets) hooks.
 5. Networks: loopback (127.0.0.1 only) and a veth pair between two network namespaces shaped to 1 Gbit/s
    in both directions (:mod:`benchmarks.netlab`; needs root and ``ip``, skipped with a message otherwise).
 
@@ -93,6 +93,8 @@ CONFIGS = (
     Config("quant8", "fastcomm.quantize_hook, QuantState(bits=8)", ("quantize_hook", "QuantState")),
     Config("quant4", "fastcomm.quantize_hook, QuantState(bits=4)", ("quantize_hook", "QuantState")),
     Config("sign", "fastcomm.sign_hook, SignState()", ("sign_hook", "SignState")),
+    Config("powersgd_r4", f"fastcomm.powersgd_hook, PowerSGDState(rank={POWERSGD_RANK}), default buckets",
+           ("powersgd_hook", "PowerSGDState")),
 )
 _FASTCOMM_CONFIGS = tuple(c.name for c in CONFIGS if c.fastcomm_names)
 
@@ -138,6 +140,7 @@ def _make_hook(name: str) -> tuple[Any, Callable[..., Any]] | None:
         "quant8": lambda: (fastcomm.QuantState(bits=8), fastcomm.quantize_hook),
         "quant4": lambda: (fastcomm.QuantState(bits=4), fastcomm.quantize_hook),
         "sign": lambda: (fastcomm.SignState(), fastcomm.sign_hook),
+        "powersgd_r4": lambda: (fastcomm.PowerSGDState(rank=POWERSGD_RANK), fastcomm.powersgd_hook),
     }
     return fastcomm_pairs[name]()
 
@@ -457,6 +460,8 @@ def _check_targets(network: str, rows: list[Row]) -> list[str]:
                 lambda: speedup("quant4", "allreduce", 2.5)),
         verdict("sign >= 3x faster than allreduce", ("sign", "allreduce"),
                 lambda: speedup("sign", "allreduce", 3.0)),
+        verdict("powersgd_r4 >= 3x faster than allreduce", ("powersgd_r4", "allreduce"),
+                lambda: speedup("powersgd_r4", "allreduce", 3.0)),
     ]
 
 
