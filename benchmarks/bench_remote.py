@@ -22,8 +22,10 @@ from the same server, compare?
      (the server's byte count says whether anything was fetched again). MB/s counts the set's bytes on the
      server (shard files and index) over the epoch's wall time: for epoch 1 from constructing the
      ``StreamLoader`` (opening the remote set: its index, object sizes, tar indexes) to the last batch,
-     for the others from ``iter()`` to the last batch. The served tars have no ``.fidx`` sidecar, as a
-     WebDataset publisher has them (the local baseline reads hard links of them in another directory).
+     for the others from ``iter()`` to the last batch. The tars are served twice: without a ``.fidx``
+     sidecar, as a WebDataset publisher has them (fastio then downloads each at open to index it), and
+     with the sidecar ``fastio.index_tar`` writes (opening costs a small request per shard); the local
+     baseline reads hard links of them in a third directory.
    * fastio on the same shards on local disk, in the same process (page cache warm: one warm-up epoch
      first), its epochs taking turns with the cache epochs so a change in the machine's load hits both
      alike: the baseline of the cache epochs.
@@ -224,9 +226,13 @@ def _write_data(root: Path, gigabytes: float, shard_mb: float) -> dict[str, Any]
     tars = sorted(p.name for p in (root / "tar").iterdir() if p.name.endswith(".tar"))
     # The local baseline reads hard links elsewhere: fastio writes its tar index (.fidx) beside the tars it
     # reads, and the served tars must stay as a WebDataset publisher has them, without one.
+    # A second served copy, as a publisher who ran fastio.index_tar has it: each tar with its .fidx sidecar.
     (root / "local" / "tar").mkdir(parents=True)
+    (root / "tar-indexed").mkdir()
     for name in tars:
         os.link(root / "tar" / name, root / "local" / "tar" / name)
+        os.link(root / "tar" / name, root / "tar-indexed" / name)
+        fastio.index_tar(root / "tar-indexed" / name)
     return {
         "num_samples": n,
         "fixed_bytes": sum(p.stat().st_size for p in (root / "fixed").iterdir()),
@@ -483,12 +489,19 @@ def _measure_all(
             data["tar_bytes"],
             "__key__",
         ),
+        "tar shards + .fidx": (
+            "tar",
+            f"{base}/{data['tar_pattern'].replace('tar/', 'tar-indexed/')}",
+            str(root / "local" / data["tar_pattern"]),
+            data["tar_bytes"],
+            "__key__",
+        ),
     }
     rows: list[Row] = []
     for case, (_, url, local, nbytes, id_field) in sets.items():
         common = {"num_samples": n, "dataset_bytes": nbytes, "id_field": id_field}
         for workers in (0, 2):
-            cache_dir = root / f"cache-{case.split()[0]}-w{workers}"
+            cache_dir = root / f"cache-{len(rows)}"
             spec = {
                 "kind": "fastio",
                 "target": url,
@@ -612,8 +625,10 @@ def main(argv: Sequence[str] | None = None) -> str:
         "sizes and tar indexes) to the last batch, the others from iter() to the last batch; the cache "
         "epochs are the median of the epochs after epoch 1; served_MB = bytes the server sent during those "
         "epochs (0: read from the cache alone); network_wait_s: stats()['network_wait_s'] of epoch 1",
-        "the served tars have no .fidx sidecar (as a WebDataset publisher has them); the local tar rows "
-        "read hard links of them in another directory",
+        "tar shards: the served tars have no .fidx sidecar (as a WebDataset publisher has them), so fastio "
+        "downloads each at open to index it; tar shards + .fidx: the same tars served with the sidecar "
+        "fastio.index_tar writes (opening costs one small request per shard); the local tar rows read "
+        "hard links of the tars in a third directory",
         f"fastio: StreamLoader(batch_size={BATCH}, shuffle='shard', seed=0); local disk rows: the same "
         "shards on local disk in the same process, page cache warm (a warm-up epoch), each epoch taking "
         "its turn with a cache epoch of the remote loader (medians compared)",
