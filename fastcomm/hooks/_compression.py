@@ -195,7 +195,7 @@ class CompressionState(HookState):
 
             states = [torch.load(f"ckpt/comm_{r}.pt") for r in range(2)]  # 2 ranks saved, 3 resume
             merged, why = fastcomm.SignState.merge_state_dicts(states, 3, dist.get_rank())
-            state.load_state_dict(merged)  # sum over parameters of residual_of is what 2 ranks owed
+            state.load_state_dict(merged)  # residual_of(p) on each of the 3: the 2 old ranks' mean
         """
         kept = keep_if_same_world(cls.__name__, states, world_size, rank)
         if kept is not None:

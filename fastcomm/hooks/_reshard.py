@@ -54,7 +54,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BucketMerge:
-    """What :func:`merge_buckets` did: bucket entries, their elements, which tensors, folded segments."""
+    """What :func:`merge_buckets` did: bucket entries, their elements, which tensors, folded segments.
+
+    Example::
+
+        buckets, summary = merge_buckets([sd0, sd1], world_size=3)
+        print("; ".join(summary.notes()))
+    """
 
     buckets: int
     elements: int
@@ -92,6 +98,10 @@ def check_mergeable(
     Raises:
         ValueError: no states; ``world_size`` or ``rank`` out of range; a state of another type, with
             other options (when ``options``), or at another step than old rank 0's.
+
+    Example::
+
+        check_mergeable("QuantState", [sd0, sd1], world_size=3, rank=0)  # sd1 with bits=4: ValueError
     """
     if not len(states):
         raise ValueError(f"{type_name}.merge_state_dicts needs the state_dicts of the old ranks; got none")
@@ -144,7 +154,12 @@ def keep_if_same_world(
 
 
 def merge_counters(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """A :class:`~fastcomm.hooks.HookState` ``state_dict`` with old rank 0's type, options and counters."""
+    """A :class:`~fastcomm.hooks.HookState` ``state_dict`` with old rank 0's type, options and counters.
+
+    Example::
+
+        merged = merge_counters([sd0, sd1])  # CastState's whole merge: it holds no per-rank tensors
+    """
     first = states[0]
     return {"type": first["type"], "options": first["options"], **{name: first[name] for name in COUNTERS}}
 
@@ -215,12 +230,27 @@ def merge_buckets(
 
 
 def describe(type_name: str, old_world_size: int, world_size: int, notes: Sequence[str]) -> str:
-    """The one log line of a merge: the state, the world sizes, what was done to each part and why."""
+    """The one log line of a merge: the state, the world sizes, what was done to each part and why.
+
+    Example::
+
+        >>> describe("CastState", 2, 3, ["no per-rank tensors; counters: old rank 0's"])
+        "CastState: 2 -> 3 ranks: no per-rank tensors; counters: old rank 0's"
+    """
     return f"{type_name}: {old_world_size} -> {world_size} ranks: " + "; ".join(notes)
 
 
 def same_value(a: Any, b: Any) -> bool:
-    """Whether two state values are equal: dicts, lists and tuples by item, tensors by ``torch.equal``."""
+    """Whether two state values are equal: dicts, lists and tuples by item, tensors by ``torch.equal``.
+
+    Other objects by ``==``, or else (two instances of a class without ``__eq__``, as a user's compressor
+    unpickled from two ranks' files) by type and attributes.
+
+    Example::
+
+        >>> same_value({"ratio": 0.1, "t": torch.ones(2)}, {"ratio": 0.1, "t": torch.ones(2)})
+        True
+    """
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return (
             isinstance(a, Tensor)
@@ -236,7 +266,11 @@ def same_value(a: Any, b: Any) -> bool:
             and len(a) == len(b)
             and all(same_value(x, y) for x, y in zip(a, b, strict=True))
         )
-    return bool(a == b)
+    if a == b:
+        return True
+    if type(a) is type(b) and hasattr(a, "__dict__") and a is not b:
+        return same_value(vars(a), vars(b))
+    return False
 
 
 def _key(item: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:

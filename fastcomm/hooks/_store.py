@@ -58,6 +58,12 @@ class BucketEntry:
         The ``"residual"`` tensor plus the segment tensor times the world size over the segment (the part
         that runs past the bucket is padding, and owes nothing): :meth:`BucketStore.residual_of` of every
         parameter of the bucket, side by side.
+
+        Example::
+
+            entry = BucketEntry(numels=(6, 4), world_size=2, segment_start=8)
+            entry.tensors = {"residual": torch.ones(10), "server_residual": torch.ones(8)}
+            entry.owed()  # 1 for elements 0-7, 1 + 2 * 1 = 3 for 8-9 (elements 10-15 are padding)
         """
         residual = self.tensors.get("residual")
         if residual is None and SEGMENT_TENSOR not in self.tensors:

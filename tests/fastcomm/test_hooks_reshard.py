@@ -274,3 +274,16 @@ def test_merge_rejects_a_rank_outside_the_new_group(world_size: int, rank: int):
     states = [_random_state(fastcomm.QuantState, r, 2, "rank") for r in range(2)]
     with pytest.raises(ValueError, match="world_size|rank"):
         fastcomm.QuantState.merge_state_dicts(states, world_size, rank)
+
+
+class _PlainOptions:
+    """An option value without ``__eq__`` (as a user's compressor class may be)."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+
+def test_options_without_eq_compare_by_attributes():
+    same_value = fastcomm.hooks._reshard.same_value
+    assert same_value({"compressor": _PlainOptions(4)}, {"compressor": _PlainOptions(4)})
+    assert not same_value({"compressor": _PlainOptions(4)}, {"compressor": _PlainOptions(8)})
