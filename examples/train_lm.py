@@ -48,16 +48,17 @@ import argparse
 import ast
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import sys
 import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import fastcomm
+import fastcomm.fault
 import fastio
 
 __all__ = [
@@ -91,7 +93,7 @@ EOS = 0  # the NUL byte: never in a Python source file, so it marks document end
 VAL_EVERY_NTH_FILE = 20  # 5% of the files, by file
 WINDOW = 129  # a row: inputs and targets of a context of up to 128
 VAL_SEED = 1234  # which validation rows are read: the same for every run and method
-_DATA_FORMAT = 3  # bump when the shard contents for the same file list change
+_DATA_FORMAT = 4  # bump when the shard contents for the same file list change
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,8 +158,9 @@ def _write_windows(directory: Path, files: Sequence[tuple[str, Path]]) -> int:
     eos = np.array([EOS], dtype=np.uint8)
     stream = np.concatenate([x for _, p in files for x in (np.frombuffer(p.read_bytes(), np.uint8), eos)])
     rows = np.lib.stride_tricks.sliding_window_view(stream, WINDOW)[:: WINDOW - 1]
-    with fastio.ShardWriter(directory, schema={"tokens": ("uint8", (WINDOW,))}, max_samples=1 << 16) as w:
-        w.write_many({"tokens": np.ascontiguousarray(rows)})
+    schema = {"tokens": ("uint8", (WINDOW,)), "index": ("int64", ())}
+    with fastio.ShardWriter(directory, schema=schema, max_samples=1 << 16) as w:
+        w.write_many({"tokens": np.ascontiguousarray(rows), "index": np.arange(len(rows), dtype=np.int64)})
     return int(stream.size - len(files))
 
 
@@ -430,21 +433,6 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
 # Checkpoints
 
 
-def _atomic_save(payload: Any, path: Path) -> None:
-    """``torch.save`` to a temporary name, fsync it, rename it over ``path``, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 def _atomic_write_text(text: str, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as handle:
@@ -454,22 +442,61 @@ def _atomic_write_text(text: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+class _KillingCheckpointer(fastcomm.Checkpointer):
+    """Fault injection for the tests (``TRAIN_LM_FAULT=checkpoint-write:STEP:RANK``): on torchrun's first
+    attempt, that rank writes half of its file of checkpoint STEP, then SIGKILLs itself, as a preemption in the
+    middle of a write would."""
+
+    def __init__(self, *args: Any, fault_step: int, fault_rank: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault_step, self.fault_rank = fault_step, fault_rank
+        self._saving = -1
+
+    def save(self, step: int, extra: Any = None) -> Path:
+        self._saving = step
+        return super().save(step, extra)
+
+    def _write_file(self, path: Path, payload: Any) -> tuple[int, str]:
+        if self._saving == self.fault_step and self._world()[1] == self.fault_rank:
+            buffer = io.BytesIO()
+            torch.save(dict(payload), buffer)
+            with open(path, "wb") as handle:
+                handle.write(buffer.getvalue()[: buffer.tell() // 2])
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super()._write_file(path, payload)
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def _checkpointer(config: TrainConfig, options: dict[str, Any], say: Callable[[str], None],
+                  **objects: Any) -> fastcomm.Checkpointer:
+    directory = config.checkpoint_dir or config.resume
+    assert directory is not None
+    run = {"method": config.method, "options": options}
+    fault = os.environ.get("TRAIN_LM_FAULT", "")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a restart must not fail again
+    if fault.startswith("checkpoint-write:") and first_attempt:
+        _, step, rank = fault.split(":")
+        return _KillingCheckpointer(directory, every=config.checkpoint_every, keep=config.checkpoint_keep,
+                                    run=run, log=say, fault_step=int(step), fault_rank=int(rank), **objects)
+    return fastcomm.Checkpointer(directory, every=config.checkpoint_every, keep=config.checkpoint_keep,
+                                 run=run, log=say, **objects)
 
 
-def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
-    """The step directory the ``latest`` pointer of ``checkpoint_dir`` names, or None if there is none."""
-    pointer = checkpoint_dir / "latest"
-    if not pointer.exists():
-        return None
-    return checkpoint_dir / pointer.read_text().strip()
+class _SampleLog:
+    """``--sample-log DIR``: each rank appends ``step epoch id id ...`` (the batch's sample ids) to
+    ``DIR/rank{r}.log`` and writes its pid to ``DIR/rank{r}.pid``; a restart appends replayed steps again."""
+
+    def __init__(self, directory: Path | None, rank: int) -> None:
+        self.handle = None
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
+            self.handle = open(directory / f"rank{rank}.log", "a", buffering=1)
+
+    def write(self, step: int, epoch: int, ids: torch.Tensor) -> None:
+        if self.handle is not None:
+            self.handle.write(f"{step} {epoch} {' '.join(map(str, ids.tolist()))}\n")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -493,7 +520,10 @@ class TrainConfig:
     log_every: int = 10  # 0: no progress lines
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
-    resume: Path | None = None  # a step directory, or a checkpoint_dir (its latest)
+    checkpoint_keep: int = 2  # complete checkpoints kept (the newest, and one to fall back on)
+    resume: Path | None = None  # a checkpoint_dir (its newest valid checkpoint, if any) or a step directory
+    sample_log: Path | None = None  # where each rank logs its batches' sample ids (see _SampleLog)
+    final_state: Path | None = None  # rank 0 saves the final model and optimizer state here
     stop_after: int | None = None  # end the run after this step (as if killed), for resume tests
     schedule_steps: int | None = None  # the cosine's length (default: steps)
 
@@ -508,6 +538,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"TrainConfig.checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
 
 
 @dataclasses.dataclass
@@ -598,53 +630,27 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
     start_step = 0
     val_steps: list[int] = []
     val_losses: list[float] = []
-    if config.resume is not None:
-        directory = Path(config.resume)
-        if not (directory / f"rank{rank}.pt").exists():
-            found = latest_checkpoint(directory)
-            if found is None:
-                raise FileNotFoundError(f"--resume {directory}: neither a step directory nor a checkpoint "
-                                        "directory with a 'latest' pointer")
-            directory = found
-        saved = torch.load(directory / f"rank{rank}.pt", weights_only=False)
-        if saved["method"] != config.method or saved["options"] != options or saved["world"] != world:
-            raise ValueError(
-                f"checkpoint {directory} is of method {saved['method']!r} {saved['options']} on "
-                f"{saved['world']} ranks; this run is {config.method!r} {options} on {world} ranks"
-            )
-        ddp.module.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
+    ckpt = None
+    if config.checkpoint_every or config.resume is not None:
+        objects = {"model": ddp.module, "optimizer": optimizer, "scheduler": scheduler,
+                   "loader": train_loader}
         if hook_state is not None:
-            hook_state.load_state_dict(saved["hook"])
-        train_loader.load_state_dict(saved["loader"])
-        _set_rng_state(saved["rng"])
-        start_step, val_steps, val_losses = saved["step"], saved["val_steps"], saved["val_losses"]
-        say(f"[train_lm] resumed {config.method} at step {start_step} from {directory}")
+            objects["hook"] = hook_state
+        ckpt = _checkpointer(config, options, say, **objects)
+    if config.resume is not None:
+        assert ckpt is not None
+        directory = Path(config.resume)
+        start_step = ckpt.restore(directory if (directory / "manifest.json").exists() else None)
+        if start_step:
+            val_steps, val_losses = ckpt.extra["val_steps"], ckpt.extra["val_losses"]
+            say(f"[train_lm] resumed {config.method} at step {start_step} from {ckpt.restored_from}")
+        else:
+            say(f"[train_lm] no checkpoint in {directory}: starting at step 0")
+    samples = _SampleLog(config.sample_log, rank)
 
     say(f"[train_lm] {config.method}: {method.description}; options {options}; {parameters:,} parameters; "
         f"{world} ranks x {config.batch_size} x {context} tokens; lr {lr} (warm-up {config.warmup_steps}, "
         f"cosine to step {schedule_steps}); data {paths.train_files} train / {paths.val_files} val files")
-
-    def checkpoint(step: int) -> None:
-        assert config.checkpoint_dir is not None
-        directory = config.checkpoint_dir / f"step-{step:06d}"
-        directory.mkdir(parents=True, exist_ok=True)
-        _atomic_save({
-            "method": config.method, "options": options, "world": world, "step": step,
-            "model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "hook": hook_state.state_dict() if hook_state is not None else None,
-            "loader": train_loader.state_dict(), "rng": _rng_state(),
-            "val_steps": val_steps, "val_losses": val_losses,
-        }, directory / f"rank{rank}.pt")
-        dist.barrier()  # every rank's file is in place before the pointer moves
-        if rank == 0:
-            previous = latest_checkpoint(config.checkpoint_dir)
-            _atomic_write_text(directory.name, config.checkpoint_dir / "latest")
-            if previous is not None and previous != directory:
-                shutil.rmtree(previous, ignore_errors=True)
-        say(f"[train_lm] checkpoint step {step} -> {directory}")
 
     train_losses: list[float] = []
     step_seconds: list[float] = []
@@ -655,7 +661,9 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
     window_start = time.perf_counter()
     for step in range(start_step + 1, last + 1):
         begin = time.perf_counter()
-        tokens = stream.next()["tokens"][:, : context + 1].long()
+        batch = stream.next()
+        samples.write(step, train_loader.epoch, batch["index"])
+        tokens = batch["tokens"][:, : context + 1].long()
         optimizer.zero_grad(set_to_none=True)
         loss = ddp(tokens[:, :-1], tokens[:, 1:])
         backward_begin = time.perf_counter()
@@ -682,10 +690,13 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
             val_losses.append(_val_loss(ddp.module, val_loader, config.val_rows))
             say(f"[train_lm] step {step} val loss {val_losses[-1]:.4f}")
             window_start = time.perf_counter()
-        if config.checkpoint_every and step % config.checkpoint_every == 0:
-            checkpoint(step)
+        if ckpt is not None and ckpt.maybe_save(step, {"val_steps": val_steps, "val_losses": val_losses}):
+            say(f"[train_lm] checkpoint step {step} -> {ckpt.path_of(step)}")
             window_start = time.perf_counter()
 
+    if config.final_state is not None and rank == 0:
+        torch.save({"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(), "step": last},
+                   config.final_state)
     # One collective for the per-step numbers: the mean training loss and the slowest rank's time.
     losses = torch.tensor(train_losses, dtype=torch.float64)
     seconds = torch.tensor(step_seconds, dtype=torch.float64)
@@ -716,6 +727,7 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return key, value  # a bare word: a string option (compressor=sign)
 
 
+@fastcomm.fault.exit_on_peer_loss
 def main(argv: Sequence[str] | None = None) -> int:
     """The torchrun entry point: parse arguments, join the gloo group, prepare data, train, report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -743,11 +755,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schedule-steps", type=int, default=None, help="cosine length (default --steps)")
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the TrainResult here")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="collective timeout in seconds: how long a rank waits for a silent peer "
+                             "before it fails (default: FASTCOMM_TIMEOUT, else 300)")
+    parser.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept")
+    parser.add_argument("--sample-log", type=Path, default=None, help="log each batch's sample ids here")
+    parser.add_argument("--final-state", type=Path, default=None,
+                        help="rank 0 saves the final model and optimizer state_dicts here")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    fastcomm.fault.init_process_group("gloo", timeout=args.timeout)
     try:
         data_dir = args.data_dir or default_data_dir()
         if dist.get_rank() == 0:
@@ -764,10 +782,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_every=args.log_every,
             model=ModelConfig(d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head),
             checkpoint_dir=args.checkpoint_dir if args.checkpoint_every else None,
-            checkpoint_every=args.checkpoint_every, resume=resume, stop_after=args.stop_after,
+            checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, resume=resume,
+            stop_after=args.stop_after, sample_log=args.sample_log, final_state=args.final_state,
             schedule_steps=args.schedule_steps,
         )
-        result = train(config, paths, log=lambda line: print(line, file=sys.stderr, flush=True))
+        with fastcomm.fault.peer_guard():
+            result = train(config, paths, log=lambda line: print(line, file=sys.stderr, flush=True))
         if dist.get_rank() == 0:
             if result.val_losses:
                 print(f"[train_lm] {args.hook}: val loss {result.val_losses[-1]:.4f} at step "

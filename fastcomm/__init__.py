@@ -6,7 +6,8 @@ Example::
     state = fastcomm.register(ddp_model, "topk", ratio=0.01)
 """
 
-from fastcomm import compress, integrations, ops
+from fastcomm import compress, fault, integrations, ops
+from fastcomm.checkpoint import Checkpointer, CheckpointError
 from fastcomm.hooks import (
     CastState,
     HookName,
@@ -25,6 +26,8 @@ from fastcomm.optim import CompressedAdam
 
 __all__ = [
     "CastState",
+    "CheckpointError",
+    "Checkpointer",
     "CompressedAdam",
     "HookName",
     "PeerCollectiveError",
@@ -34,6 +37,7 @@ __all__ = [
     "backend",
     "cast_hook",
     "compress",
+    "fault",
     "integrations",
     "ops",
     "quantize_hook",

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+import fastcomm
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--max-files", "40", "--batch-size", "4",
         "--val-rows", "8", "--log-every", "2"]
@@ -37,7 +39,7 @@ def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path
     # repeat A's steps 5 and 6 exactly (model, optimizer, schedule, hook residuals, loader position, RNG).
     common = ["--hook", "topk", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4"]
     _torchrun(tmp_path, *common, "--stop-after", "6", "--json", str(tmp_path / "a.json"))
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000004"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000004"]
     resumed = _torchrun(tmp_path, *common, "--resume", "--json", str(tmp_path / "b.json"))
     first, second = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
 
@@ -49,8 +51,8 @@ def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path
     assert second["train_losses"][:2] == first["train_losses"][4:6]
     assert second["val_steps"] == [4, 8]  # step 4's validation came with the checkpoint
     assert second["val_losses"][0] == first["val_losses"][0]
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000008"
-    assert not (tmp_path / "ckpt" / "step-000004").exists()
+    # The newest two are kept (--checkpoint-keep's default): the newest, and one to fall back on.
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000004", "step-000000008"]
 
 
 def test_resume_refuses_a_checkpoint_of_another_method(tmp_path: Path) -> None:
@@ -62,7 +64,7 @@ def test_resume_refuses_a_checkpoint_of_another_method(tmp_path: Path) -> None:
     try:
         train_lm.train(train_lm.TrainConfig(method="none", checkpoint_dir=tmp_path / "ckpt",
                                             checkpoint_every=2, **common), paths)
-        with pytest.raises(ValueError, match="is of method 'none'"):
+        with pytest.raises(fastcomm.CheckpointError, match="is of another run: method: saved 'none', this run 'q8'"):
             train_lm.train(train_lm.TrainConfig(method="q8", resume=tmp_path / "ckpt", **common), paths)
     finally:
         dist.destroy_process_group()
