@@ -14,7 +14,9 @@ classmethods build it with the helpers here. The rule, per kind of state:
    :meth:`~fastcomm.hooks._compression.CompressionState.residual_of`) is unchanged: no gradient is lost and
    none is sent twice.
 3. **DGC momentum velocity** (top-k with ``momentum > 0``): the mean over old ranks, the velocity of the
-   mean gradient, which is what the ranks' velocities contribute to the reduced gradient on average.
+   mean gradient, which is what the ranks' velocities contribute to the reduced gradient on average. Any
+   other bucket-layout tensor likewise: PowerSGD's warm-start ``Q``'s are the same on every rank (the
+   mean of an allreduce), so their mean is themselves, valid at any world size.
 4. **What belongs to the old group alone**: dropped. The segments of two-phase hooks (which part of a bucket
    a rank reduced) and the checkpoint's bucket layout, which would make the first iteration reduce its
    buckets as the old layout's (a bit-identical resume needs the old world size): the merged state has
@@ -87,6 +89,9 @@ class BucketMerge:
             )
         if "velocity" in self.tensors:
             notes.append(f"DGC momentum velocity: the mean over the {old} old ranks")
+        others = [name for name in self.tensors if name not in ("residual", "velocity")]
+        if others:  # PowerSGD's warm-start Q's, the same on every rank: the mean keeps them
+            notes.append(f"{', '.join(others)}: the mean over the {old} old ranks")
         return notes
 
 
@@ -174,7 +179,7 @@ def merge_buckets(
 
     1. ``residual``: the mean over old ranks of :meth:`~fastcomm.hooks._store.BucketEntry.owed` (the
        phase-1 residual with the segment residual folded in), in fp32, cast to old rank 0's dtype.
-    2. Every other bucket-layout tensor (``velocity``): the mean over old ranks, likewise.
+    2. Every other bucket-layout tensor (``velocity``, ``compressor_state``): the mean over old ranks.
     3. The segment tensor is gone (folded in step 1); ``segment_start`` is 0 and ``world_size`` the new one.
 
     Args:

@@ -48,6 +48,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "cast": ("cast", {}, SMALL_BUCKETS),
     "compressor_blockwise": ("reshard_q8", {"bits": 8, "block": 32, "min_compress_numel": 0}, SMALL_BUCKETS),
     "compressor_gather": ("reshard_topk", {"k": 9, "min_compress_numel": 0}, SMALL_BUCKETS),
+    # two allreduces per bucket; its warm-start Q's are a store tensor besides the residual
+    "powersgd": ("powersgd", {"rank": 2, "min_compress_numel": 0}, SMALL_BUCKETS),
     # past warm-up: the sign compressor holds residuals of momentum
     "cadam": ("cadam", {"warmup_steps": 2, "chunk": 64, "min_compress_numel": 0}, SMALL_BUCKETS),
     # a quantized warm-up (a default QuantState: one bucket of 1770, compressed; its residuals stay in the
