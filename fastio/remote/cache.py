@@ -327,7 +327,9 @@ class ShardCache:
                 _close_lock(fd)
         return used
 
-    def _reserve(self, part: Path, size: int | None, cancel: threading.Event | None) -> bool:
+    def _reserve(
+        self, part: Path, size: int | None, cancel: threading.Event | None, on_wait: Callable[[], None] | None
+    ) -> bool:
         """Make ``part`` a ``size``-byte file (empty when the size is not known) once the cache has room for
         it (see the module docstring); False when ``cancel`` was set meanwhile."""
         deadline = time.monotonic() + self.wait_s
@@ -342,6 +344,8 @@ class ShardCache:
                     return True
             if time.monotonic() > deadline:
                 raise CacheFullError(str(self.directory), self.limit, used, needed)
+            if on_wait is not None:
+                on_wait()  # e.g. let go of pins that are no longer needed, so room can appear
             if cancel is not None and cancel.wait(_POLL_S):
                 return False
             if cancel is None:
@@ -349,13 +353,18 @@ class ShardCache:
 
     # -- filling -----------------------------------------------------------------------------------------
     def reserve(
-        self, key: str, size: int | None, cancel: threading.Event | None = None
+        self,
+        key: str,
+        size: int | None,
+        cancel: threading.Event | None = None,
+        on_wait: Callable[[], None] | None = None,
     ) -> Reservation | None:
         """Start making entry ``key`` (``size`` bytes; None: not known yet, e.g. a tar being decompressed):
         None when it is there already (or another process made it while this one waited for the entry's
         download lock), or when ``cancel`` is set while waiting for room; else a :class:`Reservation`
         holding that lock and a ``size``-byte temporary file counted against the limit. Blocks while the
-        cache has no room (see the module docstring). The caller should hold a :meth:`pin` so it stays.
+        cache has no room (see the module docstring), calling ``on_wait()`` between tries. The caller should
+        hold a :meth:`pin` so the entry stays.
 
         Example::
 
@@ -372,7 +381,7 @@ class ShardCache:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one download per entry per node
             part = dest.with_name(f".{dest.name}.part-{os.getpid()}-{threading.get_ident()}")
-            if self.has(key, size) or not self._reserve(part, size, cancel):
+            if self.has(key, size) or not self._reserve(part, size, cancel, on_wait):
                 _close_lock(fd)
                 return None
         except BaseException:

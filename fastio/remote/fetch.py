@@ -328,6 +328,8 @@ def with_retries(
             raise
         except Exception as exc:  # sorted by classify(): only transient failures are retried
             kind, code = classify(exc)
+            if kind == "missing" and code == "FileNotFoundError" and url.startswith(("http://", "https://")):
+                code = "404"  # fsspec's HTTP filesystem raises a bare FileNotFoundError for exactly that
             if kind == "missing":
                 raise RemoteNotFoundError(url, code) from None
             if kind == "denied":

@@ -46,6 +46,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -85,6 +86,7 @@ from fastio.remote.fetch import (
 )
 from fastio.sources import BatchBuffers, ShardSource, StageTimes, TarSource
 from fastio.sources.base import Source, torch_dtype
+from fastio.sources.tar import TarLayout
 from fastio.workers import worker_info
 
 __all__ = ["RemoteShardSource", "RemoteSource", "RemoteTarSource", "open_remote"]
@@ -207,6 +209,7 @@ class RemoteSource(Source):
         self._holds: dict[int, int] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: dict[int, concurrent.futures.Future[None]] = {}
+        self._failed: dict[int, BaseException] = {}  # downloads of this pass that failed for good
         self._prefetcher: threading.Thread | None = None
         self._stop = threading.Event()
         self._progress: _SharedProgress | None = None
@@ -275,9 +278,14 @@ class RemoteSource(Source):
             return self.cache.path(info.key)
         job = self.cache.reserve(info.key, info.local_size)
         if job is not None:
+            failed = self._failed.get(shard)
+            if failed is not None:  # this pass's download of it already spent the retry budget
+                job.abort()
+                raise failed
             try:
                 self._write(shard, job.part)
-            except BaseException:
+            except BaseException as exc:
+                self._failed[shard] = exc  # before the lock goes: a fetch waiting on it must see this
                 job.abort()
                 raise
             job.finish(lambda part: self._check_download(shard, part))
@@ -345,7 +353,7 @@ class RemoteSource(Source):
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self.download_threads, thread_name_prefix="fastio-download"
             )
-        self._inflight = {}
+        self._inflight, self._failed = {}, {}
         self._prefetcher = threading.Thread(
             target=self._prefetch,
             args=(order, self._stop, self._progress),
@@ -393,28 +401,45 @@ class RemoteSource(Source):
                 info = self.shards[shard]
                 if info.local_size is not None and self.cache.has(info.key, info.local_size):
                     continue
-                job = self.cache.reserve(info.key, info.local_size, stop)  # in read order: waits for room
-                if job is None:
-                    continue
-                future = self._pool.submit(self._download_reserved, shard, job)
+                # Published before the reservation, so a fetch that needs the shard waits for this download
+                # (and its outcome) rather than starting its own.
+                future: concurrent.futures.Future[None] = concurrent.futures.Future()
                 self._inflight[shard] = future
+                try:
+                    job = self.cache.reserve(  # in read order: waits for room, unpinning what is read
+                        info.key, info.local_size, stop, functools.partial(self._sweep, progress)
+                    )
+                except BaseException as exc:
+                    future.set_exception(exc)
+                    raise
+                if job is None:
+                    future.set_result(None)
+                    continue
+                self._pool.submit(self._download_reserved, shard, job, future)
             while not stop.is_set() and self._prefetch_held:
                 self._sweep(progress)
                 stop.wait(_POLL_S)
-        except BaseException as exc:  # noqa: BLE001 - kept for the fetch that needs the shard
+        except BaseException as exc:  # noqa: BLE001 - kept for the fetches of the shards not reached
             failed: concurrent.futures.Future[None] = concurrent.futures.Future()
             failed.set_exception(exc)
             for shard in order.tolist():
-                self._inflight.setdefault(shard, failed)
+                if shard not in self._inflight:
+                    self._inflight[shard] = failed
 
-    def _download_reserved(self, shard: int, job: Any) -> None:
+    def _download_reserved(self, shard: int, job: Any, future: concurrent.futures.Future[None]) -> None:
         try:
+            failed = self._failed.get(shard)
+            if failed is not None:  # a fetch's own download of it failed for good while this one waited
+                raise failed
             self._write(shard, job.part)
-        except BaseException:
+            job.finish(lambda part: self._check_download(shard, part))
+            self._after_download(shard, self.cache.path(self.shards[shard].key))
+        except BaseException as exc:  # noqa: BLE001 - handed to the fetch that needs the shard
+            self._failed[shard] = exc  # before the lock goes: a fetch waiting on it must see this
             job.abort()
-            raise
-        job.finish(lambda part: self._check_download(shard, part))
-        self._after_download(shard, self.cache.path(self.shards[shard].key))
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
 
     def _stop_prefetch(self) -> None:
         self._stop.set()
@@ -450,7 +475,7 @@ class RemoteSource(Source):
         """In a forked worker: no prefetcher, no pool, no pins (the cache dropped the inherited ones)."""
         self._lock = threading.Lock()
         self._memo = OrderedDict()
-        self._opened, self._holds, self._inflight = {}, {}, {}
+        self._opened, self._holds, self._inflight, self._failed = {}, {}, {}, {}
         self._pool, self._prefetcher, self._prefetch_held = None, None, set()
         self._stop = threading.Event()
         if self._progress is not None:
@@ -528,6 +553,8 @@ class RemoteSource(Source):
             done = self._finished(progress)
             if done[shards].any():
                 self._drop_read(done)
+                if self._owner():
+                    self._sweep(progress)
                 if not self._owner():  # the planning process's prefetcher marks its own
                     for shard in shards[done[shards]].tolist():
                         self.cache.mark_read(self.shards[shard].key)
@@ -684,35 +711,7 @@ class RemoteShardSource(RemoteSource):
         return reader
 
     def _local_source(self, shards: tuple[int, ...], opened: list[ShardReader]) -> ShardSource:
-        return ShardSource(_shard_subset(self.name, self.schema, opened))
-
-
-def _shard_subset(name: str, schema: Any, readers: list[ShardReader]) -> ShardSet:
-    """A :class:`ShardSet` of already-open readers (no I/O)."""
-    from_readers = getattr(ShardSet, "from_readers", None)
-    if from_readers is not None:
-        return from_readers(name, schema, readers)
-    subset = ShardSet.__new__(ShardSet)
-    subset.directory, subset.schema, subset.readers = Path(name), schema, readers
-    subset.shard_sizes = [r.num_samples for r in readers]
-    subset.num_samples = int(sum(subset.shard_sizes))
-    return subset
-
-
-def _tar_subset(paths: list[str], indexes: list[TarIndex], files: list[MappedFile]) -> TarShardSet:
-    """A :class:`TarShardSet` of already-loaded indexes and mappings (no I/O)."""
-    from_parts = getattr(TarShardSet, "from_parts", None)
-    if from_parts is not None:
-        return from_parts(paths, indexes, files)
-    subset = TarShardSet.__new__(TarShardSet)
-    subset.paths, subset.indexes, subset.files = paths, indexes, files
-    fields: dict[str, None] = {}
-    for index in indexes:
-        fields.update(dict.fromkeys(index.fields))
-    subset.fields = list(fields)
-    subset.shard_sizes = [index.num_samples for index in indexes]
-    subset.num_samples = int(sum(subset.shard_sizes))
-    return subset
+        return ShardSource(ShardSet.from_readers(self.name, self.schema, opened))
 
 
 @dataclasses.dataclass
@@ -743,7 +742,7 @@ class RemoteTarSource(RemoteSource):
     Batches are what :class:`fastio.sources.TarSource` gives over the same tars (fields as WebDataset names
     them, ``__key__``): a ``.npy`` field whose members have one size throughout the set and an int field
     present in every sample come as tensors, everything else decoded per sample. A ``.npy`` field of one
-    size whose header differs between shards raises :class:`fastio.CorruptShardError` naming the shard (a
+    size whose header differs between shards raises :class:`fastio.SchemaMismatchError` naming the shard (a
     remote set cannot be scanned whole before its first batch); pass ``decode=`` a callable to decode it
     yourself.
 
@@ -862,7 +861,7 @@ class RemoteTarSource(RemoteSource):
         tmp.write_bytes(sidecar)
         os.replace(tmp, target)
 
-    def _plan_layout(self, metas: list[_TarMeta]) -> dict[str, Any]:
+    def _plan_layout(self, metas: list[_TarMeta]) -> TarLayout:
         """The field decisions of the whole set, as a local TarSource over every tar would make them: a
         ``.npy`` field of one member size in every sample of every shard is gathered fixed (its dtype and
         shape read from the first member), an int field present in every sample is an int64 tensor."""
@@ -872,7 +871,7 @@ class RemoteTarSource(RemoteSource):
         npy: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
         ints: list[str] = []
         if callable(self.decode):
-            return {"fields": list(fields), "npy": npy, "ints": ints}
+            return TarLayout(tuple(fields), npy, ())
         for field in fields:
             where = [m.fields.index(field) if field in m.fields else -1 for m in metas]
             if any(j < 0 or not m.present[j] for m, j in zip(metas, where, strict=True)):
@@ -886,7 +885,7 @@ class RemoteTarSource(RemoteSource):
                         npy[field] = spec
             elif kind in INT_EXTENSIONS:
                 ints.append(field)
-        return {"fields": list(fields), "npy": npy, "ints": ints}
+        return TarLayout(tuple(fields), npy, tuple(ints))
 
     def _npy_spec(self, field: str, size: int) -> tuple[np.dtype, tuple[int, ...], int] | None:
         """(dtype, shape, header bytes) of ``field`` from the first sample of the first shard (the shard's
@@ -926,8 +925,8 @@ class RemoteTarSource(RemoteSource):
         return dtype, tuple(shape), header
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        specs = {n: (torch_dtype(dtype), shape) for n, (dtype, shape, _) in self._layout["npy"].items()}
-        specs.update({name: (torch.int64, ()) for name in self._layout["ints"]})
+        specs = {n: (torch_dtype(dtype), shape) for n, (dtype, shape, _) in self._layout.npy_fixed.items()}
+        specs.update({name: (torch.int64, ()) for name in self._layout.ints})
         return specs
 
     # -- reading -------------------------------------------------------------------------------------------
@@ -942,31 +941,8 @@ class RemoteTarSource(RemoteSource):
 
     def _local_source(self, shards: tuple[int, ...], opened: list[tuple[TarIndex, MappedFile]]) -> TarSource:
         paths = [str(self.cache.path(self.shards[s].key)) for s in shards]
-        subset = _tar_subset(paths, [o[0] for o in opened], [o[1] for o in opened])
-        layout = getattr(TarSource, "layout_type", None)
-        if layout is not None:  # the seam's own way of imposing the set's decisions
-            return TarSource(subset, decode=self.decode, layout=layout(**self._layout))
-        source = TarSource(subset, decode=self.decode)
-        self._impose_layout(source, shards)
-        return source
-
-    def _impose_layout(self, source: TarSource, shards: tuple[int, ...]) -> None:
-        """Make a TarSource over some shards decide its fields as the whole set does."""
-        for name in list(source._npy_fixed):
-            if name not in self._layout["npy"]:
-                del source._npy_fixed[name]
-        for name, (dtype, shape, header) in self._layout["npy"].items():
-            mine = source._npy_fixed.get(name)
-            if mine is None or mine[0] != dtype or tuple(mine[1]) != shape or mine[2] != header:
-                urls = ", ".join(self.shards[s].url for s in shards)
-                raise CorruptShardError(
-                    urls, name, f".npy {dtype} {shape} with a {header}-byte header in every member (shard 0)",
-                    "another .npy header" if mine is None else f".npy {mine[0]} {tuple(mine[1])}",
-                    "pass decode= a callable to decode it per sample",
-                )  # fmt: skip
-        for name in list(source._ints):
-            if name not in self._layout["ints"]:
-                del source._ints[name]
+        subset = TarShardSet.from_parts(paths, [o[0] for o in opened], [o[1] for o in opened])
+        return TarSource(subset, decode=self.decode, layout=self._layout)
 
 
 def open_remote(target: str | list[str], options: Any) -> RemoteSource:
