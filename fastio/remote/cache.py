@@ -201,9 +201,10 @@ class ShardCache:
     def has(self, key: str, size: int | None = None) -> bool:
         """True when entry ``key`` is there (of ``size`` bytes, when given)."""
         try:
-            return size is None or self.path(key).stat().st_size == size
+            actual = self.path(key).stat().st_size
         except FileNotFoundError:
             return False
+        return size is None or actual == size
 
     # -- pins --------------------------------------------------------------------------------------------
     def pin(self, key: str) -> None:

@@ -1,0 +1,182 @@
+"""Compressed WebDataset tar shards (.tgz, .tar.gz, .tar.zst), local and over HTTP: decompressed once into
+the cache, then read like plain tars; checked against webdataset.WebDataset and fastio's own tar reader."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import sys
+import tarfile
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fastio
+from fastio.errors import CorruptShardError
+from fastio.registry import OpenOptions
+from fastio.remote import RemoteTarSource, RetryPolicy
+from fastio.remote.compressed import decompress, is_compressed_tar, open_compressed_tars
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _http_server import HttpServer  # noqa: E402
+
+FAST_RETRY = RetryPolicy(retries=4, backoff=0.005, max_backoff=0.05, timeout=5.0, chunk_bytes=4096)
+
+
+def _raw(field: str, data: bytes) -> bytes:
+    return data
+
+
+def _members(shard: int, count: int) -> list[tuple[str, bytes]]:
+    """WebDataset sample.tgz's shape: per key a .cls, a .jpg (random bytes, compared raw) and a .json."""
+    rng = np.random.default_rng(zlib.crc32(repr(("compressed", shard)).encode()))
+    members = []
+    for i in range(count):
+        key = f"sample/{shard:02d}{i:04d}"
+        jpg = rng.integers(0, 256, int(rng.integers(100, 3000)), dtype=np.uint8).tobytes()
+        members += [
+            (f"{key}.cls", str(int(rng.integers(0, 10))).encode()),
+            (f"{key}.jpg", jpg),
+            (f"{key}.json", json.dumps({"i": i, "shard": shard}).encode()),
+        ]
+    return members
+
+
+def _write_tar(path: Path, members: list[tuple[str, bytes]], mode: str = "w") -> Path:
+    with tarfile.open(path, mode) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _write_zst(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    zstandard = pytest.importorskip("zstandard", reason="the optional zstandard extra is not installed")
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(zstandard.ZstdCompressor().compress(plain.getvalue()))
+    return path
+
+
+def _fastio_samples(loader: fastio.StreamLoader) -> dict[str, dict[str, bytes]]:
+    out = {}
+    for batch in loader:
+        for row, key in enumerate(batch["__key__"]):
+            out[key] = {f: batch[f][row] for f in ("cls", "jpg", "json")}
+    return out
+
+
+def test_tgz_gives_the_keys_and_bytes_webdataset_gives(tmp_path):
+    webdataset = pytest.importorskip("webdataset", reason="webdataset is the reference here")
+    path = _write_tar(tmp_path / "sample.tgz", _members(0, 23), "w:gz")
+    loader = fastio.StreamLoader(str(path), batch_size=5, decode=_raw, cache_dir=str(tmp_path / "cache"))
+    mine = _fastio_samples(loader)
+    theirs = {
+        s["__key__"]: {f: s[f] for f in ("cls", "jpg", "json")}
+        for s in webdataset.WebDataset(str(path), shardshuffle=False, empty_check=False)
+    }
+    assert len(theirs) == 23
+    assert mine == theirs
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".tar.zst"])
+def test_compressed_shards_read_like_the_plain_tars(tmp_path, suffix):
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir()
+    packed.mkdir()
+    for shard in range(3):
+        members = _members(shard, 7 + 3 * shard)
+        _write_tar(plain / f"shard-{shard:03d}.tar", members)
+        if suffix == ".tar.gz":
+            _write_tar(packed / f"shard-{shard:03d}{suffix}", members, "w:gz")
+        else:
+            _write_zst(packed / f"shard-{shard:03d}{suffix}", members)
+    options = OpenOptions(decode=_raw, cache_dir=str(tmp_path / "cache"))
+    source = open_compressed_tars(str(packed / f"shard-{{000..002}}{suffix}"), options)
+    reference = fastio.StreamLoader(
+        str(plain / "shard-{000..002}.tar"), batch_size=4, shuffle="shard", seed=9, decode=_raw
+    )
+    mine = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=9, num_workers=2)
+    for a, b in zip(reference, mine, strict=True):
+        assert a == b
+    source.close()
+
+
+def test_tgz_over_http_is_decompressed_once_and_resumes(tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    for shard in range(4):
+        _write_tar(root / f"shard-{shard:03d}.tgz", _members(shard, 6 + shard), "w:gz")
+    with HttpServer(root) as server:
+        source = RemoteTarSource(
+            server.url("shard-{000..003}.tgz"), cache_dir=tmp_path / "cache", retry=FAST_RETRY, decode=_raw
+        )
+        loader = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=2)
+        first = iter(loader)
+        seen = Counter(k for _ in range(2) for k in next(first)["__key__"])
+        state = loader.state_dict()
+        resumed = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=2)
+        resumed.load_state_dict(state)
+        seen.update(k for batch in resumed for k in batch["__key__"])
+        # A second source on the same cache opens from what the first one kept: nothing is downloaded.
+        served = sum(r.sent for r in server.log())
+        again = RemoteTarSource(
+            server.url("shard-{000..003}.tgz"), cache_dir=tmp_path / "cache", retry=FAST_RETRY, decode=_raw
+        )
+        assert [len(list(b["__key__"])) for b in fastio.StreamLoader(again, batch_size=100)] == [
+            sum(range(6, 10))
+        ]
+        assert sum(r.sent for r in server.log() if r.method == "GET") == served
+        source.close()
+        again.close()
+    assert sum(seen.values()) == sum(range(6, 10)) and set(seen.values()) == {1}
+    for shard in range(4):  # each compressed shard crossed the network exactly once
+        assert (
+            server.bytes_served(f"/shard-{shard:03d}.tgz") == (root / f"shard-{shard:03d}.tgz").stat().st_size
+        )
+
+
+def test_truncated_gzip_names_the_shard(tmp_path):
+    path = _write_tar(tmp_path / "bad.tar.gz", _members(0, 5), "w:gz")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CorruptShardError, match="bad.tar.gz"):
+        open_compressed_tars(str(path), OpenOptions(cache_dir=str(tmp_path / "cache")))
+    assert not any(p.name.endswith(".tar") for p in (tmp_path / "cache").rglob("*"))  # nothing half-made
+
+
+def test_zst_without_zstandard_says_which_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # import zstandard now raises ImportError
+    with pytest.raises(ImportError, match="pip install zstandard"):
+        decompress(io.BytesIO(b"\x28\xb5\x2f\xfd"), "zstd", io.BytesIO())
+
+
+def test_gzip_decompress_streams_what_gzip_wrote():
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    out = io.BytesIO()
+    assert decompress(io.BytesIO(gzip.compress(data)), "gzip", out) == len(data)
+    assert out.getvalue() == data
+
+
+@pytest.mark.parametrize(
+    "target, expected",
+    [("a/shard-{000..009}.tar.gz", True), ("a/x.tgz", True), ("a/x.tar.zst", True), ("a/x.tar", False),
+     (["a.tgz", "b.tar.gz"], True), (["a.tgz", "b.tar"], False)],
+)  # fmt: skip
+def test_is_compressed_tar(target, expected):
+    assert is_compressed_tar(target) is expected
+
+
+def test_int_fields_of_compressed_tars_are_tensors(tmp_path):
+    path = _write_tar(tmp_path / "s.tgz", _members(1, 9), "w:gz")
+    batch = next(iter(fastio.StreamLoader(str(path), batch_size=9, cache_dir=str(tmp_path / "cache"))))
+    assert batch["cls"].dtype == torch.int64 and len(batch["__key__"]) == 9
