@@ -14,6 +14,9 @@ STAMP       := $(VENV)/.fastlib-installed
 INTEGRATIONS ?= accelerate==1.15.0 lightning==2.6.6 pytorch_lightning==2.6.6 lightning_utilities==0.15.3 \
                 torchmetrics==1.9.0 huggingface_hub==2.4.0 safetensors==0.8.0 psutil==7.2.2
 INTEGRATIONS_STAMP := $(VENV)/.fastlib-integrations
+# fastio's remote sources (fsspec; http(s) needs aiohttp), .tar.zst shards, and the S3 tests' moto server + s3fs.
+# All torch-free; the tests that need one skip with its name when it is absent.
+REMOTE      ?= "fsspec>=2024.2" "aiohttp>=3.9" "requests>=2.31" "zstandard>=0.22" "moto[server]" s3fs boto3
 NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
 .PHONY: test bench install lint clean test-no-native
@@ -30,6 +33,7 @@ $(STAMP): $(PY) $(NATIVE_SRC)
 
 $(INTEGRATIONS_STAMP): $(STAMP) Makefile
 	$(PIP) install --no-deps $(INTEGRATIONS)
+	$(PIP) install $(REMOTE)
 	touch $(INTEGRATIONS_STAMP)
 
 install: $(STAMP) $(INTEGRATIONS_STAMP)

@@ -6,7 +6,7 @@ import importlib
 import sys
 import time
 
-SUITE = ("bench_kernels", "bench_loader", "bench_images", "bench_hooks", "bench_convergence")
+SUITE = ("bench_kernels", "bench_loader", "bench_images", "bench_hooks", "bench_convergence", "bench_remote")
 
 
 def main() -> int:

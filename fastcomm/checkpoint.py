@@ -208,7 +208,8 @@ def merge_optimizer_states(states: Sequence[Mapping[str, Any]]) -> tuple[dict[st
                     continue
                 if not value.is_floating_point() or value.dim() == 0:  # a step count, not per-element state
                     raise CheckpointError(f"optimizer state {pid}/{key} ({value.dtype}, shape "
-                                          f"{tuple(value.shape)}) differs across ranks; it cannot be averaged")
+                                          f"{tuple(value.shape)}) differs across ranks; it cannot be "
+                                          "averaged")
                 param_state[key] = torch.stack([value] + list(others)).mean(0).to(value.dtype)
                 averaged += 1
             elif not all(_same(value, other) for other in others):

@@ -31,6 +31,8 @@ from fastio.format.writer import ShardWriter
 from fastio.image import ImageStage
 from fastio.loader import StreamLoader
 from fastio.pack import Pack
+from fastio.registry import register_format, register_scheme
+from fastio.sources import Source
 from fastio.stages import BatchStage, StageContext
 from fastio.workers import WorkerInfo, worker_info
 
@@ -47,6 +49,7 @@ __all__ = [
     "ShardReader",
     "ShardSet",
     "ShardWriter",
+    "Source",
     "StageContext",
     "StreamLoader",
     "TarShardSet",
@@ -55,5 +58,7 @@ __all__ = [
     "collate_samples",
     "decode_default",
     "index_tar",
+    "register_format",
+    "register_scheme",
     "worker_info",
 ]

@@ -8,6 +8,7 @@ hook                 state                on the wire (per bucket, per rank)
 ``sign_hook``        ``SignState``        all-to-all then all-gather of sign bits + fp32 scales
 ``cast_hook``        ``CastState``        one allreduce in bf16 (or fp16)
 ``compressor_hook``  ``CompressorState``  any registered ``fastcomm.compress.Compressor``
+``powersgd_hook``    ``PowerSGDState``    two allreduces (sum) of fp32: dense elements + rank-r P's, then Q's
 ===================  ===================  ===========================================================
 
 Collective order: every collective is issued inside a hook call, never from a callback, and DDP calls hooks
@@ -30,6 +31,7 @@ from fastcomm.hooks._defaults import default_state
 from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
+from fastcomm.hooks.powersgd import PowerSGDState, powersgd_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
 from fastcomm.hooks.registry import COMPRESSORS, HOOKS, HookName, add_compressor, register
 from fastcomm.hooks.sign import SignState, sign_hook
@@ -44,6 +46,7 @@ __all__ = [
     "HookName",
     "HookState",
     "PeerCollectiveError",
+    "PowerSGDState",
     "QuantState",
     "SignState",
     "TopKState",
@@ -51,6 +54,7 @@ __all__ = [
     "cast_hook",
     "compressor_hook",
     "default_state",
+    "powersgd_hook",
     "quantize_hook",
     "register",
     "sign_hook",

@@ -28,10 +28,15 @@ class Lane:
     """
 
     def __init__(self, parent: dist.ProcessGroup) -> None:
+        ranks = dist.get_process_group_ranks(parent)
         self.group = dist.new_group(
-            ranks=dist.get_process_group_ranks(parent),
+            ranks=ranks,
             backend=dist.get_backend(parent),
-            use_local_synchronization=True,  # only the parent's ranks run this hook
+            # Only the parent's ranks run this hook, so a subgroup's lane must synchronize locally. A lane
+            # over every rank is made by every rank, at the same point of each one's sequence of groups, so
+            # it uses the plain path: the local one (torch 2.13, gloo) hangs or times out when the ranks
+            # made different numbers of groups they are not members of before it.
+            use_local_synchronization=len(ranks) != dist.get_world_size(),
             group_desc="fastcomm_phase2",
             timeout=_timeout_of(parent),
         )

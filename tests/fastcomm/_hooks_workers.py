@@ -585,7 +585,7 @@ def _check_register_and_misuse() -> None:
 
     ddp = nn.parallel.DistributedDataParallel(make_mlp(0))
     with pytest.raises(ValueError, match="unknown hook"):
-        fastcomm.register(ddp, "powersgd")
+        fastcomm.register(ddp, "no_such_hook")
     with pytest.raises(ValueError, match="ratio"):
         fastcomm.register(ddp, "topk", ratio=2.0)
     with pytest.raises(ValueError, match="bits"):
