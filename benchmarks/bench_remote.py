@@ -38,8 +38,8 @@ Targets (the issue's): epoch 1 >= 0.85x the link rate; cache epochs >= 0.8x loca
 
 Run::
 
-    python -m benchmarks.bench_remote            # about 1 GB each of fastio shards and tars; ~3 minutes
-    python -m benchmarks.bench_remote --quick    # 24 MB each, seconds: a smoke test; writes no results
+    python -m benchmarks.bench_remote            # about 1 GB each of fastio shards and tars; ~6 minutes
+    python -m benchmarks.bench_remote --quick    # 24 MB each, about a minute: a smoke test; writes no results
 
 Needs root and ``ip``/``tc`` (netlab); without them it says why and measures nothing.
 """
