@@ -162,11 +162,15 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Entry:
-    """A local source over a set of cached shards, with the shards' positions inside it."""
+    """A local source over a set of cached shards; ``delta[s]`` turns a global index of shard ``s`` into
+    the local source's index (the shard's start there minus its global start)."""
 
-    def __init__(self, shards: tuple[int, ...], source: Any, sizes: Sequence[int]) -> None:
+    def __init__(self, shards: tuple[int, ...], source: Any, cumulative: np.ndarray) -> None:
         self.shards, self.source, self.refs = shards, source, 0
-        self.first = dict(zip(shards, np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist(), strict=True))
+        sizes = cumulative[1:] - cumulative[:-1]
+        starts = np.concatenate([[0], np.cumsum(sizes[list(shards)])[:-1]]).astype(np.int64)
+        self.delta = np.zeros(len(sizes), dtype=np.int64)
+        self.delta[list(shards)] = starts - cumulative[list(shards)]
 
 
 class RemoteSource(Source):
@@ -205,7 +209,7 @@ class RemoteSource(Source):
         self.shards: list[_Shard] = []
         self._lock = threading.Lock()
         self._memo: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
-        self._opened: dict[int, Any] = {}
+        self._opened: dict[int, tuple[Any, int]] = {}  # shard -> (opened, inode of the cached file)
         self._holds: dict[int, int] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: dict[int, concurrent.futures.Future[None]] = {}
@@ -306,8 +310,15 @@ class RemoteSource(Source):
                 self._holds[shard] = count
                 return
             del self._holds[shard]
-            self._opened.pop(shard, None)
+            if not self._keep_mapped():
+                self._opened.pop(shard, None)  # it may be evicted: a mapping would hold the disk
         self.cache.unpin(self.shards[shard].key)
+
+    def _keep_mapped(self) -> bool:
+        """Keep shards mapped between uses when the whole set fits the cache: nothing is ever evicted then,
+        and a mapping kept is one whose pages need not be faulted in again next epoch."""
+        limit = self.cache.limit
+        return limit is None or limit >= sum(s.local_size or s.remote_size for s in self.shards)
 
     def _ensure_local(self, shard: int) -> Path:
         """Wait for (or make) the cached file of a held shard; the wait counts as network wait."""
@@ -495,14 +506,15 @@ class RemoteSource(Source):
             opened = []
             for shard in shards:
                 path = self._ensure_local(shard)
+                inode = os.stat(path).st_ino
                 with self._lock:
-                    item = self._opened.get(shard)
-                if item is None:
-                    item = self._open_shard(shard, path)
+                    kept = self._opened.get(shard)
+                if kept is None or kept[1] != inode:  # none, or a mapping of a file evicted since
+                    kept = (self._open_shard(shard, path), inode)
                     with self._lock:
-                        item = self._opened.setdefault(shard, item)
-                opened.append(item)
-            entry = _Entry(shards, self._local_source(shards, opened), [self.shard_sizes[s] for s in shards])
+                        self._opened[shard] = kept
+                opened.append(kept[0])
+            entry = _Entry(shards, self._local_source(shards, opened), self.cumulative)
         except BaseException:
             for shard in shards:
                 self._release(shard)
@@ -538,12 +550,12 @@ class RemoteSource(Source):
         if len(indices) and (indices.min() < 0 or indices.max() >= self.num_samples):
             raise IndexError(f"sample index out of range [0, {self.num_samples})")
         shard_ids = np.searchsorted(self.cumulative, indices, side="right") - 1
-        shards, counts = np.unique(shard_ids, return_counts=True)
-        entry = self._entry(tuple(int(s) for s in shards))
+        counts = np.bincount(shard_ids, minlength=len(self.shards))
+        shards = np.flatnonzero(counts)
+        counts = counts[shards]
+        entry = self._entry(tuple(shards.tolist()))
         try:
-            first = np.array([entry.first[int(s)] for s in shards], dtype=np.int64)
-            local = indices - self.cumulative[shard_ids] + first[np.searchsorted(shards, shard_ids)]
-            batch = entry.source.fetch(local, buffers, threads, times)
+            batch = entry.source.fetch(indices + entry.delta[shard_ids], buffers, threads, times)
         finally:
             with self._lock:
                 entry.refs -= 1
