@@ -12,13 +12,19 @@
 Leaving the ``with`` block, an exception, Ctrl-C, SIGTERM and interpreter exit all delete both namespaces
 (which deletes the veth pair with them). Commands for a namespace are prefixed with :meth:`Link.exec_prefix`.
 
-Run ``python -m benchmarks.netlab`` to build a link, measure its throughput and remove it again.
+:class:`HostLink` joins one namespace to the root namespace instead; :class:`Nodes` runs several ranks in
+each of :class:`Link`'s two namespaces (two "nodes" whose ranks talk over their own loopback and reach the
+other node over the shaped veth).
+
+Run ``python -m benchmarks.netlab`` to build a link, measure its throughput and remove it again;
+``python -m benchmarks.netlab --nodes`` checks the two-node topology (intra-node traffic off the veth).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import os
 import re
 import shutil
@@ -31,7 +37,16 @@ import time
 from collections.abc import Sequence
 from types import FrameType, TracebackType
 
-__all__ = ["HostLink", "Link", "cleanup_stale", "measure_throughput", "unavailable_reason"]
+__all__ = [
+    "HostLink",
+    "Link",
+    "NodeTraffic",
+    "Nodes",
+    "cleanup_stale",
+    "measure_node_traffic",
+    "measure_throughput",
+    "unavailable_reason",
+]
 
 SUBNET_PREFIX = "10.231.0."
 _NS_PATTERN = re.compile(r"^fcnl(\d+)([ab])$")
@@ -307,12 +322,151 @@ def _free_host_pair() -> tuple[str, str]:
 
 
 
+class Nodes(Link):
+    """Two "nodes" of ``ranks_per_node`` ranks each: a namespace per node, joined by one shaped veth pair.
+
+    The topology of a small cluster whose nodes talk over one slow link:
+
+    1. the two namespaces and the veth pair of :class:`Link` (``10.231.0.1`` in node 0, ``10.231.0.2`` in
+       node 1, tbf ``rate`` on each end, so both directions are shaped);
+    2. ranks are placed as torchrun places them: ``rank // ranks_per_node`` is the node, ``rank %
+       ranks_per_node`` the local rank; every rank of a node runs in that node's namespace;
+    3. every rank binds gloo to its node's veth address (``GLOO_SOCKET_IFNAME``); a packet between two ranks
+       of one node goes from that address to itself, which the kernel delivers over the namespace's
+       loopback, so only traffic between the nodes crosses (and is counted on) the shaped veth;
+    4. the rendezvous (``MASTER_ADDR``) is node 0's address, reachable from node 0 locally and from node 1
+       over the veth.
+
+    :meth:`link_bytes` reads the veth's byte counters (bytes each node sent to the other, link-layer
+    headers included); :func:`measure_node_traffic` checks that intra-node traffic stays off the veth. The
+    namespaces are named as :class:`Link` names them, so a process holds one of the two at a time.
+
+    Example::
+
+        with Nodes(ranks_per_node=2, rate="1gbit") as nodes:
+            for rank in range(nodes.world_size):
+                env = dict(os.environ, **nodes.rank_env(rank), RANK=str(rank))
+                subprocess.Popen([*nodes.rank_prefix(rank), "python", "train.py"], env=env)
+    """
+
+    def __init__(
+        self, ranks_per_node: int = 2, rate: str | None = "1gbit", burst: str = "256kb", latency: str = "50ms"
+    ) -> None:
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
+        super().__init__(rate, burst, latency)
+        self.ranks_per_node = ranks_per_node
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: two nodes of :attr:`ranks_per_node`."""
+        return 2 * self.ranks_per_node
+
+    @property
+    def master_addr(self) -> str:
+        """The rendezvous address: node 0's veth address."""
+        return self.addresses[0]
+
+    def node_of(self, rank: int) -> int:
+        """The node (0 or 1) that ``rank`` runs on."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1} ({self.world_size} ranks)")
+        return rank // self.ranks_per_node
+
+    def rank_prefix(self, rank: int) -> list[str]:
+        """The command prefix that runs ``rank``'s process inside its node's namespace."""
+        return self.exec_prefix(self.node_of(rank))
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The environment ``rank`` needs beside ``RANK``/``WORLD_SIZE``: gloo's interface, the
+        rendezvous address, and torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``."""
+        node = self.node_of(rank)
+        return {
+            "GLOO_SOCKET_IFNAME": self.interfaces[node],
+            "MASTER_ADDR": self.master_addr,
+            "LOCAL_RANK": str(rank % self.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
+            "GROUP_RANK": str(node),
+        }
+
+    def counter_path(self, node: int, direction: str = "tx") -> str:
+        """The sysfs file of node ``node``'s veth ``tx``/``rx`` byte counter, valid inside that node's
+        namespace (``ip netns exec`` mounts the namespace's own ``/sys``)."""
+        if direction not in ("tx", "rx"):
+            raise ValueError(f"direction must be 'tx' or 'rx', got {direction!r}")
+        return f"/sys/class/net/{self.interfaces[node]}/statistics/{direction}_bytes"
+
+    def link_bytes(self) -> tuple[int, int]:
+        """The bytes node 0 and node 1 have sent over the veth since it was made (its tx counters)."""
+        sent = [int(_run([*self.exec_prefix(node), "cat", self.counter_path(node)]).stdout.strip())
+                for node in (0, 1)]
+        return sent[0], sent[1]
+
+    def __enter__(self) -> Nodes:
+        self.up()
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeTraffic:
+    """What :func:`measure_node_traffic` measured: TCP throughput and the bytes the veth carried meanwhile."""
+
+    nbytes: int
+    intra_mb_per_s: float  # two processes of node 0, to node 0's own address
+    intra_link_bytes: int  # bytes on the veth (both directions) during that transfer
+    cross_mb_per_s: float  # node 0 to node 1
+    cross_link_bytes: int  # bytes on the veth (both directions) during that transfer
+
+
+def _transfer(nodes: Nodes, sender: int, receiver: int, nbytes: int, port: int) -> tuple[float, int]:
+    """Send ``nbytes`` from a process of node ``sender`` to one of node ``receiver`` at the receiver's
+    veth address; return the MB/s and the bytes the veth carried in both directions meanwhile."""
+    python = [sys.executable, "-m", "benchmarks.netlab"]
+    before = sum(nodes.link_bytes())
+    sink = subprocess.Popen([*nodes.exec_prefix(receiver), *python, "--sink", str(port)],
+                            stdout=subprocess.PIPE, text=True, cwd=_REPO_ROOT)
+    try:
+        assert sink.stdout is not None
+        sink.stdout.readline()
+        source = subprocess.run(
+            [*nodes.exec_prefix(sender), *python, "--source", nodes.addresses[receiver], str(port),
+             str(nbytes)],
+            capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S * 3, cwd=_REPO_ROOT, check=True,
+        )
+    finally:
+        sink.kill()
+        sink.wait()
+    return float(source.stdout.strip().splitlines()[-1]), sum(nodes.link_bytes()) - before
+
+
+def measure_node_traffic(nodes: Nodes, nbytes: int = 64 << 20, port: int = 29398) -> NodeTraffic:
+    """Check where traffic goes: ``nbytes`` between two processes of node 0 (to its own veth address, as
+    gloo's intra-node pairs connect), then from node 0 to node 1, counting the veth's bytes for each.
+
+    Intra-node bytes that stayed off the veth show as ``intra_link_bytes`` near zero (a few packets of
+    other traffic at most) and ``intra_mb_per_s`` far above the link rate.
+
+    Example::
+
+        with Nodes() as nodes:
+            traffic = measure_node_traffic(nodes)
+            assert traffic.intra_link_bytes < traffic.nbytes // 100
+    """
+    intra_rate, intra_bytes = _transfer(nodes, 0, 0, nbytes, port)
+    cross_rate, cross_bytes = _transfer(nodes, 0, 1, nbytes, port)
+    return NodeTraffic(nbytes, intra_rate, intra_bytes, cross_rate, cross_bytes)
+
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Build a shaped link, report its throughput, and remove it (the worker modes are internal)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="1gbit", help="tbf rate in tc notation, or 'none' for unshaped")
     parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--source", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--nodes", action="store_true",
+                        help="build the two-node topology (Nodes) and check that intra-node traffic "
+                             "stays off the shaped veth")
     args = parser.parse_args(argv)
     if args.sink is not None:
         _sink(args.sink)
@@ -323,6 +477,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     reason = unavailable_reason()
     if reason:
         print(f"skipped: {reason}")
+        return 0
+    if args.nodes:
+        with Nodes(rate=None if args.rate == "none" else args.rate) as nodes:
+            traffic = measure_node_traffic(nodes)
+        print(f"nodes {nodes.namespaces}, veth {nodes.interfaces}, rate {args.rate}, "
+              f"{traffic.nbytes / 1e6:.0f} MB per transfer")
+        print(f"intra-node (node 0 -> its own {nodes.addresses[0]}): {traffic.intra_mb_per_s:.1f} MB/s, "
+              f"{traffic.intra_link_bytes} bytes on the veth")
+        print(f"cross-node ({nodes.addresses[0]} -> {nodes.addresses[1]}): "
+              f"{traffic.cross_mb_per_s:.1f} MB/s, {traffic.cross_link_bytes} bytes on the veth")
         return 0
     with Link(rate=None if args.rate == "none" else args.rate) as link:
         print(f"namespaces {link.namespaces}, veth {link.interfaces}, rate {args.rate}")
