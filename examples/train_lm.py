@@ -444,8 +444,8 @@ def _atomic_write_text(text: str, path: Path) -> None:
 
 class _KillingCheckpointer(fastcomm.Checkpointer):
     """Fault injection for the tests (``TRAIN_LM_FAULT=checkpoint-write:STEP:RANK``): on torchrun's first
-    attempt, that rank writes half of its file of checkpoint STEP, then SIGKILLs itself, as a preemption in the
-    middle of a write would."""
+    attempt, that rank writes half of its file of checkpoint STEP, then SIGKILLs itself, as a preemption in
+    the middle of a write would."""
 
     def __init__(self, *args: Any, fault_step: int, fault_rank: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

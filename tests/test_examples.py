@@ -64,7 +64,8 @@ def test_resume_refuses_a_checkpoint_of_another_method(tmp_path: Path) -> None:
     try:
         train_lm.train(train_lm.TrainConfig(method="none", checkpoint_dir=tmp_path / "ckpt",
                                             checkpoint_every=2, **common), paths)
-        with pytest.raises(fastcomm.CheckpointError, match="is of another run: method: saved 'none', this run 'q8'"):
+        another_run = "is of another run: method: saved 'none', this run 'q8'"
+        with pytest.raises(fastcomm.CheckpointError, match=another_run):
             train_lm.train(train_lm.TrainConfig(method="q8", resume=tmp_path / "ckpt", **common), paths)
     finally:
         dist.destroy_process_group()

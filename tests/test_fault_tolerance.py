@@ -29,8 +29,26 @@ import fastio
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_lm.py"
 BATCH = 16
-TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--max-files", "40", "--batch-size", str(BATCH),
-        "--val-rows", "8", "--log-every", "0", "--eval-every", "0", "--threads", "1"]
+TINY = [
+    "--d-model",
+    "32",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--max-files",
+    "40",
+    "--batch-size",
+    str(BATCH),
+    "--val-rows",
+    "8",
+    "--log-every",
+    "0",
+    "--eval-every",
+    "0",
+    "--threads",
+    "1",
+]
 RUN_TIMEOUT = 300  # seconds for one torchrun (a loaded 2-core machine)
 # The methods of the issue: topk, sign, quantize (8-bit), and compressed Adam past its warm-up.
 METHODS = {
@@ -60,10 +78,30 @@ def _train_dir(data_dir: Path) -> Path:
 
 
 def _command(nproc: int, data_dir: Path, work: Path, *args: str, restarts: int = 3) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(EXAMPLE), *TINY,
-            "--data-dir", str(data_dir), "--checkpoint-dir", str(work / "ckpt"), "--resume",
-            "--sample-log", str(work / "samples"), "--final-state", str(work / "final.pt"), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.1",
+        str(EXAMPLE),
+        *TINY,
+        "--data-dir",
+        str(data_dir),
+        "--checkpoint-dir",
+        str(work / "ckpt"),
+        "--resume",
+        "--sample-log",
+        str(work / "samples"),
+        "--final-state",
+        str(work / "final.pt"),
+        *args,
+    ]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -72,10 +110,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run(
+    command: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     cwd.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=cwd,
-                            env=env or _env())
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=cwd, env=env or _env()
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -177,7 +218,9 @@ def _assert_each_sample_once_per_epoch(steps: dict, world: int, num_samples: int
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(method: str, data_dir: Path, tmp_path: Path) -> None:
+def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(
+    method: str, data_dir: Path, tmp_path: Path
+) -> None:
     num_samples = fastio.StreamLoader(_train_dir(data_dir), batch_size=BATCH).num_samples
     epoch_steps = (num_samples // 2) // BATCH
     # topk runs past one epoch so the sample log can show every sample once; the others are shorter.
@@ -187,8 +230,9 @@ def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(method: str, data_dir
 
     rng = random.Random(f"{method}-{os.getpid()}-{time.time_ns()}")
     kill_step, kill_rank = rng.randint(12, steps - 6), rng.randint(0, 1)
-    stderr, killed_at = _run_and_kill(_command(2, data_dir, tmp_path / "killed", *args), tmp_path / "killed",
-                                      kill_step, kill_rank)
+    stderr, killed_at = _run_and_kill(
+        _command(2, data_dir, tmp_path / "killed", *args), tmp_path / "killed", kill_step, kill_rank
+    )
     context = f"{method}: rank {kill_rank} killed at step {killed_at}"
     assert "resumed" in stderr and "at step" in stderr, context + "\n" + stderr[-3000:]
     _assert_bit_identical(_final(tmp_path / "reference"), _final(tmp_path / "killed"))
@@ -209,7 +253,9 @@ def test_sigkill_during_a_checkpoint_write_uses_the_previous_one(data_dir: Path,
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(damage: str, data_dir: Path, tmp_path: Path) -> None:
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
+    damage: str, data_dir: Path, tmp_path: Path
+) -> None:
     args = ["--hook", "sign", "--steps", "30", "--checkpoint-every", "10", "--checkpoint-keep", "3"]
     _run(_command(2, data_dir, tmp_path / "reference", *args), tmp_path / "reference")
     work = tmp_path / "damaged"
@@ -219,7 +265,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(damage: str, dat
     if damage == "flip":
         data[len(data) // 2] ^= 0x40
     else:
-        del data[len(data) * 2 // 3:]
+        del data[len(data) * 2 // 3 :]
     victim.write_bytes(bytes(data))
     result = _run(_command(2, data_dir, work, *args), work)
     reason = "SHA-256 mismatch" if damage == "flip" else "truncated"
@@ -272,19 +318,38 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize(("how", "method"), [("SIGKILL", "topk"), ("SIGKILL", "none"), ("SIGSTOP", "sign")])
-def test_the_survivor_of_a_lost_peer_exits_with_a_clear_error_in_time(how: str, method: str, data_dir: Path,
-                                                                      tmp_path: Path) -> None:
+def test_the_survivor_of_a_lost_peer_exits_with_a_clear_error_in_time(
+    how: str, method: str, data_dir: Path, tmp_path: Path
+) -> None:
     # Without torchrun: two ranks by hand. After the peer is killed (or stopped), rank 0 must exit on its own
     # with PeerLostError and the documented exit status, within the collective timeout (plus slack).
     timeout = 5.0
     port = _free_port()
     processes = []
     for rank in range(2):
-        env = _env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        command = [sys.executable, str(EXAMPLE), *TINY, "--data-dir", str(data_dir), "--hook", method,
-                   "--steps", "100000", "--timeout", str(timeout), "--sample-log", str(tmp_path / "samples")]
-        processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                          env=env, cwd=tmp_path))
+        env = _env(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        command = [
+            sys.executable,
+            str(EXAMPLE),
+            *TINY,
+            "--data-dir",
+            str(data_dir),
+            "--hook",
+            method,
+            "--steps",
+            "100000",
+            "--timeout",
+            str(timeout),
+            "--sample-log",
+            str(tmp_path / "samples"),
+        ]
+        processes.append(
+            subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+            )
+        )
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         while _last_step(tmp_path / "samples" / "rank1.log") < 5:

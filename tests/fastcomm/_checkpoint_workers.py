@@ -41,7 +41,9 @@ def save_worker(rank: int, world: int, directory: str) -> None:
     torch.manual_seed(100 + rank)  # per-rank streams (dropout, augmentation)
     random.seed(200 + rank)
     np.random.seed(300 + rank)
-    ckpt = fastcomm.Checkpointer(directory, every=2, keep=2, model=model, optimizer=optimizer, position=position)
+    ckpt = fastcomm.Checkpointer(
+        directory, every=2, keep=2, model=model, optimizer=optimizer, position=position
+    )
     assert ckpt.restore() == 0
     for step in range(1, 5):
         # Per-rank gradients: the optimizers' momentum differs across ranks (as CompressedAdam's does);
@@ -82,15 +84,18 @@ def restore_other_world_worker(rank: int, world: int, directory: str) -> None:
     assert world == 3
     model, optimizer, position = _objects(rank)
     lines: list[str] = []
-    ckpt = fastcomm.Checkpointer(directory, model=model, optimizer=optimizer, position=position,
-                                 log=lines.append)
+    ckpt = fastcomm.Checkpointer(
+        directory, model=model, optimizer=optimizer, position=position, log=lines.append
+    )
     assert ckpt.restore() == 4
     old = [torch.load(Path(directory).parent / f"expected_rank{r}.pt", weights_only=False) for r in range(2)]
     for name, value in model.state_dict().items():
         assert torch.equal(value, old[0]["model"][name]), name
     state = optimizer.state_dict()["state"]
     for pid in state:
-        mean = (old[0]["optimizer"]["state"][pid]["exp_avg"] + old[1]["optimizer"]["state"][pid]["exp_avg"]) / 2
+        mean = (
+            old[0]["optimizer"]["state"][pid]["exp_avg"] + old[1]["optimizer"]["state"][pid]["exp_avg"]
+        ) / 2
         torch.testing.assert_close(state[pid]["exp_avg"], mean, rtol=1e-6, atol=1e-8)
         assert torch.equal(state[pid]["step"], old[0]["optimizer"]["state"][pid]["step"])
     assert position.value == 40
@@ -111,8 +116,9 @@ def restore_other_world_worker(rank: int, world: int, directory: str) -> None:
 def restore_agrees_worker(rank: int, world: int, directory: str) -> None:
     model, optimizer, position = _objects(rank)
     lines: list[str] = []
-    ckpt = fastcomm.Checkpointer(directory, model=model, optimizer=optimizer, position=position,
-                                 log=lines.append)
+    ckpt = fastcomm.Checkpointer(
+        directory, model=model, optimizer=optimizer, position=position, log=lines.append
+    )
     assert ckpt.restore() == 2  # rank 1's file of step 4 is corrupt: both ranks fall back together
     assert position.value == 20
     if rank == 0:

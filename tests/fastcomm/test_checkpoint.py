@@ -118,8 +118,12 @@ def test_a_damaged_newest_checkpoint_is_logged_renamed_and_the_previous_used(
     with caplog.at_level(logging.INFO, logger="fastcomm.checkpoint"):
         step = fastcomm.Checkpointer(tmp_path, model=model2, optimizer=optimizer2).restore()
     assert step == 1
-    reason = {"flip": "SHA-256 mismatch", "truncate": "truncated", "manifest": "unreadable",
-              "missing": "is missing"}[damage]
+    reason = {
+        "flip": "SHA-256 mismatch",
+        "truncate": "truncated",
+        "manifest": "unreadable",
+        "missing": "is missing",
+    }[damage]
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     message = warning.getMessage()
     assert "step-000000002 is unusable" in message and reason in message, message
@@ -150,7 +154,9 @@ def test_every_checkpoint_damaged_starts_from_zero(tmp_path: Path) -> None:
     (tmp_path / "step-000000001" / "rank0.pt").write_bytes(b"garbage")
     lines: list[str] = []
     model2, optimizer2 = _fresh()
-    assert fastcomm.Checkpointer(tmp_path, model=model2, optimizer=optimizer2, log=lines.append).restore() == 0
+    assert (
+        fastcomm.Checkpointer(tmp_path, model=model2, optimizer=optimizer2, log=lines.append).restore() == 0
+    )
     assert "starting from step 0" in lines[0]
 
 
@@ -170,16 +176,20 @@ def test_a_checkpoint_of_another_run_or_without_an_object_is_refused(tmp_path: P
     with pytest.raises(fastcomm.CheckpointError, match="another run: ratio: saved 0.01, this run 0.1"):
         fastcomm.Checkpointer(tmp_path, run={"method": "topk", "ratio": 0.1}, model=model).restore()
     with pytest.raises(fastcomm.CheckpointError, match=r"has no state for \['optimizer'\]"):
-        fastcomm.Checkpointer(tmp_path, run={"method": "topk", "ratio": 0.01}, model=model,
-                              optimizer=optimizer).restore()
+        fastcomm.Checkpointer(
+            tmp_path, run={"method": "topk", "ratio": 0.01}, model=model, optimizer=optimizer
+        ).restore()
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"every": -1}, ValueError, "every must be an int >= 0"),
-    ({"keep": 0}, ValueError, "keep must be an int >= 1"),
-    ({"thing": object()}, TypeError, "'thing' \\(object\\) has no state_dict"),
-    ({"run": {"x": object()}}, TypeError, "run must hold JSON values"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"every": -1}, ValueError, "every must be an int >= 0"),
+        ({"keep": 0}, ValueError, "keep must be an int >= 1"),
+        ({"thing": object()}, TypeError, "'thing' \\(object\\) has no state_dict"),
+        ({"run": {"x": object()}}, TypeError, "run must hold JSON values"),
+    ],
+)
 def test_bad_arguments_name_the_value(kwargs: dict, error: type, match: str, tmp_path: Path) -> None:
     objects = {} if "thing" in kwargs else {"counter": Counter()}
     with pytest.raises(error, match=match):
@@ -197,8 +207,13 @@ def test_merge_optimizer_states_averages_only_what_differs() -> None:
     _, optimizer = _trained(seed=0)
     a = optimizer.state_dict()
     # b: a copy of a with one parameter's momentum changed, as a second rank's would be
-    b = {"state": {pid: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-                   for pid, s in a["state"].items()}, "param_groups": a["param_groups"]}
+    b = {
+        "state": {
+            pid: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+            for pid, s in a["state"].items()
+        },
+        "param_groups": a["param_groups"],
+    }
     b["state"][0]["exp_avg"] = b["state"][0]["exp_avg"] + torch.randn_like(b["state"][0]["exp_avg"])
     merged, why = merge_optimizer_states([a, b])
     expected = (a["state"][0]["exp_avg"] + b["state"][0]["exp_avg"]) / 2
