@@ -156,7 +156,7 @@ class RetryPolicy:
     max_backoff: float = 8.0
     jitter: float = 0.5
     timeout: float = 60.0
-    chunk_bytes: int = 8 << 20
+    chunk_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if self.retries < 0:

@@ -21,6 +21,9 @@ How a pass runs:
 3. A shard whose samples have all been served this pass is unpinned and marked read: the cache evicts it
    first. Progress is counted in shared memory made before the fork, so the prefetcher also sees what
    worker processes read.
+4. Once every shard is cached and the whole set fits under ``cache_limit`` (or there is none), the next
+   :meth:`RemoteSource.prepare` builds one local source over every shard, keeps them pinned and mapped, and
+   starts no prefetcher: later epochs read exactly as a local loader over those files does.
 
 Resume: the loader hands :meth:`prepare` only the rest of the epoch, so a resumed run downloads only the
 shards it still reads.
@@ -220,7 +223,7 @@ class RemoteSource(Source):
         self._expected: np.ndarray | None = None
         self._order_pos: np.ndarray | None = None
         self._prefetch_held: set[int] = set()
-        self._bytes_total = 0
+        self._full: Any = None  # one local source over every shard, once the whole set is cached and kept
         _SOURCES.add(self)
 
     def _finish_init(self) -> None:
@@ -365,6 +368,14 @@ class RemoteSource(Source):
                 self.download_threads, thread_name_prefix="fastio-download"
             )
         self._inflight, self._failed = {}, {}
+        if (
+            self._full is None
+            and self._keep_mapped()
+            and all(self._cached(s) for s in range(len(self.shards)))
+        ):
+            self._full = self._whole_set()
+        if self._full is not None:
+            return  # every shard is cached and mapped: nothing to download, batches read the whole set
         self._prefetcher = threading.Thread(
             target=self._prefetch,
             args=(order, self._stop, self._progress),
@@ -372,6 +383,19 @@ class RemoteSource(Source):
             daemon=True,
         )
         self._prefetcher.start()
+
+    def _cached(self, shard: int) -> bool:
+        info = self.shards[shard]
+        return info.local_size is not None and self.cache.has(info.key, info.local_size)
+
+    def _whole_set(self) -> Any:
+        """The local source over every shard (each held for the source's life): what a local loader reads,
+        so a cached epoch costs what a local one does."""
+        everything = tuple(range(len(self.shards)))
+        entry = self._entry(everything)  # holds every shard while the entry lives
+        with self._lock:
+            entry.refs += 1  # never idle: it is not dropped from the memo
+        return entry
 
     def _read_front(self, progress: _SharedProgress) -> int:
         """The furthest position in the read order that any fetch of this pass has touched (-1: none)."""
@@ -474,7 +498,7 @@ class RemoteSource(Source):
         """
         self._stop_prefetch()
         with self._lock:
-            memo, self._memo = list(self._memo.values()), OrderedDict()
+            memo, self._memo, self._full = list(self._memo.values()), OrderedDict(), None
         for entry in memo:
             for shard in entry.shards:
                 self._release(shard)
@@ -549,6 +573,9 @@ class RemoteSource(Source):
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) and (indices.min() < 0 or indices.max() >= self.num_samples):
             raise IndexError(f"sample index out of range [0, {self.num_samples})")
+        full = self._full
+        if full is not None:  # the whole set is cached: global indices are the local source's own
+            return full.source.fetch(indices, buffers, threads, times)
         shard_ids = np.searchsorted(self.cumulative, indices, side="right") - 1
         counts = np.bincount(shard_ids, minlength=len(self.shards))
         shards = np.flatnonzero(counts)
@@ -796,14 +823,15 @@ class RemoteTarSource(RemoteSource):
             raise ValueError(f"decode must be None, 'pil' or a callable, got {decode!r}")
         self.decode, self.tar_strict = decode, tar_strict
         self._sidecars: dict[int, bytes] = {}
-        metas: list[_TarMeta] = []
-        for url in listed:
-            compression = compression_of(url)
-            size = remote_size(url, self.retry, self.storage_options)
-            tar_name = decompressed_name(url)
-            self.shards.append(_Shard(url, _cache_key(url, tar_name), size, None, compression))
-        for shard in range(len(self.shards)):
-            metas.append(self._meta(shard))
+        # Sizes, sidecars and (without sidecars) whole downloads at open go download_threads at a time.
+        with concurrent.futures.ThreadPoolExecutor(
+            download_threads, thread_name_prefix="fastio-open"
+        ) as pool:
+            sizes = list(pool.map(lambda url: remote_size(url, self.retry, self.storage_options), listed))
+            for url, size in zip(listed, sizes, strict=True):
+                key = _cache_key(url, decompressed_name(url))
+                self.shards.append(_Shard(url, key, size, None, compression_of(url)))
+            metas = list(pool.map(self._meta, range(len(self.shards))))
         for info, meta in zip(self.shards, metas, strict=True):
             info.local_size, info.num_samples = meta.tar_size, meta.num_samples
         self._layout = self._plan_layout(metas)

@@ -25,6 +25,7 @@ import http.server
 import os
 import random
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -135,6 +136,11 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     owner: HttpServer
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that gave up on a slow or faulty response closes its end: expected here, not worth a trace.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class HttpServer:
