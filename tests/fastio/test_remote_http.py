@@ -82,11 +82,32 @@ def test_process_workers_read_the_shared_cache(shard_dir, server, tmp_path, fio)
     loader = fastio.StreamLoader(
         source, batch_size=8, shuffle="shard", seed=1, num_workers=2, worker_mode="process"
     )
-    seen = Counter(y for batch in loader for y in fio.check_batch(batch))
+    for epoch in (0, 1):  # epoch 1: every shard cached, read through one source over the whole set
+        loader.set_epoch(epoch)
+        seen = Counter(y for batch in loader for y in fio.check_batch(batch))
+        assert sorted(seen) == list(range(fio.NUM_SAMPLES)) and set(seen.values()) == {1}
     source.close()
-    assert sorted(seen) == list(range(fio.NUM_SAMPLES)) and set(seen.values()) == {1}
     for path in _shard_files(shard_dir):
         assert server.bytes_served(f"/train/{path.name}") == path.stat().st_size
+
+
+def test_a_url_opens_through_the_registry_and_reports_io(shard_dir, server, tmp_path, fio):
+    loader = fastio.StreamLoader(
+        server.url("train/"),
+        batch_size=16,
+        shuffle="shard",
+        cache_dir=str(tmp_path / "cache"),
+        cache_limit="1GB",
+    )
+    seen = Counter(y for batch in loader for y in fio.check_batch(batch))
+    stats = loader.stats()
+    assert sorted(seen) == list(range(fio.NUM_SAMPLES))
+    total = sum(p.stat().st_size for p in _shard_files(shard_dir))
+    assert stats["source"]["downloaded_bytes"] == total and stats["source"]["downloads"] == len(
+        _shard_files(shard_dir)
+    )
+    assert stats["source"]["cache_bytes"] >= total and stats["network_wait_s"] >= 0.0
+    loader._source.close()
 
 
 def test_full_shuffle_is_refused(server, tmp_path):
