@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -412,6 +413,10 @@ class RangeReader(io.RawIOBase):
     ``policy.chunk_bytes``, each under ``policy`` (a transient failure retries that chunk only, so progress
     is kept and memory stays one chunk). What a streaming decompressor reads from.
 
+    A server that ignores ``Range`` (Python's ``http.server``) answers the first read with the whole object:
+    the reader then streams one plain GET instead, reopened after a transient failure and read forward to
+    where it was.
+
     Example::
 
         with RangeReader(url, size, RetryPolicy()) as raw:
@@ -433,20 +438,61 @@ class RangeReader(io.RawIOBase):
         self.position = 0
         self._buffer = b""
         self._rng = random.Random()
+        self._ranges = True  # False once the server showed it ignores Range requests
+        self._stream: Any = None
+        self._stream_at = 0
 
     def readable(self) -> bool:
         return True
 
     def _chunk(self, start: int, stop: int) -> bytes:
+        if not self._ranges:
+            return self._streamed(start, stop)
         fs, path = filesystem(self.url, self.storage_options, self.policy.timeout)
         data = fs.cat_file(path, start=start, end=stop)
         if len(data) > stop - start:
-            raise RemoteReadError(
-                self.url, 1, f"asked for bytes [{start}, {stop}), got {len(data)} (the server ignores Range)"
-            )
+            if len(data) != self.size:
+                raise RemoteReadError(
+                    self.url, 1, f"asked for bytes [{start}, {stop}) of {self.size}, got {len(data)} bytes"
+                )
+            self._ranges = False  # the whole object came back: stream the rest with one GET
+            return bytes(data[start:stop])
         if len(data) < stop - start:  # a body cut short: transient
             raise http.client.IncompleteRead(bytes(data[:64]), stop - start - len(data))
         return bytes(data)
+
+    def _streamed(self, start: int, stop: int) -> bytes:
+        try:
+            if self._stream is None or self._stream_at > start:
+                fs, path = filesystem(self.url, self.storage_options, self.policy.timeout)
+                self._stream, self._stream_at = fs.open(path, "rb", block_size=0), 0
+            while self._stream_at < start:  # forward to where the last good chunk ended
+                skipped = self._stream.read(min(start - self._stream_at, 1 << 20))
+                if not skipped:
+                    raise http.client.IncompleteRead(b"", start - self._stream_at)
+                self._stream_at += len(skipped)
+            parts, wanted = [], stop - start
+            while wanted:
+                part = self._stream.read(wanted)
+                if not part:
+                    raise http.client.IncompleteRead(b"".join(parts)[:64], wanted)
+                parts.append(part)
+                wanted -= len(part)
+                self._stream_at += len(part)
+            return b"".join(parts)
+        except BaseException:
+            if self._stream is not None:
+                with contextlib.suppress(Exception):
+                    self._stream.close()
+            self._stream = None
+            raise
+
+    def close(self) -> None:
+        if self._stream is not None:
+            with contextlib.suppress(Exception):
+                self._stream.close()
+            self._stream = None
+        super().close()
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
@@ -490,7 +536,7 @@ def download(
     """
     reader = RangeReader(url, size, policy, storage_options, on_bytes, on_retry)
     done = 0
-    with open(dest, "r+b" if os.path.exists(dest) else "wb") as out:
+    with reader, open(dest, "r+b" if os.path.exists(dest) else "wb") as out:
         while done < size:
             data = reader.read(policy.chunk_bytes)
             if not data:

@@ -265,7 +265,7 @@ class RemoteSource(Source):
             download(info.url, part, info.remote_size, self.retry, self.storage_options, counted, retried)
         else:
             raw = RangeReader(info.url, info.remote_size, self.retry, self.storage_options, counted, retried)
-            with open(part, "r+b" if part.exists() else "wb") as out:
+            with raw, open(part, "r+b" if part.exists() else "wb") as out:
                 try:
                     written = decompress(raw, info.compression, out)
                 except (RemoteError, FastIOError, ImportError):

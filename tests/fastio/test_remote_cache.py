@@ -284,3 +284,30 @@ def test_http_server_serves_ranges(tmp_path):
         download(url, out, 256, RetryPolicy(chunk_bytes=50), on_bytes=lambda n: done.set())
         assert out.read_bytes() == bytes(range(256)) and done.is_set()
         assert len([r for r in server.log("/a.bin") if r.method == "GET"]) == 6  # ceil(256 / 50) ranges
+
+
+def test_a_server_without_range_support_is_streamed(tmp_path):
+    import functools
+    import http.server
+
+    from fastio.remote.fetch import download
+
+    data = bytes(range(256)) * 40
+    (tmp_path / "a.bin").write_bytes(data)
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            return
+
+    handler = functools.partial(Quiet, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # Python's own: ignores Range
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        out = tmp_path / "copy.bin"
+        url = f"http://127.0.0.1:{server.server_address[1]}/a.bin"
+        assert download(url, out, len(data), RetryPolicy(chunk_bytes=1000)) == len(data)
+        assert out.read_bytes() == data
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
