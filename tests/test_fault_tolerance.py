@@ -72,6 +72,22 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``reference(args)``: the work directory of an uninterrupted run with ``args``, run once per module."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(args: list[str]) -> Path:
+        key = tuple(args)
+        if key not in runs:
+            work = tmp_path_factory.mktemp("reference")
+            _run(_command(2, data_dir, work, *args), work)
+            runs[key] = work
+        return runs[key]
+
+    return run
+
+
 def _train_dir(data_dir: Path) -> Path:
     (found,) = [p for p in data_dir.iterdir() if p.name.startswith("stdlib-")]
     return found / "train"
@@ -219,14 +235,14 @@ def _assert_each_sample_once_per_epoch(steps: dict, world: int, num_samples: int
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(
-    method: str, data_dir: Path, tmp_path: Path
+    method: str, data_dir: Path, tmp_path: Path, reference
 ) -> None:
     num_samples = fastio.StreamLoader(_train_dir(data_dir), batch_size=BATCH).num_samples
     epoch_steps = (num_samples // 2) // BATCH
     # topk runs past one epoch so the sample log can show every sample once; the others are shorter.
-    steps = epoch_steps + 12 if method == "topk" else 36
+    steps = epoch_steps + 12 if method == "topk" else 30
     args = ["--hook", method, *METHODS[method], "--steps", str(steps), "--checkpoint-every", "10"]
-    _run(_command(2, data_dir, tmp_path / "reference", *args), tmp_path / "reference")
+    uninterrupted = reference(args)
 
     rng = random.Random(f"{method}-{os.getpid()}-{time.time_ns()}")
     kill_step, kill_rank = rng.randint(12, steps - 6), rng.randint(0, 1)
@@ -235,29 +251,31 @@ def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(
     )
     context = f"{method}: rank {kill_rank} killed at step {killed_at}"
     assert "resumed" in stderr and "at step" in stderr, context + "\n" + stderr[-3000:]
-    _assert_bit_identical(_final(tmp_path / "reference"), _final(tmp_path / "killed"))
+    _assert_bit_identical(_final(uninterrupted), _final(tmp_path / "killed"))
     if method == "topk":
         _assert_each_sample_once_per_epoch(_sample_log(tmp_path / "killed", 2), 2, num_samples, steps)
-        assert _sample_log(tmp_path / "killed", 2) == _sample_log(tmp_path / "reference", 2), context
+        assert _sample_log(tmp_path / "killed", 2) == _sample_log(uninterrupted, 2), context
 
 
-def test_sigkill_during_a_checkpoint_write_uses_the_previous_one(data_dir: Path, tmp_path: Path) -> None:
+def test_sigkill_during_a_checkpoint_write_uses_the_previous_one(
+    data_dir: Path, tmp_path: Path, reference
+) -> None:
     # Rank 1 writes half of its file of checkpoint 20, then SIGKILLs itself; the restart must ignore the
     # partial checkpoint, resume from step 10, and still end bit-identical to an uninterrupted run.
-    args = ["--hook", "topk", "--steps", "30", "--checkpoint-every", "10"]
-    _run(_command(2, data_dir, tmp_path / "reference", *args), tmp_path / "reference")
+    args = ["--hook", "q8", "--steps", "30", "--checkpoint-every", "10"]
     command = _command(2, data_dir, tmp_path / "killed", *args)
     result = _run(command, tmp_path / "killed", env=_env(TRAIN_LM_FAULT="checkpoint-write:20:1"))
-    assert "resumed topk at step 10" in result.stderr, result.stderr[-3000:]
-    _assert_bit_identical(_final(tmp_path / "reference"), _final(tmp_path / "killed"))
+    assert "resumed q8 at step 10" in result.stderr, result.stderr[-3000:]
+    _assert_bit_identical(_final(reference(args)), _final(tmp_path / "killed"))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
-    damage: str, data_dir: Path, tmp_path: Path
+    damage: str, data_dir: Path, tmp_path: Path, reference
 ) -> None:
-    args = ["--hook", "sign", "--steps", "30", "--checkpoint-every", "10", "--checkpoint-keep", "3"]
-    _run(_command(2, data_dir, tmp_path / "reference", *args), tmp_path / "reference")
+    args = ["--hook", "sign", "--steps", "30", "--checkpoint-every", "10"]
+    uninterrupted = reference(args)
+    args += ["--checkpoint-keep", "3"]
     work = tmp_path / "damaged"
     _run(_command(2, data_dir, work, *args, "--stop-after", "20"), work)
     victim = work / "ckpt" / "step-000000020" / "rank0.pt"
@@ -272,7 +290,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
     assert "step-000000020 is unusable" in result.stderr and reason in result.stderr, result.stderr[-3000:]
     assert "resumed sign at step 10" in result.stderr
     assert (work / "ckpt" / "step-000000020.corrupt").is_dir()
-    _assert_bit_identical(_final(tmp_path / "reference"), _final(work))
+    _assert_bit_identical(_final(uninterrupted), _final(work))
 
 
 def test_restart_on_three_ranks_then_two_sees_every_remaining_sample_once(

@@ -110,7 +110,9 @@ def register(
         if options:
             raise TypeError("options cannot be given together with a state object")
         state = name
-        known = [*HOOKS.values(), (CompressorState, compressor_hook)]
+        from fastcomm.hooks.powersgd import PowerSGDState, powersgd_hook  # noqa: PLC0415 (imports registry)
+
+        known = [*HOOKS.values(), (CompressorState, compressor_hook), (PowerSGDState, powersgd_hook)]
         hook = next((h for cls, h in known if type(state) is cls), None)
         if hook is None:
             raise TypeError(f"no fastcomm hook takes a {type(state).__name__}")
