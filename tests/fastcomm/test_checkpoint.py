@@ -19,17 +19,7 @@ import _checkpoint_workers as ckpt_workers  # noqa: E402
 import _hooks_workers as workers  # noqa: E402
 
 
-class Counter:
-    """A minimal stateful object (what a user's own class would look like)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
+Counter = ckpt_workers.Position  # a minimal stateful object, as a user's own class would be
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
