@@ -1,4 +1,5 @@
-"""Step time of DDP with each communication hook, 2 gloo ranks, on loopback and on a shaped 1 Gbit/s link.
+"""Step time of DDP with each communication hook: 2 gloo ranks on loopback and on a shaped 1 Gbit/s link, and
+4 ranks on two "nodes" joined by a 1 Gbit/s link (flat against hierarchical compression).
 
 The question: how much of a training step does each hook save, on a slow link and on a fast one?
 
@@ -16,6 +17,13 @@ The question: how much of a training step does each hook save, on a slow link an
    quantization, sign and PowerSGD (rank 4, DDP's default buckets) hooks.
 5. Networks: loopback (127.0.0.1 only) and a veth pair between two network namespaces shaped to 1 Gbit/s
    in both directions (:mod:`benchmarks.netlab`; needs root and ``ip``, skipped with a message otherwise).
+6. The ``nodes`` network (:class:`benchmarks.netlab.Nodes`): 2 nodes x 2 ranks, the ranks of a node in one
+   namespace (their pairs go over its loopback), the nodes joined by the 1 Gbit/s veth. It runs dense
+   allreduce, the no-op floor, flat (``node_size=1``) and hierarchical (``node_size=2``: dense inside the
+   node, compressed between nodes) sign and 8-bit quantization, and flat PowerSGD, and counts the bytes
+   that cross the veth during the timed steps (its tx counters, read by one rank per node between
+   barriers) beside the hooks' own counters. Its rows go to ``results/bench_hooks_nodes.*``, so running it
+   alone leaves the two-rank results in ``results/bench_hooks.*`` as they are, and the other way round.
 
 Wire bytes are the payload each rank hands to the network per step: computed for torch's hooks (4, 2 bytes
 per parameter; P and Q factors plus uncompressed 1-D tensors for powerSGD) and read from ``stats()`` for
@@ -24,9 +32,11 @@ fastcomm's. Ratios: ``ratio`` is dense allreduce time / this time (above 1 is fa
 
 Run::
 
-    python -m benchmarks.bench_hooks                 # both networks, 2 warm-up + 5 timed steps each
+    python -m benchmarks.bench_hooks                 # all networks, 2 warm-up + 5 timed steps each
     python -m benchmarks.bench_hooks --quick --network loopback
-    python -m benchmarks.bench_hooks --replot          # redraw the PNG from results/bench_hooks.json
+    python -m benchmarks.bench_hooks --network nodes   # only the two-node network (about 3 minutes)
+    python -m benchmarks.bench_hooks --network both    # loopback and netlab, not nodes
+    python -m benchmarks.bench_hooks --replot          # redraw the PNGs from results/bench_hooks*.json
 """
 
 import argparse
@@ -77,6 +87,9 @@ class Config:
     description: str
     fastcomm_names: tuple[str, ...] = ()
     bucket_cap_mb: float | None = None  # None: DDP's default buckets
+    # fastcomm's node_size option: ranks per node for hierarchical compression, 1 for flat; None: not passed
+    # (then fastcomm reads LOCAL_WORLD_SIZE, which the nodes network sets as torchrun would)
+    node_size: int | None = None
 
 
 CONFIGS = (
@@ -98,6 +111,32 @@ CONFIGS = (
 )
 _FASTCOMM_CONFIGS = tuple(c.name for c in CONFIGS if c.fastcomm_names)
 
+# The "nodes" network: 2 nodes x NODE_RANKS ranks (netlab.Nodes), flat hooks beside hierarchical ones. The
+# flat ones say node_size=1: the ranks see LOCAL_WORLD_SIZE=2, which would make fastcomm's default
+# hierarchical.
+NODES_NETWORK = "nodes"
+_NODES_RESULTS = "bench_hooks_nodes"  # its own files: running it alone leaves bench_hooks.* as they are
+NODE_RANKS = 2
+_BY_NAME = {c.name: c for c in CONFIGS}
+NODE_CONFIGS = (
+    _BY_NAME["allreduce"],
+    _BY_NAME["noop"],
+    Config("sign", "fastcomm.sign_hook, SignState(node_size=1): flat, the 4 ranks as equals",
+           ("sign_hook", "SignState"), node_size=1),
+    Config("sign_hier", f"fastcomm.sign_hook, SignState(node_size={NODE_RANKS}): dense reduce-scatter in the "
+           "node, sign across nodes per local rank, all-gather in the node", ("sign_hook", "SignState"),
+           node_size=NODE_RANKS),
+    Config("quant8", "fastcomm.quantize_hook, QuantState(bits=8, node_size=1): flat, the 4 ranks as equals",
+           ("quantize_hook", "QuantState"), node_size=1),
+    Config("quant8_hier", f"fastcomm.quantize_hook, QuantState(bits=8, node_size={NODE_RANKS}): dense "
+           "reduce-scatter in the node, 8-bit across nodes per local rank, all-gather in the node",
+           ("quantize_hook", "QuantState"), node_size=NODE_RANKS),
+    # a 1/L shard would cut PowerSGD's matrices: fastcomm has it flat only
+    Config("powersgd_r4", f"fastcomm.powersgd_hook, PowerSGDState(rank={POWERSGD_RANK}, node_size=1), "
+           "default buckets: flat", ("powersgd_hook", "PowerSGDState"), node_size=1),
+)
+_HIERARCHICAL = frozenset(c.name for c in NODE_CONFIGS if c.node_size and c.node_size > 1)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Rank process
@@ -111,8 +150,14 @@ def _noop_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[t
     return future
 
 
-def _make_hook(name: str) -> tuple[Any, Callable[..., Any]] | None:
-    """The ``(state, hook)`` pair of configuration ``name``, or ``None`` for plain allreduce."""
+def _make_hook(
+    name: str, state_kwargs: dict[str, Any] | None = None
+) -> tuple[Any, Callable[..., Any]] | None:
+    """The ``(state, hook)`` pair of configuration ``name``, or ``None`` for plain allreduce.
+
+    ``state_kwargs`` go to a fastcomm state's constructor (the hierarchical rows' ``node_size``); a
+    configuration named ``<base>_hier`` is ``<base>``'s hook with them.
+    """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if name == "allreduce":
@@ -134,15 +179,17 @@ def _make_hook(name: str) -> tuple[Any, Callable[..., Any]] | None:
 
     import fastcomm
 
-    fastcomm_pairs: dict[str, Callable[[], tuple[Any, Callable[..., Any]]]] = {
-        "bf16_cast": lambda: (fastcomm.CastState(dtype=torch.bfloat16), fastcomm.cast_hook),
-        "topk_0.01": lambda: (fastcomm.TopKState(ratio=0.01), fastcomm.topk_hook),
-        "quant8": lambda: (fastcomm.QuantState(bits=8), fastcomm.quantize_hook),
-        "quant4": lambda: (fastcomm.QuantState(bits=4), fastcomm.quantize_hook),
-        "sign": lambda: (fastcomm.SignState(), fastcomm.sign_hook),
-        "powersgd_r4": lambda: (fastcomm.PowerSGDState(rank=POWERSGD_RANK), fastcomm.powersgd_hook),
+    fastcomm_pairs: dict[str, Callable[..., tuple[Any, Callable[..., Any]]]] = {
+        "bf16_cast": lambda **kw: (fastcomm.CastState(dtype=torch.bfloat16, **kw), fastcomm.cast_hook),
+        "topk_0.01": lambda **kw: (fastcomm.TopKState(ratio=0.01, **kw), fastcomm.topk_hook),
+        "quant8": lambda **kw: (fastcomm.QuantState(bits=8, **kw), fastcomm.quantize_hook),
+        "quant4": lambda **kw: (fastcomm.QuantState(bits=4, **kw), fastcomm.quantize_hook),
+        "sign": lambda **kw: (fastcomm.SignState(**kw), fastcomm.sign_hook),
+        "powersgd_r4": lambda **kw: (
+            fastcomm.PowerSGDState(rank=POWERSGD_RANK, **kw), fastcomm.powersgd_hook
+        ),
     }
-    return fastcomm_pairs[name]()
+    return fastcomm_pairs[name.removesuffix("_hier")](**(state_kwargs or {}))
 
 
 def _mlp() -> torch.nn.Sequential:
@@ -191,7 +238,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
         torch.manual_seed(0)
         cap = spec["bucket_cap_mb"]
         ddp = DistributedDataParallel(_mlp(), **({"bucket_cap_mb": cap} if cap is not None else {}))
-        pair = _make_hook(spec["config"])
+        pair = _make_hook(spec["config"], spec.get("state_kwargs"))
         state = None
         if pair is not None:
             state, hook = pair
@@ -208,15 +255,27 @@ def _rank_main(spec: dict[str, Any]) -> None:
 
         for _ in range(spec["warmup"]):
             step()
+        counted = spec.get("link_counted", False)  # every rank takes part in the barriers
+        counter = spec.get("counter_path")  # the node link's tx counter, read by one rank per node
+        if counted:
+            dist.barrier()  # every rank past warm-up before the counter is read
+        if counter:
+            link_before = int(Path(counter).read_text())
         before = _hook_stats(state)
         seconds = time_call(step, repeat=spec["steps"], warmup=0)
         stats = _stats_delta(before, _hook_stats(state))
+        link_sent = None
+        if counted:
+            dist.barrier()  # every rank's timed steps done, their bytes sent
+        if counter:
+            link_sent = int(Path(counter).read_text()) - link_before
         profile = _profile_step(step) if spec["profile"] else None
         dist.barrier()
     finally:
         gc.collect()  # free DDP's reference cycles before gloo is torn down, not during finalization
         dist.destroy_process_group()
-    result = {"rank": rank, "step_seconds": seconds, "stats": stats, "profile": profile}
+    result = {"rank": rank, "step_seconds": seconds, "stats": stats, "profile": profile,
+              "link_sent": link_sent}
     Path(spec["out"]).write_text(json.dumps(result, default=float))
 
 
@@ -246,7 +305,14 @@ def _fastcomm_missing(config: Config) -> list[str]:
         import fastcomm
     except ImportError as exc:
         return [f"fastcomm ({exc})"]
-    return [name for name in config.fastcomm_names if not hasattr(fastcomm, name)]
+    missing = [name for name in config.fastcomm_names if not hasattr(fastcomm, name)]
+    if not missing and config.node_size:
+        # A state is built without a process group (no collectives), so asking it is cheap.
+        try:
+            _make_hook(config.name, {"node_size": config.node_size})
+        except (TypeError, ValueError) as exc:
+            missing.append(f"{config.fastcomm_names[-1]}(node_size={config.node_size}): {exc}")
+    return missing
 
 
 def _free_loopback_port() -> int:
@@ -270,6 +336,33 @@ class _Outcome:
     status: str
     step_seconds: float = math.nan
     stats: dict[str, float] | None = None
+    link_bytes: float | None = None  # bytes over the node link during the timed steps, both directions
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where one rank runs: the command prefix, its own environment, the rendezvous address, and the node
+    link's counter it reads around the timed steps (one rank per node of a :class:`netlab.Nodes`)."""
+
+    prefix: tuple[str, ...]
+    env: dict[str, str]
+    master_addr: str
+    counter_path: str | None = None
+
+
+def _places(link: netlab.Link | None) -> list[_Place]:
+    """The ranks of a network: two on loopback or on the two sides of a :class:`netlab.Link`, or
+    ``world_size`` placed node by node on a :class:`netlab.Nodes`."""
+    if isinstance(link, netlab.Nodes):
+        return [
+            _Place(tuple(link.rank_prefix(rank)), link.rank_env(rank), link.master_addr,
+                   link.counter_path(link.node_of(rank)) if rank % link.ranks_per_node == 0 else None)
+            for rank in range(link.world_size)
+        ]
+    if link is None:
+        return [_Place((), {"GLOO_SOCKET_IFNAME": "lo"}, "127.0.0.1") for _ in range(2)]
+    return [_Place(tuple(link.exec_prefix(rank)), {"GLOO_SOCKET_IFNAME": link.interfaces[rank]},
+                   link.addresses[0]) for rank in range(2)]
 
 
 def _cpu_seconds(procs: Sequence[subprocess.Popen[bytes]]) -> float | None:
@@ -293,27 +386,29 @@ def _last_error_line(path: Path) -> str:
 
 
 def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _Settings) -> _Outcome:
-    """Run ``config`` on two fresh rank processes and collect the slower rank's median step time."""
+    """Run ``config`` on fresh rank processes (:func:`_places`) and collect the slower rank's median step
+    time."""
     missing = _fastcomm_missing(config)
     if missing:
         return _Outcome(f"skipped: not available in fastcomm ({', '.join(missing)})")
+    places = _places(link)
     with tempfile.TemporaryDirectory(prefix="bench_hooks_") as tmp:
         procs: list[subprocess.Popen[bytes]] = []
         logs: list[Path] = []
         try:
-            for rank in range(2):
+            for rank, place in enumerate(places):
                 spec = {
                     "config": config.name, "bucket_cap_mb": config.bucket_cap_mb, "rank": rank,
-                    "world_size": 2, "port": port, "warmup": settings.warmup, "steps": settings.steps,
-                    "timeout_s": settings.timeout_s, "profile": settings.profile,
-                    "out": str(Path(tmp) / f"rank{rank}.json"),
-                    "master_addr": link.addresses[0] if link else "127.0.0.1",
+                    "world_size": len(places), "port": port, "warmup": settings.warmup,
+                    "steps": settings.steps, "timeout_s": settings.timeout_s, "profile": settings.profile,
+                    "out": str(Path(tmp) / f"rank{rank}.json"), "master_addr": place.master_addr,
+                    "counter_path": place.counter_path,
+                    "link_counted": any(other.counter_path for other in places),
+                    "state_kwargs": {"node_size": config.node_size} if config.node_size else None,
                 }
                 pythonpath = os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))))
-                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath,
-                           GLOO_SOCKET_IFNAME=link.interfaces[rank] if link else "lo")
-                prefix = link.exec_prefix(rank) if link else []
-                command = [*prefix, sys.executable, "-m", "benchmarks.bench_hooks",
+                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, **place.env)
+                command = [*place.prefix, sys.executable, "-m", "benchmarks.bench_hooks",
                            "--rank-spec", json.dumps(spec)]
                 logs.append(Path(tmp) / f"rank{rank}.log")
                 with logs[-1].open("wb") as log:
@@ -352,11 +447,13 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
         if hung:
             why = f"under {_BUSY_CPU_S} s of CPU in {_IDLE_HANG_S} s" if idle else "timeout"
             return _Outcome(f"hung: rank(s) {hung} still running after {waited:.0f} s ({why}), killed")
-        results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
+        results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(len(places))]
         if results[0].get("profile"):
             print(f"[bench_hooks] {config.name}: rank 0 profile of one step\n{results[0]['profile']}",
                   file=sys.stderr, flush=True)
-    return _Outcome("ok", max(r["step_seconds"] for r in results), results[0]["stats"])
+    counted = [r["link_sent"] for r in results if r.get("link_sent") is not None]
+    return _Outcome("ok", max(r["step_seconds"] for r in results), results[0]["stats"],
+                    float(sum(counted)) if counted else None)
 
 
 def _wire_bytes(config: Config, outcome: _Outcome, timed_steps: int) -> float | None:
@@ -487,6 +584,160 @@ def _run_network(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Two nodes
+
+
+def _node_rows(outcomes: dict[str, _Outcome], loads: dict[str, float], timed_steps: int, world_size: int,
+               link_mb_per_s: float | None) -> list[Row]:
+    """One ``step_time`` row per configuration of the nodes network, with the bytes over the node link and
+    the machine's 1-minute load average when the configuration started (``loads``)."""
+
+    def ok(name: str) -> _Outcome | None:
+        outcome = outcomes.get(name)
+        return outcome if outcome is not None and outcome.status == "ok" else None
+
+    dense, floor = ok("allreduce"), ok("noop")
+    rows = []
+    for config in NODE_CONFIGS:
+        if config.name not in outcomes:
+            continue
+        outcome = outcomes[config.name]
+        seconds = outcome.step_seconds if ok(config.name) else None
+        extra: dict[str, Any] = {"status": outcome.status, "ranks": world_size,
+                                 "node_size": config.node_size or "-"}
+        if config.name in loads:
+            extra["load_1m"] = round(loads[config.name], 2)
+        if outcome.link_bytes is not None:
+            per_step = outcome.link_bytes / timed_steps
+            extra["link_MB/step"] = round(per_step / 1e6, 3)
+            if link_mb_per_s:
+                # both directions carry about half each, and each direction has the link's rate
+                extra["link_s/step_at_rate"] = round(per_step / 2 / 1e6 / link_mb_per_s, 3)
+            flat = ok(config.name.removesuffix("_hier")) if config.name in _HIERARCHICAL else None
+            if flat is not None and flat.link_bytes:
+                extra["link_vs_flat"] = round(outcome.link_bytes / flat.link_bytes, 3)
+        if outcome.stats:
+            # rank 0's counters times the ranks (every rank sends as much), comparable to link_MB/step
+            all_ranks = world_size / timed_steps / 1e6
+            sent = outcome.stats.get("bytes_sent")
+            if sent is not None:
+                extra["hook_sent_MB/step"] = round(sent * all_ranks, 3)
+            cross = outcome.stats.get("cross_node_bytes")
+            if not cross and sent and config.name not in _HIERARCHICAL:
+                # flat: a rank's all-to-all and all-gather spread evenly over its W-1 peers, W-L elsewhere
+                cross = sent * (world_size - NODE_RANKS) / (world_size - 1)
+            if cross:
+                extra["hook_cross_node_MB/step"] = round(cross * all_ranks, 3)
+            if outcome.stats.get("intra_node_bytes"):
+                extra["hook_intra_node_MB/step"] = round(outcome.stats["intra_node_bytes"] * all_ranks, 3)
+            if "compress_seconds" in outcome.stats:
+                extra["compress_s/step"] = round(outcome.stats["compress_seconds"] / timed_steps, 4)
+        if seconds is not None and floor is not None:
+            extra["x_noop_floor"] = round(seconds / floor.step_seconds, 2)
+        if seconds is not None and config.name in _HIERARCHICAL:
+            flat = ok(config.name.removesuffix("_hier"))
+            if flat is not None:
+                extra["speedup_vs_flat"] = round(flat.step_seconds / seconds, 2)
+        rows.append(Row(
+            case=NODES_NETWORK,
+            backend=config.name,
+            metric="step_time",
+            value=seconds if seconds is not None else math.nan,
+            unit="s",
+            ratio=dense.step_seconds / seconds if seconds and dense else None,
+            ratio_to="allreduce speedup" if seconds and dense else None,
+            extra=extra,
+        ))
+    return rows
+
+
+def _check_node_targets(rows: list[Row]) -> list[str]:
+    """The issue's targets on two nodes, each marked MET, MISSED or not evaluated, with the numbers."""
+    ok = {r.backend: r for r in rows if r.extra.get("status") == "ok"}
+
+    def verdict(label: str, needed: Sequence[str], test: Callable[[], tuple[bool, str]]) -> str:
+        absent = [n for n in needed if n not in ok]
+        if absent:
+            return f"{NODES_NETWORK}: {label}: not evaluated (no step time for {', '.join(absent)})"
+        passed, detail = test()
+        return f"{NODES_NETWORK}: {label}: {'MET' if passed else 'MISSED'} ({detail})"
+
+    def speedup(name: str, base: str, at_least: float) -> tuple[bool, str]:
+        fast, slow = ok[name].value, ok[base].value
+        return slow / fast >= at_least, f"{base} {slow:.3f} s / {name} {fast:.3f} s = {slow / fast:.2f}x"
+
+    def link_share(name: str, flat: str) -> tuple[bool, str]:
+        mine, theirs = ok[name].extra.get("link_MB/step"), ok[flat].extra.get("link_MB/step")
+        if mine is None or not theirs:
+            return False, "no link byte count"
+        share = mine / theirs
+        detail = f"{name} {mine:.2f} MB/step / {flat} {theirs:.2f} MB/step = {share:.3f}"
+        return share <= 1.25 / NODE_RANKS, f"{detail}, 1/L = {1 / NODE_RANKS:.3f}"
+
+    notes = [
+        verdict("sign_hier >= 1.5x faster than flat sign", ("sign_hier", "sign"),
+                lambda: speedup("sign_hier", "sign", 1.5)),
+        verdict("quant8_hier >= 1.5x faster than flat quant8", ("quant8_hier", "quant8"),
+                lambda: speedup("quant8_hier", "quant8", 1.5)),
+        verdict("quant8_hier >= 2x faster than allreduce", ("quant8_hier", "allreduce"),
+                lambda: speedup("quant8_hier", "allreduce", 2.0)),
+    ]
+    for name in ("sign_hier", "quant8_hier"):
+        flat = name.removesuffix("_hier")
+        notes.append(verdict(f"{name} node-link bytes about 1/L of flat {flat} or less (at most 1.25/L)",
+                             (name, flat), lambda name=name, flat=flat: link_share(name, flat)))
+    return notes
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _run_nodes(configs: Sequence[Config], settings: _Settings) -> tuple[list[Row], list[str]]:
+    """Build :class:`netlab.Nodes`, check where its traffic goes, run every configuration on it."""
+    notes = [f"{NODES_NETWORK}: 2 nodes x {NODE_RANKS} gloo ranks (netlab.Nodes: the ranks of a node share a "
+             f"network namespace, the two namespaces joined by one veth pair, tbf {LINK_RATE} each way); "
+             "gloo bound to each node's veth address, so pairs inside a node connect to their own address "
+             "(the namespace's loopback) and only node-to-node traffic crosses the veth",
+             f"{NODES_NETWORK}: link_MB/step = the veth's tx byte counters of both ends (both directions, "
+             "Ethernet/IP/TCP headers included) over the timed steps, read by local rank 0 of each node "
+             "between barriers; link_vs_flat = this hierarchical row's link bytes / its flat version's",
+             f"{NODES_NETWORK}: hook_*_MB/step = rank 0's stats() counters per timed step times the "
+             f"{2 * NODE_RANKS} ranks (each sends as much; payload only, no headers): bytes_sent (all of "
+             "the compressed exchange), cross_node_bytes and intra_node_bytes (the hierarchical hooks' "
+             "own counts; for a flat hook cross-node is bytes_sent * (W - L) / (W - 1), its peers being "
+             "spread evenly over the nodes)"]
+    reason = netlab.unavailable_reason()
+    if reason:
+        notes.append(f"{NODES_NETWORK}: skipped, {reason}")
+        print(f"[bench_hooks] {notes[-1]}", file=sys.stderr, flush=True)
+        return [], notes
+    outcomes: dict[str, _Outcome] = {}
+    loads: dict[str, float] = {}
+    with netlab.Nodes(ranks_per_node=NODE_RANKS, rate=LINK_RATE) as nodes:
+        traffic = netlab.measure_node_traffic(nodes)
+        notes.append(
+            f"{NODES_NETWORK}: traffic check, {traffic.nbytes / 1e6:.0f} MB over TCP: inside node 0 "
+            f"{traffic.intra_mb_per_s:.0f} MB/s with {traffic.intra_link_bytes} bytes on the veth; node 0 -> "
+            f"node 1 {traffic.cross_mb_per_s:.1f} MB/s with {traffic.cross_link_bytes / 1e6:.1f} MB on the "
+            "veth")
+        print(f"[bench_hooks] {notes[-1]}", file=sys.stderr, flush=True)
+        notes.append(f"{NODES_NETWORK}: load average (1/5/15 min) at the start {_load()}")
+        for index, config in enumerate(configs):
+            start, load = time.perf_counter(), os.getloadavg()[0]
+            outcome = _run_config(config, nodes, 29500 + index, settings)
+            outcomes[config.name], loads[config.name] = outcome, load
+            shown = f"{outcome.step_seconds:.3f} s/step" if outcome.status == "ok" else outcome.status
+            if outcome.link_bytes is not None:
+                shown += f", {outcome.link_bytes / settings.steps / 1e6:.1f} MB/step on the node link"
+            print(f"[bench_hooks] {NODES_NETWORK:8s} {config.name:26s} {shown}  "
+                  f"({time.perf_counter() - start:.0f} s, load {load:.2f})", file=sys.stderr, flush=True)
+        notes.append(f"{NODES_NETWORK}: load average (1/5/15 min) at the end {_load()}")
+    rows = _node_rows(outcomes, loads, settings.steps, nodes.world_size, traffic.cross_mb_per_s)
+    return rows, notes + _check_node_targets(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Plot
 
 _REFERENCES = ("allreduce", "noop")  # drawn as lines, not bars
@@ -575,23 +826,109 @@ def plot_results(payload: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_nodes(payload: dict[str, Any], path: Path) -> None:
+    """Draw ``bench_hooks_nodes.json``'s rows: step time and bytes over the node link, one bar per hook.
+
+    The left panel has each configuration's step time (labelled with the time and the ratio to dense
+    allreduce, hierarchical rows also with their speedup over the flat version) and the dense allreduce and
+    no-op times as reference lines; the right panel the bytes counted on the veth per step. A crashed,
+    hung or skipped configuration is a red note where its bar would be.
+
+    Example::
+
+        plot_nodes(json.loads(Path("benchmarks/results/bench_hooks_nodes.json").read_text()),
+                   Path("bench_hooks_nodes.png"))
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    by_name = {r["backend"]: r for r in payload["rows"] if r["metric"] == "step_time"}
+    names = [c.name for c in NODE_CONFIGS if c.name in by_name]
+    if not names:
+        return
+    colours = {n: "#55a868" if n in _HIERARCHICAL else "#4c72b0" for n in names}
+    colours.update({n: "#8c8c8c" for n in _REFERENCES if n in colours})
+    ok = {n: r for n, r in by_name.items() if r["extra"].get("status") == "ok" and r["value"]}
+    fig, (time_ax, link_ax) = plt.subplots(1, 2, figsize=(13, 0.55 * len(names) + 2.6), sharey=True)
+    for ax, value_of, unit in ((time_ax, lambda r: r["value"], "s"),
+                               (link_ax, lambda r: r["extra"].get("link_MB/step"), "MB")):
+        values = {n: value_of(ok[n]) for n in names if n in ok and value_of(ok[n]) is not None}
+        x_max = max(values.values(), default=0.0) * 1.45 or 1.0
+        for y, name in enumerate(names):
+            if name in values:
+                ax.barh(y, values[name], color=colours[name], height=0.68, zorder=2)
+                label = f"{values[name]:.3f} s" if unit == "s" else f"{values[name]:.1f} MB"
+                extra = ok[name]["extra"]
+                if unit == "s" and ok[name].get("ratio"):
+                    label += f"   {ok[name]['ratio']:.2f}x"
+                if unit == "s" and "speedup_vs_flat" in extra:
+                    label += f", {extra['speedup_vs_flat']:.2f}x flat"
+                if unit == "MB" and "link_vs_flat" in extra:
+                    label += f"   {extra['link_vs_flat']:.2f} of flat"
+                ax.text(values[name] + 0.01 * x_max, y, label, va="center", fontsize=9, zorder=4,
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.85})
+            elif name not in ok:
+                status = _short_status(by_name[name]["extra"].get("status", "missing"))
+                ax.text(0.01 * x_max, y, f"no result: {status}", va="center", fontsize=9, zorder=4,
+                        color=_NO_RESULT_COLOUR, fontweight="bold", bbox=_NO_RESULT_BOX)
+        ax.set_xlim(0, x_max)
+        ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+        ax.set_axisbelow(True)
+    lines = []
+    for ref, colour, style, text in (("allreduce", "#c44e52", "--", "dense allreduce"),
+                                     ("noop", "#55a868", ":", "no-communication floor")):
+        if ref in ok:
+            lines.append(time_ax.axvline(ok[ref]["value"], color=colour, linestyle=style, linewidth=1.8,
+                                         zorder=1.5, label=f"{text}: {ok[ref]['value']:.3f} s"))
+    if lines:
+        time_ax.legend(handles=lines, loc="lower right", fontsize=9, framealpha=0.95)
+    time_ax.set_yticks(range(len(names)), names)
+    time_ax.set_ylim(len(names) - 0.5, -0.6)
+    time_ax.set_xlabel("step time (s), shorter is better")
+    time_ax.set_title("step time; label: time, allreduce time / this, flat time / this", fontsize=10)
+    link_ax.set_xlabel("MB per step over the node link (veth counters, both directions)")
+    link_ax.set_title("bytes crossing between the nodes per step", fontsize=10)
+    legend = [Patch(color="#4c72b0", label="flat hook (4 ranks as equals)"),
+              Patch(color="#55a868", label=f"hierarchical (node_size={NODE_RANKS})"),
+              Patch(color="#8c8c8c", label="dense allreduce / no-op"),
+              Patch(**_NO_RESULT_BOX, label="no result (see bench_hooks_nodes.md)")]
+    fig.legend(handles=legend, loc="lower center", ncol=4, frameon=False, fontsize=9)
+    fig.suptitle(f"2 nodes x {NODE_RANKS} gloo ranks, {LINK_RATE.replace('gbit', ' Gbit/s')} veth between "
+                 f"the nodes, MLP with {_num_params() / 1e6:.1f}M parameters", fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _replot() -> None:
     plot_results(json.loads((RESULTS_DIR / "bench_hooks.json").read_text()), RESULTS_DIR / "bench_hooks.png")
 
 
+def _replot_nodes() -> None:
+    plot_nodes(json.loads((RESULTS_DIR / f"{_NODES_RESULTS}.json").read_text()),
+               RESULTS_DIR / f"{_NODES_RESULTS}.png")
+
+
 def main(argv: Sequence[str] | None = None) -> str:
-    """Run the benchmark, write ``benchmarks/results/bench_hooks.*`` and return the Markdown table."""
+    """Run the benchmark, write ``benchmarks/results/bench_hooks.*`` (loopback and netlab) and
+    ``bench_hooks_nodes.*`` (two nodes), each only for the networks run, and return the Markdown tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 warm-up + 2 timed steps (default 2 + 5)")
-    parser.add_argument("--network", choices=(*NETWORKS, "both"), default="both")
+    parser.add_argument("--network", choices=(*NETWORKS, NODES_NETWORK, "both", "all"), default="all",
+                        help="both = loopback and netlab; all (the default) = those and nodes")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per configuration before its ranks are killed")
-    parser.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
-                        help="comma-separated subset of the configurations to run (default: all)")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated subset of the configurations to run (default: all of each "
+                             "network's)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one more step on rank 0 and print its top ops")
     parser.add_argument("--replot", action="store_true",
-                        help="redraw bench_hooks.png from the existing bench_hooks.json; run nothing")
+                        help="redraw bench_hooks.png (and bench_hooks_nodes.png) from their JSON; "
+                             "run nothing")
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.rank_spec:
@@ -599,25 +936,68 @@ def main(argv: Sequence[str] | None = None) -> str:
         return ""
     if args.replot:
         _replot()
-        return (RESULTS_DIR / "bench_hooks.md").read_text()
+        text = (RESULTS_DIR / "bench_hooks.md").read_text()
+        if (RESULTS_DIR / f"{_NODES_RESULTS}.json").exists():
+            _replot_nodes()
+            text += "\n" + (RESULTS_DIR / f"{_NODES_RESULTS}.md").read_text()
+        return text
 
     warmup, steps = (2, 2) if args.quick else (2, 5)
     # Generous: a dense step on the 1 Gbit link takes about 1 s; process start and DDP setup about 10 s.
     settings = _Settings(warmup, steps, args.timeout or 45.0 + 6.0 * (warmup + steps), args.profile)
-    networks = NETWORKS if args.network == "both" else (args.network,)
-    chosen = args.configs.split(",")
-    unknown = sorted(set(chosen) - {c.name for c in CONFIGS})
+    # Four ranks share the cores: each step and each start take about twice as long.
+    node_settings = dataclasses.replace(settings, timeout_s=args.timeout or 90.0 + 15.0 * (warmup + steps))
+    networks = {"both": NETWORKS, "all": (*NETWORKS, NODES_NETWORK)}.get(args.network, (args.network,))
+    known = [c.name for c in CONFIGS] + [c.name for c in NODE_CONFIGS if c.name not in _BY_NAME]
+    chosen = args.configs.split(",") if args.configs else known
+    unknown = sorted(set(chosen) - set(known))
     if unknown:
-        parser.error(f"unknown configuration(s) {unknown}; choose from {[c.name for c in CONFIGS]}")
+        parser.error(f"unknown configuration(s) {unknown}; choose from {known}")
     configs = tuple(c for c in CONFIGS if c.name in chosen)
+    node_configs = tuple(c for c in NODE_CONFIGS if c.name in chosen)
+    # A network with none of the chosen configurations is not run, and its result files stay as they are.
+    tables = []
+    two_rank = [n for n in networks if n in NETWORKS]
+    if two_rank and configs:
+        tables.append(_two_rank_networks(two_rank, configs, settings))
+    if NODES_NETWORK in networks and node_configs:
+        tables.append(_nodes_network(node_configs, node_settings))
+    return "\n".join(tables)
+
+
+def _common_notes(settings: _Settings, ranks: str) -> list[str]:
     params = _num_params()
-    notes = [
+    return [
         f"model: MLP {'-'.join(map(str, LAYERS))} with biases, {params / 1e6:.2f}M fp32 parameters "
         f"({4 * params / 1e6:.1f} MB of gradients), batch {BATCH} per rank, SGD",
-        f"2 gloo ranks, one thread each; {warmup} warm-up + {steps} timed steps per configuration, "
-        "time = slower rank's median step",
+        f"{ranks} gloo ranks, one thread each; {settings.warmup} warm-up + {settings.steps} timed steps per "
+        "configuration, time = slower rank's median step",
         "ratio = allreduce step time / this step time (above 1 = faster than dense allreduce); "
         "x_noop_floor = this step time / the no-op hook's",
+    ]
+
+
+def _nodes_network(configs: Sequence[Config], settings: _Settings) -> str:
+    """Run the nodes network, write ``bench_hooks_nodes.*`` and return its Markdown table."""
+    rows, node_notes = _run_nodes(configs, settings)
+    notes = [
+        *_common_notes(settings, f"{2 * NODE_RANKS} (2 nodes x {NODE_RANKS})"),
+        "speedup_vs_flat = the flat version's step time / this hierarchical one's",
+        *(f"{c.name}: {c.description}" for c in NODE_CONFIGS),
+        *node_notes,
+    ]
+    for note in notes:
+        print(f"[bench_hooks] {note}", file=sys.stderr, flush=True)
+    table = write_results(_NODES_RESULTS, rows, notes=notes, plot_metric="step_time")
+    if rows:
+        _replot_nodes()  # replaces the harness's generic bars
+    return table
+
+
+def _two_rank_networks(networks: Sequence[str], configs: Sequence[Config], settings: _Settings) -> str:
+    """Run the loopback and netlab networks, write ``bench_hooks.*`` and return its Markdown table."""
+    notes = [
+        *_common_notes(settings, "2"),
         "wire bytes: what one rank sends per step (for 2 ranks a ring allreduce and an all-gather both send "
         "the payload once); computed for torch hooks, stats()['bytes_sent'] per timed step for fastcomm "
         "(fastcomm counters, compress_s/step included, cover the timed steps only)",
@@ -652,7 +1032,6 @@ def main(argv: Sequence[str] | None = None) -> str:
     # The harness draws one generic bar per row; this figure replaces it.
     _replot()
     return table
-
 
 if __name__ == "__main__":
     print(main())
