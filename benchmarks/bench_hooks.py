@@ -856,10 +856,15 @@ def plot_nodes(payload: dict[str, Any], path: Path) -> None:
     for ax, value_of, unit in ((time_ax, lambda r: r["value"], "s"),
                                (link_ax, lambda r: r["extra"].get("link_MB/step"), "MB")):
         values = {n: value_of(ok[n]) for n in names if n in ok and value_of(ok[n]) is not None}
-        x_max = max(values.values(), default=0.0) * 1.45 or 1.0
+        if unit == "MB":
+            # dense allreduce sends ~50x what sign does: a log axis shows both; the no-op sends nothing
+            values = {n: v for n, v in values.items() if v >= 0.01}
+            ax.set_xscale("log")
+        x_max = (max(values.values(), default=0.0) * (6.0 if unit == "MB" else 1.45)) or 1.0
+        x_min = min(values.values(), default=1.0) / 3 if unit == "MB" else 0.0
         for y, name in enumerate(names):
             if name in values:
-                ax.barh(y, values[name], color=colours[name], height=0.68, zorder=2)
+                ax.barh(y, values[name] - x_min, left=x_min, color=colours[name], height=0.68, zorder=2)
                 label = f"{values[name]:.3f} s" if unit == "s" else f"{values[name]:.1f} MB"
                 extra = ok[name]["extra"]
                 if unit == "s" and ok[name].get("ratio"):
@@ -868,18 +873,22 @@ def plot_nodes(payload: dict[str, Any], path: Path) -> None:
                     label += f", {extra['speedup_vs_flat']:.2f}x flat"
                 if unit == "MB" and "link_vs_flat" in extra:
                     label += f"   {extra['link_vs_flat']:.2f} of flat"
-                ax.text(values[name] + 0.01 * x_max, y, label, va="center", fontsize=9, zorder=4,
+                ax.text(values[name] * 1.08 if unit == "MB" else values[name] + 0.01 * x_max, y, label,
+                        va="center", fontsize=9, zorder=4,
                         bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.85})
-            elif name not in ok:
+            elif name in ok:
+                ax.text(x_min * 1.1 if unit == "MB" else 0.0, y, "nothing sent", va="center", fontsize=9)
+            else:
                 status = _short_status(by_name[name]["extra"].get("status", "missing"))
-                ax.text(0.01 * x_max, y, f"no result: {status}", va="center", fontsize=9, zorder=4,
-                        color=_NO_RESULT_COLOUR, fontweight="bold", bbox=_NO_RESULT_BOX)
-        ax.set_xlim(0, x_max)
+                ax.text(x_min * 1.1 if unit == "MB" else 0.01 * x_max, y, f"no result: {status}",
+                        va="center", fontsize=9, zorder=4, color=_NO_RESULT_COLOUR, fontweight="bold",
+                        bbox=_NO_RESULT_BOX)
+        ax.set_xlim(x_min, x_max)
         ax.grid(axis="x", color="#dddddd", linewidth=0.6)
         ax.set_axisbelow(True)
     lines = []
     for ref, colour, style, text in (("allreduce", "#c44e52", "--", "dense allreduce"),
-                                     ("noop", "#55a868", ":", "no-communication floor")):
+                                     ("noop", "#333333", ":", "no-communication floor")):
         if ref in ok:
             lines.append(time_ax.axvline(ok[ref]["value"], color=colour, linestyle=style, linewidth=1.8,
                                          zorder=1.5, label=f"{text}: {ok[ref]['value']:.3f} s"))
@@ -889,7 +898,7 @@ def plot_nodes(payload: dict[str, Any], path: Path) -> None:
     time_ax.set_ylim(len(names) - 0.5, -0.6)
     time_ax.set_xlabel("step time (s), shorter is better")
     time_ax.set_title("step time; label: time, allreduce time / this, flat time / this", fontsize=10)
-    link_ax.set_xlabel("MB per step over the node link (veth counters, both directions)")
+    link_ax.set_xlabel("MB per step over the node link (veth counters, both directions; log scale)")
     link_ax.set_title("bytes crossing between the nodes per step", fontsize=10)
     legend = [Patch(color="#4c72b0", label="flat hook (4 ranks as equals)"),
               Patch(color="#55a868", label=f"hierarchical (node_size={NODE_RANKS})"),
