@@ -18,11 +18,13 @@ from torch import Tensor
 from fastcomm.hooks._base import HookState
 from fastcomm.hooks._defaults import resolve_state
 from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._groups import check_node_size
 from fastcomm.hooks._options import require_bool, require_int
 from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_buckets, merge_counters
 from fastcomm.hooks._store import BucketEntry, BucketStore, ResumePart
 from fastcomm.hooks._util import BucketKey, ring_bytes, world_of
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES, all_gather_rows
+from fastcomm.hooks.hierarchical import Hierarchy, check_hierarchical_options, fold_shards
 
 __all__ = ["BucketCall", "CompressionState", "PendingPhase", "gather_payloads", "run_compressed"]
 
@@ -48,6 +50,9 @@ class CompressionState(HookState):
         wire_chunk_bytes: each collective is issued as back-to-back chunks of about this many bytes per
             peer (at most 64 chunks): gloo keeps a TCP link busy only with several transfers in flight (on
             a 1 Gbit/s link one 8 MB all-to-all moved 61 MB/s each way, 16 chunks 115 MB/s).
+        node_size: ranks per node for hierarchical compression (:mod:`fastcomm.hooks.hierarchical`):
+            dense inside each node, compressed only between nodes. ``None``: ``LOCAL_WORLD_SIZE`` when it
+            divides the world size into at least two nodes, else flat; ``1``: flat.
         process_group: the group to reduce over; ``None`` for the default group.
 
     Example::
@@ -56,7 +61,7 @@ class CompressionState(HookState):
         owed = state.residual_of(next(ddp.module.parameters()))  # what error feedback still has to send
     """
 
-    _OPTIONS = ("error_feedback", "start_iter", "min_compress_numel", "wire_chunk_bytes")
+    _OPTIONS = ("error_feedback", "start_iter", "min_compress_numel", "wire_chunk_bytes", "node_size")
 
     def __init__(
         self,
@@ -65,22 +70,36 @@ class CompressionState(HookState):
         start_iter: int = 0,
         min_compress_numel: int = 1024,
         wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        node_size: int | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.error_feedback = require_bool("error_feedback", error_feedback)
         self.start_iter = require_int("start_iter", start_iter, minimum=0)
         self.min_compress_numel = require_int("min_compress_numel", min_compress_numel, minimum=0)
         self.wire_chunk_bytes = require_int("wire_chunk_bytes", wire_chunk_bytes, minimum=1)
+        self.node_size = check_node_size(node_size)
+        check_hierarchical_options(self, self.node_size)
         super().__init__(process_group)
 
     def _reset_internal(self) -> None:
         super()._reset_internal()
         self.store = BucketStore()
+        self.hierarchy = Hierarchy()
         # a two-phase bucket whose phase 1 is in flight; its phase 2 is issued by the next hook call
         self._pending: PendingPhase | None = None
 
     def _end_iteration(self, finite: bool) -> None:
         self.store.end_iteration(finite)
+        self.hierarchy.end_iteration(finite)
+
+    def bind(self, module: torch.nn.Module) -> None:
+        """Tie this state to ``module`` (:meth:`HookState.bind`) and make its node groups, if hierarchical.
+
+        Raises:
+            ValueError: the state already serves another model, or ``node_size`` does not fit the world.
+        """
+        super().bind(module)
+        self.hierarchy.resolve(self)
 
     # ------------------------------------------------------------------------------- for the hooks
     def begin_bucket(self, bucket: dist.GradBucket) -> BucketKey:
@@ -139,7 +158,12 @@ class CompressionState(HookState):
         """
         self._finish_iteration()
         pkey = self.param_key(param)
-        owed = None if pkey is None else self.store.residual_of(pkey, param.numel())
+        if pkey is None:
+            return None
+        owed = self.store.residual_of(pkey, param.numel())
+        shard = self.hierarchy.residual_of(pkey, param.numel())  # hierarchical: this rank's shard's
+        if shard is not None:
+            owed = shard if owed is None else owed + shard
         return None if owed is None else owed.view_as(param)
 
     def state_dict(self) -> dict[str, Any]:
@@ -152,11 +176,22 @@ class CompressionState(HookState):
         """
         state = super().state_dict()
         state.update(self.store.state_dict())
+        state.update(self.hierarchy.state_dict())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.store.load_state_dict(state_dict)
+        self.hierarchy.load_state_dict(state_dict)
+
+    def stats(self) -> dict[str, float | int]:
+        """:meth:`HookState.stats`; hierarchical, also ``intra_node_bytes`` and ``cross_node_bytes``.
+
+        With ``node_size > 1``, ``bytes_sent`` counts the compressed exchange between nodes (and dense
+        buckets' flat allreduces); ``intra_node_bytes`` the dense reduce-scatter and all-gather inside the
+        node; ``cross_node_bytes`` what compressed buckets sent to other nodes.
+        """
+        return {**super().stats(), **self.hierarchy.stats()}
 
     @classmethod
     def merge_state_dicts(
@@ -178,6 +213,8 @@ class CompressionState(HookState):
            restored bucket layout (``"layout": []``), so the first iteration reduces DDP's buckets as
            they come instead of as the old layout's (whose segments and budgets were the old group's).
         5. Counters: old rank 0's.
+        6. Hierarchical states (``node_size > 1``): each old rank's shard residuals are first folded into
+           its bucket residuals (:func:`~fastcomm.hooks.hierarchical.fold_shards`), so step 2 covers them.
 
         Args:
             states: every old rank's :meth:`state_dict`, indexed by old rank.
@@ -205,7 +242,9 @@ class CompressionState(HookState):
 
     @classmethod
     def _merge(cls, states: Sequence[dict[str, Any]], world_size: int) -> tuple[dict[str, Any], list[str]]:
-        """Steps 2-5 of :meth:`merge_state_dicts`: the merged dict and the log line's clauses."""
+        """Steps 2-6 of :meth:`merge_state_dicts`: the merged dict and the log line's clauses."""
+        hierarchical = any(state.get("hierarchical") for state in states)
+        states = [fold_shards(state, old_rank) for old_rank, state in enumerate(states)]
         buckets, summary = merge_buckets(states, world_size)
         merged = {**merge_counters(states), "buckets": buckets, "layout": []}
         notes = [
@@ -214,6 +253,8 @@ class CompressionState(HookState):
             "bit-identical resume of the old one)",
             "counters: old rank 0's",
         ]
+        if hierarchical:
+            notes.insert(0, "hierarchical shard residuals folded into the bucket residuals first")
         return merged, notes
 
 
@@ -295,7 +336,10 @@ def _one(
             state.flush_pending()
         return state.dense_result(key, params, world_size, future)
     entry = state.store.entry(key, numels, world_size)
-    return compress(BucketCall(state, key, entry, buffer.reshape(-1), world_size, rank, last, index, params))
+    call = BucketCall(state, key, entry, buffer.reshape(-1), world_size, rank, last, index, params)
+    if state.hierarchy.resolve(state):
+        return state.hierarchy.reduce(call, compress)
+    return compress(call)
 
 
 def _in_parts(

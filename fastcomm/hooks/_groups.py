@@ -1,0 +1,168 @@
+"""The node topology of hierarchical compression: ``node_size``, the sub-groups, and their issuing threads.
+
+Ranks ``n * L .. n * L + L - 1`` form node ``n`` (torchrun's numbering: ``LOCAL_RANK = rank % L``). Each
+rank takes part in three groups, made once per ``node_size`` by every rank in the same order (a plain
+``dist.new_group`` over the whole world for every group, the rank a member or not, so that no rank's group
+history differs from another's: the local-synchronization path hangs then, see
+:mod:`fastcomm.hooks._lane`):
+
+* ``reduce_group``: the ranks of this rank's node; the dense reduce-scatter, issued from DDP's hook thread.
+* ``cross_group``: the ranks with this rank's local rank on every node; the compressed exchange of the
+  shard, issued from :attr:`NodeGroups.cross_worker` in bucket order.
+* ``gather_group``: the ranks of the node again; the all-gather of the reduced shards, issued from
+  :attr:`NodeGroups.gather_worker` in bucket order.
+
+Each group sees one thread issue its collectives, in bucket order, the same on every rank, so the
+collective order is deterministic without any collective issued from a callback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from fastcomm.hooks._lane import _timeout_of
+from fastcomm.hooks._options import require_int
+
+__all__ = ["NodeGroups", "OrderedWorker", "check_node_size", "node_groups", "resolve_node_size"]
+
+
+def check_node_size(node_size: int | None) -> int | None:
+    """``node_size`` validated: ``None`` (from ``LOCAL_WORLD_SIZE``) or a positive int.
+
+    Raises:
+        ValueError: not ``None`` and not an int of at least 1 (a bool is not one).
+    """
+    if node_size is None:
+        return None
+    return require_int("node_size", node_size, minimum=1)
+
+
+def resolve_node_size(node_size: int | None, process_group: dist.ProcessGroup | None) -> int:
+    """The ranks per node the hook uses: 1 (flat) or ``L > 1`` with at least two nodes.
+
+    1. ``node_size=None``: ``LOCAL_WORLD_SIZE`` when it is set, above 1, divides the world size and
+       leaves at least two nodes, on the default group; otherwise flat (1).
+    2. An explicit ``node_size``: it must divide the world size; ``node_size`` 1 or the world size (one
+       node) is flat.
+
+    Raises:
+        ValueError: an explicit ``node_size > 1`` that does not divide the world size, or with a
+            ``process_group`` other than the default group.
+    """
+    world_size = dist.get_world_size()
+    whole_world = process_group is None or dist.get_world_size(process_group) == world_size
+    if node_size is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        size = int(local) if local.isdigit() else 1
+        if size > 1 and whole_world and world_size % size == 0 and world_size > size:
+            return size
+        return 1
+    if node_size > 1 and not whole_world:
+        raise ValueError(
+            f"node_size={node_size} needs the default process group (hierarchical compression builds its "
+            f"node groups over every rank); got a process group of {dist.get_world_size(process_group)} "
+            f"of the {world_size} ranks"
+        )
+    if world_size % node_size != 0:
+        raise ValueError(
+            f"node_size={node_size} does not divide the world size {world_size}: every node must hold "
+            f"node_size ranks"
+        )
+    return 1 if node_size in (1, world_size) else node_size
+
+
+class OrderedWorker:
+    """A thread that runs jobs in submission order (the only thread issuing on its group)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` after every job submitted before it; ``job`` reports its own failures."""
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()()
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's place in the node topology and the groups and threads of hierarchical compression.
+
+    Attributes:
+        node_size: ranks per node (``L``).
+        nodes: number of nodes (``N = W / L``), the size of :attr:`cross_group`.
+        node: this rank's node, its rank in :attr:`cross_group`.
+        local_rank: this rank's place in its node, its rank in the node groups; it owns shard
+            ``local_rank`` of every bucket.
+    """
+
+    node_size: int
+    nodes: int
+    node: int
+    local_rank: int
+    reduce_group: dist.ProcessGroup
+    gather_group: dist.ProcessGroup
+    cross_group: dist.ProcessGroup
+    cross_worker: OrderedWorker
+    gather_worker: OrderedWorker
+
+
+# node_size -> this process's groups: made once, the first time any state asks (every rank asks at the
+# same point: register(), or the first compressed bucket), kept until exit like the phase-2 lanes
+_GROUPS: dict[int, NodeGroups] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def node_groups(node_size: int) -> NodeGroups:
+    """The groups of a ``node_size``-rank-per-node topology over the default group, made at first use.
+
+    Every rank must call this at the same point of its sequence of collectives (it makes ``2 N + L``
+    groups, every rank every group, nodes first, then the gather groups, then the cross-node groups).
+
+    Example::
+
+        groups = node_groups(2)  # on 4 ranks: nodes {0, 1} and {2, 3}; cross groups {0, 2} and {1, 3}
+        groups.cross_group  # rank 1's: {1, 3}
+    """
+    with _GROUPS_LOCK:
+        found = _GROUPS.get(node_size)
+        if found is not None:
+            return found
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        nodes = world_size // node_size
+        backend = dist.get_backend()
+        timeout = _timeout_of(dist.group.WORLD)
+
+        def make(ranks: list[int], desc: str) -> dist.ProcessGroup:
+            return dist.new_group(ranks=ranks, backend=backend, timeout=timeout, group_desc=desc)
+
+        node_ranks = [list(range(n * node_size, (n + 1) * node_size)) for n in range(nodes)]
+        reduce_groups = [make(ranks, "fastcomm_node_reduce") for ranks in node_ranks]
+        gather_groups = [make(ranks, "fastcomm_node_gather") for ranks in node_ranks]
+        cross_groups = [
+            make([n * node_size + j for n in range(nodes)], "fastcomm_cross_node") for j in range(node_size)
+        ]
+        node, local_rank = divmod(rank, node_size)
+        found = NodeGroups(
+            node_size=node_size,
+            nodes=nodes,
+            node=node,
+            local_rank=local_rank,
+            reduce_group=reduce_groups[node],
+            gather_group=gather_groups[node],
+            cross_group=cross_groups[local_rank],
+            cross_worker=OrderedWorker("fastcomm-cross-node"),
+            gather_worker=OrderedWorker("fastcomm-node-gather"),
+        )
+        _GROUPS[node_size] = found
+        return found

@@ -1,0 +1,439 @@
+"""Hierarchical (two-level) compression: dense inside a node, compressed only between nodes.
+
+Every compressing hook (top-k, sign, quantize, registered compressors) takes ``node_size=L``. Then, for
+each compressed bucket of ``numel`` elements, on a world of ``W = N * L`` ranks (``N`` nodes):
+
+1. Reduce-scatter the bucket (zero padded to ``L * S``, ``S = ceil(numel / L)``) densely inside the node:
+   local rank ``j`` gets shard ``j``, the sum over its node, divided by ``L`` (the node's mean).
+2. Local rank ``j`` runs the flat hook's own exchange on its shard, over the ranks with local rank ``j``
+   on every node (``N`` ranks): the same compressor, error feedback on that shard held by that rank,
+   the same two-phase or all-gather exchange. Only this crosses the slow link: about ``1/L`` of what the
+   flat hook sends across nodes (top-k: ``1/L**2``, as its flat traffic grows with ``W``).
+3. All-gather the reduced shards inside the node; every rank holds the mean over all ``W`` ranks.
+
+Collective order (:mod:`fastcomm.hooks._groups`): step 1 is issued by the hook call, on the node's
+reduce group. Step 2 runs on the cross-node thread, bucket after bucket: it waits for the bucket's step 1
+and issues the flat exchange (a two-phase hook finishes bucket ``i - 1``'s phase 2 after bucket ``i``'s
+phase 1, and the last bucket itself, as with ``overlap_phase2=False``). Step 3 runs on the gather thread:
+it waits for step 2's result and issues the all-gather on a second node group. Each group sees one
+thread issue in bucket order on every rank; nothing is issued from a callback.
+
+Error feedback: the shard exchange keeps its residuals (phase 1 and phase 2) in a store of its own, one
+entry per bucket layout, in units of the node's mean. When DDP rebuilds its buckets, what a rank's shard
+of an old bucket still owes is handed to the new buckets as ``L`` times that owed amount in the rank's
+own gradient (added once, before step 1), which keeps the mean over all ranks of what is owed unchanged.
+Dense buckets (before ``start_iter``, below ``min_compress_numel``) are flat dense allreduces.
+
+PowerSGD is not hierarchical: a shard of ``1/L`` of a bucket cuts through its parameters' matrices, whose
+shapes its low-rank factors are built from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastcomm.compress.protocol import AllreduceCompressor
+from fastcomm.hooks._errors import PeerCollectiveError
+from fastcomm.hooks._groups import NodeGroups, node_groups, resolve_node_size
+from fastcomm.hooks._store import BucketEntry, BucketStore
+from fastcomm.hooks._util import BucketKey, all_gather_flat
+
+if TYPE_CHECKING:
+    from fastcomm.hooks._accounting import StepAccounting
+    from fastcomm.hooks._compression import BucketCall, CompressionState
+
+__all__ = ["Hierarchy", "check_hierarchical_options", "fold_shards", "shard_numel"]
+
+# reduce_scatter_tensor was renamed reduce_scatter_single; use whichever this torch has, without a warning
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shard_numel(numel: int, node_size: int) -> int:
+    """Elements of each local rank's shard of a ``numel``-element bucket: ``ceil(numel / node_size)``.
+
+    Example::
+
+        >>> shard_numel(1001, 2)
+        501
+    """
+    return max(1, math.ceil(numel / node_size))
+
+
+def check_hierarchical_options(state: CompressionState, node_size: int | None) -> None:
+    """Refuse an explicit ``node_size > 1`` on a state whose algorithm a shard would change.
+
+    Raises:
+        ValueError: PowerSGD (an :class:`~fastcomm.compress.AllreduceCompressor`), or top-k with DGC
+            momentum or local clipping (their velocity and clipping shares belong to whole buckets).
+    """
+    if node_size is None or node_size == 1:
+        return
+    if isinstance(getattr(state, "compressor", None), AllreduceCompressor):
+        raise ValueError(
+            f"node_size={node_size}: {type(state.compressor).__name__} cannot compress a shard of a bucket "
+            f"(its factors come from whole parameter matrices, which a 1/node_size shard cuts); use "
+            f"node_size=1"
+        )
+    for name, off in (("momentum", 0.0), ("clip_norm", None)):
+        if getattr(state, name, off) != off:
+            raise ValueError(
+                f"node_size={node_size} with {name}={getattr(state, name)!r}: hierarchical top-k supports "
+                f"neither DGC momentum nor local clipping; use {name}={off!r} or node_size=1"
+            )
+
+
+class _ShardAccounting:
+    """The step accounting the shard exchange writes to: the state's own, plus cross-node byte counts."""
+
+    def __init__(self, outer: StepAccounting, traffic: _NodeTraffic) -> None:
+        self._outer, self._traffic = outer, traffic
+
+    @property
+    def steps(self) -> int:
+        return self._outer.steps
+
+    def count(self, bytes_sent: int, dense_bytes: int, seconds: float, compressed: bool) -> None:
+        self._traffic.add(cross_node_bytes=bytes_sent)
+        self._outer.count(bytes_sent, dense_bytes, seconds, compressed)
+
+    def add_seconds(self, seconds: float) -> None:
+        self._outer.add_seconds(seconds)
+
+    def note_output(self, finite: bool) -> None:
+        self._outer.note_output(finite)
+
+
+class _NodeTraffic:
+    """Bytes this rank sent inside its node and to other nodes (thread-safe; checkpointed)."""
+
+    NAMES = ("intra_node_bytes", "cross_node_bytes")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counters = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                self.counters[name] += value
+
+    def load(self, counters: dict[str, int]) -> None:
+        with self._lock:
+            self.counters = {name: int(counters.get(name, 0)) for name in self.NAMES}
+
+
+class Hierarchy:
+    """The hierarchical part of a :class:`~fastcomm.hooks._compression.CompressionState`.
+
+    Holds the shard exchange's bucket store (residuals per shard), the node traffic counters, and, once
+    resolved, the node groups and the inner state that runs the flat exchange over the cross-node group.
+    A state whose ``node_size`` resolves to 1 keeps an empty one (its checkpoint has no hierarchical keys).
+
+    Example::
+
+        state = fastcomm.register(ddp, "sign", node_size=2)  # 2 ranks per node
+        state.stats()["cross_node_bytes"]  # bytes this rank sent to other nodes
+    """
+
+    def __init__(self) -> None:
+        self.store = BucketStore()
+        self.traffic = _NodeTraffic()
+        self.groups: NodeGroups | None = None
+        self._resolved = False
+        self._inner: CompressionState | None = None
+        # bucket layout -> (its shard store key, its parameters' sizes): a key of its own per layout, so
+        # the shard store never mixes layouts (a rebuild hands the owed amounts over, see _owed)
+        self._layouts: dict[BucketKey, tuple[BucketKey, tuple[int, ...]]] = {}
+        # an old layout's owed amounts in its bucket layout, handed to the new layouts during a rebuild
+        self._moving: dict[BucketKey, tuple[Tensor, tuple[int, ...]]] = {}
+        self._next_shard = 0
+
+    # ------------------------------------------------------------------------------------- resolution
+    def resolve(self, state: CompressionState) -> bool:
+        """Whether ``state`` reduces hierarchically; the first call decides and makes the groups.
+
+        Every rank must first call this at the same point (``register()``'s bind, or the first
+        compressed bucket); before ``init_process_group`` nothing is decided. An env-derived
+        ``node_size`` on a state that cannot shard stays flat.
+        """
+        if not self._resolved and dist.is_initialized():
+            requested = state.node_size
+            node_size = resolve_node_size(requested, state.process_group)
+            if node_size > 1 and requested is None:
+                try:
+                    check_hierarchical_options(state, node_size)
+                except ValueError:
+                    node_size = 1
+            if node_size > 1:
+                self.groups = node_groups(node_size)
+            self._resolved = True
+        return self.groups is not None
+
+    def _inner_state(self, state: CompressionState) -> CompressionState:
+        """A state of the same class and options that runs the flat exchange over the cross-node group."""
+        if self._inner is None:
+            assert self.groups is not None
+            options = {**state.options(), "node_size": 1, "process_group": self.groups.cross_group}
+            if "overlap_phase2" in options:
+                # the cross-node thread finishes phase 2 (no lane: a lane over a subgroup needs a
+                # local-synchronization group, which hangs when group histories differ)
+                options["overlap_phase2"] = False
+            inner = type(state)(**options)
+            inner.store = self.store
+            inner.accounting = _ShardAccounting(state.accounting, self.traffic)  # type: ignore[assignment]
+            self._inner = inner
+        return self._inner
+
+    # -------------------------------------------------------------------------------------- reducing
+    def reduce(self, call: BucketCall, compress: Callable[[BucketCall], torch.futures.Future[Tensor]]):
+        """Steps 1-3 of the module docstring for one bucket; the future DDP waits on."""
+        groups = self.groups
+        assert groups is not None
+        state, flat, key = call.state, call.flat, call.key
+        node_size, numel = groups.node_size, flat.numel()
+        shard_size = shard_numel(numel, node_size)
+        total = shard_size * node_size
+        inner = self._inner_state(state)
+        shard_key = self._shard_key(key, call.entry.numels)
+        owed = None
+        if state.error_feedback:
+            owed = self._owed(key, call.entry.numels)
+            # residuals in the bucket layout: merged from another world size (fold_shards), or flat ones
+            merged = state.store.take_owed(key, call.entry.numels, call.world_size)
+            if merged is not None:
+                owed = merged.float() if owed is None else owed + merged.float()
+        source = flat if owed is None else flat + owed.to(device=flat.device, dtype=flat.dtype)
+        if numel != total:
+            padded = self.store.buffers.tensor(shard_key, "padded", flat, total)
+            padded[:numel].copy_(source)
+            padded[numel:].zero_()
+            source = padded
+        shard = self.store.buffers.tensor(shard_key, "shard", flat, shard_size)
+        work = _reduce_scatter_flat(shard, source, group=groups.reduce_group, async_op=True)
+        intra = (node_size - 1) * shard_size * flat.element_size()
+        self.traffic.add(intra_node_bytes=intra)
+        done: torch.futures.Future[Tensor] = torch.futures.Future()
+        where = f"{type(state).__name__} hierarchical", call.bucket_index
+
+        def cross() -> None:
+            try:
+                if call.bucket_index == 0:
+                    inner.flush_pending()  # a last bucket DDP did not mark
+                try:
+                    work.wait()
+                except Exception as error:
+                    raise PeerCollectiveError(f"{where[0]} node reduce-scatter", where[1], error) from error
+                shard.div_(node_size)
+                entry = inner.store.entry(shard_key, (shard_size,), groups.nodes)
+                shard_call = dataclasses.replace(
+                    call,
+                    state=inner,
+                    key=shard_key,
+                    entry=entry,
+                    flat=shard,
+                    world_size=groups.nodes,
+                    rank=groups.node,
+                )
+                reduced = compress(shard_call)
+            except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
+                done.set_exception(error)
+                return
+            groups.gather_worker.submit(lambda: gather(reduced))
+
+        def gather(reduced: torch.futures.Future[Tensor]) -> None:
+            try:
+                mine = reduced.wait().reshape(-1).contiguous()
+                gathered = self.store.buffers.tensor(shard_key, "node_gathered", flat, total)
+                gathering = all_gather_flat(gathered, mine, group=groups.gather_group, async_op=True)
+            except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
+                done.set_exception(error)
+                return
+            self.traffic.add(intra_node_bytes=intra)
+
+            def place(arrived: torch.futures.Future[Any]) -> None:
+                try:
+                    arrived.value()
+                except Exception as error:  # noqa: BLE001 - reaches DDP's wait
+                    failure = PeerCollectiveError(f"{where[0]} node all-gather", where[1], error)
+                    failure.__cause__ = error
+                    done.set_exception(failure)
+                    return
+                flat.copy_(gathered[:numel])
+                done.set_result(flat)
+
+            gathering.get_future().add_done_callback(place)
+
+        groups.cross_worker.submit(cross)
+        return done.then(_value)
+
+    def _shard_key(self, key: BucketKey, numels: tuple[int, ...]) -> BucketKey:
+        """The shard store key of bucket layout ``key`` (a new layout takes over the old ones first)."""
+        found = self._layouts.get(key)
+        if found is None:
+            self._take_over(key)
+            found = ((self._next_shard,), numels)
+            self._next_shard += 1
+            self._layouts[key] = found
+        return found[0]
+
+    def _take_over(self, key: BucketKey) -> None:
+        """Move every old layout sharing a parameter with ``key`` out of the shard store, as owed amounts.
+
+        An old shard's owed amount (its phase-2 residual folded in, times the number of nodes: what the
+        node still owes, in units of the node's mean) becomes ``L`` times that in the old bucket's layout,
+        nonzero on this rank's shard only: the mean over all ranks is what the old layout still owed.
+        """
+        groups = self.groups
+        assert groups is not None
+        params = set(key)
+        for old in [o for o in self._layouts if params.intersection(o)]:
+            shard_key, old_numels = self._layouts.pop(old)
+            total = sum(old_numels)
+            owed = torch.zeros(total, dtype=torch.float32)
+            if self.store.holds(shard_key):
+                entry = self.store.entry(shard_key, (shard_numel(total, groups.node_size),), groups.nodes)
+                shard_owed = entry.owed()
+                entry.tensors.clear()
+                if shard_owed is not None:
+                    start = groups.local_rank * shard_owed.numel()
+                    stop = min(start + shard_owed.numel(), total)
+                    if start < stop:
+                        owed[start:stop] = shard_owed[: stop - start].cpu() * groups.node_size
+            self._moving[old] = (owed, old_numels)
+
+    def _owed(self, key: BucketKey, numels: tuple[int, ...]) -> Tensor | None:
+        """What this rank adds to bucket ``key``'s gradient for the old layouts (during a rebuild only)."""
+        if not self._moving:
+            return None
+        located: dict[int, Tensor] = {}
+        for old, (owed, old_numels) in self._moving.items():
+            for pkey, piece in zip(old, owed.split(list(old_numels)), strict=True):
+                located[pkey] = piece
+        pieces = [located.get(pkey) for pkey in key]
+        if all(piece is None for piece in pieces):
+            return None
+        return torch.cat([torch.zeros(n) if p is None else p for p, n in zip(pieces, numels, strict=True)])
+
+    def residual_of(self, pkey: int, numel: int) -> Tensor | None:
+        """What this rank owes for parameter ``pkey`` through its shards (fp32, flat), or ``None``.
+
+        ``L`` times the shard's owed amount (phase-2 residual folded in) where this rank's shard of the
+        parameter's bucket covers the parameter, zero elsewhere (another rank of the node owes that).
+        """
+        groups = self.groups
+        for key, (shard_key, numels) in self._layouts.items():
+            if pkey not in key or groups is None or not self.store.holds(shard_key):
+                continue
+            total = sum(numels)
+            shard = shard_numel(total, groups.node_size)
+            owed = self.store.entry(shard_key, (shard,), groups.nodes).owed()
+            if owed is None:
+                return None
+            offset = sum(numels[: key.index(pkey)])
+            start = groups.local_rank * shard
+            lo, hi = max(offset, start), min(offset + numel, start + shard)
+            out = torch.zeros(numel, dtype=torch.float32, device=owed.device)
+            if lo < hi:
+                out[lo - offset : hi - offset] = owed[lo - start : hi - start] * groups.node_size
+            return out
+        return None
+
+    def end_iteration(self, finite: bool) -> None:
+        """Commit (a step) or drop (a skipped one) the shard residuals staged this iteration."""
+        self.store.end_iteration(finite)
+        self._moving.clear()
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``{}`` when flat; else the shard store, the layouts' shard keys and the traffic counters."""
+        if not self._layouts and not any(self.traffic.counters.values()):
+            return {}
+        layouts = [
+            {"params": list(key), "shard": list(shard), "numels": list(numels)}
+            for key, (shard, numels) in self._layouts.items()
+        ]
+        saved = {"store": self.store.state_dict(), "layouts": layouts, "next_shard": self._next_shard}
+        saved["node_size"] = 1 if self.groups is None else self.groups.node_size
+        return {"hierarchical": {**saved, **self.traffic.counters}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s (nothing hierarchical in ``state_dict``: an empty hierarchy)."""
+        saved = state_dict.get("hierarchical")
+        self.store.load_state_dict(saved["store"] if saved else {"buckets": [], "layout": []})
+        self.traffic.load(saved or {})
+        self._moving = {}
+        self._next_shard = int(saved["next_shard"]) if saved else 0
+        self._layouts = {
+            tuple(int(p) for p in item["params"]): (
+                tuple(int(s) for s in item["shard"]),
+                tuple(int(n) for n in item["numels"]),
+            )
+            for item in (saved["layouts"] if saved else [])
+        }
+
+    def stats(self) -> dict[str, int]:
+        """``intra_node_bytes`` and ``cross_node_bytes`` (``{}`` when flat)."""
+        if self.groups is None:
+            return {}
+        return dict(self.traffic.counters)
+
+
+def fold_shards(state_dict: dict[str, Any], old_rank: int) -> dict[str, Any]:
+    """``state_dict`` with its shards' owed amounts moved into its bucket entries' ``residual`` tensors.
+
+    For :meth:`~fastcomm.hooks._compression.CompressionState.merge_state_dicts` at another world size:
+    old rank ``old_rank`` owes, per bucket layout, ``L`` times its shard's owed amount (phase-2 residual
+    folded in) on its shard of the bucket, in the bucket's layout, which the merge re-partitions like any
+    residual. A state without hierarchical keys is returned as is.
+
+    Example::
+
+        folded = [fold_shards(states[r], r) for r in range(len(states))]
+    """
+    saved = state_dict.get("hierarchical")
+    if not saved or not saved["layouts"]:
+        return state_dict
+    node_size = int(saved["node_size"])
+    local_rank = old_rank % node_size
+    shards = {tuple(int(p) for p in item["params"]): item for item in saved["store"]["buckets"]}
+    buckets = [{**item, "tensors": dict(item["tensors"])} for item in state_dict["buckets"]]
+    by_key = {tuple(int(p) for p in item["params"]): item for item in buckets}
+    for layout in saved["layouts"]:
+        item = shards.get(tuple(int(s) for s in layout["shard"]))
+        key, numels = tuple(int(p) for p in layout["params"]), tuple(int(n) for n in layout["numels"])
+        if item is None:
+            continue
+        entry = BucketEntry(
+            numels=tuple(int(n) for n in item["numels"]),
+            world_size=int(item["world_size"]),
+            segment_start=int(item["segment_start"]),
+            tensors=item["tensors"],
+        )
+        shard_owed = entry.owed()
+        if shard_owed is None:
+            continue
+        total, shard = sum(numels), shard_owed.numel()
+        owed = torch.zeros(total, dtype=torch.float32)
+        start, stop = local_rank * shard, min((local_rank + 1) * shard, total)
+        if start < stop:
+            owed[start:stop] = shard_owed[: stop - start].cpu() * node_size
+        target = by_key.get(key)
+        if target is None:
+            target = {"params": list(key), "numels": list(numels), "world_size": int(entry.world_size),
+                      "segment_start": 0, "tensors": {}}  # fmt: skip
+            buckets.append(target)
+        kept = target["tensors"].get("residual")
+        target["tensors"]["residual"] = owed if kept is None else kept.float() + owed
+    return {**state_dict, "buckets": buckets}
+
+
+def _value(future: torch.futures.Future[Tensor]) -> Tensor:
+    return future.value()
