@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from fastcomm.compress.cast import CastCompressor
 from fastcomm.compress.powersgd import PowerSGDCompressor
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.hooks._base import HookState
@@ -42,7 +43,10 @@ HOOKS: dict[HookName, tuple[type[HookState], Hook]] = {
 }
 
 # compressors served by compressor_hook, by name: a new compressor is its own file plus one line here
-COMPRESSORS: dict[str, Callable[..., Compressor | AllreduceCompressor]] = {"powersgd": PowerSGDCompressor}
+COMPRESSORS: dict[str, Callable[..., Compressor | AllreduceCompressor]] = {
+    "powersgd": PowerSGDCompressor,
+    "cast16": CastCompressor,  # cast_hook's bf16/fp16 as a compressor: error feedback, node_size
+}
 
 # the options register() gives the CompressorState of a named compressor; the others go to the compressor
 _STATE_OPTIONS = frozenset((*CompressorState._OPTIONS, "process_group")) - {"compressor"}
