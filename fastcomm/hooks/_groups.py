@@ -104,6 +104,8 @@ class NodeGroups:
         node: this rank's node, its rank in :attr:`cross_group`.
         local_rank: this rank's place in its node, its rank in the node groups; it owns shard
             ``local_rank`` of every bucket.
+        gloo: the node groups are gloo's (whose allreduce and broadcasts beat its reduce-scatter and
+            all-gather: :mod:`fastcomm.hooks.hierarchical`).
     """
 
     node_size: int
@@ -115,6 +117,7 @@ class NodeGroups:
     cross_group: dist.ProcessGroup
     cross_worker: OrderedWorker
     gather_worker: OrderedWorker
+    gloo: bool
 
 
 # node_size -> this process's groups: made once, the first time any state asks (every rank asks at the
@@ -163,6 +166,7 @@ def node_groups(node_size: int) -> NodeGroups:
             cross_group=cross_groups[local_rank],
             cross_worker=OrderedWorker("fastcomm-cross-node"),
             gather_worker=OrderedWorker("fastcomm-node-gather"),
+            gloo=backend == "gloo",
         )
         _GROUPS[node_size] = found
         return found
