@@ -111,14 +111,15 @@ def default_cache_dir() -> Path:
 
 
 # Every descriptor that holds (or waits for) a lock, so that a forked child closes its copies: a copy left
-# open in the child would keep the parent's lock held for as long as the child lives.
+# open in the child would keep the parent's lock held for as long as the child lives. Opening and closing
+# happen under _LOCK_FDS_LOCK, which a fork takes first, so no child is born between an open and its record.
 _LOCK_FDS: set[int] = set()
 _LOCK_FDS_LOCK = threading.Lock()
 
 
 def _open_lock(path: Path | str) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     with _LOCK_FDS_LOCK:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         _LOCK_FDS.add(fd)
     return fd
 
@@ -126,7 +127,7 @@ def _open_lock(path: Path | str) -> int:
 def _close_lock(fd: int) -> None:
     with _LOCK_FDS_LOCK:
         _LOCK_FDS.discard(fd)
-    os.close(fd)  # closing the last descriptor of the open file releases its flock
+        os.close(fd)  # closing the last descriptor of the open file releases its flock
 
 
 @contextlib.contextmanager
@@ -142,6 +143,14 @@ def _flock(path: Path, mode: int) -> Iterator[int]:
 _CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
 
+def _before_fork() -> None:
+    _LOCK_FDS_LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _LOCK_FDS_LOCK.release()
+
+
 def _after_fork_in_child() -> None:
     global _LOCK_FDS_LOCK
     _LOCK_FDS_LOCK = threading.Lock()
@@ -153,7 +162,9 @@ def _after_fork_in_child() -> None:
         cache._forget_inherited_pins()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)
 
 
 class ShardCache:
