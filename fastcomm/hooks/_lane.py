@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["Lane", "lane_for"]
+__all__ = ["Lane", "lane_for", "timeout_of"]
 
 
 class Lane:
@@ -38,7 +38,7 @@ class Lane:
             # made different numbers of groups they are not members of before it.
             use_local_synchronization=len(ranks) != dist.get_world_size(),
             group_desc="fastcomm_phase2",
-            timeout=_timeout_of(parent),
+            timeout=timeout_of(parent),
         )
         self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="fastcomm-phase2", daemon=True)
@@ -56,7 +56,7 @@ class Lane:
             job()  # jobs report their own failures through their bucket's future
 
 
-def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+def timeout_of(group: dist.ProcessGroup) -> timedelta | None:
     """The collective timeout of ``group``'s CPU backend, or ``None`` (new_group's default) if unknown.
 
     The lane's group takes its parent's: a group made without one gets gloo's 30 minutes, and a peer
@@ -67,6 +67,8 @@ def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
     except (AttributeError, RuntimeError):
         return None
 
+
+_timeout_of = timeout_of  # the name fastcomm/hooks/_groups.py imported first
 
 # process group -> its lane, or None where none could be made. The entry keeps the group alive until exit
 # (destroy_process_group shuts both groups down). A version holding groups weakly, ending a lane's thread
