@@ -9,6 +9,8 @@ history differs from another's: the local-synchronization path hangs then, see
 * ``reduce_group``: the ranks of this rank's node; the dense reduce-scatter, issued from DDP's hook thread.
 * ``cross_group``: the ranks with this rank's local rank on every node; the compressed exchange of the
   shard, issued from :attr:`NodeGroups.cross_worker` in bucket order.
+* ``phase2_group``: the cross-node ranks again; the second collective of a two-phase exchange, issued
+  from :attr:`NodeGroups.phase2_worker` in bucket order (as the phase-2 lane does for flat hooks).
 * ``gather_group``: the ranks of the node again; the all-gather of the reduced shards, issued from
   :attr:`NodeGroups.gather_worker` in bucket order.
 
@@ -115,7 +117,9 @@ class NodeGroups:
     reduce_group: dist.ProcessGroup
     gather_group: dist.ProcessGroup
     cross_group: dist.ProcessGroup
+    phase2_group: dist.ProcessGroup
     cross_worker: OrderedWorker
+    phase2_worker: OrderedWorker
     gather_worker: OrderedWorker
     gloo: bool
 
@@ -129,8 +133,9 @@ _GROUPS_LOCK = threading.Lock()
 def node_groups(node_size: int) -> NodeGroups:
     """The groups of a ``node_size``-rank-per-node topology over the default group, made at first use.
 
-    Every rank must call this at the same point of its sequence of collectives (it makes ``2 N + L``
-    groups, every rank every group, nodes first, then the gather groups, then the cross-node groups).
+    Every rank must call this at the same point of its sequence of collectives (it makes ``2 N + 2 L``
+    groups, every rank every group: the node groups, the gather groups, the cross-node groups, then
+    the phase-2 groups).
 
     Example::
 
@@ -152,9 +157,9 @@ def node_groups(node_size: int) -> NodeGroups:
         node_ranks = [list(range(n * node_size, (n + 1) * node_size)) for n in range(nodes)]
         reduce_groups = [make(ranks, "fastcomm_node_reduce") for ranks in node_ranks]
         gather_groups = [make(ranks, "fastcomm_node_gather") for ranks in node_ranks]
-        cross_groups = [
-            make([n * node_size + j for n in range(nodes)], "fastcomm_cross_node") for j in range(node_size)
-        ]
+        cross_ranks = [[n * node_size + j for n in range(nodes)] for j in range(node_size)]
+        cross_groups = [make(ranks, "fastcomm_cross_node") for ranks in cross_ranks]
+        phase2_groups = [make(ranks, "fastcomm_cross_node_phase2") for ranks in cross_ranks]
         node, local_rank = divmod(rank, node_size)
         found = NodeGroups(
             node_size=node_size,
@@ -164,7 +169,9 @@ def node_groups(node_size: int) -> NodeGroups:
             reduce_group=reduce_groups[node],
             gather_group=gather_groups[node],
             cross_group=cross_groups[local_rank],
+            phase2_group=phase2_groups[local_rank],
             cross_worker=OrderedWorker("fastcomm-cross-node"),
+            phase2_worker=OrderedWorker("fastcomm-cross-node-phase2"),
             gather_worker=OrderedWorker("fastcomm-node-gather"),
             gloo=backend == "gloo",
         )

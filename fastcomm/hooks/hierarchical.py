@@ -19,8 +19,9 @@ two broadcasts 0.016-0.03 s. Other backends (NCCL) use ``reduce_scatter_tensor``
 
 Collective order (:mod:`fastcomm.hooks._groups`): step 1 is issued by the hook call, on the node's
 reduce group. Step 2 runs on the cross-node thread, bucket after bucket: it waits for the bucket's step 1
-and issues the flat exchange (a two-phase hook finishes bucket ``i - 1``'s phase 2 after bucket ``i``'s
-phase 1, and the last bucket itself, as with ``overlap_phase2=False``). Step 3 runs on the gather thread:
+and issues the flat exchange (a two-phase hook's phase 2 goes to a phase-2 thread on a second cross-node
+group, as the flat hooks' lane does; with ``overlap_phase2=False`` the next bucket's call finishes it,
+and the last bucket itself). Step 3 runs on the gather thread:
 it waits for step 2's result and issues the all-gather on a second node group. Each group sees one
 thread issue in bucket order on every rank; nothing is issued from a callback.
 
@@ -54,7 +55,7 @@ from fastcomm.hooks._util import BucketKey, all_gather_flat, ring_bytes
 
 if TYPE_CHECKING:
     from fastcomm.hooks._accounting import StepAccounting
-    from fastcomm.hooks._compression import BucketCall, CompressionState
+    from fastcomm.hooks._compression import BucketCall, CompressionState, PendingPhase
 
 __all__ = ["Hierarchy", "check_hierarchical_options", "fold_shards", "shard_numel"]
 
@@ -115,6 +116,31 @@ class _ShardAccounting:
 
     def note_output(self, finite: bool) -> None:
         self._outer.note_output(finite)
+
+
+class _Phase2Deferral:
+    """The inner state's ``defer``: a two-phase bucket's phase 2 goes to the phase-2 thread and group.
+
+    The cross-node thread issues every phase 1 (and the last bucket's phase 2) on the cross-node group;
+    the phase-2 thread finishes the other buckets in the order they were deferred, on the phase-2 group,
+    each as soon as its phase 1 arrives. One thread per group, bucket order: the same on every rank.
+    """
+
+    def __init__(self, groups: NodeGroups) -> None:
+        self._groups = groups
+
+    def __call__(self, pending: PendingPhase) -> None:
+        group = self._groups.phase2_group
+
+        def finish() -> None:
+            try:
+                pending.finish(group)  # type: ignore[call-arg]
+            except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
+                future = getattr(pending, "future", None)
+                if future is not None and not future.done():
+                    future.set_exception(error)
+
+        self._groups.phase2_worker.submit(finish)
 
 
 class _NodeTraffic:
@@ -189,12 +215,15 @@ class Hierarchy:
             assert self.groups is not None
             options = {**state.options(), "node_size": 1, "process_group": self.groups.cross_group}
             if "overlap_phase2" in options:
-                # the cross-node thread finishes phase 2 (no lane: a lane over a subgroup needs a
-                # local-synchronization group, which hangs when group histories differ)
+                # no phase-2 lane (over a subgroup it needs a local-synchronization group, which hangs
+                # when group histories differ): the deferred phase 2 goes to the groups' own phase-2
+                # thread and group instead (_Phase2Deferral)
                 options["overlap_phase2"] = False
             inner = type(state)(**options)
             inner.store = self.store
             inner.accounting = _ShardAccounting(state.accounting, self.traffic)  # type: ignore[assignment]
+            if state.options().get("overlap_phase2", False):
+                inner.defer = _Phase2Deferral(self.groups)  # type: ignore[method-assign]
             self._inner = inner
         return self._inner
 

@@ -47,6 +47,12 @@ VARIANTS = {
              fastcomm.sign_hook, ("sign", 128)),
     "q8": (lambda: fastcomm.QuantState(bits=8, block=64, stochastic=False, min_compress_numel=0, node_size=2),
            fastcomm.quantize_hook, ("quant", 8, 64)),
+    # phase 2 from the next bucket's cross-node job instead of the phase-2 thread
+    "sign+deferred": (
+        lambda: fastcomm.SignState(chunk=128, min_compress_numel=0, node_size=2, overlap_phase2=False),
+        fastcomm.sign_hook,
+        ("sign", 128),
+    ),
     "compressor_q2": (
         lambda: fastcomm.hooks.CompressorState(
             QuantCompressor(bits=2, block=32, stochastic=False), min_compress_numel=0, node_size=2
