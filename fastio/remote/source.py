@@ -94,8 +94,8 @@ from fastio.workers import worker_info
 
 __all__ = ["RemoteShardSource", "RemoteSource", "RemoteTarSource", "open_remote"]
 
-_PROGRESS_ROWS = 65  # row 0: the process that planned the pass; 1..64: worker processes (by worker id)
-_COUNTERS = ("network_wait_s", "downloaded_bytes", "downloads", "retries")
+_PROGRESS_ROWS = 33  # row 0: the process that planned the pass; 1..32: worker processes (by worker id)
+_COUNTERS = ("network_wait_s", "downloaded_bytes", "downloads", "retries", "read_front")
 _MEMO = 8  # local sources kept for recent shard sets
 _POLL_S = 0.02
 
@@ -138,10 +138,13 @@ class _SharedProgress:
         info = worker_info()
         return 1 + (info.id % (_PROGRESS_ROWS - 1) if info is not None else 0)
 
-    def add_consumed(self, shards: np.ndarray, counts: np.ndarray) -> None:
+    def add_consumed(self, shards: np.ndarray, counts: np.ndarray, front: int) -> None:
+        """Count samples served from ``shards``; ``front``: the furthest read-order position among them."""
         row = self.row()
+        column = _COUNTERS.index("read_front")
         with self.lock:
             self.consumed[row, shards] += counts
+            self.counters[row, column] = max(self.counters[row, column], front + 1)  # stored + 1: 0 is none
 
     def add(self, counter: str, value: float) -> None:
         row = self.row()
@@ -399,20 +402,27 @@ class RemoteSource(Source):
 
     def _read_front(self, progress: _SharedProgress) -> int:
         """The furthest position in the read order that any fetch of this pass has touched (-1: none)."""
-        touched = np.flatnonzero(progress.consumed.sum(axis=0) > 0)
-        if len(touched) == 0 or self._order_pos is None:
-            return -1
-        return int(self._order_pos[touched].max())
+        return int(progress.counters[:, _COUNTERS.index("read_front")].max()) - 1
 
-    def _finished(self, progress: _SharedProgress) -> np.ndarray:
-        """Shards of this pass whose samples have all been served (none when the indices are unknown)."""
+    def _finished(self, progress: _SharedProgress, shards: np.ndarray | None = None) -> np.ndarray:
+        """Which shards of this pass have had all their samples served (of ``shards`` only, when given: the
+        others read False); none when the indices are unknown."""
+        done = np.zeros(len(self.shards), dtype=bool)
         if self._expected is None:
-            return np.zeros(len(self.shards), dtype=bool)
-        return (self._expected > 0) & (progress.consumed.sum(axis=0) >= self._expected)
+            return done
+        if shards is None:
+            done[:] = (self._expected > 0) & (progress.consumed.sum(axis=0) >= self._expected)
+        else:
+            done[shards] = (self._expected[shards] > 0) & (
+                progress.consumed[:, shards].sum(axis=0) >= self._expected[shards]
+            )
+        return done
 
     def _sweep(self, progress: _SharedProgress) -> None:
         """Unpin the prefetched shards that are read, and mark them read for the cache."""
-        done = self._finished(progress)
+        with self._lock:
+            held = np.array(sorted(self._prefetch_held), dtype=np.int64)
+        done = self._finished(progress, held)
         with self._lock:
             finished = [s for s in self._prefetch_held if done[s]]
             self._prefetch_held.difference_update(finished)
@@ -588,8 +598,9 @@ class RemoteSource(Source):
                 entry.refs -= 1
         progress = self._progress
         if progress is not None:
-            progress.add_consumed(shards, counts.astype(np.float64))
-            done = self._finished(progress)
+            front = int(self._order_pos[shards].max()) if self._order_pos is not None else -1
+            progress.add_consumed(shards, counts.astype(np.float64), front)
+            done = self._finished(progress, shards)
             if done[shards].any():
                 self._drop_read(done)
                 if self._owner():
