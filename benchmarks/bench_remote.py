@@ -564,6 +564,11 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--shard-mb", type=float, default=None, help="shard size in MB (default 64)")
     parser.add_argument("--probe-mb", type=int, default=None, help="link probe file size (default 256 MB)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per measured run")
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw bench_remote.png from the existing bench_remote.json; run nothing",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -573,6 +578,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     if args.child:
         _child(json.loads(args.child))
         return ""
+    if args.replot:
+        payload = json.loads((RESULTS_DIR / "bench_remote.json").read_text())
+        rows = [
+            Row(**{**r, "value": float("nan") if r["value"] is None else r["value"]}) for r in payload["rows"]
+        ]
+        plot_results(rows, RESULTS_DIR / "bench_remote.png")
+        return (RESULTS_DIR / "bench_remote.md").read_text()
     gigabytes = args.gigabytes or (0.024 if args.quick else 1.0)
     shard_mb = args.shard_mb or (2.0 if args.quick else 64.0)
     probe_mb = args.probe_mb or (16 if args.quick else 256)
@@ -666,7 +678,10 @@ def plot_results(rows: Sequence[Row], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     for ax, (title, chosen) in zip(axes, panels, strict=True):
         values = [0.0 if r.value != r.value else r.value for r in chosen]
-        colours = ["#4472c4" if "fastio" in r.backend else "#ed7d31" for r in chosen]
+        colours = [
+            "#a5a5a5" if "local disk" in r.backend else "#4472c4" if "fastio" in r.backend else "#ed7d31"
+            for r in chosen
+        ]
         ax.bar(range(len(chosen)), values, color=colours)
         for i, r in enumerate(chosen):
             label = "no result" if r.value != r.value else f"{r.value:,.0f}"
