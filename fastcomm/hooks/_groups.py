@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fastcomm.hooks._lane import _timeout_of
+from fastcomm.hooks._lane import timeout_of
 from fastcomm.hooks._options import require_int
 
 __all__ = ["NodeGroups", "OrderedWorker", "check_node_size", "node_groups", "resolve_node_size"]
@@ -149,7 +149,7 @@ def node_groups(node_size: int) -> NodeGroups:
         world_size, rank = dist.get_world_size(), dist.get_rank()
         nodes = world_size // node_size
         backend = dist.get_backend()
-        timeout = _timeout_of(dist.group.WORLD)
+        timeout = timeout_of(dist.group.WORLD)
 
         def make(ranks: list[int], desc: str) -> dist.ProcessGroup:
             return dist.new_group(ranks=ranks, backend=backend, timeout=timeout, group_desc=desc)
