@@ -106,7 +106,7 @@ class NodeGroups:
         node: this rank's node, its rank in :attr:`cross_group`.
         local_rank: this rank's place in its node, its rank in the node groups; it owns shard
             ``local_rank`` of every bucket.
-        gloo: the node groups are gloo's (whose allreduce and broadcasts beat its reduce-scatter and
+        gloo: the node groups are gloo's (whose reduces and broadcasts beat its reduce-scatter and
             all-gather: :mod:`fastcomm.hooks.hierarchical`).
     """
 

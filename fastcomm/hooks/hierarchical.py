@@ -11,11 +11,11 @@ each compressed bucket of ``numel`` elements, on a world of ``W = N * L`` ranks 
    flat hook sends across nodes (top-k: ``1/L**2``, as its flat traffic grows with ``W``).
 3. All-gather the reduced shards inside the node; every rank holds the mean over all ``W`` ranks.
 
-Over gloo the node's dense steps are an allreduce (step 1: each rank then takes its shard) and one
-broadcast per shard (step 3): on 2 ranks over loopback, 48 MB, gloo's ``reduce_scatter_tensor`` took
-0.09-0.13 s and its ``all_gather_into_tensor`` 0.06-0.09 s, where an allreduce took 0.04-0.06 s and the
-two broadcasts 0.016-0.03 s. Other backends (NCCL) use ``reduce_scatter_tensor`` and
-``all_gather_into_tensor``.
+Over gloo the node's dense steps are one reduce per shard, to its owner (step 1), and one broadcast per
+shard, from its owner (step 3), in place in the bucket: on 2 ranks over loopback, 48 MB, gloo's
+``reduce_scatter_tensor`` took 0.09-0.13 s and its ``all_gather_into_tensor`` 0.06-0.09 s, where the two
+reduces took 0.06-0.08 s (an allreduce about as long, for twice the bytes) and the two broadcasts
+0.016-0.03 s. Other backends (NCCL) use ``reduce_scatter_tensor`` and ``all_gather_into_tensor``.
 
 Collective order (:mod:`fastcomm.hooks._groups`): step 1 is issued by the hook call, on the node's
 reduce group. Step 2 runs on the cross-node thread, bucket after bucket: it waits for the bucket's step 1
@@ -51,7 +51,7 @@ from fastcomm.compress.protocol import AllreduceCompressor
 from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks._groups import NodeGroups, node_groups, resolve_node_size
 from fastcomm.hooks._store import BucketEntry, BucketStore
-from fastcomm.hooks._util import BucketKey, all_gather_flat, ring_bytes
+from fastcomm.hooks._util import BucketKey, all_gather_flat
 
 if TYPE_CHECKING:
     from fastcomm.hooks._accounting import StepAccounting
@@ -255,13 +255,21 @@ class Hierarchy:
             source = padded
         local, elem = groups.local_rank, flat.element_size()
         if groups.gloo:
-            # gloo's reduce_scatter is slower than its allreduce (measured, see the module docstring)
-            work = dist.all_reduce(source, group=groups.reduce_group, async_op=True)
+            # gloo's reduce_scatter is slower than one reduce per shard (measured, see the module docstring)
+            works = [
+                dist.reduce(
+                    source[r * shard_size : (r + 1) * shard_size],
+                    dst=groups.node * node_size + r,
+                    group=groups.reduce_group,
+                    async_op=True,
+                )
+                for r in range(node_size)
+            ]
             shard = source[local * shard_size : (local + 1) * shard_size]
-            self.traffic.add(intra_node_bytes=ring_bytes(total, elem, node_size))
+            self.traffic.add(intra_node_bytes=(node_size - 1) * shard_size * elem)
         else:
             shard = self.store.buffers.tensor(shard_key, "shard", flat, shard_size)
-            work = _reduce_scatter_flat(shard, source, group=groups.reduce_group, async_op=True)
+            works = [_reduce_scatter_flat(shard, source, group=groups.reduce_group, async_op=True)]
             self.traffic.add(intra_node_bytes=(node_size - 1) * shard_size * elem)
         done: torch.futures.Future[Tensor] = torch.futures.Future()
         where = f"{type(state).__name__} hierarchical", call.bucket_index
@@ -271,7 +279,8 @@ class Hierarchy:
                 if call.bucket_index == 0:
                     inner.flush_pending()  # a last bucket DDP did not mark
                 try:
-                    work.wait()
+                    for work in works:  # all of them: the gather writes into the other shards
+                        work.wait()
                 except Exception as error:
                     raise PeerCollectiveError(f"{where[0]} node reduction", where[1], error) from error
                 shard.div_(node_size)
