@@ -8,6 +8,7 @@ simulation over the nodes (error feedback per shard), then the shards side by si
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import pickle
 
@@ -33,6 +34,7 @@ from torch import nn
 import fastcomm
 from fastcomm.compress import QuantCompressor
 from fastcomm.compress.cast import CastCompressor
+from fastcomm.hooks import _groups
 from fastcomm.hooks.hierarchical import shard_numel
 
 NODE_SIZE = 2
@@ -117,26 +119,40 @@ def _simulate_bucket(grads: list[torch.Tensor], sim: dict, codec: tuple, step: i
 
 def simulation_worker(rank: int, world_size: int) -> None:
     """Each hook with node_size=2 against the two-level simulation, over several steps; traffic per link."""
-    for variant, (make_state, hook, codec) in VARIANTS.items():
-        state = make_state()
-        params = make_buckets(BUCKET_SIZES, torch.float32)
-        sims: list[dict] = [{} for _ in BUCKET_SIZES]
-        for step in range(STEPS):
-            all_grads = [
-                [grad_for(r, b, step, sum(s), torch.float32) for r in range(world_size)]
-                for b, s in enumerate(BUCKET_SIZES)
-            ]
-            buckets = [FakeBucket(b, params[b], all_grads[b][rank].clone()) for b in range(len(BUCKET_SIZES))]
-            outputs = run_hook(hook, state, buckets)
-            for b, out in enumerate(outputs):
-                what = f"{variant} bucket {BUCKET_SIZES[b]} step {step}"
-                assert_same_on_all_ranks(out, what)
-                expected = _simulate_bucket(all_grads[b], sims[b], codec, step)
-                assert torch.equal(out, expected), f"{what}: max diff {(out - expected).abs().max()}"
-        stats = state.stats()
-        assert stats["steps"] == STEPS and stats["compressed_buckets"] == STEPS * len(BUCKET_SIZES), stats
-        assert stats["cross_node_bytes"] > 0 and stats["intra_node_bytes"] > 0, stats
+    for variant in VARIANTS:
+        _check_against_simulation(rank, world_size, variant)
+    # the reduce-scatter / all-gather path that backends other than gloo take (NCCL), here over gloo
+    gloo_path = _groups.node_groups(NODE_SIZE)
+    _groups._GROUPS[NODE_SIZE] = dataclasses.replace(gloo_path, gloo=False)
+    try:
+        for variant in ("sign", "topk"):
+            _check_against_simulation(rank, world_size, variant)
+    finally:
+        _groups._GROUPS[NODE_SIZE] = gloo_path
     _check_cross_node_bytes(rank, world_size)
+
+
+def _check_against_simulation(rank: int, world_size: int, variant: str) -> None:
+    """One variant's outputs over STEPS steps of BUCKET_SIZES: equal on every rank and to the simulation."""
+    make_state, hook, codec = VARIANTS[variant]
+    state = make_state()
+    params = make_buckets(BUCKET_SIZES, torch.float32)
+    sims: list[dict] = [{} for _ in BUCKET_SIZES]
+    for step in range(STEPS):
+        all_grads = [
+            [grad_for(r, b, step, sum(s), torch.float32) for r in range(world_size)]
+            for b, s in enumerate(BUCKET_SIZES)
+        ]
+        buckets = [FakeBucket(b, params[b], all_grads[b][rank].clone()) for b in range(len(BUCKET_SIZES))]
+        outputs = run_hook(hook, state, buckets)
+        for b, out in enumerate(outputs):
+            what = f"{variant} bucket {BUCKET_SIZES[b]} step {step}"
+            assert_same_on_all_ranks(out, what)
+            expected = _simulate_bucket(all_grads[b], sims[b], codec, step)
+            assert torch.equal(out, expected), f"{what}: max diff {(out - expected).abs().max()}"
+    stats = state.stats()
+    assert stats["steps"] == STEPS and stats["compressed_buckets"] == STEPS * len(BUCKET_SIZES), stats
+    assert stats["cross_node_bytes"] > 0 and stats["intra_node_bytes"] > 0, stats
 
 
 def _check_cross_node_bytes(rank: int, world_size: int) -> None:
