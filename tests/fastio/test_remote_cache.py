@@ -272,18 +272,23 @@ def test_slow_server_times_out_as_a_transient_failure(tmp_path):
     assert caught.value.attempts == 2
 
 
-def test_http_server_serves_ranges(tmp_path):
-    (tmp_path / "a.bin").write_bytes(bytes(range(256)))
+def test_http_server_serves_ranges_and_downloads_stream(tmp_path):
+    import urllib.request
+
     from fastio.remote.fetch import download, remote_size
 
+    (tmp_path / "a.bin").write_bytes(bytes(range(256)))
     with HttpServer(tmp_path) as server:
         url = server.url("a.bin")
+        request = urllib.request.Request(url, headers={"Range": "bytes=10-19"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 206 and response.read() == bytes(range(10, 20))
         assert remote_size(url, RetryPolicy()) == 256
-        done = threading.Event()
+        chunks = []
         out = tmp_path / "copy.bin"
-        download(url, out, 256, RetryPolicy(chunk_bytes=50), on_bytes=lambda n: done.set())
-        assert out.read_bytes() == bytes(range(256)) and done.is_set()
-        assert len([r for r in server.log("/a.bin") if r.method == "GET"]) == 6  # ceil(256 / 50) ranges
+        download(url, out, 256, RetryPolicy(chunk_bytes=50), on_bytes=chunks.append)
+        assert out.read_bytes() == bytes(range(256)) and sum(chunks) == 256 and len(chunks) == 6
+        assert len([r for r in server.log("/a.bin") if r.method == "GET" and r.start == 0]) == 1  # one stream
 
 
 def test_a_server_without_range_support_is_streamed(tmp_path):
@@ -294,6 +299,7 @@ def test_a_server_without_range_support_is_streamed(tmp_path):
 
     data = bytes(range(256)) * 40
     (tmp_path / "a.bin").write_bytes(data)
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, format: str, *args: object) -> None:
             return
