@@ -254,6 +254,11 @@ class Hierarchy:
             padded[numel:].zero_()
             source = padded
         local, elem = groups.local_rank, flat.element_size()
+        # fp16's sum of L gradients can overflow where their mean does not: divide first there (a pass
+        # over the bucket); wider types divide the shard after the sum (half the elements at L = 2)
+        divide_first = flat.dtype == torch.float16
+        if divide_first:
+            source.div_(node_size)
         if groups.gloo:
             # gloo's reduce_scatter is slower than one reduce per shard (measured, see the module docstring)
             works = [
@@ -283,7 +288,8 @@ class Hierarchy:
                         work.wait()
                 except Exception as error:
                     raise PeerCollectiveError(f"{where[0]} node reduction", where[1], error) from error
-                shard.div_(node_size)
+                if not divide_first:
+                    shard.div_(node_size)
                 entry = inner.store.entry(shard_key, (shard_size,), groups.nodes)
                 shard_call = dataclasses.replace(
                     call,

@@ -130,6 +130,19 @@ def simulation_worker(rank: int, world_size: int) -> None:
     finally:
         _groups._GROUPS[NODE_SIZE] = gloo_path
     _check_cross_node_bytes(rank, world_size)
+    _check_fp16_sum_does_not_overflow(rank)
+
+
+def _check_fp16_sum_does_not_overflow(rank: int) -> None:
+    """fp16 buckets whose node sums overflow (2 x 40000 > 65504) but whose means do not: finite means."""
+    for variant in ("sign", "q8"):
+        make_state, hook, _ = VARIANTS[variant]
+        params = [torch.zeros(999, dtype=torch.float16)]
+        grad = torch.full((999,), 40000.0, dtype=torch.float16)
+        grad[rank::4] = -30000.0
+        (out,) = run_hook(hook, make_state(), [FakeBucket(0, params, grad)])
+        assert bool(torch.isfinite(out).all()), f"{variant}: the fp16 node sum overflowed"
+        assert_same_on_all_ranks(out, "fp16")
 
 
 def _check_against_simulation(rank: int, world_size: int, variant: str) -> None:
