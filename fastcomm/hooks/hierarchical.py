@@ -4,7 +4,8 @@ Every compressing hook (top-k, sign, quantize, registered compressors) takes ``n
 each compressed bucket of ``numel`` elements, on a world of ``W = N * L`` ranks (``N`` nodes):
 
 1. Reduce-scatter the bucket (zero padded to ``L * S``, ``S = ceil(numel / L)``) densely inside the node:
-   local rank ``j`` gets shard ``j``, the sum over its node, divided by ``L`` (the node's mean).
+   local rank ``j`` gets shard ``j``, the sum over its node, divided by ``L`` (the node's mean; fp16
+   buckets are divided before the sum, which could overflow).
 2. Local rank ``j`` runs the flat hook's own exchange on its shard, over the ranks with local rank ``j``
    on every node (``N`` ranks): the same compressor, error feedback on that shard held by that rank,
    the same two-phase or all-gather exchange. Only this crosses the slow link: about ``1/L`` of what the
@@ -21,9 +22,9 @@ Collective order (:mod:`fastcomm.hooks._groups`): step 1 is issued by the hook c
 reduce group. Step 2 runs on the cross-node thread, bucket after bucket: it waits for the bucket's step 1
 and issues the flat exchange (a two-phase hook's phase 2 goes to a phase-2 thread on a second cross-node
 group, as the flat hooks' lane does; with ``overlap_phase2=False`` the next bucket's call finishes it,
-and the last bucket itself). Step 3 runs on the gather thread:
-it waits for step 2's result and issues the all-gather on a second node group. Each group sees one
-thread issue in bucket order on every rank; nothing is issued from a callback.
+and the last bucket itself). Step 3 runs on the gather thread: it waits for step 2's result and issues
+the gather on a second node group. Each group sees one thread issue in bucket order on every rank;
+nothing is issued from a callback.
 
 Error feedback: the shard exchange keeps its residuals (phase 1 and phase 2) in a store of its own, one
 entry per bucket layout, in units of the node's mean. When DDP rebuilds its buckets, what a rank's shard
@@ -182,7 +183,7 @@ class Hierarchy:
         self._resolved = False
         self._inner: CompressionState | None = None
         # bucket layout -> (its shard store key, its parameters' sizes): a key of its own per layout, so
-        # the shard store never mixes layouts (a rebuild hands the owed amounts over, see _owed)
+        # the shard store never mixes layouts (a rebuild hands the owed amounts over: _take_over)
         self._layouts: dict[BucketKey, tuple[BucketKey, tuple[int, ...]]] = {}
         # an old layout's owed amounts in its bucket layout, handed to the new layouts during a rebuild
         self._moving: dict[BucketKey, tuple[Tensor, tuple[int, ...]]] = {}
