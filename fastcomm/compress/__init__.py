@@ -7,6 +7,7 @@ compressor             payload                                                  
 ``QuantCompressor``    8/4/2-bit codes + one fp32 absmax per block                 yes
 ``TopKCompressor``     k int32 indices + k values                                  no
 ``PowerSGDCompressor`` rank-r factors P, Q of each matrix (two allreduces)         no
+``CastCompressor``     values as bf16/fp16 (2 bytes each)                          yes (block 1)
 =====================  ==========================================================  =========
 
 ``PowerSGDCompressor`` is an :class:`AllreduceCompressor`: its payloads are summed over ranks, not decoded
@@ -24,6 +25,7 @@ Example::
     q.compress_into(payload, x, residual, residual, seed=0)
 """
 
+from fastcomm.compress.cast import CastCompressor
 from fastcomm.compress.powersgd import PowerSGDCompressor, orthogonalize_
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor, all_finite
 from fastcomm.compress.quantize import QuantCompressor
@@ -32,6 +34,7 @@ from fastcomm.compress.topk import TopKCompressor, fit_to_k
 
 __all__ = [
     "AllreduceCompressor",
+    "CastCompressor",
     "Compressor",
     "PowerSGDCompressor",
     "QuantCompressor",

@@ -11,6 +11,9 @@ hook                 state                on the wire (per bucket, per rank)
 ``powersgd_hook``    ``PowerSGDState``    two allreduces (sum) of fp32: dense elements + rank-r P's, then Q's
 ===================  ===================  ===========================================================
 
+Every compressing state takes ``node_size=L`` (``fastcomm.hooks.hierarchical``): a dense reduction inside
+the node, the hook's own exchange between nodes on this rank's 1/L shard, a gather inside the node.
+
 Collective order: every collective is issued inside a hook call, never from a callback, and DDP calls hooks
 in bucket order on every rank, so all ranks issue the same collectives in the same order. The two-phase hooks
 pipeline across buckets: the call for bucket ``i`` issues phase 1 of bucket ``i`` and phase 2 of bucket
