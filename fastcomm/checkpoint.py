@@ -186,8 +186,9 @@ def merge_optimizer_states(states: Sequence[Mapping[str, Any]]) -> tuple[dict[st
     across ranks replaced by the ranks' mean.
 
     Under DDP an optimizer that sees averaged gradients (SGD, AdamW) has the same state on every rank, and
-    this returns rank 0's unchanged. One that keeps per-rank momentum (``fastcomm.CompressedAdam`` in its
-    compressed phase) differs: the mean is the momentum the ranks' averaged update was made of.
+    this returns rank 0's unchanged (so does ``fastcomm.CompressedAdam``, whose ranks each adopt the mean
+    momentum the hook returns). One that keeps per-rank state (a local-SGD or DiLoCo-style optimizer's own
+    momentum) differs: the mean is the state of the ranks' average.
 
     Raises:
         CheckpointError: a scalar or integer tensor (a step count) or a non-tensor value differs across ranks.

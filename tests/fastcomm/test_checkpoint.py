@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _checkpoint_workers as ckpt_workers  # noqa: E402
 import _hooks_workers as workers  # noqa: E402
 
-
 Counter = ckpt_workers.Position  # a minimal stateful object, as a user's own class would be
 
 
