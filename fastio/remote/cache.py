@@ -61,13 +61,21 @@ class CacheFullError(FastIOError):
         assert "cache_limit" in str(err)
     """
 
-    def __init__(self, cache_dir: str, limit: int, used: int, needed: int) -> None:
+    def __init__(self, cache_dir: str, limit: int, used: int, needed: int, detail: str = "") -> None:
         self.cache_dir, self.limit, self.used, self.needed = cache_dir, limit, used, needed
-        super().__init__(
-            f"{cache_dir}: cache_limit {limit} bytes is full ({used} bytes, every entry pinned: being read or"
-            f" about to be) and the next shard needs {needed} bytes; raise cache_limit to at least the"
-            " shards one batch and the prefetch touch"
-        )
+        self.detail = detail
+        if detail:  # known impossible at once: no waiting for pins that cannot go
+            message = f"{cache_dir}: cache_limit {limit} bytes {detail}"
+        else:
+            message = (
+                f"{cache_dir}: cache_limit {limit} bytes is full ({used} bytes, every entry pinned: being"
+                f" read or about to be) and the next shard needs {needed} bytes; raise cache_limit to at"
+                " least the shards one batch and the prefetch touch"
+            )
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple:  # rebuilt from its fields when it crosses from a worker process
+        return (type(self), (self.cache_dir, self.limit, self.used, self.needed, self.detail))
 
 
 def parse_size(value: int | str | None) -> int | None:

@@ -73,7 +73,7 @@ from fastio.format.decode import INT_EXTENSIONS, last_extension, npy_layout
 from fastio.format.reader import ShardReader, ShardSet
 from fastio.format.schema import schema_from_json
 from fastio.format.tar import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
-from fastio.remote.cache import ShardCache
+from fastio.remote.cache import CacheFullError, ShardCache
 from fastio.remote.compressed import compression_of, decompress, decompressed_name
 from fastio.remote.fetch import (
     RangeReader,
@@ -358,6 +358,7 @@ class RemoteSource(Source):
         if indices is not None:
             shard_of = np.searchsorted(self.cumulative, np.asarray(indices), side="right") - 1
             expected = np.bincount(shard_of, minlength=len(self.shards)).astype(np.float64)
+            self._check_working_set(shard_of)
         for info in self.shards:
             self.cache.unmark_read(info.key)
         self._progress = _SharedProgress(len(self.shards))
@@ -590,6 +591,7 @@ class RemoteSource(Source):
         counts = np.bincount(shard_ids, minlength=len(self.shards))
         shards = np.flatnonzero(counts)
         counts = counts[shards]
+        self._check_fits(shards)
         entry = self._entry(tuple(shards.tolist()))
         try:
             batch = entry.source.fetch(indices + entry.delta[shard_ids], buffers, threads, times)
@@ -609,6 +611,52 @@ class RemoteSource(Source):
                     for shard in shards[done[shards]].tolist():
                         self.cache.mark_read(self.shards[shard].key)
         return batch
+
+    def _check_working_set(self, shard_of: np.ndarray) -> None:
+        """Raise :class:`CacheFullError` before the pass when the shards this rank's read order keeps open
+        at once (a shard is cached from its first sample read to its last) cannot fit under the limit plus
+        the one shard it may be exceeded by: the pass would otherwise stall on its own pins until ``wait_s``.
+        """
+        limit = self.cache.limit
+        if limit is None or len(shard_of) == 0:
+            return
+        present = np.flatnonzero(np.bincount(shard_of, minlength=len(self.shards)))
+        positions = np.arange(len(shard_of))
+        first = np.full(len(self.shards), len(shard_of), dtype=np.int64)
+        last = np.full(len(self.shards), -1, dtype=np.int64)
+        np.minimum.at(first, shard_of, positions)
+        np.maximum.at(last, shard_of, positions)
+        sizes = np.array([s.local_size or s.remote_size for s in self.shards], dtype=np.int64)
+        # Sweep: +size when a shard opens, -size after its last sample; opens sort before closes at a tie.
+        events = np.concatenate([first[present] * 2, last[present] * 2 + 1])
+        deltas = np.concatenate([sizes[present], -sizes[present]])
+        open_bytes = np.cumsum(deltas[np.argsort(events, kind="stable")])
+        peak = int(open_bytes.max())
+        needed = peak - int(sizes[present].max())
+        if needed > limit:
+            raise CacheFullError(
+                str(self.cache.directory), limit, 0, peak,
+                f"cannot hold the shards this rank's read order keeps open at once ({peak} bytes at the "
+                f"peak; shuffle='shard' interleaves the blocks of `window` shards and a shard stays cached "
+                f"until its last sample is read): raise cache_limit to at least {needed} bytes, plus room to "
+                f"prefetch",
+            )
+
+    def _check_fits(self, shards: np.ndarray) -> None:
+        """Raise :class:`CacheFullError` at once when the shards one batch reads together cannot all be in
+        the cache (the limit, plus the one shard it may be exceeded by): waiting for room would wait on the
+        batch's own pins until ``wait_s``."""
+        limit = self.cache.limit
+        if limit is None or len(shards) < 2:
+            return
+        sizes = [self.shards[s].local_size or self.shards[s].remote_size for s in shards.tolist()]
+        if sum(sizes) - max(sizes) > limit:
+            raise CacheFullError(
+                str(self.cache.directory), limit, 0, sum(sizes),
+                f"cannot hold the {len(shards)} shards ({sum(sizes)} bytes) that one batch reads together "
+                f"(shuffle='shard' mixes up to `window` shards per batch): raise cache_limit to at least "
+                f"{sum(sizes) - max(sizes)} bytes, plus room to prefetch",
+            )
 
     def _drop_read(self, done: np.ndarray) -> None:
         """Forget idle local sources that hold a shard read to the end: their pins would keep it cached."""

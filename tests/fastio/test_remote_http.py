@@ -8,6 +8,7 @@ import io
 import sys
 import tarfile
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 import fastio
 from fastio.remote import (
+    CacheFullError,
     RemoteNotFoundError,
     RemoteReadError,
     RemoteShardSource,
@@ -194,6 +196,26 @@ def test_cache_limit_bounds_the_cache_during_the_epoch(shard_dir, server, tmp_pa
     assert len(peaks) > 10
     assert max(peaks) <= limit + max(sizes)
     assert source.cache.evictions > 0  # the limit really bit: shards came and went
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_cache_limit_too_small_for_the_read_order_fails_at_once(shard_dir, server, tmp_path, num_workers):
+    # shuffle="shard" interleaves the blocks of `shuffle_window` shards: all of them stay cached until read to
+    # the end. A limit under that working set must fail with a named error at once, not wait on the pass's
+    # own pins (the cache's wait_s is 600 s).
+    sizes = [p.stat().st_size for p in _shard_files(shard_dir)]
+    source = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "cache", cache_limit=max(sizes) + 1,
+                               retry=FAST_RETRY)
+    loader = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=3, num_workers=num_workers,
+                                 shuffle_window=4)
+    start = time.monotonic()
+    try:
+        with pytest.raises(CacheFullError, match="cannot hold the shards this rank's read order keeps open"):
+            for _ in loader:
+                pass
+    finally:
+        source.close()
+    assert time.monotonic() - start < 30
 
 
 def test_two_ranks_sharing_a_cache_download_each_shard_once(shard_dir, server, tmp_path, fio):
