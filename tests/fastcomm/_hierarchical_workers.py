@@ -28,6 +28,7 @@ from _hooks_workers import (  # the test directory is on sys.path
     ref_two_phase,
     run_hook,
     sign_codec,
+    sum_sent_and_raw,
 )
 from torch import nn
 
@@ -266,16 +267,7 @@ def _check_rebuild_keeps_what_is_owed(rank: int, world_size: int, hook_name: str
     local = copy.deepcopy(model)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
     state = fastcomm.register(ddp, hook_name, node_size=NODE_SIZE, **options)
-    sent = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-    raw = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-    for step in range(4):
-        ddp.zero_grad()
-        local.zero_grad()
-        loss_of(ddp, rank, step).backward()
-        loss_of(local, rank, step).backward()
-        for s, r, p, q in zip(sent, raw, model.parameters(), local.parameters(), strict=True):
-            s += p.grad.double()
-            r += q.grad.double()
+    sent, raw = sum_sent_and_raw(ddp, local, rank, 4)
     for s, r, p in zip(sent, raw, model.parameters(), strict=True):
         owed = state.residual_of(p).double()
         dist.all_reduce(owed)

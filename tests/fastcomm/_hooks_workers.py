@@ -640,6 +640,25 @@ def _recording(hook: Callable, layouts: list) -> Callable:
     return recording_hook
 
 
+def sum_sent_and_raw(
+    ddp: nn.parallel.DistributedDataParallel, local: nn.Module, rank: int, steps: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Train ``ddp`` and its undistributed copy ``local`` for ``steps`` steps of :func:`loss_of`; return, per
+    parameter, the sum (fp64) of the gradients the hook returned and of this rank's raw gradients."""
+    model = ddp.module
+    sent = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    raw = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    for step in range(steps):
+        ddp.zero_grad()
+        local.zero_grad()
+        loss_of(ddp, rank, step).backward()
+        loss_of(local, rank, step).backward()
+        for s, r, p, q in zip(sent, raw, model.parameters(), local.parameters(), strict=True):
+            s += p.grad.double()
+            r += q.grad.double()
+    return sent, raw
+
+
 def _check_rebuild_keeps_residuals(rank: int, world_size: int, name: str) -> None:
     """Compression from step 0 across DDP's bucket rebuild: the error-feedback invariant still holds."""
     hook_name, options = HOOK_CASES[name]
@@ -651,16 +670,7 @@ def _check_rebuild_keeps_residuals(rank: int, world_size: int, name: str) -> Non
     state.bind(ddp.module)
     layouts: list[list[int]] = []
     ddp.register_comm_hook(state, _recording(hook, layouts))
-    sent = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-    raw = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-    for step in range(6):
-        ddp.zero_grad()
-        local.zero_grad()
-        loss_of(ddp, rank, step).backward()
-        loss_of(local, rank, step).backward()
-        for s, r, p, q in zip(sent, raw, model.parameters(), local.parameters(), strict=True):
-            s += p.grad.double()
-            r += q.grad.double()
+    sent, raw = sum_sent_and_raw(ddp, local, rank, 6)
     assert layouts[0] != layouts[1], f"DDP did not rebuild its buckets: {layouts[:2]}"
     for s, r, p in zip(sent, raw, model.parameters(), strict=True):
         owed = state.residual_of(p).double()
