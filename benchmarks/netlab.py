@@ -131,13 +131,7 @@ class Link:
 
     def up(self) -> Link:
         """Build the namespaces, the veth pair, the addresses and the shaping; undo everything on failure."""
-        reason = unavailable_reason()
-        if reason:
-            raise RuntimeError(reason)
-        cleanup_stale()
-        self._up = True
-        atexit.register(self.down)
-        self._trap_sigterm()
+        self._begin_up()
         try:
             for ns in self.namespaces:
                 _run(["ip", "netns", "add", ns])
@@ -168,6 +162,17 @@ class Link:
             _run(["ip", "link", "del", self.interfaces[0]], check=False)
         atexit.unregister(self.down)
         self._restore_sigterm()
+
+    def _begin_up(self) -> None:
+        """What every topology's ``up`` starts with: refuse where netlab cannot run, remove what a killed
+        earlier run left, and arrange for ``down`` at exit and on SIGTERM."""
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        cleanup_stale()
+        self._up = True
+        atexit.register(self.down)
+        self._trap_sigterm()
 
     def _trap_sigterm(self) -> None:
         # SIGTERM skips atexit and finally blocks unless it becomes an exception.
@@ -276,13 +281,7 @@ class HostLink(Link):
 
     def up(self) -> HostLink:
         """Build the namespace, the veth pair, the addresses and the shaping; undo everything on failure."""
-        reason = unavailable_reason()
-        if reason:
-            raise RuntimeError(reason)
-        cleanup_stale()
-        self._up = True
-        atexit.register(self.down)
-        self._trap_sigterm()
+        self._begin_up()
         try:
             ns, (outer, inner) = self.namespaces[0], self.interfaces
             self.addresses = _free_host_pair()
