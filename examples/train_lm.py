@@ -340,6 +340,8 @@ METHODS: dict[str, Method] = {
     "q4": Method("fastcomm quantize_hook 4-bit, AdamW", hook="quantize", options={"bits": 4}),
     "topk": Method("fastcomm topk_hook ratio 0.01, AdamW", hook="topk", options={"ratio": 0.01}),
     "sign": Method("fastcomm sign_hook (1-bit, error feedback), AdamW", hook="sign"),
+    "powersgd": Method("fastcomm PowerSGD rank 4 (error feedback, warm start; the hook's start_iter 0 and "
+                       "min_compress_numel 1024), AdamW", hook="powersgd", options={"rank": 4}),
     "cadam": Method("fastcomm.CompressedAdam (sign compressor) after an AdamW warm-up on 8-bit quantized "
                     "gradients", optimizer="compressed_adam",
                     options={"compressor": "sign", "warmup_steps": 200, "warmup_compressor": "quantize"}),

@@ -34,16 +34,18 @@ def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hook", ["topk", "powersgd"])
+def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path: Path, hook: str) -> None:
     # Run A stops after step 6 as if killed; its last checkpoint is step 4. Run B resumes there and must
-    # repeat A's steps 5 and 6 exactly (model, optimizer, schedule, hook residuals, loader position, RNG).
-    common = ["--hook", "topk", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4"]
+    # repeat A's steps 5 and 6 exactly (model, optimizer, schedule, hook residuals and PowerSGD's
+    # warm-start Q's, loader position, RNG).
+    common = ["--hook", hook, "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4"]
     _torchrun(tmp_path, *common, "--stop-after", "6", "--json", str(tmp_path / "a.json"))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000004"]
     resumed = _torchrun(tmp_path, *common, "--resume", "--json", str(tmp_path / "b.json"))
     first, second = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
 
-    assert "resumed topk at step 4" in resumed.stderr
+    assert f"resumed {hook} at step 4" in resumed.stderr
     assert first["start_step"] == 0 and len(first["train_losses"]) == 6
     assert second["start_step"] == 4 and len(second["train_losses"]) == 4
     losses = first["train_losses"] + second["train_losses"] + second["val_losses"]
