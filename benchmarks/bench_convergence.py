@@ -22,12 +22,19 @@ each method reach dense's loss, and how much sooner in wall time on a slow link?
 5. Written: ``benchmarks/results/bench_convergence.json/.md`` (harness rows and a summary table),
    ``bench_convergence.png`` (validation loss vs step and vs seconds on the shaped link, one line per
    method, dense AdamW drawn as the reference) and ``bench_convergence.curves.json`` (every curve).
+6. ``--merge``: add (or redo) ``--methods`` in the existing result without training the others. Only
+   they are trained and timed; dense allreduce is timed again on both links in the same run (under the
+   same load) as their speed reference, and its first 50 steps are trained again to check that they
+   repeat the kept loss curve bit for bit (the kept dense loss stays the loss reference). Every other row
+   is kept as it was, each compared with the dense timing of the run it came from (kept in
+   ``curves.json["merged"]``); a note says what was rerun, when, and under which load.
 
 Run::
 
     python -m benchmarks.bench_convergence    # everything: ~6,500 training steps, ~1.5 h on 2 idle cores
     python -m benchmarks.bench_convergence --steps 100 --methods none,q8,cadam --timed-steps 5
     python -m benchmarks.bench_convergence --work-dir /tmp/conv   # keep (and reuse) each run's result
+    python -m benchmarks.bench_convergence --merge --methods powersgd   # add one method: ~15 min
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ LOSS_METHODS = (
     "q4",
     "topk",
     "sign",
+    "powersgd",
     "cadam",
     "cadam_w100",
     "cadam_q8w",
@@ -450,26 +458,33 @@ def _verdicts(summary: dict[str, dict[str, Any]], shaped: str) -> list[str]:
     else:
         lines.append(f"{label}: not evaluated (no step time)")
 
+    # Each method's time against dense's (and fp16's) timed in the same run (a merged file holds several).
     reached = {
-        m: s["time_to_target"]
+        m: s
         for m, s in summary.items()
-        if s.get("time_to_target") is not None and m not in ("none", "fp16", "sgd", "sgd_clip", "dgc")
+        if s.get("time_to_target") is not None
+        and s.get("ttt_vs_dense")
+        and m not in ("none", "fp16", "sgd", "sgd_clip", "dgc")
     }
-    t_dense, t_fp16 = dense.get("time_to_target"), summary.get("fp16", {}).get("time_to_target")
     label = (
         f"best fastcomm method >= 2x sooner to dense's loss +2% than dense, and sooner than torch fp16 "
         f"({shaped} link)"
     )
-    if reached and t_dense:
-        best = min(reached, key=reached.__getitem__)
-        ok = t_dense / reached[best] >= 2.0 and (t_fp16 is None or reached[best] < t_fp16)
-        if t_fp16 is not None:
-            fp16_text = f", fp16 {t_fp16:.0f} s"
+    if reached:
+        best = max(reached, key=lambda m: reached[m]["ttt_vs_dense"])
+        seconds, vs_dense = reached[best]["time_to_target"], reached[best]["ttt_vs_dense"]
+        vs_fp16 = reached[best].get("ttt_vs_fp16")
+        fp16 = summary.get("fp16", {})
+        ok = vs_dense >= 2.0 and (vs_fp16 is None or vs_fp16 > 1.0)
+        if vs_fp16 is not None:
+            fp16_text = f", fp16 {seconds * vs_fp16:.0f} s"
+        elif fp16.get("time_to_target") is not None:
+            fp16_text = ", fp16 not timed in the same run"
         else:
             fp16_text = ", fp16 never reached it" if "fp16" in summary else ", fp16 not run"
         lines.append(
-            f"{label}: {'PASS' if ok else 'FAIL'} ({best} {reached[best]:.0f} s, dense "
-            f"{t_dense:.0f} s = {t_dense / reached[best]:.2f}x{fp16_text})"
+            f"{label}: {'PASS' if ok else 'FAIL'} ({best} {seconds:.0f} s, dense "
+            f"{seconds * vs_dense:.0f} s = {vs_dense:.2f}x{fp16_text})"
         )
     else:
         lines.append(f"{label}: not evaluated (no fastcomm method reached it, or dense has no time)")
@@ -592,166 +607,47 @@ def _plot(curves: dict[str, dict[str, Any]], shaped: str, target: float | None, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> str:
-    """Run the benchmark, write ``benchmarks/results/bench_convergence.*`` and return the Markdown."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=500, help="training steps of each loss run")
-    parser.add_argument("--methods", default=",".join(LOSS_METHODS), help="comma-separated subset")
-    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps of each speed run")
-    parser.add_argument("--timed-steps", type=int, default=20, help="timed steps of each speed run")
-    parser.add_argument("--rate", default=None, help="the shaped link's tbf rate (default: derived)")
-    parser.add_argument("--skip-speed", action="store_true", help="loss runs only")
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=None,
-        help="keep each run's result and logs here; loss runs found there are reused",
-    )
-    parser.add_argument(
-        "--reuse-speed",
-        action="store_true",
-        help="with --work-dir: take the speed rows an earlier run saved there (speed.json)",
-    )
-    parser.add_argument(
-        "--reuse-only",
-        action="store_true",
-        help="with --work-dir: start no loss run, report only those found there",
-    )
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    if (args.reuse_only or args.reuse_speed) and args.work_dir is None:
-        parser.error("--reuse-only and --reuse-speed need --work-dir")
-    started = time.perf_counter()
-    train_lm = load_example()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(train_lm.METHODS))
-    if unknown:
-        parser.error(f"unknown method(s) {unknown}; choose from {sorted(train_lm.METHODS)}")
-    for needed in ("none", "sgd", "fp16"):
-        if needed not in methods and any(REFERENCE.get(m, "none") == needed for m in methods):
-            methods.insert(0, needed)
-    methods = list(dict.fromkeys(methods))
+@dataclasses.dataclass
+class _Report:
+    """What the files are written from: each method's loss run and per-link timing, and which run timed it.
 
-    with tempfile.TemporaryDirectory(prefix="bench_convergence_") as tmp:
-        work = args.work_dir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        paths = train_lm.prepare_data(train_lm.default_data_dir())
-        settings = _Settings(
-            args.steps,
-            args.warmup_steps,
-            args.timed_steps,
-            paths.train.parent.parent,
-            work,
-            args.work_dir is not None,
-            args.reuse_only,
-        )
-        available = {m: train_lm.method_unavailable(m) for m in [*methods, "noop"]}
-        notes = [
-            f"task: examples/train_lm.py, {_dense_payload_bytes(train_lm) // 4:,}-parameter byte-level GPT "
-            "(d_model 192, 3 layers, 4 heads, context 128, untied head), stdlib .py files of Python "
-            f"{sys.version.split()[0]}: {paths.train_files} train files ({paths.train_bytes / 1e6:.1f} MB), "
-            f"{paths.val_files} validation files ({paths.val_bytes / 1e6:.2f} MB, every 20th file)",
-            f"training: 2 gloo ranks, 1 thread each, batch 16 x 128 tokens per rank, {args.steps} steps, "
-            "warm-up 30 then cosine to 0, seed 0 (same data order for every method); AdamW lr 2e-3 betas "
-            "(0.9, 0.95) weight decay 0.1; SGD lr 0.1 (dense: momentum 0.9; dgc: momentum 0, the hook's "
-            "momentum correction 0.9)",
-            "validation loss: mean cross entropy (nats per byte) over 128 fixed windows of 129 bytes per "
-            "rank (256 in all) of the held-out files, every 50 steps and at the last",
-        ]
-        for method in methods:
-            spec = train_lm.METHODS[method]
-            notes.append(f"{method}: {spec.description} {spec.options}")
+    ``origin[method]`` names the run a method was trained and timed in ("" for this one); ``dense[origin]``
+    is dense allreduce's timing per link in that run, the reference of that run's speed ratios (a merged
+    file holds rows of several runs, each compared with its own run's dense step, never across runs).
+    """
 
-        # -- speed -------------------------------------------------------------------------------------
-        shaped_name, fast_name = "shaped", FAST_LINK
-        timings: dict[str, dict[str, dict[str, Any]]] = {}
-        reason = netlab.unavailable_reason()
-        speed_cache = work / "speed.json"
-        if args.skip_speed:
-            notes.append("speed: skipped (--skip-speed)")
-        elif args.reuse_speed:
-            if not speed_cache.exists():
-                parser.error(f"--reuse-speed: no {speed_cache}")
-            cached = json.loads(speed_cache.read_text())
-            shaped_name, timings = cached["shaped_name"], cached["timings"]
-            notes += [*cached["notes"], f"speed rows reused from an earlier run ({cached['when']})"]
-        elif reason:
-            notes.append(f"speed: skipped, {reason}")
-        else:
-            speed_notes_start = len(notes)
-            noop = _time_link(train_lm, ["noop"], None, "loopback", settings, available)["noop"]
-            noop_seconds = _last_phase_step(noop)
-            if noop_seconds is None:
-                raise RuntimeError(f"the no-communication step could not be timed: {noop['status']}")
-            payload = _dense_payload_bytes(train_lm)
-            rate = args.rate or _shaped_rate(noop_seconds, payload)
-            shaped_name = f"shaped {rate}"
-            how = "given" if args.rate else f"derived for communication = {COMM_TO_COMPUTE}x compute"
-            notes.append(
-                f"no-communication step (no-op hook, loopback): {noop_seconds:.3f} s; dense payload "
-                f"{payload / 1e6:.2f} MB per rank and step; shaped link rate {rate} ({how})"
-            )
-            for name, link_rate in ((shaped_name, rate), (fast_name, FAST_LINK)):
-                with netlab.Link(rate=link_rate) as link:
-                    measured = netlab.measure_throughput(link, nbytes=8 << 20)
-                    notes.append(
-                        f"{name}: veth between two namespaces, tbf {link_rate} each way, measured "
-                        f"{measured:.2f} MB/s (TCP, one direction, 8 MB)"
-                    )
-                    timings[name] = _time_link(train_lm, methods, link, name.split()[0], settings, available)
-            dense_shaped = _last_phase_step(timings[shaped_name].get("none", {}))
-            if dense_shaped is not None:
-                comm = dense_shaped - noop_seconds
-                notes.append(
-                    f"{shaped_name}: dense allreduce step {dense_shaped:.3f} s = no-comm "
-                    f"{noop_seconds:.3f} s + {comm:.3f} s communication ({comm / noop_seconds:.2f}x "
-                    "the no-comm step)"
-                )
-            notes.append(
-                f"speed: {args.warmup_steps} warm-up + {args.timed_steps} timed steps per method "
-                "and phase, the slower rank's median; loss vs seconds = the loss run's validation "
-                "curve with each step at its phase's measured step time on that link"
-            )
-            speed_notes = notes[speed_notes_start:]
-            when = time.strftime("%Y-%m-%d %H:%M")
-            speed_cache.write_text(
-                json.dumps(
-                    {"shaped_name": shaped_name, "timings": timings, "notes": speed_notes, "when": when}
-                )
-            )
+    methods: list[str]
+    runs: dict[str, _Run]
+    timings: dict[str, dict[str, dict[str, Any]]]  # link name -> method -> {"status", "phases"}
+    shaped_name: str
+    steps: int
+    origin: dict[str, str] = dataclasses.field(default_factory=dict)
+    dense: dict[str, dict[str, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
-        # -- loss --------------------------------------------------------------------------------------
-        runs: dict[str, _Run] = {}
-        for method in methods:
-            begin = time.perf_counter()
-            runs[method] = _loss_run(train_lm, method, settings, available)
-            run = runs[method]
-            if run.status == "ok" and run.result is not None:
-                (work / f"loss-{method}-{args.steps}.json").write_text(json.dumps(run.result))
-                shown = f"val loss {run.result['val_losses'][-1]:.4f}"
-            else:
-                shown = run.status
-            print(
-                f"[{NAME}] loss {method:8s} {shown} ({time.perf_counter() - begin:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+    def dense_timing(self, method: str, link_name: str) -> dict[str, Any]:
+        origin = self.origin.get(method, "")
+        if origin in self.dense:
+            return self.dense[origin].get(link_name, {})
+        return self.timings.get(link_name, {}).get("none", {})
 
-    # -- assemble ----------------------------------------------------------------------------------------
+
+def _assemble(
+    train_lm: Any, report: _Report
+) -> tuple[list[Row], dict[str, dict[str, Any]], dict[str, dict[str, Any]], float | None]:
+    """The harness rows, the summary and the curves of ``report``, and the time-to-loss target."""
+    runs, timings, shaped_name, steps = report.runs, report.timings, report.shaped_name, report.steps
+    fast_name = FAST_LINK
+
     def final(method: str) -> float | None:
         run = runs.get(method)
         return run.result["val_losses"][-1] if run and run.status == "ok" and run.result else None
 
     dense_loss = final("none")
     target = dense_loss * TARGET_SLACK if dense_loss is not None else None
-    if target is not None:
-        notes.append(
-            f"time-to-loss target: dense AdamW's {args.steps}-step validation loss {dense_loss:.4f} "
-            f"+ 2% = {target:.4f}"
-        )
     rows: list[Row] = []
     summary: dict[str, dict[str, Any]] = {}
     curves: dict[str, dict[str, Any]] = {}
-    for method in methods:
+    for method in report.methods:
         spec = train_lm.METHODS[method]
         run = runs[method]
         reference = REFERENCE.get(method, "none")
@@ -763,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                 entry["vs_reference_pct"] = _pct(loss, ref_loss)
             rows.append(
                 Row(
-                    case=f"val loss at step {args.steps}",
+                    case=f"val loss at step {steps}",
                     backend=method,
                     metric="val_loss",
                     value=loss,
@@ -776,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         else:
             rows.append(
                 Row(
-                    case=f"val loss at step {args.steps}",
+                    case=f"val loss at step {steps}",
                     backend=method,
                     metric="val_loss",
                     value=math.nan,
@@ -797,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             timing = timings.get(link_name, {}).get(method)
             if timing is None:
                 continue
-            dense_timing = timings[link_name].get("none", {})
+            dense_timing = report.dense_timing(method, link_name)
             last, dense_step = _last_phase_step(timing), _last_phase_step(dense_timing)
             mean, dense_mean = _mean_step(timing), _mean_step(dense_timing)
             entry[f"{key}_text"] = _phase_text(timing)
@@ -839,14 +735,26 @@ def main(argv: Sequence[str] | None = None) -> str:
                     )
         summary[method] = entry
         curves[method] = curve
-    t_dense = summary.get("none", {}).get("time_to_target")
+
+    def dense_time(method: str) -> float | None:
+        """Dense allreduce's time to the target in the run ``method`` was timed in."""
+        if report.origin.get(method, "") == report.origin.get("none", ""):
+            return summary.get("none", {}).get("time_to_target")
+        none = runs.get("none")
+        timing = report.dense_timing(method, shaped_name)
+        if target is None or none is None or not none.result or _elapsed(timing, 1) is None:
+            return None
+        return _time_to_loss(none.result["val_steps"], none.result["val_losses"], timing, target)[0]
+
     t_fp16 = summary.get("fp16", {}).get("time_to_target")
     for method, entry in summary.items():
         seconds = entry.get("time_to_target")
         if seconds is None:
             continue
+        t_dense = dense_time(method)
+        same_fp16 = report.origin.get(method, "") == report.origin.get("fp16", "")
         entry["ttt_vs_dense"] = t_dense / seconds if t_dense else None
-        entry["ttt_vs_fp16"] = t_fp16 / seconds if t_fp16 else None
+        entry["ttt_vs_fp16"] = t_fp16 / seconds if t_fp16 and same_fp16 else None
         rows.append(
             Row(
                 case=f"{shaped_name}: time to dense loss + 2%",
@@ -862,7 +770,30 @@ def main(argv: Sequence[str] | None = None) -> str:
                 },
             )
         )
-    verdicts = _verdicts(summary, shaped_name)
+    return rows, summary, curves, target
+
+
+# notes that _write derives from the numbers (a merge drops the old ones and derives them again)
+_DERIVED_NOTES = ("time-to-loss target:", "benchmark wall time:", "backward_s / opt_step_s:", "speedup = ")
+
+
+def _derived_notes(steps: int, target: float | None, dense_loss: float | None) -> list[str]:
+    lines = []
+    if target is not None and dense_loss is not None:
+        lines.append(
+            f"time-to-loss target: dense AdamW's {steps}-step validation loss {dense_loss:.4f} "
+            f"+ 2% = {target:.4f}"
+        )
+    return lines
+
+
+def _write(train_lm: Any, report: _Report, notes: list[str], started: float) -> str:
+    """Write ``bench_convergence.json/.md/.png/.curves.json`` from ``report`` and return the Markdown."""
+    rows, summary, curves, target = _assemble(train_lm, report)
+    none = report.runs.get("none")
+    dense_loss = none.result["val_losses"][-1] if none and none.status == "ok" and none.result else None
+    notes = [*notes, *_derived_notes(report.steps, target, dense_loss)]
+    verdicts = _verdicts(summary, report.shaped_name)
     for line in verdicts:
         print(f"[{NAME}] {line}", file=sys.stderr, flush=True)
     notes += verdicts
@@ -883,16 +814,385 @@ def main(argv: Sequence[str] | None = None) -> str:
         "final loss + 2% (linear between validation points every 50 steps); '-' = never reached"
     )
     text = write_results(NAME, rows, notes=notes, plot_metric="loss curves are drawn by this script")
-    table = _summary_table(summary, shaped_name)
+    table = _summary_table(summary, report.shaped_name)
     with (RESULTS_DIR / f"{NAME}.md").open("a") as handle:
         handle.write(f"\n## Summary\n\n{table}\n")
-    (RESULTS_DIR / f"{NAME}.curves.json").write_text(
-        json.dumps(
-            {"target": target, "shaped_link": shaped_name, "curves": curves, "summary": summary}, indent=1
-        )
-    )
-    _plot(curves, shaped_name, target, RESULTS_DIR / f"{NAME}.png")
+    saved: dict[str, Any] = {
+        "target": target,
+        "shaped_link": report.shaped_name,
+        "curves": curves,
+        "summary": summary,
+    }
+    if report.dense:  # a merge: which run each row is from, and each run's dense timing (the next merge's)
+        saved["merged"] = {"origin": report.origin, "dense": report.dense}
+    (RESULTS_DIR / f"{NAME}.curves.json").write_text(json.dumps(saved, indent=1))
+    _plot(curves, report.shaped_name, target, RESULTS_DIR / f"{NAME}.png")
     return f"{text}\n## Summary\n\n{table}\n"
+
+
+@dataclasses.dataclass
+class _Previous:
+    """An earlier result read back: its methods, loss runs and timings, and the notes it was written with
+    (less those :func:`_write` derives again)."""
+
+    report: _Report
+    notes: list[str]
+    rate: str | None  # the shaped link's tbf rate ("57mbit"), None if it was not timed
+
+
+def _load_previous(train_lm: Any, directory: Path) -> _Previous:
+    """Read ``bench_convergence.json`` and ``.curves.json`` from ``directory`` back into runs and timings.
+
+    A loss run comes back as its validation curve, training losses, hook stats and loopback median step
+    time (what the files keep); a timing as its phases and the status its step-time rows carry.
+
+    Raises:
+        FileNotFoundError: a file is missing (nothing to merge into).
+        ValueError: a method of the file is no longer in ``train_lm.METHODS``.
+    """
+    json_path, curves_path = directory / f"{NAME}.json", directory / f"{NAME}.curves.json"
+    for path in (json_path, curves_path):
+        if not path.exists():
+            raise FileNotFoundError(f"--merge: no earlier result {path} to merge into")
+    payload = json.loads(json_path.read_text())
+    saved = json.loads(curves_path.read_text())
+    shaped_name = saved["shaped_link"]
+    methods = list(saved["curves"])
+    gone = [m for m in methods if m not in train_lm.METHODS]
+    if gone:
+        raise ValueError(f"--merge: {curves_path.name} has method(s) {gone} that train_lm.METHODS lacks")
+    steps_cases = {r["case"] for r in payload["rows"] if r["metric"] == "val_loss"}
+    steps = int(next(iter(steps_cases)).rsplit(" ", 1)[-1]) if steps_cases else 0
+    status_of = {
+        (r["case"], r["backend"]): r["extra"].get("status", "ok")
+        for r in payload["rows"]
+        if r["metric"] == "step_time"
+    }
+    runs: dict[str, _Run] = {}
+    timings: dict[str, dict[str, dict[str, Any]]] = {}
+    for method, curve in saved["curves"].items():
+        result = None
+        if curve.get("val_steps"):
+            result = {
+                "method": method,
+                "val_steps": curve["val_steps"],
+                "val_losses": curve["val_losses"],
+                "train_losses": curve.get("train_losses", []),
+                "step_seconds": [curve.get("loopback_step_seconds", math.nan)],
+                "hook_stats": curve.get("hook_stats"),
+            }
+        runs[method] = _Run(curve["status"], result)
+        for link_name, key in ((shaped_name, "shaped"), (FAST_LINK, "fast")):
+            if f"{key}_phases" in curve:
+                timings.setdefault(link_name, {})[method] = {
+                    "status": status_of.get((link_name, method), "ok"),
+                    "phases": curve[f"{key}_phases"],
+                }
+    verdict_labels = {line.split(": ")[0] for line in _verdicts({}, shaped_name)}
+    notes = [
+        n
+        for n in payload["notes"]
+        if not n.startswith(_DERIVED_NOTES) and n.split(": ")[0] not in verdict_labels
+    ]
+    rate = shaped_name.split()[-1] if shaped_name.startswith("shaped ") else None
+    merged = saved.get("merged", {})  # which run each method came from, when the file is a merge
+    origin, dense = dict(merged.get("origin", {})), dict(merged.get("dense", {}))
+    return _Previous(_Report(methods, runs, timings, shaped_name, steps, origin, dense), notes, rate)
+
+
+def _merge(
+    previous: _Previous,
+    fresh: _Report,
+    fresh_dense: dict[str, dict[str, Any]],
+    label: str,
+    notes: list[str],
+) -> tuple[_Report, list[str]]:
+    """``previous`` with ``fresh``'s methods added or replacing theirs; the notes merged.
+
+    Every method keeps the run it was measured in: the earlier ones origin "" (their speed ratios against
+    the earlier run's dense timing, kept even if "none" is rerun), the rerun ones origin ``label`` (against
+    ``fresh_dense``, dense allreduce timed in the same run). The method order follows ``LOSS_METHODS``,
+    methods not in it last. ``notes``: this run's notes for its methods (the ``"<method>: ..."`` lines
+    replace the earlier ones, the rest are appended).
+    """
+    old = previous.report
+    if fresh.steps != old.steps:
+        raise ValueError(f"--merge: the earlier result ran {old.steps} steps, this run {fresh.steps}")
+    known = [*old.methods, *(m for m in fresh.methods if m not in old.methods)]
+    methods = [m for m in LOSS_METHODS if m in known] + [m for m in known if m not in LOSS_METHODS]
+    runs = {**old.runs, **fresh.runs}
+    # a rerun method's earlier timing goes with its earlier loss run, even when this run did not time it
+    timings = {
+        name: {m: t for m, t in per.items() if m not in fresh.runs} for name, per in old.timings.items()
+    }
+    for name, per in fresh.timings.items():
+        timings.setdefault(name, {}).update(per)
+    origin = {m: (label if m in fresh.runs else old.origin.get(m, "")) for m in methods}
+    dense = {**old.dense, label: fresh_dense}
+    if "" not in dense:  # the earlier run's own dense timing, before a rerun "none" replaces it
+        dense[""] = {name: per["none"] for name, per in old.timings.items() if "none" in per}
+    report = _Report(methods, runs, timings, old.shaped_name, old.steps, origin, dense)
+    replaced = {n.split(": ")[0]: n for n in notes if n.split(": ")[0] in fresh.runs}
+    merged = [replaced.pop(n.split(": ")[0], n) for n in previous.notes]
+    merged += replaced.values()  # the new methods' lines
+    merged += [
+        n if n.startswith("merged ") else f"merge of {label}: {n}"
+        for n in notes
+        if n.split(": ")[0] not in fresh.runs
+    ]
+    return report, merged
+
+
+def _reference_check(kept: _Run, settings: _Settings) -> str:
+    """Train dense AdamW's first 50 steps again and say whether they repeat ``kept``'s losses bit for bit
+    (a merge keeps dense's loss curve as the loss reference: this checks that the code and data still give
+    it)."""
+    if kept.result is None or not kept.result.get("val_steps"):
+        return "dense reference check: not run (the kept dense run has no curve)"
+    check = min(50, settings.steps, kept.result["val_steps"][0])
+    args = [
+        "--hook",
+        "none",
+        "--steps",
+        str(settings.steps),
+        "--stop-after",
+        str(check),
+        "--eval-every",
+        str(check),
+        "--log-every",
+        "0",
+        "--data-dir",
+        str(settings.data_dir),
+    ]
+    run = _launch(args, None, _free_port(), 120.0 + 6.0 * check, settings.work, "reference-check-none")
+    if run.status != "ok" or run.result is None:
+        return f"dense reference check: failed to run ({run.status})"
+    same_train = run.result["train_losses"] == kept.result["train_losses"][:check]
+    same_val = (
+        kept.result["val_steps"][0] == check and run.result["val_losses"][0] == kept.result["val_losses"][0]
+    )
+    if same_train and same_val:
+        return (
+            f"dense reference check: dense AdamW's first {check} steps trained again repeat the kept "
+            f"run's training and validation losses bit for bit (val loss {run.result['val_losses'][0]:.4f})"
+        )
+    return (
+        f"dense reference check: DIFFERS, dense AdamW's first {check} steps trained again give val loss "
+        f"{run.result['val_losses'][0]:.6f} (kept: {kept.result['val_losses'][0]:.6f}), training losses "
+        f"{'equal' if same_train else 'different'}: the kept rows may be stale; rerun 'none' with the rest"
+    )
+
+
+def _load_text() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    """Run the benchmark, write ``benchmarks/results/bench_convergence.*`` and return the Markdown."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=500, help="training steps of each loss run")
+    parser.add_argument("--methods", default=",".join(LOSS_METHODS), help="comma-separated subset")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps of each speed run")
+    parser.add_argument("--timed-steps", type=int, default=20, help="timed steps of each speed run")
+    parser.add_argument("--rate", default=None, help="the shaped link's tbf rate (default: derived)")
+    parser.add_argument("--skip-speed", action="store_true", help="loss runs only")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="keep each run's result and logs here; loss runs found there are reused",
+    )
+    parser.add_argument(
+        "--reuse-speed",
+        action="store_true",
+        help="with --work-dir: take the speed rows an earlier run saved there (speed.json)",
+    )
+    parser.add_argument(
+        "--reuse-only",
+        action="store_true",
+        help="with --work-dir: start no loss run, report only those found there",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="add --methods to the existing benchmarks/results/bench_convergence.* (replacing their rows): "
+        "only they are trained; dense allreduce is timed again on both links as their speed reference, its "
+        "loss (deterministic) and every other row are kept",
+    )
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if (args.reuse_only or args.reuse_speed) and args.work_dir is None:
+        parser.error("--reuse-only and --reuse-speed need --work-dir")
+    started = time.perf_counter()
+    load_at_start = _load_text()
+    train_lm = load_example()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(train_lm.METHODS))
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {sorted(train_lm.METHODS)}")
+    previous = _load_previous(train_lm, RESULTS_DIR) if args.merge else None
+    if previous is not None:
+        if args.steps != previous.report.steps:
+            parser.error(f"--merge: the existing result ran {previous.report.steps} steps, not {args.steps}")
+        if args.rate and previous.rate and args.rate != previous.rate:
+            parser.error(f"--merge: the existing result's shaped link is {previous.rate}, not {args.rate}")
+        args.rate = args.rate or previous.rate
+    # The loss references: trained in this run unless a merge finds them in the existing result.
+    for needed in ("none", "sgd", "fp16"):
+        have = previous is not None and previous.report.runs.get(needed, _Run("")).status == "ok"
+        if needed not in methods and not have and any(REFERENCE.get(m, "none") == needed for m in methods):
+            methods.insert(0, needed)
+    methods = list(dict.fromkeys(methods))
+
+    with tempfile.TemporaryDirectory(prefix="bench_convergence_") as tmp:
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        paths = train_lm.prepare_data(train_lm.default_data_dir())
+        settings = _Settings(
+            args.steps,
+            args.warmup_steps,
+            args.timed_steps,
+            paths.train.parent.parent,
+            work,
+            args.work_dir is not None,
+            args.reuse_only,
+        )
+        available = {m: train_lm.method_unavailable(m) for m in [*methods, "noop", "none"]}
+        notes = [
+            f"task: examples/train_lm.py, {_dense_payload_bytes(train_lm) // 4:,}-parameter byte-level GPT "
+            "(d_model 192, 3 layers, 4 heads, context 128, untied head), stdlib .py files of Python "
+            f"{sys.version.split()[0]}: {paths.train_files} train files ({paths.train_bytes / 1e6:.1f} MB), "
+            f"{paths.val_files} validation files ({paths.val_bytes / 1e6:.2f} MB, every 20th file)",
+            f"training: 2 gloo ranks, 1 thread each, batch 16 x 128 tokens per rank, {args.steps} steps, "
+            "warm-up 30 then cosine to 0, seed 0 (same data order for every method); AdamW lr 2e-3 betas "
+            "(0.9, 0.95) weight decay 0.1; SGD lr 0.1 (dense: momentum 0.9; dgc: momentum 0, the hook's "
+            "momentum correction 0.9)",
+            "validation loss: mean cross entropy (nats per byte) over 128 fixed windows of 129 bytes per "
+            "rank (256 in all) of the held-out files, every 50 steps and at the last",
+        ]
+        if previous is not None:
+            notes = []  # the earlier result's setup lines stay; this run adds its methods' lines
+        for method in methods:
+            spec = train_lm.METHODS[method]
+            notes.append(f"{method}: {spec.description} {spec.options}")
+
+        # -- speed -------------------------------------------------------------------------------------
+        shaped_name, fast_name = "shaped", FAST_LINK
+        timings: dict[str, dict[str, dict[str, Any]]] = {}
+        reason = netlab.unavailable_reason()
+        speed_cache = work / "speed.json"
+        # a merge's speed reference: dense allreduce timed again in the same run, unless it is rerun itself
+        timed_methods = methods if previous is None or "none" in methods else ["none", *methods]
+        if args.skip_speed:
+            notes.append("speed: skipped (--skip-speed)")
+        elif args.reuse_speed:
+            if not speed_cache.exists():
+                parser.error(f"--reuse-speed: no {speed_cache}")
+            cached = json.loads(speed_cache.read_text())
+            shaped_name, timings = cached["shaped_name"], cached["timings"]
+            if previous is not None and any("none" not in per for per in timings.values()):
+                parser.error(f"--merge --reuse-speed: {speed_cache} has no dense allreduce timing")
+            notes += [*cached["notes"], f"speed rows reused from an earlier run ({cached['when']})"]
+        elif reason:
+            notes.append(f"speed: skipped, {reason}")
+        else:
+            speed_notes_start = len(notes)
+            noop_seconds = None
+            if previous is not None and args.rate:
+                rate = args.rate
+                notes.append(f"shaped link rate {rate} (the existing result's)")
+            else:
+                noop = _time_link(train_lm, ["noop"], None, "loopback", settings, available)["noop"]
+                noop_seconds = _last_phase_step(noop)
+                if noop_seconds is None:
+                    raise RuntimeError(f"the no-communication step could not be timed: {noop['status']}")
+                payload = _dense_payload_bytes(train_lm)
+                rate = args.rate or _shaped_rate(noop_seconds, payload)
+                how = "given" if args.rate else f"derived for communication = {COMM_TO_COMPUTE}x compute"
+                notes.append(
+                    f"no-communication step (no-op hook, loopback): {noop_seconds:.3f} s; dense payload "
+                    f"{payload / 1e6:.2f} MB per rank and step; shaped link rate {rate} ({how})"
+                )
+            shaped_name = f"shaped {rate}"
+            for name, link_rate in ((shaped_name, rate), (fast_name, FAST_LINK)):
+                with netlab.Link(rate=link_rate) as link:
+                    measured = netlab.measure_throughput(link, nbytes=8 << 20)
+                    notes.append(
+                        f"{name}: veth between two namespaces, tbf {link_rate} each way, measured "
+                        f"{measured:.2f} MB/s (TCP, one direction, 8 MB)"
+                    )
+                    timings[name] = _time_link(
+                        train_lm, timed_methods, link, name.split()[0], settings, available
+                    )
+            dense_shaped = _last_phase_step(timings[shaped_name].get("none", {}))
+            if dense_shaped is not None and noop_seconds is not None:
+                comm = dense_shaped - noop_seconds
+                notes.append(
+                    f"{shaped_name}: dense allreduce step {dense_shaped:.3f} s = no-comm "
+                    f"{noop_seconds:.3f} s + {comm:.3f} s communication ({comm / noop_seconds:.2f}x "
+                    "the no-comm step)"
+                )
+            notes.append(
+                f"speed: {args.warmup_steps} warm-up + {args.timed_steps} timed steps per method "
+                "and phase, the slower rank's median; loss vs seconds = the loss run's validation "
+                "curve with each step at its phase's measured step time on that link"
+            )
+            speed_notes = notes[speed_notes_start:]
+            when = time.strftime("%Y-%m-%d %H:%M")
+            speed_cache.write_text(
+                json.dumps(
+                    {"shaped_name": shaped_name, "timings": timings, "notes": speed_notes, "when": when}
+                )
+            )
+
+        # -- loss --------------------------------------------------------------------------------------
+        runs: dict[str, _Run] = {}
+        for method in methods:
+            begin = time.perf_counter()
+            runs[method] = _loss_run(train_lm, method, settings, available)
+            run = runs[method]
+            if run.status == "ok" and run.result is not None:
+                (work / f"loss-{method}-{args.steps}.json").write_text(json.dumps(run.result))
+                shown = f"val loss {run.result['val_losses'][-1]:.4f}"
+            else:
+                shown = run.status
+            print(
+                f"[{NAME}] loss {method:8s} {shown} ({time.perf_counter() - begin:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if previous is not None and "none" not in methods and not args.reuse_only:
+            notes.append(_reference_check(previous.report.runs.get("none", _Run("missing")), settings))
+            print(f"[{NAME}] {notes[-1]}", file=sys.stderr, flush=True)
+
+    notes.append(f"{_load_text()} at the start; {_load_text().removeprefix('load average ')} at the end")
+    if previous is None:
+        report = _Report(methods, runs, timings, shaped_name, args.steps)
+        return _write(train_lm, report, notes, started)
+
+    # -- merge into the existing result ------------------------------------------------------------------
+    label = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    fresh_dense = {name: per["none"] for name, per in timings.items() if "none" in per}
+    rerun_timings = {name: {m: t for m, t in per.items() if m in methods} for name, per in timings.items()}
+    fresh = _Report(methods, runs, rerun_timings, previous.report.shaped_name, args.steps)
+    if timings and shaped_name != previous.report.shaped_name:
+        raise RuntimeError(
+            f"--merge: timed on {shaped_name!r}, the existing result on {previous.report.shaped_name!r}"
+        )
+    dense_text = (
+        ", ".join(f"{name} {_phase_text(t)} s/step" for name, t in fresh_dense.items()) or "not timed"
+    )
+    kept_dense = ", ".join(
+        f"{name} {_phase_text(per.get('none'))} s/step" for name, per in previous.report.timings.items()
+    )
+    notes.append(
+        f"merged {label}: {', '.join(methods)} trained and timed in this run, every other row kept from the "
+        f"earlier run; their speed ratios and time-to-target ratios are against dense allreduce timed again "
+        f"in this run ({dense_text}; the earlier run's: {kept_dense}), their loss ratios against the "
+        f"kept losses (see the dense reference check); {load_at_start} at the start of this run"
+    )
+    report, merged_notes = _merge(previous, fresh, fresh_dense, label, notes)
+    return _write(train_lm, report, merged_notes, started)
 
 
 if __name__ == "__main__":

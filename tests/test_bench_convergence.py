@@ -1,0 +1,196 @@
+"""benchmarks/bench_convergence.py's report and --merge, on made-up runs (no training)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_convergence as bench
+from benchmarks import harness
+
+SHAPED = "shaped 57mbit"
+
+
+@pytest.fixture(scope="module")
+def train_lm():
+    return bench.load_example()
+
+
+@pytest.fixture()
+def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS_DIR", tmp_path)
+    return tmp_path
+
+
+def _run(final: float) -> bench._Run:
+    # validation every 50 of 150 steps, falling to ``final``
+    losses = [final + 0.6, final + 0.2, final]
+    result = {
+        "val_steps": [50, 100, 150],
+        "val_losses": losses,
+        "train_losses": [5.0, 4.0, 3.0],
+        "step_seconds": [0.25, 0.3, 0.35],
+        "hook_stats": None,
+    }
+    return bench._Run("ok", result)
+
+
+def _timing(seconds: float) -> dict:
+    phase = {
+        "name": "all",
+        "first": 1,
+        "last": 150,
+        "seconds_per_step": seconds,
+        "backward_s": seconds / 2,
+        "opt_step_s": 0.01,
+        "options": {},
+    }
+    return {"status": "ok", "phases": [phase]}
+
+
+def _earlier(train_lm, results: Path) -> bench._Report:
+    """A plain run of none (1.0 s/step shaped, 0.4 1gbit), q8 and fp16, written to ``results``."""
+    runs = {"none": _run(1.8), "q8": _run(1.81), "fp16": _run(1.8)}
+    timings = {
+        SHAPED: {"none": _timing(1.0), "q8": _timing(0.5), "fp16": _timing(0.7)},
+        bench.FAST_LINK: {"none": _timing(0.4), "q8": _timing(0.35), "fp16": _timing(0.38)},
+    }
+    report = bench._Report(["none", "q8", "fp16"], runs, timings, SHAPED, 150)
+    bench._write(train_lm, report, ["task: made up", "q8: its line"], 0.0)
+    return report
+
+
+def _summary(results: Path) -> dict:
+    return json.loads((results / "bench_convergence.curves.json").read_text())["summary"]
+
+
+def _rows(results: Path) -> list[dict]:
+    return json.loads((results / "bench_convergence.json").read_text())["rows"]
+
+
+def test_a_written_result_reads_back_to_the_same_rows_and_summary(train_lm, results: Path) -> None:
+    report = _earlier(train_lm, results)
+    rows, summary, curves, target = bench._assemble(train_lm, report)
+    previous = bench._load_previous(train_lm, results)
+    again = bench._assemble(train_lm, previous.report)
+    assert previous.report.methods == ["none", "q8", "fp16"] and previous.rate == "57mbit"
+    assert previous.report.steps == 150
+    assert json.loads(json.dumps(again[1])) == json.loads(json.dumps(summary))
+    assert [(r.case, r.backend, r.value, r.ratio) for r in again[0]] == [
+        (r.case, r.backend, r.value, r.ratio) for r in rows
+    ]
+    assert again[3] == target
+    # derived notes are dropped on reading (written again), the setup lines kept
+    assert previous.notes == ["task: made up", "q8: its line"]
+
+
+def test_merge_adds_a_method_compared_with_dense_timed_in_its_own_run(train_lm, results: Path) -> None:
+    _earlier(train_lm, results)
+    before = _summary(results)
+    previous = bench._load_previous(train_lm, results)
+    # this run was slower (load): dense 2.0 s/step shaped, 0.8 s on 1gbit; powersgd 0.5 and 0.4
+    fresh = bench._Report(
+        ["powersgd"],
+        {"powersgd": _run(1.9)},
+        {SHAPED: {"powersgd": _timing(0.5)}, bench.FAST_LINK: {"powersgd": _timing(0.4)}},
+        SHAPED,
+        150,
+    )
+    dense = {SHAPED: _timing(2.0), bench.FAST_LINK: _timing(0.8)}
+    notes = ["powersgd: PowerSGD rank 4", "shaped 57mbit: veth ...", "merged now: powersgd"]
+    report, merged_notes = bench._merge(previous, fresh, dense, "now", notes)
+    bench._write(train_lm, report, merged_notes, 0.0)
+    after = _summary(results)
+
+    assert list(after) == ["none", "q8", "powersgd", "fp16"]  # LOSS_METHODS' order
+    for method in ("none", "q8", "fp16"):  # the kept rows are unchanged
+        assert after[method] == before[method]
+    entry = after["powersgd"]
+    assert entry["shaped_speedup"] == pytest.approx(4.0) and entry["fast_speedup"] == pytest.approx(2.0)
+    assert entry["vs_reference_pct"] == pytest.approx(100 * (1.9 / 1.8 - 1))
+    # time to 1.8 * 1.02 = 1.836: powersgd (losses 2.5, 2.1, 1.9) never gets there; dense at step 150
+    assert "time_to_target" not in entry or entry["time_to_target"] is None
+    ratio_rows = {(r["case"], r["backend"]): r["ratio"] for r in _rows(results) if r["metric"] == "step_time"}
+    assert ratio_rows[(SHAPED, "powersgd")] == pytest.approx(4.0)
+    assert ratio_rows[(SHAPED, "q8")] == pytest.approx(2.0)
+    assert ratio_rows[(bench.FAST_LINK, "none")] == pytest.approx(1.0)
+
+    written = json.loads((results / "bench_convergence.json").read_text())["notes"]
+    assert sum(n.startswith("time-to-loss target:") for n in written) == 1
+    assert "powersgd: PowerSGD rank 4" in written and "merged now: powersgd" in written
+    assert "merge of now: shaped 57mbit: veth ..." in written
+    md = (results / "bench_convergence.md").read_text()
+    assert "| powersgd (adamw) | 1.9000 | +5.56% | 0.500 | 4.00x | 0.400 | 2.00x |" in md
+
+
+def test_a_second_merge_keeps_each_run_against_its_own_dense(train_lm, results: Path) -> None:
+    _earlier(train_lm, results)
+    first = bench._Report(
+        ["powersgd"],
+        {"powersgd": _run(1.7)},
+        {SHAPED: {"powersgd": _timing(0.5)}, bench.FAST_LINK: {"powersgd": _timing(0.4)}},
+        SHAPED,
+        150,
+    )
+    report, notes = bench._merge(
+        bench._load_previous(train_lm, results),
+        first,
+        {SHAPED: _timing(2.0), bench.FAST_LINK: _timing(0.8)},
+        "first",
+        [],
+    )
+    bench._write(train_lm, report, notes, 0.0)
+    # redo q8 (timed under no load: dense 1.0) and rerun dense itself
+    second = bench._Report(
+        ["none", "q8"],
+        {"none": _run(1.8), "q8": _run(1.805)},
+        {
+            SHAPED: {"none": _timing(1.0), "q8": _timing(0.25)},
+            bench.FAST_LINK: {"none": _timing(0.4), "q8": _timing(0.2)},
+        },
+        SHAPED,
+        150,
+    )
+    report, notes = bench._merge(
+        bench._load_previous(train_lm, results),
+        second,
+        {SHAPED: _timing(1.0), bench.FAST_LINK: _timing(0.4)},
+        "second",
+        [],
+    )
+    bench._write(train_lm, report, notes, 0.0)
+    after = _summary(results)
+    assert after["powersgd"]["shaped_speedup"] == pytest.approx(4.0)  # still against the first merge's 2.0
+    assert after["q8"]["shaped_speedup"] == pytest.approx(4.0)
+    assert after["fp16"]["shaped_speedup"] == pytest.approx(1.0 / 0.7)  # the earliest run's dense
+    assert after["q8"]["val_loss"] == 1.805
+    # powersgd (losses 2.3, 1.9, 1.7) reaches 1.836 at step 100 + 50 * 0.064 / 0.2 = 116: 58 s at 0.5 s;
+    # dense of the first merge (2.0 s/step) reaches it at step 145 + ... : ratio against that, not 1.0 s
+    t_dense = bench._time_to_loss([50, 100, 150], [2.4, 2.0, 1.8], _timing(2.0), 1.8 * bench.TARGET_SLACK)[0]
+    assert after["powersgd"]["time_to_target"] == pytest.approx(0.5 * 116)
+    assert after["powersgd"]["ttt_vs_dense"] == pytest.approx(t_dense / (0.5 * 116))
+    assert after["powersgd"]["ttt_vs_fp16"] is None  # fp16 was timed in another run
+    merged = json.loads((results / "bench_convergence.curves.json").read_text())["merged"]
+    assert merged["origin"] == {"none": "second", "q8": "second", "powersgd": "first", "fp16": ""}
+
+
+def test_merge_drops_the_earlier_timing_of_a_method_it_reruns_untimed(train_lm, results: Path) -> None:
+    _earlier(train_lm, results)
+    fresh = bench._Report(["q8"], {"q8": _run(1.9)}, {}, SHAPED, 150)
+    report, _ = bench._merge(bench._load_previous(train_lm, results), fresh, {}, "now", [])
+    assert all("q8" not in per for per in report.timings.values())
+    assert "none" in report.timings[SHAPED]
+    _, summary, _, _ = bench._assemble(train_lm, report)
+    assert "shaped_step" not in summary["q8"] and math.isclose(summary["q8"]["val_loss"], 1.9)
+
+
+def test_merge_refuses_another_step_count_and_a_missing_result(train_lm, results: Path) -> None:
+    _earlier(train_lm, results)
+    fresh = bench._Report(["q8"], {"q8": _run(1.9)}, {}, SHAPED, 500)
+    with pytest.raises(ValueError, match="the earlier result ran 150 steps, this run 500"):
+        bench._merge(bench._load_previous(train_lm, results), fresh, {}, "now", [])
+    (results / "bench_convergence.curves.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no earlier result .*bench_convergence.curves.json"):
+        bench.main(["--merge", "--methods", "powersgd"])
