@@ -231,9 +231,13 @@ class _Settings:
 
 def _time_phase(
     method: str, phase: _Phase, link: netlab.Link | None, settings: _Settings, tag: str, port: int
-) -> tuple[dict[str, float] | None, str]:
+) -> tuple[dict[str, float] | None, str, str | None]:
     """Medians over the timed steps of ``method`` in ``phase`` on ``link`` (the slower rank's step time,
-    rank 0's backward and optimizer step), and the run's status."""
+    rank 0's backward and optimizer step), the run's status, and how a first run crashed if it did.
+
+    A crashed run is run once more (gloo now and then aborts a rank at process exit, after its steps:
+    "terminate called without an active exception"); the second run's numbers are the row's, and the
+    first run's status is returned for the notes."""
     n = settings.warmup + settings.timed
     args = [
         "--hook",
@@ -254,14 +258,22 @@ def _time_phase(
     for key, value in phase.options:
         args += ["--opt", f"{key}={value}"]
     run = _launch(args, link, port, 90.0 + 20.0 * n, settings.work, tag)
+    crashed = None
+    if run.status.startswith("crashed"):
+        crashed = run.status
+        run = _launch(args, link, port + 5, 90.0 + 20.0 * n, settings.work, f"{tag}-again")
     if run.status != "ok" or run.result is None:
-        return None, run.status
+        return None, run.status, crashed
     timed = slice(settings.warmup, None)
-    return {
-        "seconds_per_step": _median(run.result["step_seconds"][timed]),
-        "backward_s": _median(run.result["backward_seconds"][timed]),
-        "opt_step_s": _median(run.result["optimizer_seconds"][timed]),
-    }, "ok"
+    return (
+        {
+            "seconds_per_step": _median(run.result["step_seconds"][timed]),
+            "backward_s": _median(run.result["backward_seconds"][timed]),
+            "opt_step_s": _median(run.result["optimizer_seconds"][timed]),
+        },
+        "ok",
+        crashed,
+    )
 
 
 def _time_link(
@@ -281,12 +293,15 @@ def _time_link(
             continue
         phases = []
         status = "ok"
+        crashes = []
         for number, phase in enumerate(_phases(train_lm, method, settings.steps)):
             port = 29600 + 10 * index + number if link else _free_port()
             begin = time.perf_counter()
-            measured, phase_status = _time_phase(
+            measured, phase_status, crashed = _time_phase(
                 method, phase, link, settings, f"time-{link_name}-{method}-{number}", port
             )
+            if crashed:
+                crashes.append(f"{phase.name}: {crashed}")
             shown = (
                 f"{measured['seconds_per_step']:.3f} s/step (backward {measured['backward_s']:.3f}, "
                 f"optimizer {measured['opt_step_s']:.4f})"
@@ -312,6 +327,8 @@ def _time_link(
                 }
             )
         timings[method] = {"status": status, "phases": phases}
+        if crashes:
+            timings[method]["first_run_crashed"] = crashes
     return timings
 
 
@@ -1124,6 +1141,13 @@ def main(argv: Sequence[str] | None = None) -> str:
                     timings[name] = _time_link(
                         train_lm, timed_methods, link, name.split()[0], settings, available
                     )
+            for name, per in timings.items():
+                for method, timing in per.items():
+                    for crash in timing.get("first_run_crashed", []):
+                        notes.append(
+                            f"{method} on the {name} link, phase {crash}; the row is a second run of the "
+                            "same configuration"
+                        )
             dense_shaped = _last_phase_step(timings[shaped_name].get("none", {}))
             if dense_shaped is not None and noop_seconds is not None:
                 comm = dense_shaped - noop_seconds

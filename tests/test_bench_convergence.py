@@ -194,3 +194,35 @@ def test_merge_refuses_another_step_count_and_a_missing_result(train_lm, results
     (results / "bench_convergence.curves.json").unlink()
     with pytest.raises(FileNotFoundError, match="no earlier result .*bench_convergence.curves.json"):
         bench.main(["--merge", "--methods", "powersgd"])
+
+
+def test_a_timing_run_that_crashed_is_run_once_more_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    result = {
+        "step_seconds": [9.0, 1.0, 2.0, 3.0],
+        "backward_seconds": [9.0, 0.5, 0.5, 0.5],
+        "optimizer_seconds": [9.0, 0.1, 0.1, 0.1],
+    }
+
+    def launch(args, link, port, timeout_s, work, tag):
+        calls.append((port, tag))
+        if len(calls) == 1:
+            return bench._Run("crashed (rank 0 exit -6): terminate called without an active exception")
+        return bench._Run("ok", result)
+
+    monkeypatch.setattr(bench, "_launch", launch)
+    settings = bench._Settings(500, 1, 3, tmp_path, tmp_path, False)
+    measured, status, crashed = bench._time_phase(
+        "q8", bench._Phase("all", 1, 500), None, settings, "t", 29600
+    )
+    assert status == "ok" and measured == {"seconds_per_step": 2.0, "backward_s": 0.5, "opt_step_s": 0.1}
+    assert crashed.startswith("crashed (rank 0 exit -6)")
+    assert calls == [(29600, "t"), (29605, "t-again")]
+    calls.clear()
+    monkeypatch.setattr(bench, "_launch", lambda *a: calls.append(a) or bench._Run("crashed (rank 1 exit 1)"))
+    measured, status, crashed = bench._time_phase(
+        "q8", bench._Phase("all", 1, 500), None, settings, "t", 29600
+    )
+    assert measured is None and status == "crashed (rank 1 exit 1)" and len(calls) == 2
