@@ -1114,16 +1114,18 @@ def main(argv: Sequence[str] | None = None) -> str:
             notes.append(f"speed: skipped, {reason}")
         else:
             speed_notes_start = len(notes)
-            noop_seconds = None
+            noop = _time_link(train_lm, ["noop"], None, "loopback", settings, available)["noop"]
+            noop_seconds = _last_phase_step(noop)
+            if noop_seconds is None:
+                raise RuntimeError(f"the no-communication step could not be timed: {noop['status']}")
+            payload = _dense_payload_bytes(train_lm)
             if previous is not None and args.rate:
                 rate = args.rate
-                notes.append(f"shaped link rate {rate} (the existing result's)")
+                notes.append(
+                    f"no-communication step (no-op hook, loopback): {noop_seconds:.3f} s; shaped link rate "
+                    f"{rate} (the existing result's)"
+                )
             else:
-                noop = _time_link(train_lm, ["noop"], None, "loopback", settings, available)["noop"]
-                noop_seconds = _last_phase_step(noop)
-                if noop_seconds is None:
-                    raise RuntimeError(f"the no-communication step could not be timed: {noop['status']}")
-                payload = _dense_payload_bytes(train_lm)
                 rate = args.rate or _shaped_rate(noop_seconds, payload)
                 how = "given" if args.rate else f"derived for communication = {COMM_TO_COMPUTE}x compute"
                 notes.append(
@@ -1149,7 +1151,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                             "same configuration"
                         )
             dense_shaped = _last_phase_step(timings[shaped_name].get("none", {}))
-            if dense_shaped is not None and noop_seconds is not None:
+            if dense_shaped is not None:
                 comm = dense_shaped - noop_seconds
                 notes.append(
                     f"{shaped_name}: dense allreduce step {dense_shaped:.3f} s = no-comm "
@@ -1189,7 +1191,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             notes.append(_reference_check(previous.report.runs.get("none", _Run("missing")), settings))
             print(f"[{NAME}] {notes[-1]}", file=sys.stderr, flush=True)
 
-    notes.append(f"{_load_text()} at the start; {_load_text().removeprefix('load average ')} at the end")
+    notes.append(f"{load_at_start} at the start; {_load_text().removeprefix('load average ')} at the end")
     if previous is None:
         report = _Report(methods, runs, timings, shaped_name, args.steps)
         return _write(train_lm, report, notes, started)
@@ -1213,7 +1215,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         f"merged {label}: {', '.join(methods)} trained and timed in this run, every other row kept from the "
         f"earlier run; their speed ratios and time-to-target ratios are against dense allreduce timed again "
         f"in this run ({dense_text}; the earlier run's: {kept_dense}), their loss ratios against the "
-        f"kept losses (see the dense reference check); {load_at_start} at the start of this run"
+        "kept losses (see the dense reference check)"
     )
     report, merged_notes = _merge(previous, fresh, fresh_dense, label, notes)
     return _write(train_lm, report, merged_notes, started)
