@@ -184,6 +184,24 @@ OP_SPECS: tuple[OpSpec, ...] = (
         _in_place_kernel(reference.sparse_accumulate),
         _in_place_fake,
     ),
+    OpSpec(
+        "powersgd_project",
+        "(Tensor(a!) p, Tensor(b!) x, Tensor q_t, Tensor? gradient=None, Tensor? residual=None) -> ()",
+        _in_place_kernel(reference.powersgd_project),
+        _in_place_fake,
+    ),
+    OpSpec(
+        "powersgd_back_project",
+        "(Tensor(a!) q_t, Tensor p, Tensor x) -> ()",
+        _in_place_kernel(reference.powersgd_back_project),
+        _in_place_fake,
+    ),
+    OpSpec(
+        "powersgd_expand",
+        "(Tensor(a!) mean, Tensor p, Tensor q_t, Tensor(b!)? residual=None) -> ()",
+        _in_place_kernel(reference.powersgd_expand),
+        _in_place_fake,
+    ),
 )
 OP_NAMES: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
 
@@ -572,6 +590,50 @@ def _check_sparse_accumulate(args: dict[str, Any]) -> None:
     args["indices"], args["values"] = indices.reshape(-1), values.reshape(-1)
 
 
+def _check_matrix(name: str, t: Any, shape: tuple[int, int]) -> None:
+    if not isinstance(t, Tensor) or t.dtype != torch.float32:
+        raise TypeError(f"{name} must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be {shape[0]} x {shape[1]}, got {tuple(t.shape)}")
+    if shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have contiguous rows (stride 1 along dim 1), got strides {t.stride()}")
+
+
+def _check_powersgd_factors(matrix_name: str, args: dict[str, Any], factor: str) -> tuple[int, int]:
+    matrix, q_t = args[matrix_name], args["q_t"]
+    if not isinstance(matrix, Tensor) or matrix.dim() != 2:
+        raise ValueError(f"{matrix_name} must be a 2-D tensor (n x m), got {getattr(matrix, 'shape', matrix)}")
+    if not isinstance(q_t, Tensor) or q_t.dim() != 2:
+        raise ValueError(f"q_t must be a 2-D tensor (r x m), got {getattr(q_t, 'shape', q_t)}")
+    (n, m), r = matrix.shape, q_t.shape[0]
+    _check_matrix(matrix_name, matrix, (n, m))
+    _check_matrix("q_t", q_t, (r, m))
+    _check_matrix(factor, args[factor], (n, r))
+    return n, m
+
+
+def _check_powersgd_project(args: dict[str, Any]) -> None:
+    n, m = _check_powersgd_factors("x", args, "p")
+    gradient, residual = args["gradient"], args["residual"]
+    if residual is not None and gradient is None:
+        raise ValueError("residual needs gradient: x = gradient + residual is formed only from a gradient")
+    for name in ("gradient", "residual"):
+        if args[name] is not None:
+            _check_matrix(name, args[name], (n, m))
+
+
+def _check_powersgd_back_project(args: dict[str, Any]) -> None:
+    _check_powersgd_factors("x", args, "p")
+
+
+def _check_powersgd_expand(args: dict[str, Any]) -> None:
+    n, m = _check_powersgd_factors("mean", args, "p")
+    if args["residual"] is not None:
+        _check_matrix("residual", args["residual"], (n, m))
+        if args["residual"].data_ptr() == args["mean"].data_ptr() and n * m:
+            raise ValueError("residual and mean must be different tensors (both are written)")
+
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -610,3 +672,6 @@ sign_compress = _public_op(reference.sign_compress, _check_sign_compress)
 sign_decompress = _public_op(reference.sign_decompress, _check_sign_decompress)
 sign_decompress_into = _public_op(reference.sign_decompress_into, _check_sign_decompress_into)
 sparse_accumulate = _public_op(reference.sparse_accumulate, _check_sparse_accumulate)
+powersgd_project = _public_op(reference.powersgd_project, _check_powersgd_project)
+powersgd_back_project = _public_op(reference.powersgd_back_project, _check_powersgd_back_project)
+powersgd_expand = _public_op(reference.powersgd_expand, _check_powersgd_expand)

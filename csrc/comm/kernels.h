@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -101,5 +102,12 @@ at::Tensor sign_decompress_cpu(const at::Tensor& packed, const at::Tensor& scale
 void sign_decompress_into_cpu(const at::Tensor& out, const at::Tensor& packed, const at::Tensor& scales,
                               int64_t chunk, bool accumulate);
 void sparse_accumulate_cpu(const at::Tensor& out, const at::Tensor& indices, const at::Tensor& values);
+// Cleared by tests and benchmarks to store PowerSGD's rows through the cache (fastcomm._C._set_streaming).
+std::atomic<bool>& streaming_allowed();
+void powersgd_project_cpu(const at::Tensor& p, const at::Tensor& x, const at::Tensor& q_t,
+                          const std::optional<at::Tensor>& gradient, const std::optional<at::Tensor>& residual);
+void powersgd_back_project_cpu(const at::Tensor& q_t, const at::Tensor& p, const at::Tensor& x);
+void powersgd_expand_cpu(const at::Tensor& mean, const at::Tensor& p, const at::Tensor& q_t,
+                         const std::optional<at::Tensor>& residual);
 
 }  // namespace fastcomm

@@ -15,6 +15,9 @@ TORCH_LIBRARY_IMPL(fastcomm, CPU, m) {
   m.impl("sign_decompress", &fastcomm::sign_decompress_cpu);
   m.impl("sign_decompress_into", &fastcomm::sign_decompress_into_cpu);
   m.impl("sparse_accumulate", &fastcomm::sparse_accumulate_cpu);
+  m.impl("powersgd_project", &fastcomm::powersgd_project_cpu);
+  m.impl("powersgd_back_project", &fastcomm::powersgd_back_project_cpu);
+  m.impl("powersgd_expand", &fastcomm::powersgd_expand_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,4 +27,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "which copy of the vectorized CPU loops runs: avx2 or baseline (x86-64 SSE2 or the target's default)");
   m.def("_set_avx2", [](bool allowed) { fastcomm::avx2_allowed().store(allowed); },
         "tests only: False runs the baseline copies of the loops on an AVX2 machine");
+  m.def("_set_streaming", [](bool allowed) { fastcomm::streaming_allowed().store(allowed); },
+        "tests only: False makes PowerSGD's kernels store every row through the cache (no non-temporal stores)");
 }

@@ -34,9 +34,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastcomm import ops
+
 __all__ = ["ORTHOGONALIZATIONS", "PowerSGDCompressor", "PowerSGDPlan", "orthogonalize_"]
 
 ORTHOGONALIZATIONS = ("qr", "gram_schmidt")
+# attribute of a state tensor that finish() wrote: the plan it wrote it for (zero outside that plan's Q's)
+_CLEAN_FOR = "_fastcomm_powersgd_clean_for"
 
 
 @dataclass(frozen=True)
@@ -159,11 +163,53 @@ class PowerSGDCompressor:
     ) -> None:
         """Dense elements of ``x``, then ``P = M Q`` of every matrix (``Q`` warm or drawn from ``seed``)."""
         _copy_dense(plan, out, x)
+        self._project(plan, out, x, None, None, state, seed)
+
+    def first_round_from(
+        self,
+        plan: PowerSGDPlan,
+        out: Tensor,
+        x: Tensor,
+        gradient: Tensor,
+        residual: Tensor | None,
+        state: Tensor | None,
+        seed: int,
+    ) -> None:
+        """:meth:`first_round` of ``x = gradient + residual``, written into ``x`` as it goes (all fp32).
+
+        Each matrix's sum is formed by the same pass that multiplies it by ``Q``
+        (:func:`fastcomm.ops.powersgd_project`), so the hook need not form ``x`` in a pass of its own.
+        """
+        for offset, numel in plan.dense:
+            span = slice(offset, offset + numel)
+            if residual is None:
+                x[span] = gradient[span]
+            else:
+                torch.add(gradient[span], residual[span], out=x[span])
+        _copy_dense(plan, out, x)
+        self._project(plan, out, x, gradient, residual, state, seed)
+
+    def _project(
+        self,
+        plan: PowerSGDPlan,
+        out: Tensor,
+        x: Tensor,
+        gradient: Tensor | None,
+        residual: Tensor | None,
+        state: Tensor | None,
+        seed: int,
+    ) -> None:
         rank = plan.rank
         for index, slot in enumerate(plan.matrices):
             q_t = self._start_q_t(slot, rank, state, seed + index, x.device)
             p = out[slot.p_offset : slot.p_offset + slot.rows * rank].view(slot.rows, rank)
-            torch.mm(_matrix(x, slot), q_t.T, out=p)
+            ops.powersgd_project(
+                p,
+                _matrix(x, slot),
+                q_t.contiguous(),
+                None if gradient is None else _matrix(gradient, slot),
+                None if residual is None else _matrix(residual, slot),
+            )
 
     def _start_q_t(
         self, slot: MatrixSlot, rank: int, state: Tensor | None, seed: int, device: torch.device
@@ -184,7 +230,7 @@ class PowerSGDCompressor:
             p = first_sum[slot.p_offset : slot.p_offset + slot.rows * rank].view(slot.rows, rank)
             orthogonalize_(p, self.orthogonalization)
             q_t = out[slot.q_offset : slot.q_offset + slot.cols * rank].view(rank, slot.cols)
-            torch.mm(p.T, _matrix(x, slot), out=q_t)
+            ops.powersgd_back_project(q_t, p, _matrix(x, slot))
 
     def finish(
         self,
@@ -205,22 +251,25 @@ class PowerSGDCompressor:
             if residual is not None:
                 residual[offset : offset + numel] = 0
             position += numel
-        if state_out is not None:
+        if state_out is not None and getattr(state_out, _CLEAN_FOR, None) is not plan:
+            # zero outside the Q's once per buffer and plan: a buffer this finish wrote for the same plan is
+            # zero there already (a pass over a bucket-sized tensor saved each step)
             state_out.zero_()
         for slot in plan.matrices:
             p = first_sum[slot.p_offset : slot.p_offset + slot.rows * rank].view(slot.rows, rank)
             q_t = second_sum[slot.q_offset : slot.q_offset + slot.cols * rank].view(rank, slot.cols)
             target = _matrix(mean, slot)
             if mean.dtype == torch.float32:
-                torch.mm(p, q_t, out=target)
-                approx = target
+                ops.powersgd_expand(target, p, q_t, None if residual is None else _matrix(residual, slot))
             else:
                 approx = p @ q_t
                 target.copy_(approx)
-            if residual is not None:
-                _matrix(residual, slot).sub_(approx)
+                if residual is not None:
+                    _matrix(residual, slot).sub_(approx)
             if state_out is not None:
                 state_out[slot.offset : slot.offset + slot.cols * rank] = q_t.reshape(-1)
+        if state_out is not None:
+            setattr(state_out, _CLEAN_FOR, plan)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

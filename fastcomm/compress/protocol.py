@@ -124,6 +124,9 @@ class AllreduceCompressor(Protocol):
     1. ``plan = plan(shapes, min_compress_numel)``: sizes from the parameter shapes alone, so every rank
        issues collectives of the same sizes for any bucket layout.
     2. ``first_round(plan, out, x, state, seed)``; ``out`` (``plan.first_numel``) is summed over ranks.
+       Optional: a compressor with a method ``first_round_from(plan, out, x, gradient, residual, state,
+       seed)`` gets, for fp32 buckets with error feedback, the gradient and the committed residual instead,
+       and writes ``x = gradient + residual`` itself (PowerSGD forms it in the pass that computes ``P``).
     3. ``second_round(plan, out, first_sum, x)`` (``first_sum`` may be changed in place); ``out``
        (``plan.second_numel``) is summed over ranks. The hook issues it from its phase-2 lane or from its
        next call, never from a collective's callback.

@@ -104,14 +104,18 @@ def start_rounds(call: BucketCall, compressor: AllreduceCompressor) -> Rounds:
     with timer:
         plan = compressor.plan([p.shape for p in call.params], state.min_compress_numel)
         fp32 = torch.empty(0, dtype=torch.float32, device=flat.device)
-        residual = None
+        residual = current = None
+        # a compressor with first_round_from forms x = gradient + residual in its own first pass
+        fused = getattr(compressor, "first_round_from", None) if flat.dtype == torch.float32 else None
         if state.error_feedback:
             current = store.current(entry, "residual", fp32, numel)
             residual = store.spare(key, "residual", current)
-            torch.add(flat, current, out=residual)  # x, turned into the new residual by finish
+            if fused is None:
+                torch.add(flat, current, out=residual)  # x, turned into the new residual by finish
             store.stage(key, "residual", residual)
             x = residual
         else:
+            fused = None
             x = flat.float()
         state_in = state_out = None
         if compressor.keeps_state:
@@ -120,7 +124,11 @@ def start_rounds(call: BucketCall, compressor: AllreduceCompressor) -> Rounds:
             store.stage(key, STATE_TENSOR, state_out)
         first = store.buffers.tensor(key, "first", fp32, plan.first_numel)
         # the same seed on every rank: random starts must agree (PowerSGD's Q)
-        compressor.first_round(plan, first, x, state_in, seed_for(0, state.accounting.steps, key, 0, 1))
+        seed = seed_for(0, state.accounting.steps, key, 0, 1)
+        if fused is not None:
+            fused(plan, first, x, flat, current, state_in, seed)
+        else:
+            compressor.first_round(plan, first, x, state_in, seed)
         try:
             work = dist.all_reduce(first, group=state.process_group, async_op=True)
         except Exception as error:  # a group already broken raises at once

@@ -298,6 +298,7 @@ def _opcheck_cases():
     x = _randn(1031, torch.float32, "cpu", 15)
     codes, scales = ref.quantize_blockwise(x, 4, 64)
     packed, sign_scales = ref.sign_compress(x, chunk=128)
+    w = _randn(1100, torch.float32, "cpu", 16)
     return [
         ("topk_select", (x, 50, x.clone() * 0.1, True)),
         ("quantize_blockwise", (x, 4, 64, True, 3, None)),
@@ -309,6 +310,12 @@ def _opcheck_cases():
         # test_ops_into.py checks these two further (accumulating, other dtypes, padded payloads).
         ("dequantize_blockwise_into", (torch.zeros(1031), codes, scales, 4, 64, False)),
         ("sign_decompress_into", (torch.zeros(1031), packed, sign_scales, 128, False)),
+        # test_ops_powersgd.py checks these three further (ranks, strides, both loop builds, streaming).
+        ("powersgd_project", (torch.empty(37, 3), torch.empty(37, 29), w[:87].view(3, 29).clone(),
+                              w[:1073].view(37, 29).clone(), w[1:1074].view(37, 29) * 0.1)),
+        ("powersgd_back_project", (torch.empty(3, 29), w[:111].view(37, 3).clone(), w[:1073].view(37, 29))),
+        ("powersgd_expand", (torch.empty(37, 29), w[:111].view(37, 3).clone(), w[:87].view(3, 29).clone(),
+                             w[:1073].view(37, 29).clone())),
     ]
 
 

@@ -83,3 +83,58 @@ def test_state_pickles_with_its_options():
     state = PowerSGDState(2, warm_start=False, orthogonalization="gram_schmidt", start_iter=3)
     restored = pickle.loads(pickle.dumps(state))
     assert restored.options() == state.options() and restored.rank == 2
+
+
+def _one_bucket_round(compressor, plan, x, state_in, state_out, fused):
+    """One rank's rounds (world size 1) of a bucket; returns the mean and the residual."""
+    first, second = torch.empty(plan.first_numel), torch.empty(plan.second_numel)
+    residual = torch.empty_like(x)
+    if fused:
+        gradient, owed = x * 0.75, x * 0.25
+        compressor.first_round_from(plan, first, residual, gradient, owed, state_in, seed=5)
+    else:
+        residual.copy_(x)
+        compressor.first_round(plan, first, residual, state_in, seed=5)
+    compressor.second_round(plan, second, first, residual)
+    mean = torch.empty_like(x)
+    compressor.finish(plan, mean, residual, state_out, first, second, world_size=1)
+    return mean, residual
+
+
+def test_first_round_from_forms_x_as_the_plain_path_does():
+    compressor = PowerSGDCompressor(rank=3)
+    shapes = [torch.Size([40, 30]), torch.Size([30]), torch.Size([17, 5, 3]), torch.Size([2, 2])]
+    plan = compressor.plan(shapes, min_compress_numel=0)
+    numel = sum(s.numel() for s in shapes)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    state = torch.zeros(numel)
+    plain = _one_bucket_round(compressor, plan, x, state, torch.empty(numel), fused=False)
+    fused = _one_bucket_round(compressor, plan, x, state, torch.empty(numel), fused=True)
+    for a, b in zip(plain, fused, strict=True):
+        # x * 0.75 + x * 0.25 is x up to one rounding; the rest of the rounds are the same ops
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert plain[1].abs().sum() > 0  # a rank-3 approximation leaves something owed
+
+
+def test_state_is_zero_outside_the_warm_q_even_from_a_dirty_buffer():
+    compressor = PowerSGDCompressor(rank=2)
+    shapes = [torch.Size([20, 12]), torch.Size([12]), torch.Size([9, 8])]
+    plan = compressor.plan(shapes, min_compress_numel=0)
+    other = compressor.plan([torch.Size([12, 20]), torch.Size([12]), torch.Size([8, 9])], min_compress_numel=0)
+    numel = sum(s.numel() for s in shapes)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(4))
+    q_slots = torch.zeros(numel, dtype=torch.bool)
+    for slot in plan.matrices:
+        q_slots[slot.offset : slot.offset + slot.cols * plan.rank] = True
+    state_out = torch.full((numel,), float("nan"))  # an uninitialised spare
+    _one_bucket_round(compressor, plan, x, torch.zeros(numel), state_out, fused=True)
+    assert torch.isfinite(state_out).all() and (state_out[~q_slots] == 0).all() and state_out[q_slots].any()
+    # the same buffer again for the same plan (its zeros kept), then dirtied and used for another plan
+    _one_bucket_round(compressor, plan, x, state_out.clone(), state_out, fused=True)
+    assert (state_out[~q_slots] == 0).all()
+    state_out.fill_(7.0)
+    _one_bucket_round(compressor, other, x, torch.zeros(numel), state_out, fused=True)
+    other_slots = torch.zeros(numel, dtype=torch.bool)
+    for slot in other.matrices:
+        other_slots[slot.offset : slot.offset + slot.cols * other.rank] = True
+    assert (state_out[~other_slots] == 0).all()
