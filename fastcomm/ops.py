@@ -602,7 +602,9 @@ def _check_matrix(name: str, t: Any, shape: tuple[int, int]) -> None:
 def _check_powersgd_factors(matrix_name: str, args: dict[str, Any], factor: str) -> tuple[int, int]:
     matrix, q_t = args[matrix_name], args["q_t"]
     if not isinstance(matrix, Tensor) or matrix.dim() != 2:
-        raise ValueError(f"{matrix_name} must be a 2-D tensor (n x m), got {getattr(matrix, 'shape', matrix)}")
+        raise ValueError(
+            f"{matrix_name} must be a 2-D tensor (n x m), got {getattr(matrix, 'shape', matrix)}"
+        )
     if not isinstance(q_t, Tensor) or q_t.dim() != 2:
         raise ValueError(f"q_t must be a 2-D tensor (r x m), got {getattr(q_t, 'shape', q_t)}")
     (n, m), r = matrix.shape, q_t.shape[0]

@@ -55,7 +55,7 @@ def _bound(terms: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _in_flat(n: int, m: int, seed: int, offset: int) -> torch.Tensor:
-    """An ``n x m`` view at element ``offset`` of a flat buffer (as a bucket's parameter is): unaligned rows."""
+    """An ``n x m`` view at ``offset`` in a flat buffer, as a parameter is in a bucket (unaligned rows)."""
     flat = _randn(offset + n * m + 3, seed=seed)
     return flat[offset : offset + n * m].view(n, m)
 
@@ -114,7 +114,7 @@ def test_loop_builds_and_store_paths_give_the_same_bits():
     gradient, residual = _randn(n, m, seed=1), _randn(n, m, seed=2, scale=0.1)
     q_t, p_in = _randn(r, m, seed=3), _randn(n, r, seed=4)
     results = []
-    for avx2 in ([True, False] if _NATIVE.cpu_isa() == "avx2" else [False]):
+    for avx2 in [True, False] if _NATIVE.cpu_isa() == "avx2" else [False]:
         for streaming in (True, False):
             _NATIVE._set_avx2(avx2)
             _NATIVE._set_streaming(streaming)
@@ -171,24 +171,61 @@ def test_zero_rank_and_empty_matrices():
 @pytest.mark.parametrize(
     "call,exc,words",
     [
-        (lambda: ops.powersgd_project(torch.empty(3, 2), torch.empty(3, 5, dtype=torch.float16), torch.ones(2, 5)),
-         TypeError, ("x", "float32")),
-        (lambda: ops.powersgd_project(torch.empty(3, 2), torch.empty(3, 5), torch.ones(2, 4)),
-         ValueError, ("q_t", "2 x 5")),
-        (lambda: ops.powersgd_project(torch.empty(3, 1), torch.empty(3, 5), torch.ones(2, 5)),
-         ValueError, ("p", "3 x 2")),
-        (lambda: ops.powersgd_project(torch.empty(3, 2), torch.empty(3, 5), torch.ones(2, 5), None, torch.ones(3, 5)),
-         ValueError, ("residual needs gradient",)),
-        (lambda: ops.powersgd_project(torch.empty(3, 2), torch.empty(3, 5), torch.ones(2, 5), torch.ones(5, 3).T),
-         ValueError, ("gradient", "contiguous rows")),
-        (lambda: ops.powersgd_project(torch.empty(3, 2), torch.empty(15), torch.ones(2, 5)),
-         ValueError, ("x", "2-D")),
-        (lambda: ops.powersgd_back_project(torch.empty(2, 5), torch.empty(3, 2), torch.empty(4, 5)),
-         ValueError, ("p", "4 x 2")),
-        (lambda: ops.powersgd_expand(torch.empty(3, 5), torch.empty(3, 2), torch.ones(2, 5), torch.empty(3, 4)),
-         ValueError, ("residual", "3 x 5")),
-        (lambda: (lambda t: ops.powersgd_expand(t, torch.empty(3, 2), torch.ones(2, 5), t))(torch.empty(3, 5)),
-         ValueError, ("different tensors",)),
+        (
+            lambda: ops.powersgd_project(
+                torch.empty(3, 2), torch.empty(3, 5, dtype=torch.float16), torch.ones(2, 5)
+            ),
+            TypeError,
+            ("x", "float32"),
+        ),
+        (
+            lambda: ops.powersgd_project(torch.empty(3, 2), torch.empty(3, 5), torch.ones(2, 4)),
+            ValueError,
+            ("q_t", "2 x 5"),
+        ),
+        (
+            lambda: ops.powersgd_project(torch.empty(3, 1), torch.empty(3, 5), torch.ones(2, 5)),
+            ValueError,
+            ("p", "3 x 2"),
+        ),
+        (
+            lambda: ops.powersgd_project(
+                torch.empty(3, 2), torch.empty(3, 5), torch.ones(2, 5), None, torch.ones(3, 5)
+            ),
+            ValueError,
+            ("residual needs gradient",),
+        ),
+        (
+            lambda: ops.powersgd_project(
+                torch.empty(3, 2), torch.empty(3, 5), torch.ones(2, 5), torch.ones(5, 3).T
+            ),
+            ValueError,
+            ("gradient", "contiguous rows"),
+        ),
+        (
+            lambda: ops.powersgd_project(torch.empty(3, 2), torch.empty(15), torch.ones(2, 5)),
+            ValueError,
+            ("x", "2-D"),
+        ),
+        (
+            lambda: ops.powersgd_back_project(torch.empty(2, 5), torch.empty(3, 2), torch.empty(4, 5)),
+            ValueError,
+            ("p", "4 x 2"),
+        ),
+        (
+            lambda: ops.powersgd_expand(
+                torch.empty(3, 5), torch.empty(3, 2), torch.ones(2, 5), torch.empty(3, 4)
+            ),
+            ValueError,
+            ("residual", "3 x 5"),
+        ),
+        (
+            lambda: (lambda t: ops.powersgd_expand(t, torch.empty(3, 2), torch.ones(2, 5), t))(
+                torch.empty(3, 5)
+            ),
+            ValueError,
+            ("different tensors",),
+        ),
     ],
 )
 def test_bad_input_names_the_argument(call, exc, words):

@@ -120,7 +120,9 @@ def test_state_is_zero_outside_the_warm_q_even_from_a_dirty_buffer():
     compressor = PowerSGDCompressor(rank=2)
     shapes = [torch.Size([20, 12]), torch.Size([12]), torch.Size([9, 8])]
     plan = compressor.plan(shapes, min_compress_numel=0)
-    other = compressor.plan([torch.Size([12, 20]), torch.Size([12]), torch.Size([8, 9])], min_compress_numel=0)
+    other = compressor.plan(
+        [torch.Size([12, 20]), torch.Size([12]), torch.Size([8, 9])], min_compress_numel=0
+    )
     numel = sum(s.numel() for s in shapes)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(4))
     q_slots = torch.zeros(numel, dtype=torch.bool)
