@@ -131,6 +131,9 @@ NODE_CONFIGS = (
     Config("quant8_hier", f"fastcomm.quantize_hook, QuantState(bits=8, node_size={NODE_RANKS}): dense "
            "reduce-scatter in the node, 8-bit across nodes per local rank, all-gather in the node",
            ("quantize_hook", "QuantState"), node_size=NODE_RANKS),
+    # what any two-level scheme that reduces densely inside the node pays before it sends a byte across
+    Config("node_dense", "dense fp32 allreduce over each node's own ranks only, nothing across nodes (not a "
+           "training method: the in-node half of hierarchical's work, a lower bound on its step time)"),
     # a 1/L shard would cut PowerSGD's matrices: fastcomm has it flat only
     Config("powersgd_r4", f"fastcomm.powersgd_hook, PowerSGDState(rank={POWERSGD_RANK}, node_size=1), "
            "default buckets: flat", ("powersgd_hook", "PowerSGDState"), node_size=1),
@@ -140,6 +143,20 @@ _HIERARCHICAL = frozenset(c.name for c in NODE_CONFIGS if c.node_size and c.node
 
 # ---------------------------------------------------------------------------------------------------------
 # Rank process
+
+
+def _node_group() -> dist.ProcessGroup:
+    """This rank's node group (``LOCAL_WORLD_SIZE`` consecutive ranks); every rank makes every node's."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", NODE_RANKS))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(start, start + local))) for start in range(0, world, local)]
+    return groups[rank // local]
+
+
+def _node_dense_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The node's mean of the bucket by one allreduce over the node's group (node_dense: a lower bound)."""
+    buffer = bucket.buffer().div_(dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 # DDP compares these annotations with the real classes, so this module must not postpone annotations.
@@ -164,6 +181,8 @@ def _make_hook(
         return None
     if name == "noop":
         return None, _noop_hook
+    if name == "node_dense":
+        return _node_group(), _node_dense_hook
     if name == "torch_fp16":
         return None, default_hooks.fp16_compress_hook
     if name.startswith("torch_powersgd_r4"):
@@ -686,6 +705,18 @@ def _check_node_targets(rows: list[Row]) -> list[str]:
         flat = name.removesuffix("_hier")
         notes.append(verdict(f"{name} node-link bytes about 1/L of flat {flat} or less (at most 1.25/L)",
                              (name, flat), lambda name=name, flat=flat: link_share(name, flat)))
+    if "node_dense" in ok:
+        # a hierarchical step does at least node_dense's work (its dense reduction inside the node, here
+        # as one allreduce, which gloo runs no slower than hierarchical's reduce + broadcast per shard)
+        bound = ok["node_dense"].value
+        for flat in ("sign", "quant8"):
+            if flat in ok:
+                need = ok[flat].value / 1.5
+                reach = "reachable" if bound <= need else f"out of reach here ({bound / need:.2f}x it)"
+                notes.append(
+                    f"{NODES_NETWORK}: bound: a {flat}_hier step costs at least node_dense's {bound:.3f} s "
+                    f"(the in-node dense reduction alone); 1.5x flat {flat} needs <= {need:.3f} s: {reach}"
+                )
     return notes
 
 
