@@ -41,6 +41,16 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
     vals = torch.randn(2 * k, generator=g).to(x.device)
     out = torch.zeros_like(x)
     into = torch.zeros_like(x)  # a warm buffer the *_into ops decode into
+    # PowerSGD's passes over the bucket viewed as matrices of 4096 columns, rank 4
+    cols = min(n, 4096)
+    rows = n // cols
+    matrix = x[: rows * cols].view(rows, cols)
+    feedback = residual[: rows * cols].view(rows, cols)
+    formed, approx = torch.empty_like(matrix), torch.empty_like(matrix)
+    owed = matrix.clone()
+    q_t = torch.randn(4, cols, generator=g).to(x.device)
+    p_mat = torch.randn(rows, 4, generator=g).to(x.device)
+    p_out, q_out = torch.empty_like(p_mat), torch.empty_like(q_t)
     return [
         ("topk_select exact 1%", 8.0, lambda m: m.topk_select(x, k), ">=5x torch.topk"),
         ("topk_select approx 1%", 4.0, lambda m: m.topk_select(x, k, exact=False), ">=15x torch.topk"),
@@ -110,6 +120,19 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
             "sign_decompress_into accumulate",
             8.125,
             lambda m: m.sign_decompress_into(into, packed, sign_scales, 2048, True),
+            None,
+        ),
+        (
+            "powersgd_project rank 4 +residual",  # x = g + e, P = x Q: reads g, e, writes x
+            12.0,
+            lambda m: m.powersgd_project(p_out, formed, q_t, matrix, feedback),
+            None,
+        ),
+        ("powersgd_back_project rank 4", 4.0, lambda m: m.powersgd_back_project(q_out, p_mat, matrix), None),
+        (
+            "powersgd_expand rank 4 +residual",  # mean = P Q^T, residual -= P Q^T: reads e, writes e and mean
+            12.0,
+            lambda m: m.powersgd_expand(approx, p_mat, q_t, owed),
             None,
         ),
         (
