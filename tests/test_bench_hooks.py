@@ -1,0 +1,40 @@
+"""bench_hooks' verdicts on the nodes network, on made-up rows (no ranks are started)."""
+
+from __future__ import annotations
+
+from benchmarks import bench_hooks
+from benchmarks.harness import Row
+
+
+def _row(name: str, seconds: float, **extra: object) -> Row:
+    return Row(case="nodes", backend=name, metric="step_time", value=seconds, unit="s",
+               extra={"status": "ok", **extra})
+
+
+def _notes(**seconds: float) -> list[str]:
+    rows = [_row("allreduce", 2.0), _row("sign", seconds["sign"]), _row("quant8", 0.9),
+            _row("sign_hier", seconds["sign_hier"], **{"compress_s/step": 0.15}),
+            _row("quant8_hier", 0.45), _row("node_dense", seconds["node_dense"])]
+    return bench_hooks._check_node_targets(rows)
+
+
+def test_bound_says_out_of_reach_when_the_node_reduction_and_compression_exceed_the_budget():
+    notes = _notes(sign=0.9, sign_hier=0.85, node_dense=0.55)
+    bound = next(n for n in notes if "bound: a sign_hier" in n)
+    # 0.55 + 0.15 = 0.70 s against 0.9 / 1.5 = 0.60 s
+    assert "0.700 s at least" in bound and "0.600 s" in bound and "out of reach here (1.17x it)" in bound
+    assert any("sign_hier >= 1.5x faster than flat sign: MISSED" in n for n in notes)
+
+
+def test_bound_says_reachable_when_the_budget_allows_it():
+    notes = _notes(sign=1.5, sign_hier=0.9, node_dense=0.5)
+    bound = next(n for n in notes if "bound: a sign_hier" in n)
+    assert bound.endswith("reachable") and "0.650 s at least" in bound
+    quant = next(n for n in notes if "bound: a quant8_hier" in n)
+    assert "compression" not in quant  # its row has no compression time: the node reduction alone
+    assert any("quant8_hier >= 2x faster than allreduce: MET" in n for n in notes)
+
+
+def test_no_bound_without_the_node_dense_row():
+    rows = [_row("sign", 0.9), _row("sign_hier", 0.5)]
+    assert not [n for n in bench_hooks._check_node_targets(rows) if "bound" in n]
