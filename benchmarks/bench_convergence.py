@@ -917,6 +917,14 @@ def _load_previous(train_lm: Any, directory: Path) -> _Previous:
     return _Previous(_Report(methods, runs, timings, shaped_name, steps, origin, dense), notes, rate)
 
 
+def _merge_label(note: str) -> str | None:
+    """The run label of a note written by a merge (``"merge of <label>: ..."``, ``"merged <label>: ..."``)."""
+    for prefix in ("merge of ", "merged "):
+        if note.startswith(prefix) and ": " in note:
+            return note[len(prefix) : note.index(": ")]
+    return None
+
+
 def _merge(
     previous: _Previous,
     fresh: _Report,
@@ -950,7 +958,11 @@ def _merge(
         dense[""] = {name: per["none"] for name, per in old.timings.items() if "none" in per}
     report = _Report(methods, runs, timings, old.shaped_name, old.steps, origin, dense)
     replaced = {n.split(": ")[0]: n for n in notes if n.split(": ")[0] in fresh.runs}
-    merged = [replaced.pop(n.split(": ")[0], n) for n in previous.notes]
+    # an earlier merge whose every method was rerun since describes no row any more: its notes go
+    in_use = set(origin.values())
+    report.dense = {run: timing for run, timing in report.dense.items() if run in in_use or run == ""}
+    kept = [n for n in previous.notes if _merge_label(n) in in_use or _merge_label(n) is None]
+    merged = [replaced.pop(n.split(": ")[0], n) for n in kept]
     merged += replaced.values()  # the new methods' lines
     merged += [
         n if n.startswith("merged ") else f"merge of {label}: {n}"

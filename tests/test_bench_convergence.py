@@ -226,3 +226,29 @@ def test_a_timing_run_that_crashed_is_run_once_more_and_said(
         "q8", bench._Phase("all", 1, 500), None, settings, "t", 29600
     )
     assert measured is None and status == "crashed (rank 1 exit 1)" and len(calls) == 2
+
+
+def test_a_merge_whose_methods_were_all_rerun_since_leaves_no_notes(train_lm, results: Path) -> None:
+    _earlier(train_lm, results)
+    for label, seconds in (("first", 0.5), ("second", 0.45)):
+        fresh = bench._Report(
+            ["powersgd"],
+            {"powersgd": _run(1.7)},
+            {SHAPED: {"powersgd": _timing(seconds)}, bench.FAST_LINK: {"powersgd": _timing(0.4)}},
+            SHAPED,
+            150,
+        )
+        notes = [f"merged {label}: powersgd trained", "link: measured", "powersgd: its line"]
+        report, merged = bench._merge(
+            bench._load_previous(train_lm, results),
+            fresh,
+            {SHAPED: _timing(2.0), bench.FAST_LINK: _timing(0.8)},
+            label,
+            notes,
+        )
+        bench._write(train_lm, report, merged, 0.0)
+    assert not [n for n in merged if "first" in n]  # every first-merge row was replaced by the second's
+    assert "merge of second: link: measured" in merged and "merged second: powersgd trained" in merged
+    assert merged.count("powersgd: its line") == 1 and "q8: its line" in merged
+    assert set(report.dense) == {"", "second"}
+    assert _summary(results)["powersgd"]["shaped_speedup"] == pytest.approx(2.0 / 0.45)
