@@ -706,23 +706,18 @@ def _check_node_targets(rows: list[Row]) -> list[str]:
         notes.append(verdict(f"{name} node-link bytes about 1/L of flat {flat} or less (at most 1.25/L)",
                              (name, flat), lambda name=name, flat=flat: link_share(name, flat)))
     if "node_dense" in ok:
-        # a hierarchical step does at least node_dense's work (its dense reduction inside the node, here
-        # as one allreduce, which gloo runs no slower than hierarchical's reduce + broadcast per shard), and
-        # on these saturated cores (4 ranks, 2 cores) its compression time adds to that
+        # a hierarchical step does at least node_dense's work: its dense reduction inside the node (here as
+        # one allreduce, which gloo runs no slower than hierarchical's reduce + broadcast per shard); its
+        # compression comes on top, partly hidden behind the node's transfers (so not added here)
         bound = ok["node_dense"].value
         for flat in ("sign", "quant8"):
             if flat not in ok:
                 continue
             need = ok[flat].value / 1.5
-            compress = ok[f"{flat}_hier"].extra.get("compress_s/step") if f"{flat}_hier" in ok else None
-            total = bound + (compress or 0.0)
-            parts = f"node_dense's {bound:.3f} s"
-            if compress:
-                parts += f" + its compression {compress:.3f} s"
-            reach = "reachable" if total <= need else f"out of reach here ({total / need:.2f}x it)"
+            reach = "reachable" if bound <= need else f"out of reach here ({bound / need:.2f}x it)"
             notes.append(
-                f"{NODES_NETWORK}: bound: a {flat}_hier step costs about {parts} = {total:.3f} s at least; "
-                f"1.5x flat {flat} needs <= {need:.3f} s: {reach}"
+                f"{NODES_NETWORK}: bound: a {flat}_hier step costs at least node_dense's {bound:.3f} s (the "
+                f"in-node dense reduction alone); 1.5x flat {flat} needs <= {need:.3f} s: {reach}"
             )
     return notes
 
