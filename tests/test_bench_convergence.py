@@ -62,6 +62,12 @@ def _earlier(train_lm, results: Path) -> bench._Report:
     return report
 
 
+def _powersgd(final: float, shaped_seconds: float) -> bench._Report:
+    """A fresh run of powersgd alone (validation falling to ``final``; 0.4 s/step on 1gbit)."""
+    timings = {SHAPED: {"powersgd": _timing(shaped_seconds)}, bench.FAST_LINK: {"powersgd": _timing(0.4)}}
+    return bench._Report(["powersgd"], {"powersgd": _run(final)}, timings, SHAPED, 150)
+
+
 def _summary(results: Path) -> dict:
     return json.loads((results / "bench_convergence.curves.json").read_text())["summary"]
 
@@ -91,13 +97,7 @@ def test_merge_adds_a_method_compared_with_dense_timed_in_its_own_run(train_lm, 
     before = _summary(results)
     previous = bench._load_previous(train_lm, results)
     # this run was slower (load): dense 2.0 s/step shaped, 0.8 s on 1gbit; powersgd 0.5 and 0.4
-    fresh = bench._Report(
-        ["powersgd"],
-        {"powersgd": _run(1.9)},
-        {SHAPED: {"powersgd": _timing(0.5)}, bench.FAST_LINK: {"powersgd": _timing(0.4)}},
-        SHAPED,
-        150,
-    )
+    fresh = _powersgd(1.9, 0.5)
     dense = {SHAPED: _timing(2.0), bench.FAST_LINK: _timing(0.8)}
     notes = ["powersgd: PowerSGD rank 4", "shaped 57mbit: veth ...", "merged now: powersgd"]
     report, merged_notes = bench._merge(previous, fresh, dense, "now", notes)
@@ -127,13 +127,7 @@ def test_merge_adds_a_method_compared_with_dense_timed_in_its_own_run(train_lm, 
 
 def test_a_second_merge_keeps_each_run_against_its_own_dense(train_lm, results: Path) -> None:
     _earlier(train_lm, results)
-    first = bench._Report(
-        ["powersgd"],
-        {"powersgd": _run(1.7)},
-        {SHAPED: {"powersgd": _timing(0.5)}, bench.FAST_LINK: {"powersgd": _timing(0.4)}},
-        SHAPED,
-        150,
-    )
+    first = _powersgd(1.7, 0.5)
     report, notes = bench._merge(
         bench._load_previous(train_lm, results),
         first,
@@ -231,13 +225,7 @@ def test_a_timing_run_that_crashed_is_run_once_more_and_said(
 def test_a_merge_whose_methods_were_all_rerun_since_leaves_no_notes(train_lm, results: Path) -> None:
     _earlier(train_lm, results)
     for label, seconds in (("first", 0.5), ("second", 0.45)):
-        fresh = bench._Report(
-            ["powersgd"],
-            {"powersgd": _run(1.7)},
-            {SHAPED: {"powersgd": _timing(seconds)}, bench.FAST_LINK: {"powersgd": _timing(0.4)}},
-            SHAPED,
-            150,
-        )
+        fresh = _powersgd(1.7, seconds)
         notes = [f"merged {label}: powersgd trained", "link: measured", "powersgd: its line"]
         report, merged = bench._merge(
             bench._load_previous(train_lm, results),

@@ -274,93 +274,86 @@ bool worth_streaming(int64_t n, int64_t m) {
 
 int64_t grain(int64_t m, int64_t r) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, m * (r + 1))); }
 
+struct Dims {
+  int64_t n, m, r;
+};
+
+// The shapes of `matrix` (n x m), q_t (r x m) and p (n x r), checked; refusals name the op and argument.
+Dims factor_dims(const char* op, const char* name, const at::Tensor& matrix, const at::Tensor& q_t,
+                 const at::Tensor& p) {
+  TORCH_CHECK_VALUE(matrix.dim() == 2, op, ": ", name, " must be 2-D (n x m), got ", matrix.sizes());
+  TORCH_CHECK_VALUE(q_t.dim() == 2, op, ": q_t must be 2-D (r x m), got ", q_t.sizes());
+  const Dims d{matrix.size(0), matrix.size(1), q_t.size(0)};
+  check_matrix(op, name, matrix, d.n, d.m);
+  check_matrix(op, "q_t", q_t, d.r, d.m);
+  check_matrix(op, "p", p, d.n, d.r);
+  return d;
+}
+
+template <typename Job>
+using RowsFn = void (*)(const Job&, int64_t, int64_t);
+
+// rows(job, lo, hi) over [0, count) in parallel, the AVX2 copy where it runs; each thread fences what it
+// streamed before the op returns.
+template <typename Job>
+void run_parallel(int64_t count, int64_t grain_size, const Job& job, RowsFn<Job> rows, RowsFn<Job> rows_avx2) {
+  const RowsFn<Job> fn = use_avx2() && rows_avx2 != nullptr ? rows_avx2 : rows;
+  at::parallel_for(0, count, grain_size, [&](int64_t lo, int64_t hi) {
+    fn(job, lo, hi);
+    fence();
+  });
+}
+
+#if FASTCOMM_HAVE_AVX2
+#define FASTCOMM_AVX2_COPY(fn) (&fn)
+#else
+#define FASTCOMM_AVX2_COPY(fn) nullptr
+#endif
+
 }  // namespace
 
 void powersgd_project_cpu(const at::Tensor& p, const at::Tensor& x, const at::Tensor& q_t,
                           const std::optional<at::Tensor>& gradient, const std::optional<at::Tensor>& residual) {
   const char* op = "powersgd_project";
-  TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be 2-D (n x m), got ", x.sizes());
-  const int64_t n = x.size(0), m = x.size(1), r = q_t.dim() == 2 ? q_t.size(0) : -1;
-  TORCH_CHECK_VALUE(r >= 0, op, ": q_t must be 2-D (r x m), got ", q_t.sizes());
-  check_matrix(op, "x", x, n, m);
-  check_matrix(op, "q_t", q_t, r, m);
-  check_matrix(op, "p", p, n, r);
+  const Dims d = factor_dims(op, "x", x, q_t, p);
   TORCH_CHECK_VALUE(gradient.has_value() || !residual.has_value(), op, ": residual needs gradient");
   ProjectJob job{p.data_ptr<float>(), x.data_ptr<float>(), q_t.const_data_ptr<float>(), nullptr, nullptr,
-                 m, r, row_stride(x), r > 0 ? row_stride(p) : 0, row_stride(q_t), 0, 0, worth_streaming(n, m)};
+                 d.m, d.r, row_stride(x), d.r > 0 ? row_stride(p) : 0, row_stride(q_t), 0, 0,
+                 worth_streaming(d.n, d.m)};
   if (gradient.has_value()) {
-    check_matrix(op, "gradient", *gradient, n, m);
+    check_matrix(op, "gradient", *gradient, d.n, d.m);
     job.grad = gradient->const_data_ptr<float>();
     job.g_stride = row_stride(*gradient);
   }
   if (residual.has_value()) {
-    check_matrix(op, "residual", *residual, n, m);
+    check_matrix(op, "residual", *residual, d.n, d.m);
     job.resid = residual->const_data_ptr<float>();
     job.e_stride = row_stride(*residual);
   }
-  const bool avx2 = use_avx2();
-  at::parallel_for(0, n, grain(m, r), [&](int64_t lo, int64_t hi) {
-#if FASTCOMM_HAVE_AVX2
-    if (avx2) {
-      project_rows_avx2(job, lo, hi);
-      return fence();
-    }
-#endif
-    (void)avx2;
-    project_rows(job, lo, hi);
-    fence();  // on the thread that streamed
-  });
+  run_parallel<ProjectJob>(d.n, grain(d.m, d.r), job, &project_rows, FASTCOMM_AVX2_COPY(project_rows_avx2));
 }
 
 void powersgd_expand_cpu(const at::Tensor& mean, const at::Tensor& p, const at::Tensor& q_t,
                          const std::optional<at::Tensor>& residual) {
   const char* op = "powersgd_expand";
-  TORCH_CHECK_VALUE(mean.dim() == 2, op, ": mean must be 2-D (n x m), got ", mean.sizes());
-  const int64_t n = mean.size(0), m = mean.size(1), r = q_t.dim() == 2 ? q_t.size(0) : -1;
-  TORCH_CHECK_VALUE(r >= 0, op, ": q_t must be 2-D (r x m), got ", q_t.sizes());
-  check_matrix(op, "mean", mean, n, m);
-  check_matrix(op, "q_t", q_t, r, m);
-  check_matrix(op, "p", p, n, r);
+  const Dims d = factor_dims(op, "mean", mean, q_t, p);
   ExpandJob job{mean.data_ptr<float>(), nullptr, p.const_data_ptr<float>(), q_t.const_data_ptr<float>(),
-                m, r, row_stride(mean), 0, r > 0 ? row_stride(p) : 0, row_stride(q_t), worth_streaming(n, m)};
+                d.m, d.r, row_stride(mean), 0, d.r > 0 ? row_stride(p) : 0, row_stride(q_t),
+                worth_streaming(d.n, d.m)};
   if (residual.has_value()) {
-    check_matrix(op, "residual", *residual, n, m);
+    check_matrix(op, "residual", *residual, d.n, d.m);
     job.resid = residual->data_ptr<float>();
     job.e_stride = row_stride(*residual);
   }
-  const bool avx2 = use_avx2();
-  at::parallel_for(0, n, grain(m, r), [&](int64_t lo, int64_t hi) {
-#if FASTCOMM_HAVE_AVX2
-    if (avx2) {
-      expand_rows_avx2(job, lo, hi);
-      return fence();
-    }
-#endif
-    (void)avx2;
-    expand_rows(job, lo, hi);
-    fence();
-  });
+  run_parallel<ExpandJob>(d.n, grain(d.m, d.r), job, &expand_rows, FASTCOMM_AVX2_COPY(expand_rows_avx2));
 }
 
 void powersgd_back_project_cpu(const at::Tensor& q_t, const at::Tensor& p, const at::Tensor& x) {
-  const char* op = "powersgd_back_project";
-  TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be 2-D (n x m), got ", x.sizes());
-  const int64_t n = x.size(0), m = x.size(1), r = q_t.dim() == 2 ? q_t.size(0) : -1;
-  TORCH_CHECK_VALUE(r >= 0, op, ": q_t must be 2-D (r x m), got ", q_t.sizes());
-  check_matrix(op, "x", x, n, m);
-  check_matrix(op, "q_t", q_t, r, m);
-  check_matrix(op, "p", p, n, r);
-  if (r == 0 || m == 0) return;
+  const Dims d = factor_dims("powersgd_back_project", "x", x, q_t, p);
+  if (d.r == 0 || d.m == 0) return;
   BackJob job{q_t.data_ptr<float>(), p.const_data_ptr<float>(), x.const_data_ptr<float>(),
-              n, m, r, row_stride(q_t), row_stride(p), row_stride(x)};
-  const bool avx2 = use_avx2();
-  at::parallel_for(0, ceil_div(m, kTile), 1, [&](int64_t lo, int64_t hi) {
-#if FASTCOMM_HAVE_AVX2
-    if (avx2) return back_tiles_avx2(job, lo, hi);
-#endif
-    (void)avx2;
-    back_tiles(job, lo, hi);
-  });
+              d.n, d.m, d.r, row_stride(q_t), row_stride(p), row_stride(x)};
+  run_parallel<BackJob>(ceil_div(d.m, kTile), 1, job, &back_tiles, FASTCOMM_AVX2_COPY(back_tiles_avx2));
 }
 
 }  // namespace fastcomm

@@ -10,11 +10,17 @@ cache) must give identical bits.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from fastcomm import ops
-from fastcomm import reference as ref
+sys.path.insert(0, str(Path(__file__).parent))
+import test_ops_into  # noqa: E402
+
+from fastcomm import ops  # noqa: E402
+from fastcomm import reference as ref  # noqa: E402
 
 EPS = 2.0**-23
 
@@ -23,25 +29,9 @@ EPS = 2.0**-23
 SHAPES = [(1, 1, 1), (1, 13, 1), (37, 1001, 3), (5, 7, 9), (64, 8, 4), (300, 1030, 6), (2048, 2050, 4)]
 
 
-def _native():
-    if ops.native_error() is not None:
-        return None
-    from fastcomm import _C
-
-    return _C
-
-
-_NATIVE = _native()
-ISAS = ["default"] + (["baseline"] if _NATIVE is not None and _NATIVE.cpu_isa() == "avx2" else [])
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if request.param == "baseline":
-        _NATIVE._set_avx2(False)
-    yield request.param
-    if _NATIVE is not None:
-        _NATIVE._set_avx2(True)
+# the native kernels' module and the ``isa`` fixture (each test once per build of the loops: AVX2, baseline)
+_NATIVE = test_ops_into._NATIVE
+isa = test_ops_into.isa
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
