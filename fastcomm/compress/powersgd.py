@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +40,21 @@ from fastcomm import ops
 __all__ = ["ORTHOGONALIZATIONS", "PowerSGDCompressor", "PowerSGDPlan", "orthogonalize_"]
 
 ORTHOGONALIZATIONS = ("qr", "gram_schmidt")
-# attribute of a state tensor that finish() wrote: the plan it wrote it for (zero outside that plan's Q's)
-_CLEAN_FOR = "_fastcomm_powersgd_clean_for"
+# the state tensors finish() wrote, by id: (a weak reference to the tensor, the plan it was written for),
+# each zero outside that plan's Q's. Not an attribute of the tensor: torch.save would pickle it with the
+# tensor, and torch.load(weights_only=True) (torch's default) refuses a checkpoint holding a plan object.
+_CLEAN: dict[int, tuple[weakref.ReferenceType[Tensor], PowerSGDPlan]] = {}
+
+
+def _clean_for(tensor: Tensor) -> PowerSGDPlan | None:
+    """The plan ``tensor`` was last written for by :meth:`PowerSGDCompressor.finish`, else ``None``."""
+    found = _CLEAN.get(id(tensor))
+    return found[1] if found is not None and found[0]() is tensor else None
+
+
+def _mark_clean(tensor: Tensor, plan: PowerSGDPlan) -> None:
+    key = id(tensor)
+    _CLEAN[key] = (weakref.ref(tensor, lambda _ref: _CLEAN.pop(key, None)), plan)
 
 
 @dataclass(frozen=True)
@@ -251,7 +265,7 @@ class PowerSGDCompressor:
             if residual is not None:
                 residual[offset : offset + numel] = 0
             position += numel
-        if state_out is not None and getattr(state_out, _CLEAN_FOR, None) is not plan:
+        if state_out is not None and _clean_for(state_out) is not plan:
             # zero outside the Q's once per buffer and plan: a buffer this finish wrote for the same plan is
             # zero there already (a pass over a bucket-sized tensor saved each step)
             state_out.zero_()
@@ -269,7 +283,7 @@ class PowerSGDCompressor:
             if state_out is not None:
                 state_out[slot.offset : slot.offset + slot.cols * rank] = q_t.reshape(-1)
         if state_out is not None:
-            setattr(state_out, _CLEAN_FOR, plan)
+            _mark_clean(state_out, plan)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

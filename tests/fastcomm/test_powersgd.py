@@ -140,3 +140,18 @@ def test_state_is_zero_outside_the_warm_q_even_from_a_dirty_buffer():
     for slot in other.matrices:
         other_slots[slot.offset : slot.offset + slot.cols * other.rank] = True
     assert (state_out[~other_slots] == 0).all()
+
+
+def test_a_written_state_saves_and_loads_with_weights_only(tmp_path):
+    # torch.load's default (weights_only=True) refuses a pickled Python object: nothing of ours may ride
+    # along with the state tensor (its "already zero outside the Q's" mark lives in the compressor module)
+    compressor = PowerSGDCompressor(rank=2)
+    shapes = [torch.Size([20, 12]), torch.Size([12])]
+    plan = compressor.plan(shapes, min_compress_numel=0)
+    numel = sum(s.numel() for s in shapes)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(6))
+    state_out = torch.empty(numel)
+    _one_bucket_round(compressor, plan, x, torch.zeros(numel), state_out, fused=True)
+    torch.save({"compressor_state": state_out}, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)["compressor_state"]
+    assert torch.equal(loaded, state_out) and not loaded.__dict__
