@@ -536,9 +536,12 @@ def _rows_for(
     return rows
 
 
-def _check_targets(network: str, rows: list[Row]) -> list[str]:
-    """The issue's targets for ``network``, each marked MET, MISSED or not evaluated, with the numbers."""
-    times = {r.backend: r.value for r in rows if r.extra.get("status") == "ok"}
+def _verdicts(
+    network: str, times: dict[str, float]
+) -> tuple[Callable[[str, Sequence[str], Callable[[], tuple[bool, str]]], str],
+           Callable[[str, str, float], tuple[bool, str]]]:
+    """Over ``times``: ``verdict(label, needed, test)``, a target MET, MISSED or not evaluated, with the
+    numbers, and ``speedup(name, base, at_least)``, whether ``base``'s step time over ``name``'s is that."""
 
     def verdict(label: str, needed: Sequence[str], test: Callable[[], tuple[bool, str]]) -> str:
         absent = [n for n in needed if n not in times]
@@ -550,6 +553,14 @@ def _check_targets(network: str, rows: list[Row]) -> list[str]:
     def speedup(name: str, base: str, at_least: float) -> tuple[bool, str]:
         value = times[base] / times[name]
         return value >= at_least, f"{base} {times[base]:.3f} s / {name} {times[name]:.3f} s = {value:.2f}x"
+
+    return verdict, speedup
+
+
+def _check_targets(network: str, rows: list[Row]) -> list[str]:
+    """The issue's targets for ``network``, each marked MET, MISSED or not evaluated, with the numbers."""
+    times = {r.backend: r.value for r in rows if r.extra.get("status") == "ok"}
+    verdict, speedup = _verdicts(network, times)
 
     if network == "loopback":
         notes = []
@@ -673,17 +684,7 @@ def _node_rows(outcomes: dict[str, _Outcome], loads: dict[str, float], timed_ste
 def _check_node_targets(rows: list[Row]) -> list[str]:
     """The issue's targets on two nodes, each marked MET, MISSED or not evaluated, with the numbers."""
     ok = {r.backend: r for r in rows if r.extra.get("status") == "ok"}
-
-    def verdict(label: str, needed: Sequence[str], test: Callable[[], tuple[bool, str]]) -> str:
-        absent = [n for n in needed if n not in ok]
-        if absent:
-            return f"{NODES_NETWORK}: {label}: not evaluated (no step time for {', '.join(absent)})"
-        passed, detail = test()
-        return f"{NODES_NETWORK}: {label}: {'MET' if passed else 'MISSED'} ({detail})"
-
-    def speedup(name: str, base: str, at_least: float) -> tuple[bool, str]:
-        fast, slow = ok[name].value, ok[base].value
-        return slow / fast >= at_least, f"{base} {slow:.3f} s / {name} {fast:.3f} s = {slow / fast:.2f}x"
+    verdict, speedup = _verdicts(NODES_NETWORK, {name: row.value for name, row in ok.items()})
 
     def link_share(name: str, flat: str) -> tuple[bool, str]:
         mine, theirs = ok[name].extra.get("link_MB/step"), ok[flat].extra.get("link_MB/step")
