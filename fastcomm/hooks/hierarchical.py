@@ -263,20 +263,14 @@ class Hierarchy:
         if groups.gloo:
             # gloo's reduce_scatter is slower than one reduce per shard (measured, see the module docstring)
             works = [
-                dist.reduce(
-                    source[r * shard_size : (r + 1) * shard_size],
-                    dst=groups.node * node_size + r,
-                    group=groups.reduce_group,
-                    async_op=True,
-                )
-                for r in range(node_size)
+                dist.reduce(piece, dst=owner, group=groups.reduce_group, async_op=True)
+                for piece, owner in _node_shards(source, shard_size, groups)
             ]
             shard = source[local * shard_size : (local + 1) * shard_size]
-            self.traffic.add(intra_node_bytes=(node_size - 1) * shard_size * elem)
         else:
             shard = self.store.buffers.tensor(shard_key, "shard", flat, shard_size)
             works = [_reduce_scatter_flat(shard, source, group=groups.reduce_group, async_op=True)]
-            self.traffic.add(intra_node_bytes=(node_size - 1) * shard_size * elem)
+        self.traffic.add(intra_node_bytes=(node_size - 1) * shard_size * elem)
         done: torch.futures.Future[Tensor] = torch.futures.Future()
         where = f"{type(state).__name__} hierarchical", call.bucket_index
 
@@ -317,13 +311,8 @@ class Hierarchy:
                         own.copy_(mine)
                     # one broadcast per shard: faster than gloo's all-gather (measured)
                     works = [
-                        dist.broadcast(
-                            source[r * shard_size : (r + 1) * shard_size],
-                            src=groups.node * node_size + r,
-                            group=groups.gather_group,
-                            async_op=True,
-                        )
-                        for r in range(node_size)
+                        dist.broadcast(piece, src=owner, group=groups.gather_group, async_op=True)
+                        for piece, owner in _node_shards(source, shard_size, groups)
                     ]
                 else:
                     group = groups.gather_group
@@ -510,6 +499,12 @@ def fold_shards(state_dict: dict[str, Any], old_rank: int) -> dict[str, Any]:
         kept = target["tensors"].get("residual")
         target["tensors"]["residual"] = owed if kept is None else kept.float() + owed
     return {**state_dict, "buckets": buckets}
+
+
+def _node_shards(source: Tensor, shard_size: int, groups: NodeGroups) -> list[tuple[Tensor, int]]:
+    """Each local rank's shard of ``source`` (a view) with that rank's global rank, in local-rank order."""
+    first = groups.node * groups.node_size
+    return [(source[r * shard_size : (r + 1) * shard_size], first + r) for r in range(groups.node_size)]
 
 
 def _value(future: torch.futures.Future[Tensor]) -> Tensor:
