@@ -641,21 +641,30 @@ def _recording(hook: Callable, layouts: list) -> Callable:
 
 
 def sum_sent_and_raw(
-    ddp: nn.parallel.DistributedDataParallel, local: nn.Module, rank: int, steps: int
+    ddp: nn.parallel.DistributedDataParallel,
+    local: nn.Module,
+    rank: int,
+    steps: int,
+    loss: Callable[[nn.Module, int, int], torch.Tensor] | None = None,
+    check: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Train ``ddp`` and its undistributed copy ``local`` for ``steps`` steps of :func:`loss_of`; return, per
-    parameter, the sum (fp64) of the gradients the hook returned and of this rank's raw gradients."""
+    """Train ``ddp`` and its undistributed copy ``local`` for ``steps`` steps of ``loss`` (default
+    :func:`loss_of`); return, per parameter, the sum (fp64) of the gradients the hook returned and of this
+    rank's raw gradients. ``check`` sees every gradient the hook returned, each step."""
+    loss = loss_of if loss is None else loss
     model = ddp.module
     sent = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
     raw = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
     for step in range(steps):
         ddp.zero_grad()
         local.zero_grad()
-        loss_of(ddp, rank, step).backward()
-        loss_of(local, rank, step).backward()
+        loss(ddp, rank, step).backward()
+        loss(local, rank, step).backward()
         for s, r, p, q in zip(sent, raw, model.parameters(), local.parameters(), strict=True):
             s += p.grad.double()
             r += q.grad.double()
+            if check is not None:
+                check(p.grad)
     return sent, raw
 
 

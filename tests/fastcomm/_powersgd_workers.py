@@ -10,7 +10,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from _hooks_workers import FakeBucket, assert_same_on_all_ranks, grad_for, run_hook
+from _hooks_workers import FakeBucket, assert_same_on_all_ranks, grad_for, run_hook, sum_sent_and_raw
 from torch import nn
 
 import fastcomm
@@ -217,19 +217,13 @@ def layouts_worker(rank: int, world_size: int) -> None:
             state.bind(ddp.module)
             hook, counts = _bucket_count(powersgd_hook)
             ddp.register_comm_hook(state, hook)
-        sent = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-        raw = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-        for step in range(4):
-            ddp.zero_grad()
-            local.zero_grad()
-            _loss(ddp, rank, step).backward()
-            _loss(local, rank, step).backward()
-            for s, r, p, q in zip(sent, raw, model.parameters(), local.parameters(), strict=True):
-                s += p.grad.double()
-                r += q.grad.double()
-                if p.dim() == 2:
-                    rank_of = int(torch.linalg.matrix_rank(p.grad.double(), rtol=1e-4))
-                    assert rank_of <= 2, f"{layout}: a matrix gradient of rank {rank_of} > 2"
+
+        def low_rank(grad: torch.Tensor, layout: str = layout) -> None:
+            if grad.dim() == 2:
+                rank_of = int(torch.linalg.matrix_rank(grad.double(), rtol=1e-4))
+                assert rank_of <= 2, f"{layout}: a matrix gradient of rank {rank_of} > 2"
+
+        sent, raw = sum_sent_and_raw(ddp, local, rank, 4, loss=_loss, check=low_rank)
         if layout == "fifty_buckets":
             assert counts[-1] == 50, f"expected 50 buckets, DDP made {counts[-1]}"
         for index, (s, r, p) in enumerate(zip(sent, raw, model.parameters(), strict=True)):
