@@ -185,7 +185,7 @@ class PowerSGDCompressor:
         out: Tensor,
         x: Tensor,
         gradient: Tensor,
-        residual: Tensor | None,
+        residual: Tensor,
         state: Tensor | None,
         seed: int,
     ) -> None:
@@ -196,10 +196,7 @@ class PowerSGDCompressor:
         """
         for offset, numel in plan.dense:
             span = slice(offset, offset + numel)
-            if residual is None:
-                x[span] = gradient[span]
-            else:
-                torch.add(gradient[span], residual[span], out=x[span])
+            torch.add(gradient[span], residual[span], out=x[span])
         _copy_dense(plan, out, x)
         self._project(plan, out, x, gradient, residual, state, seed)
 

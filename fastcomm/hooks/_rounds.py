@@ -104,18 +104,18 @@ def start_rounds(call: BucketCall, compressor: AllreduceCompressor) -> Rounds:
     with timer:
         plan = compressor.plan([p.shape for p in call.params], state.min_compress_numel)
         fp32 = torch.empty(0, dtype=torch.float32, device=flat.device)
-        residual = current = None
-        # a compressor with first_round_from forms x = gradient + residual in its own first pass
-        fused = getattr(compressor, "first_round_from", None) if flat.dtype == torch.float32 else None
+        residual = current = fused = None
         if state.error_feedback:
             current = store.current(entry, "residual", fp32, numel)
             residual = store.spare(key, "residual", current)
+            # a compressor with first_round_from forms x = gradient + residual in its own first pass
+            if flat.dtype == torch.float32:
+                fused = getattr(compressor, "first_round_from", None)
             if fused is None:
                 torch.add(flat, current, out=residual)  # x, turned into the new residual by finish
             store.stage(key, "residual", residual)
             x = residual
         else:
-            fused = None
             x = flat.float()
         state_in = state_out = None
         if compressor.keeps_state:
