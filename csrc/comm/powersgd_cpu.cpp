@@ -83,11 +83,11 @@ struct ProjectJob {
   const float* grad;   // n x m or null (then x is only read)
   const float* resid;  // n x m or null
   int64_t m, r, x_stride, p_stride, q_stride, g_stride, e_stride;
-  bool stream;  // x's rows are stored non-temporally (set by the op)
+  bool stream;  // x's rows are stored non-temporally (set by the op; never when a later block reads them)
 };
 
 template <int B>
-inline void project_block(const ProjectJob& job, int64_t i, int64_t k0, bool form, bool stream) {
+inline void project_block(const ProjectJob& job, int64_t i, int64_t k0, bool form) {
   float* xr = job.x + i * job.x_stride;
   const float* gr = form ? job.grad + i * job.g_stride : nullptr;
   const float* er = (form && job.resid) ? job.resid + i * job.e_stride : nullptr;
@@ -101,10 +101,10 @@ inline void project_block(const ProjectJob& job, int64_t i, int64_t k0, bool for
     if (form) {
       v = load8(gr + j);
       if (er) v += load8(er + j);
-      if (stream) {
+      if (job.stream) {
         stream8(xr + j, v);
       } else {
-        store8(xr + j, v);  // later blocks read the row back
+        store8(xr + j, v);
       }
     } else {
       v = load8(xr + j);
@@ -129,10 +129,9 @@ inline void project_block(const ProjectJob& job, int64_t i, int64_t k0, bool for
 void project_rows(const ProjectJob& job, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; ++i) {
     bool form = job.grad != nullptr;  // the first block forms the row of x, the later ones read it
-    const bool stream = job.stream && job.r <= kBlock;
     int64_t k = 0;
-    for (; k + kBlock <= job.r; k += kBlock, form = false) project_block<kBlock>(job, i, k, form, stream);
-    for (; k < job.r; ++k, form = false) project_block<1>(job, i, k, form, stream);
+    for (; k + kBlock <= job.r; k += kBlock, form = false) project_block<kBlock>(job, i, k, form);
+    for (; k < job.r; ++k, form = false) project_block<1>(job, i, k, form);
     if (form) {  // r == 0: x is still formed
       const float* gr = job.grad + i * job.g_stride;
       const float* er = job.resid ? job.resid + i * job.e_stride : nullptr;
@@ -319,7 +318,7 @@ void powersgd_project_cpu(const at::Tensor& p, const at::Tensor& x, const at::Te
   TORCH_CHECK_VALUE(gradient.has_value() || !residual.has_value(), op, ": residual needs gradient");
   ProjectJob job{p.data_ptr<float>(), x.data_ptr<float>(), q_t.const_data_ptr<float>(), nullptr, nullptr,
                  d.m, d.r, row_stride(x), d.r > 0 ? row_stride(p) : 0, row_stride(q_t), 0, 0,
-                 worth_streaming(d.n, d.m)};
+                 worth_streaming(d.n, d.m) && d.r <= kBlock};  // more blocks read the rows back
   if (gradient.has_value()) {
     check_matrix(op, "gradient", *gradient, d.n, d.m);
     job.grad = gradient->const_data_ptr<float>();
