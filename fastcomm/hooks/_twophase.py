@@ -41,11 +41,12 @@ from fastcomm.hooks._compression import BucketCall, CompressionState
 from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks._lane import lane_for
 from fastcomm.hooks._options import require_bool
-from fastcomm.hooks._util import Timer, all_gather_flat, seed_for
+from fastcomm.hooks._util import BucketKey, Timer, all_gather_flat, seed_for
 from fastcomm.hooks._wire import MAX_CHUNKS
 
 __all__ = [
     "Phase1",
+    "Phase2Payload",
     "Piece",
     "SecondPhase",
     "TwoPhaseLayout",
@@ -110,6 +111,9 @@ class TwoPhaseState(CompressionState):
 
     def __init__(self, *, overlap_phase2: bool = True, **options: Any) -> None:
         self.overlap_phase2 = require_bool("overlap_phase2", overlap_phase2)
+        # bucket key -> its last phase 2's gathered payloads, kept only where this dict is given (the
+        # inner state of a hierarchy, whose in-node gather sends them instead of the decoded bucket)
+        self.payloads: dict[BucketKey, Phase2Payload] | None = None
         super().__init__(**options)
 
     def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
@@ -157,6 +161,43 @@ class Piece:
     stop: int
     received: Tensor  # (W, payload bytes of the piece): row i from rank i
     work: dist.Work
+
+
+@dataclass(frozen=True)
+class Phase2Payload:
+    """One bucket's all-gathered phase-2 payloads (every rank's segment, compressed) and their layout.
+
+    Every rank of the exchange holds the same bytes; :meth:`decode_into` gives the bits the exchange wrote
+    into its bucket. A hierarchy sends this (``1/ratio`` of the decoded shard) inside the node instead.
+
+    Attributes:
+        layout: the bucket's :class:`TwoPhaseLayout`.
+        gathered: the phase-2 all-gather buffer (uint8): for each piece, ``(W, width)`` rows back to back.
+        pieces: ``(start, stop, offset, width)`` per piece: its sub-range of every segment, and where its
+            rows start in ``gathered`` (``W * offset``) and how wide each row is.
+        world_size: ``W``, the exchange's ranks.
+    """
+
+    layout: TwoPhaseLayout
+    gathered: Tensor
+    pieces: tuple[tuple[int, int, int, int], ...]
+    world_size: int
+
+    def decode_into(self, out: Tensor, gathered: Tensor | None = None) -> bool:
+        """Decode the first ``out.numel()`` elements of the bucket into ``out``; whether they are finite.
+
+        ``gathered``: the payloads of another bucket of this layout (another rank's shard, say) to
+        decode instead of this one's.
+        """
+        world_size, compressor, finite = self.world_size, self.layout.compressor, True
+        source = self.gathered if gathered is None else gathered.reshape(-1)
+        if source.numel() != self.gathered.numel():
+            raise ValueError(f"payloads of {source.numel()} bytes for a layout of {self.gathered.numel()}")
+        for start, stop, offset, width in self.pieces:
+            rows = source[world_size * offset : world_size * (offset + width)].view(world_size, width)
+            finite = compressor.payload_finite(rows, stop - start, out.dtype) and finite
+            _decode_rows(compressor, rows, out, self.layout.segment, start, stop)
+        return finite
 
 
 @dataclass
@@ -255,6 +296,7 @@ def finish_phase2(phase1: Phase1, group: dist.ProcessGroup | None = None) -> Non
         row = store.buffers.tensor(key, "row", uint8, row_bytes)
         gathered = store.buffers.tensor(key, "gathered", uint8, world_size * row_bytes)
     decoded: list[torch.futures.Future[float]] = []
+    placed: list[tuple[int, int, int, int]] = []
     sent_bytes = 0
     offset = 0
     for index, piece in enumerate(phase1.pieces):
@@ -286,10 +328,14 @@ def finish_phase2(phase1: Phase1, group: dist.ProcessGroup | None = None) -> Non
                 where = phase1.where("phase-2 all-gather")
                 raise PeerCollectiveError(where, call.bucket_index, error) from error
         decoded.append(future.then(_decoder(phase1, piece_out.view(world_size, width), start, stop)))
+        placed.append((start, stop, offset, width))
         sent_bytes += 2 * (world_size - 1) * width
         offset += width
     if server_out is not None:
         store.stage(key, "server_residual", server_out)
+    if isinstance(state, TwoPhaseState) and state.payloads is not None:
+        # kept before the bucket's future can complete: whoever waits on it finds this step's
+        state.payloads[key] = Phase2Payload(layout, gathered, tuple(placed), world_size)
     dense = 2 * (world_size - 1) * flat.numel() * flat.element_size() // world_size
     state.accounting.count(sent_bytes, dense, timer.seconds, True)
     phase1.pieces = []
@@ -310,21 +356,29 @@ def finish_phase2(phase1: Phase1, group: dist.ProcessGroup | None = None) -> Non
 def _decoder(phase1: Phase1, rows: Tensor, start: int, stop: int) -> Callable[[torch.futures.Future], float]:
     """The callback that decodes one gathered piece into the bucket; returns the seconds it took."""
     flat, segment, compressor = phase1.call.flat, phase1.layout.segment, phase1.layout.compressor
-    accounting, numel = phase1.call.state.accounting, flat.numel()
+    accounting = phase1.call.state.accounting
 
     def decode(arrived: torch.futures.Future) -> float:
         arrived.value()  # raises the all-gather's error, which completion reports
         timer = Timer()
         with timer:
             accounting.note_output(compressor.payload_finite(rows, stop - start, flat.dtype))
-            for owner in range(rows.shape[0]):
-                lo = owner * segment + start
-                hi = min(owner * segment + stop, numel)
-                if lo < hi:
-                    compressor.decompress_into(flat[lo:hi], rows[owner], stop - start)
+            _decode_rows(compressor, rows, flat, segment, start, stop)
         return timer.seconds
 
     return decode
+
+
+def _decode_rows(
+    compressor: Compressor, rows: Tensor, out: Tensor, segment: int, start: int, stop: int
+) -> None:
+    """Decode sub-range ``[start, stop)`` of every owner's segment (row ``i``: owner ``i``'s) into ``out``."""
+    numel = out.numel()
+    for owner in range(rows.shape[0]):
+        lo = owner * segment + start
+        hi = min(owner * segment + stop, numel)
+        if lo < hi:
+            compressor.decompress_into(out[lo:hi], rows[owner], stop - start)
 
 
 def two_phase_allreduce(call: BucketCall, layout: TwoPhaseLayout) -> torch.futures.Future[Tensor]:

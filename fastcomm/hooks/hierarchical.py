@@ -10,9 +10,13 @@ each compressed bucket of ``numel`` elements, on a world of ``W = N * L`` ranks 
    on every node (``N`` ranks): the same compressor, error feedback on that shard held by that rank,
    the same two-phase or all-gather exchange. Only this crosses the slow link: about ``1/L`` of what the
    flat hook sends across nodes (top-k: ``1/L**2``, as its flat traffic grows with ``W``).
-3. All-gather the reduced shards inside the node; every rank holds the mean over all ``W`` ranks.
+3. All-gather the reduced shards inside the node; every rank holds the mean over all ``W`` ranks. A
+   two-phase exchange (sign, quantization, blockwise compressors) ends with every node's copy of the
+   shard's compressed payloads: those are what is gathered, and each rank decodes its partners' shards
+   itself, which gives it the bits their exchanges wrote (sign: 1/32 of the dense shard's bytes; 8-bit:
+   about 1/4). Top-k and other all-gather exchanges gather the decoded shard.
 
-Over gloo the node's dense steps are one reduce per shard, to its owner (step 1), and one broadcast per
+Over gloo the node's steps are one reduce per shard, to its owner (step 1), and one broadcast per
 shard, from its owner (step 3), in place in the bucket: on 2 ranks over loopback, 48 MB, gloo's
 ``reduce_scatter_tensor`` took 0.09-0.13 s and its ``all_gather_into_tensor`` 0.06-0.09 s, where the two
 reduces took 0.06-0.08 s (an allreduce about as long, for twice the bytes) and the two broadcasts
@@ -57,6 +61,7 @@ from fastcomm.hooks._util import BucketKey, all_gather_flat
 if TYPE_CHECKING:
     from fastcomm.hooks._accounting import StepAccounting
     from fastcomm.hooks._compression import BucketCall, CompressionState, PendingPhase
+    from fastcomm.hooks._twophase import Phase2Payload
 
 __all__ = ["Hierarchy", "check_hierarchical_options", "fold_shards", "shard_numel"]
 
@@ -221,6 +226,8 @@ class Hierarchy:
                 # thread and group instead (_Phase2Deferral)
                 options["overlap_phase2"] = False
             inner = type(state)(**options)
+            if hasattr(inner, "payloads"):
+                inner.payloads = {}  # a two-phase exchange keeps its payloads for the in-node gather
             inner.store = self.store
             inner.accounting = _ShardAccounting(state.accounting, self.traffic)  # type: ignore[assignment]
             if state.options().get("overlap_phase2", False):
@@ -302,25 +309,19 @@ class Hierarchy:
             groups.gather_worker.submit(lambda: gather(reduced))
 
         def gather(reduced: torch.futures.Future[Tensor]) -> None:
-            # every shard lands in `source` (whose node sums are no longer needed), then in the bucket
+            # every shard lands in the bucket: the others' decoded from their payloads where the exchange
+            # kept them (two-phase compressors), else sent dense through `source` (whose sums are spent)
             try:
                 mine = reduced.wait().reshape(-1)
-                if groups.gloo:
-                    own = source[local * shard_size : (local + 1) * shard_size]
-                    if mine.data_ptr() != own.data_ptr():
-                        own.copy_(mine)
-                    # one broadcast per shard: faster than gloo's all-gather (measured)
-                    works = [
-                        dist.broadcast(piece, src=owner, group=groups.gather_group, async_op=True)
-                        for piece, owner in _node_shards(source, shard_size, groups)
-                    ]
+                payloads = getattr(inner, "payloads", None)
+                payload = None if payloads is None else payloads.pop(shard_key, None)
+                if payload is None:
+                    works, finish = self._gather_dense(source, mine, shard_size, flat, elem)
                 else:
-                    group = groups.gather_group
-                    works = [all_gather_flat(source, mine.contiguous(), group=group, async_op=True)]
+                    works, finish = self._gather_payloads(shard_key, payload, mine, shard_size, flat)
             except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
                 done.set_exception(error)
                 return
-            self.traffic.add(intra_node_bytes=(node_size - 1) * shard_size * elem)
 
             def place(arrived: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
                 try:
@@ -331,14 +332,83 @@ class Hierarchy:
                     failure.__cause__ = error
                     done.set_exception(failure)
                     return
-                if source.data_ptr() != flat.data_ptr():
-                    flat.copy_(source[:numel])
+                try:
+                    finish()
+                except Exception as error:  # noqa: BLE001 - reaches DDP's wait
+                    done.set_exception(error)
+                    return
                 done.set_result(flat)
 
             torch.futures.collect_all([w.get_future() for w in works]).add_done_callback(place)
 
         groups.cross_worker.submit(cross)
         return done.then(_value)
+
+    def _gather_dense(
+        self, source: Tensor, mine: Tensor, shard_size: int, flat: Tensor, elem: int
+    ) -> tuple[list[dist.Work], Callable[[], None]]:
+        """Step 3 with the decoded shards: each into ``source``, then ``source`` into the bucket."""
+        groups = self.groups
+        assert groups is not None
+        local = groups.local_rank
+        if groups.gloo:
+            own = source[local * shard_size : (local + 1) * shard_size]
+            if mine.data_ptr() != own.data_ptr():
+                own.copy_(mine)
+            # one broadcast per shard: faster than gloo's all-gather (measured)
+            works = [
+                dist.broadcast(piece, src=owner, group=groups.gather_group, async_op=True)
+                for piece, owner in _node_shards(source, shard_size, groups)
+            ]
+        else:
+            works = [all_gather_flat(source, mine.contiguous(), group=groups.gather_group, async_op=True)]
+        self.traffic.add(intra_node_bytes=(groups.node_size - 1) * shard_size * elem)
+
+        def finish() -> None:
+            if source.data_ptr() != flat.data_ptr():
+                flat.copy_(source[: flat.numel()])
+
+        return works, finish
+
+    def _gather_payloads(
+        self, shard_key: BucketKey, payload: Phase2Payload, mine: Tensor, shard_size: int, flat: Tensor
+    ) -> tuple[list[dist.Work], Callable[[], None]]:
+        """Step 3 with the compressed shards: every local rank's phase-2 payloads, decoded here.
+
+        Each rank decodes its partners' payloads as their own exchanges did, so every rank of the node
+        holds the same bits, for ``1/ratio`` of the dense shards' bytes inside the node.
+        """
+        groups = self.groups
+        assert groups is not None
+        local, node_size, numel = groups.local_rank, groups.node_size, flat.numel()
+        sent = payload.gathered
+        rows = self.store.buffers.tensor(shard_key, "node_payloads", sent, node_size * sent.numel())
+        rows = rows.view(node_size, sent.numel())
+        if groups.gloo:
+            first = groups.node * node_size
+            works = [
+                dist.broadcast(sent if r == local else rows[r], src=first + r, group=groups.gather_group,
+                               async_op=True)
+                for r in range(node_size)
+            ]  # fmt: skip
+        else:
+            works = [all_gather_flat(rows.view(-1), sent, group=groups.gather_group, async_op=True)]
+        self.traffic.add(intra_node_bytes=(node_size - 1) * sent.numel())
+        assert self._inner is not None
+        accounting = self._inner.accounting
+
+        def finish() -> None:
+            for r in range(node_size):
+                lo, hi = r * shard_size, min((r + 1) * shard_size, numel)
+                if lo >= hi:
+                    continue
+                if r == local:
+                    if mine.data_ptr() != flat[lo:hi].data_ptr():
+                        flat[lo:hi].copy_(mine[: hi - lo])
+                    continue
+                accounting.note_output(payload.decode_into(flat[lo:hi], rows[r]))
+
+        return works, finish
 
     def _shard_key(self, key: BucketKey, numels: tuple[int, ...]) -> BucketKey:
         """The shard store key of bucket layout ``key`` (a new layout takes over the old ones first)."""
