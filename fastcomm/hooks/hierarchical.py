@@ -16,11 +16,12 @@ each compressed bucket of ``numel`` elements, on a world of ``W = N * L`` ranks 
    itself, which gives it the bits their exchanges wrote (sign: 1/32 of the dense shard's bytes; 8-bit:
    about 1/4). Top-k and other all-gather exchanges gather the decoded shard.
 
-Over gloo the node's steps are one reduce per shard, to its owner (step 1), and one broadcast per
-shard, from its owner (step 3), in place in the bucket: on 2 ranks over loopback, 48 MB, gloo's
-``reduce_scatter_tensor`` took 0.09-0.13 s and its ``all_gather_into_tensor`` 0.06-0.09 s, where the two
-reduces took 0.06-0.08 s (an allreduce about as long, for twice the bytes) and the two broadcasts
-0.016-0.03 s. Other backends (NCCL) use ``reduce_scatter_tensor`` and ``all_gather_into_tensor``.
+Over gloo, step 1 is point to point: each rank sends each other local rank its shard (``isend``) and
+receives its own shard's copies (``irecv``), then sums them in local-rank order; step 3 is one broadcast
+per shard (or per shard's payloads), from its owner. Measured on 2 ranks over loopback, a 50 MB bucket,
+per rank: send and receive plus the sum 20-22 ms (15 ms of CPU); one ``reduce`` per shard 41-48 ms (30 ms
+of CPU); an ``all_reduce`` 30-34 ms; ``reduce_scatter_tensor`` 67-84 ms. With 4 ranks on 2 cores the CPU
+time is the step time. Other backends (NCCL) use ``reduce_scatter_tensor`` and ``all_gather_into_tensor``.
 
 Collective order (:mod:`fastcomm.hooks._groups`): step 1 is issued by the hook call, on the node's
 reduce group. Step 2 runs on the cross-node thread, bucket after bucket: it waits for the bucket's step 1
@@ -267,13 +268,17 @@ class Hierarchy:
         divide_first = flat.dtype == torch.float16
         if divide_first:
             source.div_(node_size)
+        received = None
         if groups.gloo:
-            # gloo's reduce_scatter is slower than one reduce per shard (measured, see the module docstring)
-            works = [
-                dist.reduce(piece, dst=owner, group=groups.reduce_group, async_op=True)
-                for piece, owner in _node_shards(source, shard_size, groups)
-            ]
+            # gloo: each shard sent straight to its owner, which sums the node's copies (see the docstring)
             shard = source[local * shard_size : (local + 1) * shard_size]
+            received = self.store.buffers.tensor(shard_key, "node_received", flat, node_size * shard_size)
+            received = received.view(node_size, shard_size)
+            works = []
+            for r, (piece, owner) in enumerate(_node_shards(source, shard_size, groups)):
+                if r != local:
+                    works.append(dist.irecv(received[r], src=owner, group=groups.reduce_group))
+                    works.append(dist.isend(piece, dst=owner, group=groups.reduce_group))
         else:
             shard = self.store.buffers.tensor(shard_key, "shard", flat, shard_size)
             works = [_reduce_scatter_flat(shard, source, group=groups.reduce_group, async_op=True)]
@@ -290,6 +295,8 @@ class Hierarchy:
                         work.wait()
                 except Exception as error:
                     raise PeerCollectiveError(f"{where[0]} node reduction", where[1], error) from error
+                if received is not None:
+                    _sum_in_rank_order(shard, received, local)
                 if not divide_first:
                     shard.div_(node_size)
                 entry = inner.store.entry(shard_key, (shard_size,), groups.nodes)
@@ -569,6 +576,25 @@ def fold_shards(state_dict: dict[str, Any], old_rank: int) -> dict[str, Any]:
         kept = target["tensors"].get("residual")
         target["tensors"]["residual"] = owed if kept is None else kept.float() + owed
     return {**state_dict, "buckets": buckets}
+
+
+def _sum_in_rank_order(shard: Tensor, received: Tensor, local: int) -> None:
+    """``shard`` (local rank ``local``'s own copy) becomes the sum of every local rank's, in rank order.
+
+    ``received[r]`` holds local rank ``r``'s copy (``r != local``), so every node sums in the same order
+    (fp32 addition does not associate: the order is what makes the result independent of who owns it).
+    """
+    if received.shape[0] == 2:  # two terms: a + b is b + a, bit for bit
+        shard.add_(received[1 - local])
+        return
+    if local == 0:
+        for r in range(1, received.shape[0]):
+            shard.add_(received[r])
+        return
+    total = received[0]
+    for r in range(1, received.shape[0]):
+        total.add_(shard if r == local else received[r])
+    shard.copy_(total)
 
 
 def _node_shards(source: Tensor, shard_size: int, groups: NodeGroups) -> list[tuple[Tensor, int]]:
