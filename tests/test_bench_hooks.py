@@ -14,26 +14,26 @@ def _row(name: str, seconds: float, **extra: object) -> Row:
 def _notes(**seconds: float) -> list[str]:
     rows = [_row("allreduce", 2.0), _row("sign", seconds["sign"]), _row("quant8", 0.9),
             _row("sign_hier", seconds["sign_hier"], **{"compress_s/step": 0.15}),
-            _row("quant8_hier", 0.45), _row("node_dense", seconds["node_dense"])]
+            _row("quant8_hier", 0.45), _row("node_reduce", seconds["node_reduce"])]
     return bench_hooks._check_node_targets(rows)
 
 
 def test_bound_says_out_of_reach_when_the_node_reduction_alone_exceeds_the_budget():
-    notes = _notes(sign=0.9, sign_hier=0.85, node_dense=0.66)
+    notes = _notes(sign=0.9, sign_hier=0.85, node_reduce=0.66)
     bound = next(n for n in notes if "bound: a sign_hier" in n)
     # 0.66 s against 0.9 / 1.5 = 0.60 s
-    assert "node_dense's 0.660 s" in bound and "<= 0.600 s" in bound
+    assert "node_reduce's 0.660 s" in bound and "<= 0.600 s" in bound
     assert "out of reach here (1.10x it)" in bound
     assert any("sign_hier >= 1.5x faster than flat sign: MISSED" in n for n in notes)
 
 
 def test_bound_says_reachable_when_the_budget_allows_it():
-    notes = _notes(sign=1.5, sign_hier=0.9, node_dense=0.5)
+    notes = _notes(sign=1.5, sign_hier=0.9, node_reduce=0.5)
     bound = next(n for n in notes if "bound: a sign_hier" in n)
     assert bound.endswith("reachable") and "<= 1.000 s" in bound
     assert any("quant8_hier >= 2x faster than allreduce: MET" in n for n in notes)
 
 
-def test_no_bound_without_the_node_dense_row():
+def test_no_bound_without_the_node_reduce_row():
     rows = [_row("sign", 0.9), _row("sign_hier", 0.5)]
     assert not [n for n in bench_hooks._check_node_targets(rows) if "bound" in n]
