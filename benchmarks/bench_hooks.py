@@ -168,7 +168,10 @@ def _node_reduce_hook(
     local = dist.get_rank() % size  # the node's ranks are consecutive (_node_group)
     first, shard = dist.get_rank() - local, -(-buffer.numel() // size)
     own = buffer[local * shard : (local + 1) * shard]
-    received = torch.empty(size, own.numel())
+    received = _NODE_REDUCE_BUFFERS.get(bucket.index())
+    if received is None or received.shape != (size, own.numel()):
+        # kept from step to step, as hierarchical keeps its own (fresh memory costs page faults every step)
+        received = _NODE_REDUCE_BUFFERS[bucket.index()] = torch.empty(size, own.numel())
     works = []
     for r in range(size):
         piece = buffer[r * shard : (r + 1) * shard]
@@ -196,6 +199,7 @@ def _node_reduce_hook(
 
 
 _NODE_REDUCE_WORKER = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+_NODE_REDUCE_BUFFERS: dict[int, torch.Tensor] = {}  # bucket index -> the copies its shard receives
 
 
 # DDP compares these annotations with the real classes, so this module must not postpone annotations.

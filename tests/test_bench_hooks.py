@@ -37,3 +37,10 @@ def test_bound_says_reachable_when_the_budget_allows_it():
 def test_no_bound_without_the_node_reduce_row():
     rows = [_row("sign", 0.9), _row("sign_hier", 0.5)]
     assert not [n for n in bench_hooks._check_node_targets(rows) if "bound" in n]
+
+
+def test_bound_names_the_cpu_floor_when_the_row_has_one():
+    rows = [_row("sign", 0.9), _row("sign_hier", 0.8), _row("node_reduce", 0.7, cpu_floor_s=0.65)]
+    bound = next(n for n in bench_hooks._check_node_targets(rows) if "bound: a sign_hier" in n)
+    assert "the ranks' CPU time over the cores alone is 0.650 s" in bound
+    assert "out of reach here (1.17x it)" in bound
