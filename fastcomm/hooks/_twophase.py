@@ -142,11 +142,40 @@ def piece_ranges(segment: int, unit: int, payload_bytes: int, chunk_bytes: int) 
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def _padded(tensor: Tensor, total: int) -> Tensor:
-    """``tensor`` zero-padded to ``total`` elements (``tensor`` itself when no padding is needed)."""
-    if tensor.numel() == total:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros(total - tensor.numel())])
+def _compress_past_the_end(
+    compressor: Compressor,
+    payload: Tensor,
+    bucket: tuple[Tensor, Tensor | None, Tensor | None],
+    lo: int,
+    hi: int,
+    scratch: Callable[[str, int], Tensor],
+    seed: int,
+) -> None:
+    """Compress elements ``[lo, hi)`` of a bucket that ends before ``hi``, as if zero padded to ``hi``.
+
+    ``bucket`` is ``(x, residual_out, residual_in)``, each the bucket's length (the residuals ``None``
+    without error feedback). Only this piece goes through zero-padded copies (reused buffers); the
+    padding's residual is dropped, as a padded bucket's would be.
+    """
+    x, residual_out, residual_in = bucket
+    valid = max(0, min(hi, x.numel()) - lo)
+
+    def buffer(name: str, like: Tensor) -> Tensor:
+        return scratch(name, (hi - lo) * like.element_size()).view(like.dtype)
+
+    def padded(name: str, source: Tensor | None) -> Tensor | None:
+        if source is None:
+            return None
+        out = buffer(name, source)
+        out[:valid].copy_(source[lo : lo + valid])
+        out[valid:].zero_()
+        return out
+
+    out_piece = None if residual_out is None else buffer("tail_residual_out", residual_out)
+    x_piece, in_piece = padded("tail_x", x), padded("tail_residual_in", residual_in)
+    compressor.compress_into(payload, x_piece, out_piece, in_piece, seed)
+    if residual_out is not None and out_piece is not None and valid:
+        residual_out[lo : lo + valid].copy_(out_piece[:valid])
 
 
 def _piece_seed(base: int, index: int) -> int:
@@ -223,20 +252,14 @@ def start_phase1(call: BucketCall, layout: TwoPhaseLayout) -> Phase1:
     """Compress the bucket (phase-1 residual staged) and issue one all-to-all per piece; returns at once."""
     state, key, entry, flat, world_size = call.state, call.key, call.entry, call.flat, call.world_size
     compressor, segment = layout.compressor, layout.segment
-    store, numel, total = state.store, flat.numel(), segment * world_size
+    store, numel = state.store, flat.numel()
     step = state.accounting.steps
     timer = Timer()
     with timer:
         residual_out = residual_in = None
         if state.error_feedback:
-            current = store.current(entry, "residual", flat)
-            if numel == total:
-                residual_in, residual_out = current, store.spare(key, "residual", current)
-            else:
-                residual_in = residual_out = _padded(current, total)
-        x_rows = _padded(flat, total).view(world_size, segment)
-        out_rows = None if residual_out is None else residual_out.view(world_size, segment)
-        in_rows = None if residual_in is None else residual_in.view(world_size, segment)
+            residual_in = store.current(entry, "residual", flat)
+            residual_out = store.spare(key, "residual", residual_in)
         row_bytes = compressor.wire_bytes(segment, flat.dtype)
         ranges = piece_ranges(segment, layout.unit, row_bytes, state.wire_chunk_bytes)
         uint8 = torch.empty(0, dtype=torch.uint8, device=flat.device)
@@ -251,13 +274,21 @@ def start_phase1(call: BucketCall, layout: TwoPhaseLayout) -> Phase1:
             width = compressor.wire_bytes(stop - start, flat.dtype)
             piece_send = send[world_size * offset : world_size * (offset + width)].view(world_size, width)
             for row in range(world_size):
-                compressor.compress_into(
-                    piece_send[row],
-                    x_rows[row, start:stop],
-                    None if out_rows is None else out_rows[row, start:stop],
-                    None if in_rows is None else in_rows[row, start:stop],
-                    _piece_seed(base_seed, index * world_size + row),
-                )
+                lo, hi = row * segment + start, row * segment + stop
+                seed = _piece_seed(base_seed, index * world_size + row)
+                if hi <= numel:  # in the bucket: compressed in place, residuals read and written there
+                    compressor.compress_into(
+                        piece_send[row],
+                        flat[lo:hi],
+                        None if residual_out is None else residual_out[lo:hi],
+                        None if residual_in is None else residual_in[lo:hi],
+                        seed,
+                    )
+                else:
+                    _compress_past_the_end(
+                        compressor, piece_send[row], (flat, residual_out, residual_in), lo, hi,
+                        store.buffers.scratch(key, flat.device), seed,
+                    )  # fmt: skip
             piece_recv = recv[world_size * offset : world_size * (offset + width)].view(world_size, width)
             work = dist.all_to_all_single(
                 piece_recv.view(-1), piece_send.view(-1), group=state.process_group, async_op=True
@@ -265,7 +296,7 @@ def start_phase1(call: BucketCall, layout: TwoPhaseLayout) -> Phase1:
             pieces.append(Piece(start, stop, piece_recv, work))
             offset += width
         if residual_out is not None:
-            store.stage(key, "residual", residual_out if numel == total else residual_out[:numel])
+            store.stage(key, "residual", residual_out)
     return Phase1(call, layout, step, pieces, timer)
 
 
