@@ -47,7 +47,12 @@ HOOK_CASES = {
     "quantize-inline": ("quantize", {"bits": 8, "min_compress_numel": 0, "overlap_phase2": False}),
     "sign": ("sign", {"min_compress_numel": 0}),
     "cast": ("cast", {}),
+    # 2 nodes x 2 ranks (hierarchical needs the default group, so the default timeout): rank 1 dies inside
+    # node 0, where rank 0 waits on its point-to-point shard
+    "sign-hier": ("sign", {"min_compress_numel": 0, "node_size": 2}),
+    "quantize-hier": ("quantize", {"bits": 8, "min_compress_numel": 0, "node_size": 2}),
 }
+HIERARCHICAL = frozenset(case for case, (_, options) in HOOK_CASES.items() if options.get("node_size"))
 # case -> CompressedAdam options: dense warm-up through the fault step, or compressed (sign) momentum by then
 ADAM_CASES = {
     "adam-warmup": {"warmup_steps": MAX_STEPS},
@@ -73,7 +78,10 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
     torch.manual_seed(0)
     model = workers.make_mlp(0)
     # several buckets, so the two-phase hooks pipeline phase 2 across them as in a real model
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.004)
+    hierarchical = hook in HIERARCHICAL
+    ddp = nn.parallel.DistributedDataParallel(
+        model, process_group=None if hierarchical else group, bucket_cap_mb=0.004
+    )
     optimizer: torch.optim.Optimizer
     if hook in ADAM_CASES:
         optimizer = fastcomm.CompressedAdam(ddp.parameters(), lr=1e-3, **ADAM_CASES[hook])
@@ -82,7 +90,7 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
         if hook != "dense":
             name, options = HOOK_CASES[hook]
-            fastcomm.register(ddp, name, process_group=group, **options)
+            fastcomm.register(ddp, name, **options, **({} if hierarchical else {"process_group": group}))
     for step in range(MAX_STEPS):
         if rank == 1 and step == FAULT_STEP:
             if fault == "stop-before-phase2":
@@ -138,7 +146,8 @@ def spawn_preloaded(workdir: Path, world_size: int, worker: Callable, *args: obj
 
 
 def run_with_fault(workdir: Path, hook: str, fault: str, timeout_s: float, limit_s: float) -> dict:
-    """Train ``hook`` (``"dense"``, a :data:`HOOK_CASES` or :data:`ADAM_CASES` key) on 2 ranks, fault rank 1.
+    """Train ``hook`` (``"dense"``, a :data:`HOOK_CASES` or :data:`ADAM_CASES` key) on 2 ranks (4 as 2 nodes
+    for the :data:`HIERARCHICAL` cases), fault rank 1.
 
     ``fault``: ``"kill"`` (``SIGKILL`` at the start of step ``FAULT_STEP``), ``"stop"`` (``SIGSTOP`` there),
     ``"stop-before-phase2"`` (``SIGSTOP`` in that step, just before rank 1's first phase-2 all-gather: the
@@ -153,9 +162,12 @@ def run_with_fault(workdir: Path, hook: str, fault: str, timeout_s: float, limit
     """
     workdir.mkdir(parents=True, exist_ok=True)
     ctx = _context()
+    world_size = 4 if hook in HIERARCHICAL else 2
     procs = [
-        ctx.Process(target=_fault_entry, args=(rank, 2, str(workdir), (hook, fault, timeout_s)), daemon=True)
-        for rank in range(2)
+        ctx.Process(
+            target=_fault_entry, args=(rank, world_size, str(workdir), (hook, fault, timeout_s)), daemon=True
+        )
+        for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()

@@ -34,6 +34,8 @@ CASES = [
     ("topk", "stop"),
     ("sign", "stop"),
     ("sign", "stop-before-phase2"),
+    ("sign-hier", "kill"),
+    ("quantize-hier", "kill"),
 ]
 
 
