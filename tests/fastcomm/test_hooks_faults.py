@@ -3,7 +3,8 @@
 2 gloo ranks train a small DDP model; rank 1 kills itself (``SIGKILL``) or stops (``SIGSTOP``, past the
 process group's timeout) at the start of a step. The survivor must raise in that same step, within the
 group's timeout plus slack, and never train on with stale buffers. DDP without a hook is the reference:
-its own allreduce raises gloo's error from backward.
+its own allreduce raises gloo's error from backward. The ``-hier`` cases run 4 ranks as 2 nodes x 2
+(``node_size=2``); rank 1 dies inside node 0, and rank 0, waiting on its shard, must raise.
 
 DDP re-raises an error of a hook's future from ``loss.backward()`` as a ``RuntimeError`` carrying the
 hook's exception as text (its type does not cross DDP's C++ reducer), so the assertions read the message.
