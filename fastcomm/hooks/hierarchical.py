@@ -272,12 +272,14 @@ class Hierarchy:
         if groups.gloo:
             # gloo: each shard sent straight to its owner, which sums the node's copies (see the docstring)
             shard = source[local * shard_size : (local + 1) * shard_size]
-            received = self.store.buffers.tensor(shard_key, "node_received", flat, node_size * shard_size)
-            received = received.view(node_size, shard_size)
+            received = self.store.buffers.tensor(
+                shard_key, "node_received", flat, (node_size - 1) * shard_size
+            ).view(node_size - 1, shard_size)
             works = []
             for r, (piece, owner) in enumerate(_node_shards(source, shard_size, groups)):
                 if r != local:
-                    works.append(dist.irecv(received[r], src=owner, group=groups.reduce_group))
+                    copy = received[_row_of(r, local)]
+                    works.append(dist.irecv(copy, src=owner, group=groups.reduce_group))
                     works.append(dist.isend(piece, dst=owner, group=groups.reduce_group))
         else:
             shard = self.store.buffers.tensor(shard_key, "shard", flat, shard_size)
@@ -578,22 +580,29 @@ def fold_shards(state_dict: dict[str, Any], old_rank: int) -> dict[str, Any]:
     return {**state_dict, "buckets": buckets}
 
 
+def _row_of(rank: int, local: int) -> int:
+    """The row of local rank ``rank``'s copy in local rank ``local``'s received copies (its own has none)."""
+    return rank if rank < local else rank - 1
+
+
 def _sum_in_rank_order(shard: Tensor, received: Tensor, local: int) -> None:
     """``shard`` (local rank ``local``'s own copy) becomes the sum of every local rank's, in rank order.
 
-    ``received[r]`` holds local rank ``r``'s copy (``r != local``), so every node sums in the same order
-    (fp32 addition does not associate: the order is what makes the result independent of who owns it).
+    ``received`` holds the other local ranks' copies, in rank order (row :func:`_row_of`), so every node
+    sums in the same order (fp32 addition does not associate: the order is what makes the result
+    independent of who owns it).
     """
-    if received.shape[0] == 2:  # two terms: a + b is b + a, bit for bit
-        shard.add_(received[1 - local])
+    others = received.shape[0]
+    if others == 1:  # two terms: a + b is b + a, bit for bit
+        shard.add_(received[0])
         return
     if local == 0:
-        for r in range(1, received.shape[0]):
-            shard.add_(received[r])
+        for row in range(others):
+            shard.add_(received[row])
         return
-    total = received[0]
-    for r in range(1, received.shape[0]):
-        total.add_(shard if r == local else received[r])
+    total = received[0]  # local rank 0's copy
+    for r in range(1, others + 1):
+        total.add_(shard if r == local else received[_row_of(r, local)])
     shard.copy_(total)
 
 
