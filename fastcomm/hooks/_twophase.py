@@ -174,7 +174,8 @@ def _compress_past_the_end(
     out_piece = None if residual_out is None else buffer("tail_residual_out", residual_out)
     x_piece, in_piece = padded("tail_x", x), padded("tail_residual_in", residual_in)
     compressor.compress_into(payload, x_piece, out_piece, in_piece, seed)
-    if residual_out is not None and out_piece is not None and valid:
+    if out_piece is not None and valid:  # out_piece exists exactly when residual_out does
+        assert residual_out is not None
         residual_out[lo : lo + valid].copy_(out_piece[:valid])
 
 
@@ -196,8 +197,9 @@ class Piece:
 class Phase2Payload:
     """One bucket's all-gathered phase-2 payloads (every rank's segment, compressed) and their layout.
 
-    Every rank of the exchange holds the same bytes; :meth:`decode_into` gives the bits the exchange wrote
-    into its bucket. A hierarchy sends this (``1/ratio`` of the decoded shard) inside the node instead.
+    Every rank of the exchange holds the same bytes; :meth:`decode_into` of them gives the bits the
+    exchange wrote into its bucket. A hierarchy sends them (``1/ratio`` of the decoded shard) inside the
+    node instead.
 
     Attributes:
         layout: the bucket's :class:`TwoPhaseLayout`.
@@ -212,14 +214,13 @@ class Phase2Payload:
     pieces: tuple[tuple[int, int, int, int], ...]
     world_size: int
 
-    def decode_into(self, out: Tensor, gathered: Tensor | None = None) -> bool:
-        """Decode the first ``out.numel()`` elements of the bucket into ``out``; whether they are finite.
+    def decode_into(self, out: Tensor, gathered: Tensor) -> bool:
+        """Decode ``gathered``, payloads laid out as these (another rank's shard, say), into ``out``.
 
-        ``gathered``: the payloads of another bucket of this layout (another rank's shard, say) to
-        decode instead of this one's.
+        Decodes the first ``out.numel()`` elements; returns whether they are finite.
         """
         world_size, compressor, finite = self.world_size, self.layout.compressor, True
-        source = self.gathered if gathered is None else gathered.reshape(-1)
+        source = gathered.reshape(-1)
         if source.numel() != self.gathered.numel():
             raise ValueError(f"payloads of {source.numel()} bytes for a layout of {self.gathered.numel()}")
         for start, stop, offset, width in self.pieces:
