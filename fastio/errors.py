@@ -10,9 +10,18 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CorruptShardError", "EmptySourceError", "FastIOError", "MissingIndexError", "SchemaMismatchError"]
+__all__ = [
+    "CorruptShardError",
+    "EmptySourceError",
+    "FastIOError",
+    "MissingFieldError",
+    "MissingIndexError",
+    "SchemaMismatchError",
+]
 
 
 class FastIOError(Exception):
@@ -68,6 +77,32 @@ class SchemaMismatchError(FastIOError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (self.path, self.field, self.expected, self.actual))
+
+
+class MissingFieldError(SchemaMismatchError, KeyError):
+    """A batch lacks the field a stage reads (``ImageStage("jpeg")`` on samples whose images are ``.jpg``
+    members). Names the fields the samples have, and the closest one; a ``KeyError`` too, as before.
+
+    Example::
+
+        err = MissingFieldError("ImageStage(field='jpeg')", "jpeg", ["cls", "jpg"])
+        assert str(err).endswith("pass field='jpg'")
+    """
+
+    def __init__(self, reader: str, field: str, available: Sequence[str]) -> None:
+        self.path, self.field, self.available = str(reader), field, list(available)
+        self.expected, self.actual = f"a field {field!r}", self.available
+        shown = ", ".join(repr(name) for name in self.available) or "none"
+        close = difflib.get_close_matches(field, self.available, n=1)
+        fix = f"pass field={close[0]!r}" if close else "pass field= one of them"
+        message = f"{self.path}: the samples have no field {field!r}; their fields: {shown}: {fix}"
+        Exception.__init__(self, message)
+
+    def __str__(self) -> str:  # KeyError's would show the message in quotes
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.path, self.field, self.available))
 
 
 class EmptySourceError(FastIOError, ValueError):

@@ -6,7 +6,7 @@ image field, per sample and in GIL-free threads:
 1. read the image's size from its header (libjpeg-turbo through simplejpeg for JPEG, Pillow otherwise);
 2. pick the crop: torchvision's ``RandomResizedCrop`` geometry for training (10 attempts of an area scale
    and a log-uniform aspect ratio, then the whole-image centre crop clamped to the ratio range), or
-   torchvision's ``Resize(eval_resize)`` + ``CenterCrop(size)`` for evaluation;
+   torchvision's ``Resize(eval_resize)`` + ``CenterCrop(size)`` for evaluation (:mod:`fastio.crop`);
 3. decode, at 1/2, 1/4 or 1/8 size in the DCT domain when the crop at that size still covers the output
    (only these power-of-two factors: libjpeg-turbo's other factors decode slower than the full image);
 4. resize the crop with antialiased bilinear filtering (torch's uint8 kernel, which follows Pillow's
@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import dataclasses
 import functools
 import io
-import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -45,9 +43,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastio.crop import (
+    CROP_ATTEMPTS,
+    DRAWS_PER_ATTEMPT,
+    CropBox,
+    center_crop_box,
+    random_resized_crop_box,
+    resize_shorter_side,
+)
 from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.seeding import STREAM_IMAGE, sample_uniforms
-from fastio.stages import StageContext
+from fastio.stages import StageContext, input_field
 
 __all__ = [
     "DRAWS",
@@ -64,89 +70,9 @@ __all__ = [
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-CROP_ATTEMPTS = 10  # torchvision's RandomResizedCrop tries this many (scale, ratio) draws
-DRAWS_PER_ATTEMPT = 4  # area scale, log aspect ratio, top, left
-DRAWS = CROP_ATTEMPTS * DRAWS_PER_ATTEMPT + 1  # ... and one for the flip
+DRAWS = CROP_ATTEMPTS * DRAWS_PER_ATTEMPT + 1  # the crop's (fastio.crop), and one for the flip
 _DCT_FACTORS = (8, 4, 2)  # libjpeg-turbo's fast reduced decodes (1/8, 1/4, 1/2)
 _JPEG_MAGIC = b"\xff\xd8"
-
-
-@dataclasses.dataclass(frozen=True)
-class CropBox:
-    """A crop of an image in pixels: rows ``top:top+height``, columns ``left:left+width``.
-
-    Example::
-
-        box = CropBox(top=10, left=20, height=100, width=120)
-    """
-
-    top: int
-    left: int
-    height: int
-    width: int
-
-
-def random_resized_crop_box(
-    height: int, width: int, draws: np.ndarray, scale: tuple[float, float], ratio: tuple[float, float]
-) -> CropBox:
-    """torchvision's ``RandomResizedCrop.get_params``, with its random numbers given as uniforms.
-
-    1. For each of 10 attempts take an area ``scale`` and a log-uniform aspect ``ratio`` from ``draws``;
-       the first crop that fits the image is placed at a uniform top-left corner.
-    2. If none fits: the centre crop of the whole image, clamped to the ratio range.
-
-    Args:
-        height, width: the image's size.
-        draws: at least ``CROP_ATTEMPTS * DRAWS_PER_ATTEMPT`` uniforms in ``[0, 1)``.
-        scale, ratio: as in torchvision.
-
-    Example::
-
-        box = random_resized_crop_box(300, 400, np.full(40, 0.5), (0.08, 1.0), (3 / 4, 4 / 3))
-    """
-    area = height * width
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for attempt in range(CROP_ATTEMPTS):
-        first = attempt * DRAWS_PER_ATTEMPT
-        u_area, u_ratio, u_top, u_left = draws[first : first + DRAWS_PER_ATTEMPT]
-        target_area = area * (scale[0] + (scale[1] - scale[0]) * float(u_area))
-        aspect = math.exp(log_lo + (log_hi - log_lo) * float(u_ratio))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            return CropBox(int(u_top * (height - h + 1)), int(u_left * (width - w + 1)), h, w)
-    in_ratio = width / height
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        w, h = int(round(height * max(ratio))), height
-    else:
-        w, h = width, height
-    return CropBox((height - h) // 2, (width - w) // 2, h, w)
-
-
-def resize_shorter_side(height: int, width: int, shorter: int) -> tuple[int, int]:
-    """The ``(height, width)`` torchvision's ``Resize(shorter)`` gives (the longer side is truncated).
-
-    Example::
-
-        assert resize_shorter_side(300, 400, 256) == (256, 341)
-    """
-    if height <= width:
-        return shorter, int(shorter * width / height)
-    return int(shorter * height / width), shorter
-
-
-def center_crop_box(height: int, width: int, crop_height: int, crop_width: int) -> CropBox:
-    """torchvision's ``CenterCrop`` placement (the image is at least the crop's size).
-
-    Example::
-
-        assert center_crop_box(256, 341, 224, 224) == CropBox(16, 58, 224, 224)
-    """
-    top = int(round((height - crop_height) / 2.0))
-    left = int(round((width - crop_width) / 2.0))
-    return CropBox(top, left, crop_height, crop_width)
 
 
 class ImageStage:
@@ -164,7 +90,8 @@ class ImageStage:
 
     A sample whose bytes do not decode, or whose header claims more than twice Pillow's
     ``MAX_IMAGE_PIXELS`` (a decompression bomb), raises :class:`fastio.CorruptShardError` naming its key;
-    a value that is not bytes raises :class:`fastio.SchemaMismatchError`. No image is silently replaced.
+    a value that is not bytes raises :class:`fastio.SchemaMismatchError`, and a batch without ``field``
+    :class:`fastio.errors.MissingFieldError` naming the fields it has. No image is silently replaced.
 
     Args:
         field: the batch field holding the encoded images (a list of ``bytes``), e.g. ``"jpg"``.
@@ -254,7 +181,7 @@ class ImageStage:
 
             batch = stage({"jpg": [data], "__key__": ["k"]}, {"image": buf}, ctx)
         """
-        encoded = batch[self.field]
+        encoded = input_field(batch, self.field, f"ImageStage(field={self.field!r})")
         images = out[self.output]
         n = len(encoded)
         if images.shape[0] != n:
@@ -462,7 +389,7 @@ def normalize(
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
     *,
-    layout: str = "NHWC",
+    layout: str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``(images / 255 - mean) / std`` as a float ``[B, 3, H, W]`` tensor, on ``images``' device.
@@ -471,27 +398,58 @@ def normalize(
     memory format convolutions run fastest in; NCHW input gives a contiguous one.
 
     Args:
-        images: uint8 ``[B, H, W, 3]`` (``layout="NHWC"``) or ``[B, 3, H, W]`` (``"NCHW"``).
+        images: uint8 ``[B, H, W, 3]`` (NHWC) or ``[B, 3, H, W]`` (NCHW).
         mean, std: per channel, in ``[0, 1]`` units.
+        layout: ``"NHWC"`` or ``"NCHW"``; None (the default): the one whose channel dimension (3 or 1)
+            has ``len(mean)`` entries. When both have (``[B, 3, H, 3]``), ``layout`` must be given.
         dtype: the floating dtype of the result.
 
     Example::
 
         x = normalize(batch["image"].cuda(non_blocking=True))   # float32 [B, 3, 224, 224]
     """
-    if layout not in ("NHWC", "NCHW"):
-        raise ValueError(f"layout must be 'NHWC' or 'NCHW', got {layout!r}")
-    channel_dim = 3 if layout == "NHWC" else 1
-    if images.dim() != 4 or images.shape[channel_dim] != len(mean) or len(mean) != len(std):
-        raise ValueError(
-            f"normalize: images {tuple(images.shape)} ({layout}) with {len(mean)} means and {len(std)} stds"
-        )
+    if len(mean) != len(std):
+        raise ValueError(f"normalize: {len(mean)} means but {len(std)} stds; give one of each per channel")
+    layout = _image_layout(tuple(images.shape), len(mean), layout)
     chw = images.permute(0, 3, 1, 2) if layout == "NHWC" else images
     scale = 1.0 / (255.0 * torch.tensor(std, dtype=torch.float64))
     shift = -torch.tensor(mean, dtype=torch.float64) / torch.tensor(std, dtype=torch.float64)
     result = chw.to(dtype)
     result.mul_(scale.to(device=images.device, dtype=dtype).view(1, -1, 1, 1))
     return result.add_(shift.to(device=images.device, dtype=dtype).view(1, -1, 1, 1))
+
+
+_CHANNEL_DIM = {"NCHW": 1, "NHWC": 3}
+
+
+def _image_layout(shape: tuple[int, ...], channels: int, layout: str | None) -> str:
+    """``layout`` checked against ``shape``; if None, the one layout whose channel dimension has
+    ``channels`` entries. Never a guess: a shape both layouts fit needs ``layout``."""
+    if layout is not None and layout not in _CHANNEL_DIM:
+        raise ValueError(f"layout must be 'NHWC' or 'NCHW', got {layout!r}")
+    if len(shape) != 4:
+        raise ValueError(f"normalize: images {shape} are not a batch [B, H, W, C] or [B, C, H, W]")
+    fits = [name for name, dim in _CHANNEL_DIM.items() if shape[dim] == channels]
+    where = f"images {shape} with {channels} means and stds"
+    if layout is None and len(fits) == 1:
+        return fits[0]
+    if layout is None and fits:
+        raise ValueError(
+            f"normalize: {where}: dims 1 and 3 both have {channels} entries, so the layout is ambiguous: "
+            "pass layout='NCHW' ([B, C, H, W]) or layout='NHWC' ([B, H, W, C])"
+        )
+    if not fits:
+        raise ValueError(
+            f"normalize: {where}: neither dim 1 (NCHW) nor dim 3 (NHWC) has {channels} entries; give one "
+            "mean and one std per channel"
+        )
+    if layout not in fits:
+        dim = _CHANNEL_DIM[layout]
+        raise ValueError(
+            f"normalize: {where}: layout={layout!r} puts the channels in dim {dim}, which has {shape[dim]}; "
+            f"these images are {fits[0]}: pass layout={fits[0]!r} (or leave layout out)"
+        )
+    return layout
 
 
 def _reference_image(stage: ImageStage, data: bytes, draws: np.ndarray | None) -> np.ndarray:

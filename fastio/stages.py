@@ -27,12 +27,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-__all__ = ["BatchStage", "StageContext"]
+from fastio.errors import MissingFieldError
+
+__all__ = ["BatchStage", "StageContext", "input_field"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +62,18 @@ class BatchStage(Protocol):
     def output_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]: ...
 
     def __call__(self, batch: dict[str, Any], out: dict[str, torch.Tensor], ctx: StageContext) -> Any: ...
+
+
+def input_field(batch: Mapping[str, Any], field: str, reader: str) -> Any:
+    """``batch[field]``: the input a stage reads, or :class:`fastio.errors.MissingFieldError` naming the
+    fields the batch has (bookkeeping fields such as ``__key__`` left out) when it has no ``field``.
+
+    Example::
+
+        encoded = input_field(batch, "jpg", "ImageStage(field='jpg')")
+    """
+    try:
+        return batch[field]
+    except KeyError:
+        available = sorted(str(name) for name in batch if not str(name).startswith("__"))
+        raise MissingFieldError(reader, field, available) from None

@@ -16,6 +16,7 @@ import webdataset as wds
 from PIL import Image
 
 import fastio
+from fastio.errors import MissingFieldError
 from fastio.image import (
     DRAWS,
     ImageStage,
@@ -367,6 +368,33 @@ def test_normalize(layout):
         normalize(images, layout="NCHW" if layout == "NHWC" else "NHWC")
 
 
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_normalize_infers_the_layout_from_the_channel_dimension(layout):
+    shape = (2, 5, 7, 3) if layout == "NHWC" else (2, 3, 5, 7)
+    images = torch.from_numpy(_rng(("infer", layout)).integers(0, 256, shape, np.uint8))
+    assert torch.equal(normalize(images), normalize(images, layout=layout))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 3), (2, 3, 3, 3)])
+def test_normalize_needs_layout_when_both_dimensions_could_be_channels(shape):
+    images = torch.zeros(shape, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"ambiguous: pass layout='NCHW' .* or layout='NHWC'"):
+        normalize(images)
+    assert normalize(images, layout="NHWC").shape == (2, 3, shape[1], shape[2])
+    assert normalize(images, layout="NCHW").shape == shape
+
+
+def test_normalize_with_the_wrong_layout_says_which_to_pass():
+    images = torch.zeros((8, 3, 224, 224), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"dim 3, which has 224; these images are NCHW: pass layout='NCHW'"):
+        normalize(images, layout="NHWC")
+
+
+def test_normalize_of_images_without_a_channel_dimension_says_so():
+    with pytest.raises(ValueError, match=r"\(2, 4, 5, 7\) with 3 means.*neither dim 1 \(NCHW\) nor dim 3"):
+        normalize(torch.zeros((2, 4, 5, 7), dtype=torch.uint8))
+
+
 # -- inside StreamLoader ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def image_tars(tmp_path_factory):
@@ -424,3 +452,15 @@ def test_images_from_a_fastio_shard_bytes_field(tmp_path):
             assert np.abs(batch["image"][row].numpy().astype(int) - expected).mean() < 0.5, i
         seen += len(ys)
     assert seen == 11
+
+
+@pytest.mark.parametrize("worker_mode", ["thread", "process"])
+def test_a_field_the_samples_lack_is_named_with_the_fields_they_have(image_tars, worker_mode):
+    loader = fastio.StreamLoader(
+        image_tars, batch_size=8, stages=[ImageStage("jpeg", size=16)], num_workers=1, worker_mode=worker_mode
+    )
+    expected = r"ImageStage\(field='jpeg'\): the samples have no field 'jpeg'; their fields: 'cls', 'jpg': "
+    expected += "pass field='jpg'"
+    with pytest.raises(MissingFieldError, match=expected) as err:
+        next(iter(loader))
+    assert isinstance(err.value, KeyError) and isinstance(err.value, fastio.SchemaMismatchError)
