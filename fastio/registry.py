@@ -14,6 +14,8 @@ local formats and one of URL schemes. :func:`open_source` consults only these ta
    tar shards); any other object (a map-style ``Dataset``).
 3. A path no format takes: ``FileNotFoundError`` if it does not exist, else ``ValueError`` listing what
    the path formats expect.
+4. An empty directory a format takes (checked before its opener runs), and a source opened with no
+   samples (by any format or scheme), raise :class:`fastio.EmptySourceError` naming the path.
 
 A built-in entry names its opener as ``"module:function"``, imported at its first use, so optional
 dependencies (fsspec for remote stores) are imported only when a URL needs them.
@@ -44,6 +46,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from fastio.errors import EmptySourceError
 from fastio.sources.base import Source, missing_members
 
 __all__ = [
@@ -300,12 +303,34 @@ def _normalize(target: Any) -> Any:
     return target
 
 
-def _checked(source: Any, opened_by: str) -> Source:
+def _shown(target: Any) -> str:
+    if _is_path_list(target):
+        return f"{target[0]} (+{len(target) - 1})"
+    return target if isinstance(target, str) else type(target).__name__
+
+
+def _refuse_empty_directory(target: Any, row: Format) -> None:
+    """A format that takes an empty directory would open a source of nothing (or fail inside its opener
+    on nothing to read): say so by the directory's name first."""
+    if _is_directory(target) and not os.listdir(target):
+        what = f" ({row.description})" if row.description else ""
+        raise EmptySourceError(
+            f"{target}: empty directory; format {row.name!r}{what} matched it, but there is nothing to read: "
+            "check the path, or write the data there first"
+        )
+
+
+def _checked(source: Any, opened_by: str, target: Any) -> Source:
     missing = missing_members(source)
     if missing:
         raise TypeError(
             f"{opened_by} returned a {type(source).__name__}, which lacks {', '.join(missing)} of "
             "fastio.sources.Source (subclass it to inherit the optional members' defaults)"
+        )
+    if source.num_samples == 0:
+        raise EmptySourceError(
+            f"{_shown(target)}: {opened_by} opened it as {source.name!r}, which holds no samples: check the "
+            "path, or write the data there first"
         )
     return source
 
@@ -329,15 +354,15 @@ def open_source(source: Any, options: OpenOptions | None = None, **fields: Any) 
     if scheme is not None:
         opener = _schemes.get(scheme)
         if opener is None:
-            shown = target if isinstance(target, str) else f"{target[0]} (+{len(target) - 1})"
             raise ValueError(
-                f"{shown}: no source is registered for URL scheme {scheme!r} (registered: "
+                f"{_shown(target)}: no source is registered for URL scheme {scheme!r} (registered: "
                 f"{', '.join(schemes())}); fastio.registry.register_scheme({scheme!r}, opener) adds one"
             )
-        return _checked(_resolve(opener)(target, options), f"the opener of {scheme}://")
+        return _checked(_resolve(opener)(target, options), f"the opener of {scheme}://", target)
     for row in formats():
         if _resolve(row.matches)(target):
-            return _checked(_resolve(row.opener)(target, options), f"format {row.name!r}")
+            _refuse_empty_directory(target, row)
+            return _checked(_resolve(row.opener)(target, options), f"format {row.name!r}", target)
     if not os.path.exists(target):
         raise FileNotFoundError(f"{target}: no such shard directory or tar shard")
     expected = [row.description for row in formats() if row.description]

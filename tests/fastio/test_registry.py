@@ -226,6 +226,24 @@ def test_an_opener_returning_a_non_source_names_what_is_missing(toy_registry):
         open_source("mem://x")
 
 
+def test_an_empty_directory_a_format_takes_is_named_as_empty(tmp_path):
+    registry.register_format("any-dir", os.path.isdir, lambda t, options: NpyDirSource(t), "a directory")
+    (tmp_path / "empty").mkdir()
+    try:
+        expected = r"empty: empty directory; format 'any-dir' \(a directory\) matched it"
+        with pytest.raises(fastio.EmptySourceError, match=expected):
+            fastio.StreamLoader(tmp_path / "empty", batch_size=4)
+    finally:
+        registry.unregister_format("any-dir")
+
+
+@pytest.mark.parametrize("shards", [[], [0, 0]], ids=["no-shards", "empty-shards"])
+def test_a_source_opened_with_no_samples_is_refused_by_name(toy_registry, shards):
+    _STORE["mem://empty"] = MemorySource("mem://empty", shards)
+    with pytest.raises(fastio.EmptySourceError, match=r"mem://empty: the opener of mem:// .* no samples"):
+        fastio.StreamLoader("mem://empty", batch_size=4)
+
+
 def test_a_path_no_format_takes_lists_what_they_expect(toy_registry, tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello")
