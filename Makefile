@@ -44,8 +44,9 @@ test: $(STAMP) $(INTEGRATIONS_STAMP)
 	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# Results go to benchmarks/runs/<UTC time>/; UPDATE_RESULTS=1 writes the committed benchmarks/results/ instead.
 bench: $(STAMP)
-	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.run_all $(if $(filter 1 yes true,$(UPDATE_RESULTS)),--update-results)
 
 lint: $(STAMP)
 	$(PIP) install ruff

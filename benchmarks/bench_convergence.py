@@ -19,7 +19,7 @@ each method reach dense's loss, and how much sooner in wall time on a slow link?
 4. Loss vs seconds: the loss trajectory does not depend on the link, so a step's wall time on a link is
    the measured step time of the phase the step is in; the time to a loss is found by linear interpolation
    between validation points (every 50 steps) of validation loss against that cumulative time.
-5. Written: ``benchmarks/results/bench_convergence.json/.md`` (harness rows and a summary table),
+5. Written to ``harness.output_dir()``: ``bench_convergence.json/.md`` (harness rows and a summary table),
    ``bench_convergence.png`` (validation loss vs step and vs seconds on the shaped link, one line per
    method, dense AdamW drawn as the reference) and ``bench_convergence.curves.json`` (every curve).
 6. ``--merge``: add (or redo) ``--methods`` in the existing result without training the others. Only
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import netlab
-from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, write_results
+from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, output_dir, write_results
 
 __all__ = ["LOSS_METHODS", "main"]
 
@@ -832,7 +832,7 @@ def _write(train_lm: Any, report: _Report, notes: list[str], started: float) -> 
     )
     text = write_results(NAME, rows, notes=notes, plot_metric="loss curves are drawn by this script")
     table = _summary_table(summary, report.shaped_name)
-    with (RESULTS_DIR / f"{NAME}.md").open("a") as handle:
+    with (output_dir() / f"{NAME}.md").open("a") as handle:
         handle.write(f"\n## Summary\n\n{table}\n")
     saved: dict[str, Any] = {
         "target": target,
@@ -842,8 +842,8 @@ def _write(train_lm: Any, report: _Report, notes: list[str], started: float) -> 
     }
     if report.dense:  # a merge: which run each row is from, and each run's dense timing (the next merge's)
         saved["merged"] = {"origin": report.origin, "dense": report.dense}
-    (RESULTS_DIR / f"{NAME}.curves.json").write_text(json.dumps(saved, indent=1))
-    _plot(curves, report.shaped_name, target, RESULTS_DIR / f"{NAME}.png")
+    (output_dir() / f"{NAME}.curves.json").write_text(json.dumps(saved, indent=1))
+    _plot(curves, report.shaped_name, target, output_dir() / f"{NAME}.png")
     return f"{text}\n## Summary\n\n{table}\n"
 
 
@@ -1018,7 +1018,7 @@ def _load_text() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    """Run the benchmark, write ``benchmarks/results/bench_convergence.*`` and return the Markdown."""
+    """Run the benchmark, write ``bench_convergence.*`` to ``harness.output_dir()``; return the Markdown."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500, help="training steps of each loss run")
     parser.add_argument("--methods", default=",".join(LOSS_METHODS), help="comma-separated subset")

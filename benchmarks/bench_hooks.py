@@ -22,8 +22,8 @@ The question: how much of a training step does each hook save, on a slow link an
    allreduce, the no-op floor, flat (``node_size=1``) and hierarchical (``node_size=2``: dense inside the
    node, compressed between nodes) sign and 8-bit quantization, and flat PowerSGD, and counts the bytes
    that cross the veth during the timed steps (its tx counters, read by one rank per node between
-   barriers) beside the hooks' own counters. Its rows go to ``results/bench_hooks_nodes.*``, so running it
-   alone leaves the two-rank results in ``results/bench_hooks.*`` as they are, and the other way round.
+   barriers) beside the hooks' own counters. Its rows go to ``bench_hooks_nodes.*``, so running it alone
+   leaves the two-rank results in ``bench_hooks.*`` of the same output folder as they are, and vice versa.
 
 Wire bytes are the payload each rank hands to the network per step: computed for torch's hooks (4, 2 bytes
 per parameter; P and Q factors plus uncompressed 1-D tensors for powerSGD) and read from ``stats()`` for
@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import netlab
-from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, time_call, write_results
+from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, output_dir, time_call, write_results
 
 __all__ = ["CONFIGS", "Config", "main", "plot_results"]
 
@@ -998,18 +998,18 @@ def plot_nodes(payload: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _replot() -> None:
-    plot_results(json.loads((RESULTS_DIR / "bench_hooks.json").read_text()), RESULTS_DIR / "bench_hooks.png")
+def _replot(directory: Path) -> None:
+    plot_results(json.loads((directory / "bench_hooks.json").read_text()), directory / "bench_hooks.png")
 
 
-def _replot_nodes() -> None:
-    plot_nodes(json.loads((RESULTS_DIR / f"{_NODES_RESULTS}.json").read_text()),
-               RESULTS_DIR / f"{_NODES_RESULTS}.png")
+def _replot_nodes(directory: Path) -> None:
+    plot_nodes(json.loads((directory / f"{_NODES_RESULTS}.json").read_text()),
+               directory / f"{_NODES_RESULTS}.png")
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    """Run the benchmark, write ``benchmarks/results/bench_hooks.*`` (loopback and netlab) and
-    ``bench_hooks_nodes.*`` (two nodes), each only for the networks run, and return the Markdown tables."""
+    """Run the benchmark, write ``bench_hooks.*`` (loopback and netlab) and ``bench_hooks_nodes.*`` (two
+    nodes) to ``harness.output_dir()``, each only for the networks run; return the Markdown tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 warm-up + 2 timed steps (default 2 + 5)")
     parser.add_argument("--network", choices=(*NETWORKS, NODES_NETWORK, "both", "all"), default="all",
@@ -1030,10 +1030,10 @@ def main(argv: Sequence[str] | None = None) -> str:
         _rank_main(json.loads(args.rank_spec))
         return ""
     if args.replot:
-        _replot()
+        _replot(RESULTS_DIR)
         text = (RESULTS_DIR / "bench_hooks.md").read_text()
         if (RESULTS_DIR / f"{_NODES_RESULTS}.json").exists():
-            _replot_nodes()
+            _replot_nodes(RESULTS_DIR)
             text += "\n" + (RESULTS_DIR / f"{_NODES_RESULTS}.md").read_text()
         return text
 
@@ -1085,7 +1085,7 @@ def _nodes_network(configs: Sequence[Config], settings: _Settings) -> str:
         print(f"[bench_hooks] {note}", file=sys.stderr, flush=True)
     table = write_results(_NODES_RESULTS, rows, notes=notes, plot_metric="step_time")
     if rows:
-        _replot_nodes()  # replaces the harness's generic bars
+        _replot_nodes(output_dir())  # replaces the harness's generic bars
     return table
 
 
@@ -1125,7 +1125,7 @@ def _two_rank_networks(networks: Sequence[str], configs: Sequence[Config], setti
         print(f"[bench_hooks] {note}", file=sys.stderr, flush=True)
     table = write_results("bench_hooks", rows, notes=notes, plot_metric="step_time")
     # The harness draws one generic bar per row; this figure replaces it.
-    _replot()
+    _replot(output_dir())
     return table
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ def _parts(pattern: str, count: int) -> list[Row]:
 
 # -- main ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> str:
-    """Run every case and write ``benchmarks/results/bench_images.{json,md,png}``; returns the Markdown.
+    """Run every case and write ``bench_images.{json,md,png}`` (``harness.output_dir()``); the Markdown.
 
     Example::
 

@@ -22,7 +22,7 @@ Cases (sizes are flags; defaults fit ~4 minutes on 2 shared cores and ~5 GB of /
 
 Every number but packing's is samples/s over whole batches of ``--batch`` (256) samples; MB/s counts
 payload bytes. ``--cases packing`` (say) reruns some cases and keeps the other cases' rows and notes from the
-existing results.
+committed results (``benchmarks/results``).
 
 Example::
 
@@ -365,7 +365,7 @@ def _optional_contenders(notes: list[str]) -> None:
 
 # -- main ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> str:
-    """Run every case and write ``benchmarks/results/bench_loader.{json,md,png}``; returns the Markdown.
+    """Run every case and write ``bench_loader.{json,md,png}`` (``harness.output_dir()``); the Markdown.
 
     Example::
 

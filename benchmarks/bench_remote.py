@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import netlab
+from benchmarks import harness, netlab
 from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, markdown_table, write_results
 
 __all__ = ["RangeFileServer", "main", "plot_results"]
@@ -584,7 +584,7 @@ def _print_rows(rows: Sequence[Row]) -> None:
 
 # -- main ----------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> str:
-    """Run the benchmark, write ``benchmarks/results/bench_remote.*`` (not with ``--quick``); the table.
+    """Run the benchmark, write ``bench_remote.*`` to ``harness.output_dir()`` (not ``--quick``); the table.
 
     Example::
 
@@ -701,7 +701,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     if args.quick:
         return markdown_table(rows) + "\n\n" + "\n".join(f"- {n}" for n in notes)
     table = write_results("bench_remote", rows, notes=notes, plot_metric="MB/s over the link")
-    plot_results(rows, RESULTS_DIR / "bench_remote.png")  # replaces the harness's one-panel figure
+    plot_results(rows, harness.output_dir() / "bench_remote.png")  # replaces the harness's one-panel figure
     return table
 
 

@@ -1,35 +1,65 @@
 """The shared benchmark harness: typed rows, one timer, and one writer of JSON + Markdown + PNG.
 
 Every benchmark script builds a list of :class:`Row` (the metric's unit travels with it) and calls
-:func:`write_results`, which stamps each row with the machine and versions and writes
-``benchmarks/results/<name>.json``, ``<name>.md`` and ``<name>.png``.
+:func:`write_results`, which stamps each row with the machine and versions and writes ``<name>.json``,
+``<name>.md`` and ``<name>.png`` to :func:`output_dir`: the one place every benchmark writes to.
+
+:func:`output_dir` is ``$FASTLIB_BENCH_OUTPUT`` when set, else a run folder of this process,
+``benchmarks/runs/<UTC time>/`` (git-ignored), so a run never overwrites the committed results in
+``benchmarks/results/`` (:data:`RESULTS_DIR`) unless asked: ``make bench UPDATE_RESULTS=1``, or
+``FASTLIB_BENCH_OUTPUT=benchmarks/results`` for one script. Earlier results a script builds on
+(``--merge``, ``--replot``) are read from :data:`RESULTS_DIR`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the committed results
+RUNS_DIR = Path(__file__).resolve().parent / "runs"  # one folder per run, git-ignored
+OUTPUT_ENV = "FASTLIB_BENCH_OUTPUT"
 
 __all__ = [
+    "OUTPUT_ENV",
     "RESULTS_DIR",
+    "RUNS_DIR",
     "Row",
     "kill_process_groups",
     "machine_info",
     "markdown_table",
+    "output_dir",
+    "run_folder",
     "time_call",
     "write_results",
 ]
+
+
+def run_folder(now: time.struct_time) -> Path:
+    """The run folder of a run started at ``now`` (UTC): ``benchmarks/runs/<YYYYmmdd-HHMMSS>Z``."""
+    return RUNS_DIR / time.strftime("%Y%m%d-%H%M%SZ", now)
+
+
+@functools.cache
+def _this_run_folder() -> Path:
+    return run_folder(time.gmtime())
+
+
+def output_dir() -> Path:
+    """Where benchmarks write: ``$FASTLIB_BENCH_OUTPUT`` if set, else this process's run folder."""
+    chosen = os.environ.get(OUTPUT_ENV)
+    return Path(chosen) if chosen else _this_run_folder()
 
 
 @dataclasses.dataclass
@@ -135,8 +165,9 @@ def _without_nan(value: Any) -> Any:
 def write_results(
     name: str, rows: list[Row], *, notes: list[str] | None = None, plot_metric: str | None = None
 ) -> str:
-    """Write ``<name>.json/.md/.png`` to ``benchmarks/results`` and return the Markdown table."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    """Write ``<name>.json/.md/.png`` to :func:`output_dir` and return the Markdown table."""
+    out = output_dir()
+    out.mkdir(parents=True, exist_ok=True)
     info = machine_info()
     payload = {
         "benchmark": name,
@@ -146,14 +177,15 @@ def write_results(
     }
     # A crashed or skipped configuration has no number: null in JSON (NaN is not JSON).
     text_json = json.dumps(_without_nan(payload), indent=2, default=str, allow_nan=False)
-    (RESULTS_DIR / f"{name}.json").write_text(text_json)
+    (out / f"{name}.json").write_text(text_json)
     table = markdown_table(rows)
     machine = f"{info['machine']}, {info['cpus']} CPUs, torch {info['torch']}, CUDA: {info['cuda']}"
     text = f"# {name}\n\nMachine: {machine}\n\n{table}\n"
     if notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    (RESULTS_DIR / f"{name}.md").write_text(text)
-    _plot(name, rows, RESULTS_DIR / f"{name}.png", plot_metric)
+    (out / f"{name}.md").write_text(text)
+    _plot(name, rows, out / f"{name}.png", plot_metric)
+    print(f"[{name}] results written to {out}", file=sys.stderr, flush=True)
     return text
 
 

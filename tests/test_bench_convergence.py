@@ -19,8 +19,8 @@ def train_lm():
 
 @pytest.fixture()
 def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr(bench, "RESULTS_DIR", tmp_path)
+    monkeypatch.setenv(harness.OUTPUT_ENV, str(tmp_path))  # where this run writes
+    monkeypatch.setattr(bench, "RESULTS_DIR", tmp_path)  # where --merge reads the earlier result
     return tmp_path
 
 
