@@ -106,7 +106,19 @@ class CompressionState(HookState):
         if bucket.index() == 0:
             # a last bucket DDP did not mark: its phase 2 must still go out before the new iteration
             self.flush_pending()
+            self.store.begin_iteration()
         return super().begin_bucket(bucket)
+
+    def note_layout(self, bucket: dist.GradBucket) -> None:
+        """Record ``bucket`` of DDP's layout in the checkpoint's layout, when another hook reduces it.
+
+        CompressedAdam's compressor reduces no bucket during warm-up; a checkpoint taken at its end must
+        still hold the layout of the rebuilt buckets the compressor's first iteration will see, so that a
+        fresh DDP's initial bucket is compressed as those (:func:`run_compressed`, step 3).
+        """
+        if bucket.index() == 0:
+            self.store.begin_iteration()
+        self.store.note_bucket(self._bucket_key(bucket), tuple(p.numel() for p in bucket.parameters()))
 
     def dense_result(
         self, key: BucketKey, params: tuple[Tensor, ...], world_size: int, mean: torch.futures.Future[Tensor]

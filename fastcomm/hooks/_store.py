@@ -14,7 +14,10 @@ element per gradient element, e.g. error-feedback residuals) and where every par
   (every bucket of its last iteration, dense ones too) is reduced as those buckets
   (:meth:`BucketStore.resume_parts`): each part gathered into the checkpoint's parameter
   order, compressed as the checkpointed bucket was, and scattered back. That costs one gather and one
-  scatter copy of the bucket, on that one iteration only.
+  scatter copy of the bucket, on that one iteration only. The layout recorded is the one buckets were
+  reduced as (those parts), so a checkpoint taken right after that iteration resumes the same way; and a
+  state whose buckets another hook reduces for a while (CompressedAdam's compressor during warm-up) is
+  told DDP's layout all along, so a checkpoint taken before its first bucket has one too.
 """
 
 from __future__ import annotations
@@ -125,16 +128,29 @@ class BucketStore:
         self._staged: dict[tuple[BucketKey, str], Tensor] = {}
         # tensors replaced at the last commit, reused as the next staged copies (no allocation per step)
         self._spares: dict[tuple[BucketKey, str], Tensor] = {}
-        # every bucket of the iteration in progress and of the last one closed (dense ones too), by key
+        # every bucket of the iteration in progress and of the one before it (dense ones too), by key
         self._layout: dict[BucketKey, tuple[int, ...]] = {}
         self._last_layout: dict[BucketKey, tuple[int, ...]] = {}
-        # the checkpoint's layout, from load_state_dict until the first iteration after it closes
+        # the checkpoint's layout, from load_state_dict until the first iteration after it is over
         self._restored: dict[BucketKey, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------------------------------ layouts
+    def begin_iteration(self) -> None:
+        """DDP's bucket 0 of a new iteration: the buckets noted since the last call are the last layout."""
+        if self._layout:
+            self._last_layout, self._layout = self._layout, {}
+            self._restored = {}
+
     def note_bucket(self, key: BucketKey, numels: tuple[int, ...]) -> None:
-        """Record that DDP's current layout has this bucket (kept in checkpoints for the resume)."""
-        self._layout[key] = numels
+        """Record that DDP's current layout has this bucket (kept in checkpoints for the resume).
+
+        A bucket that :meth:`resume_parts` splits is recorded as those parts, the layout it is reduced as.
+        """
+        parts = self.resume_parts(key)
+        if parts is None:
+            self._layout[key] = numels
+        for part in parts or ():
+            self._layout[part.key] = tuple(numel for _, numel in part.spans)
 
     def holds(self, key: BucketKey) -> bool:
         """Whether the store has an entry for this exact layout."""
@@ -250,9 +266,6 @@ class BucketStore:
     def end_iteration(self, finite: bool) -> None:
         """Commit the staged tensors after a step, or drop them after a skipped one."""
         staged, self._staged = self._staged, {}
-        self._restored = {}
-        if self._layout:
-            self._last_layout, self._layout = self._layout, {}
         if not finite:
             return
         for (key, name), tensor in staged.items():
@@ -304,8 +317,9 @@ class BucketStore:
     def state_dict(self) -> dict[str, Any]:
         """``buckets``: every entry's parameters, sizes, segment and tensors (cloned), in the order they
         were made; ``layout``: the parameters and sizes of every bucket of the last iteration, in order
-        (``[]`` when no bucket was reduced since the store was made or restored without a layout)."""
-        layout = [{"params": list(key), "numels": list(numels)} for key, numels in self._last_layout.items()]
+        (``[]`` when no bucket was noted since the store was made or restored without a layout)."""
+        last = self._layout or self._last_layout
+        layout = [{"params": list(key), "numels": list(numels)} for key, numels in last.items()]
         return {"buckets": self._entries_state(), "layout": layout}
 
     def _entries_state(self) -> list[dict[str, Any]]:

@@ -292,8 +292,10 @@ def compressed_adam_hook(state: CompressedAdamState, bucket: dist.GradBucket) ->
     """DDP comm hook of :class:`~fastcomm.CompressedAdam`: dense in warm-up, compressed momentum after.
 
     1. At bucket 0: if the GradScaler's scale changed, rescale the compressors' residuals.
-    2. Warm-up (``optimizer.compressing`` is false): allreduce the gradient densely, or through the
-       ``warmup_compressor``'s hook; done.
+    2. Warm-up (``optimizer.compressing`` is false): record the bucket in the compressor's layout (a
+       checkpoint at the end of warm-up then tells a fresh DDP's one-bucket first iteration which buckets
+       to compress it as), and allreduce the gradient densely, or through the ``warmup_compressor``'s
+       hook; done.
     3. Mix the local gradient into the preconditioned momentum in the bucket buffer (module docstring).
     4. Hand the bucket to the wrapped compressing hook (sign by default): the future holds the momentum
        averaged over ranks, which DDP writes into ``p.grad``.
@@ -313,6 +315,7 @@ def compressed_adam_hook(state: CompressedAdamState, bucket: dist.GradBucket) ->
     if bucket.index() == 0:
         state._begin_iteration()
     if not state.optimizer.compressing:
+        state.inner.note_layout(bucket)
         if state.warmup is not None:
             return state.warmup[1](state.warmup[0], bucket)
         return state._dense(bucket)

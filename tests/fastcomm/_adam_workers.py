@@ -15,7 +15,13 @@ from torch import nn
 import fastcomm
 from fastcomm.optim import precondition_
 
-LAYOUT: dict = {}  # DDP defaults: the resumed run starts on the initial bucket layout, then rebuilds
+# resume cases: every step around the end of warm-up, DDP's default bucket size (one bucket in both
+# layouts, parameters in another order) and a small one (several buckets after the rebuild)
+RESUME_WARMUP_STEPS = 3
+RESUME_STEPS = (RESUME_WARMUP_STEPS - 1, RESUME_WARMUP_STEPS, RESUME_WARMUP_STEPS + 1)
+RESUME_TOTAL_STEPS = RESUME_WARMUP_STEPS + 4
+RESUME_LAYOUTS = {"default": {}, "small_buckets": {"bucket_cap_mb": 0.004}}
+RESUME_OPTIONS = {"sign": {"chunk": 64}, "quantize": {"bits": 4, "block": 64}, "topk": {"ratio": 0.1}}
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 
 
@@ -101,48 +107,85 @@ def _train(
     return losses
 
 
-def resume_worker(rank: int, world_size: int, compressor: str, warmup_compressor: str | None = None) -> None:
-    """Optimizer and hook state saved mid-run and restored into a fresh DDP continue bit for bit.
+def resume_case(
+    compressor: str, warmup_compressor: str | None, layout: str, resume_step: int, again: bool
+) -> str:
+    """The key of one resume case in ``resume_worker``'s results."""
+    return f"{compressor}/{warmup_compressor}/{layout}/{resume_step}" + ("/again" if again else "")
 
-    With a ``warmup_compressor`` the save falls inside warm-up, and the resumed run crosses into the
-    compressed phase.
-    """
-    warmup_steps = 3 if warmup_compressor is None else 8
-    options = {"sign": {"chunk": 64}, "quantize": {"bits": 4, "block": 64}, "topk": {"ratio": 0.1}}[
-        compressor
-    ]
-    options = {**options, "min_compress_numel": 0}
 
-    def build(seed: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, object]:
-        model = make_mlp(seed)
-        ddp = nn.parallel.DistributedDataParallel(model, **LAYOUT)
-        optimizer = fastcomm.CompressedAdam(
-            ddp.parameters(),
-            **ADAM,
-            warmup_steps=warmup_steps,
-            compressor=compressor,
-            warmup_compressor=warmup_compressor,
-            **options,
-        )
-        return model, ddp, optimizer, fastcomm.register(ddp, optimizer)
+def _build_adam(
+    seed: int, compressor: str, warmup_compressor: str | None, layout: str
+) -> tuple[nn.Module, nn.Module, fastcomm.CompressedAdam, object]:
+    model = make_mlp(seed)
+    ddp = nn.parallel.DistributedDataParallel(model, **RESUME_LAYOUTS[layout])
+    optimizer = fastcomm.CompressedAdam(
+        ddp.parameters(),
+        **ADAM,
+        warmup_steps=RESUME_WARMUP_STEPS,
+        compressor=compressor,
+        warmup_compressor=warmup_compressor,
+        **RESUME_OPTIONS[compressor],
+        min_compress_numel=0,
+    )
+    return model, ddp, optimizer, fastcomm.register(ddp, optimizer)
 
-    model, ddp, optimizer, state = build(21)
-    _train(rank, ddp, optimizer, range(6))
+
+def _checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, state: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "comm": state.state_dict()}, buffer
     )
-    _train(rank, ddp, optimizer, range(6, 10))
-    fresh, fresh_ddp, fresh_optimizer, fresh_state = build(22)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    fresh.load_state_dict(saved["model"])
-    fresh_optimizer.load_state_dict(saved["optimizer"])
-    fresh_state.load_state_dict(saved["comm"])
-    assert fresh_optimizer.steps == 6 and fresh_optimizer.compressing == (warmup_compressor is None)
-    _train(rank, fresh_ddp, fresh_optimizer, range(6, 10))
-    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(a, b), f"{compressor}: weights differ after resume"
+    return buffer.getvalue()
+
+
+def _restored(blob: bytes, *case: object) -> tuple[nn.Module, nn.Module, fastcomm.CompressedAdam, object]:
+    """A fresh DDP model, optimizer and hook state (other initial weights) loaded from ``blob``."""
+    model, ddp, optimizer, state = _build_adam(22, *case)
+    checkpoint = torch.load(io.BytesIO(blob))
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    state.load_state_dict(checkpoint["comm"])
+    return model, ddp, optimizer, state
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    with torch.no_grad():
+        return max(float((x - y).abs().max()) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def resume_worker(rank: int, world_size: int, result_file: str) -> None:
+    """Every compressor, warm-up compressor and layout: optimizer and hook state saved at each of
+    ``RESUME_STEPS`` and restored into a fresh DDP; the resumed run saves again after its first step, and
+    that is restored into another fresh DDP. Rank 0 writes each case's max |dW| against the uninterrupted
+    run after ``RESUME_TOTAL_STEPS`` steps (0.0 when bit-identical).
+
+    A fresh DDP reduces its first iteration in one bucket, in forward order, and rebuilds after it; the
+    uninterrupted run crosses from warm-up into the compressed phase on the rebuilt layout.
+    """
+    results = {}
+    for compressor in fastcomm.optim.COMPRESSORS:
+        for warmup_compressor in fastcomm.optim.WARMUP_COMPRESSORS:
+            for layout in RESUME_LAYOUTS:
+                case = (compressor, warmup_compressor, layout)
+                model, ddp, optimizer, state = _build_adam(21, *case)
+                saved = {}
+                for step in range(RESUME_TOTAL_STEPS):
+                    if step in RESUME_STEPS:
+                        saved[step] = _checkpoint(model, optimizer, state)
+                    _train(rank, ddp, optimizer, range(step, step + 1))
+                for step, blob in saved.items():
+                    resumed, resumed_ddp, resumed_optimizer, resumed_state = _restored(blob, *case)
+                    assert resumed_optimizer.steps == step
+                    _train(rank, resumed_ddp, resumed_optimizer, range(step, step + 1))
+                    again_blob = _checkpoint(resumed, resumed_optimizer, resumed_state)
+                    _train(rank, resumed_ddp, resumed_optimizer, range(step + 1, RESUME_TOTAL_STEPS))
+                    again, again_ddp, again_optimizer, _ = _restored(again_blob, *case)
+                    _train(rank, again_ddp, again_optimizer, range(step + 1, RESUME_TOTAL_STEPS))
+                    results[resume_case(*case, step, again=False)] = _max_diff(model, resumed)
+                    results[resume_case(*case, step, again=True)] = _max_diff(model, again)
+    if rank == 0:
+        Path(result_file).write_text(json.dumps(results))
 
 
 def grad_scaler_worker(rank: int, world_size: int) -> None:

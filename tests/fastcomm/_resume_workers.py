@@ -5,7 +5,8 @@ optimizer and the hook state (``state_dict()``) to disk, then records every late
 weights. The second run starts new processes and a new process group, builds a fresh DDP model with
 DDP's default bucket settings (its first iteration runs under DDP's initial one-bucket layout, the
 checkpoint was taken under the rebuilt one), restores the checkpoint and must reproduce the recorded steps
-bit for bit.
+bit for bit. A third run resumes as the second did, checkpoints after its first step (taken right after
+a fresh DDP's one-bucket iteration) and resumes that in another fresh DDP: the later steps, bit for bit too.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def _step(model: nn.Module, ddp: nn.Module, optimizer: torch.optim.Optimizer, ra
     return {"grads": grads, "weights": [p.detach().clone() for p in model.parameters()]}
 
 
+def _checkpoint(model: nn.Module, state: object, optimizer: torch.optim.Optimizer) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "comm": state.state_dict()}
+
+
 def train_and_checkpoint_worker(rank: int, world_size: int, workdir: str) -> None:
     """Every case: ``STEPS`` steps, a checkpoint at ``CHECKPOINT_AT``, the later steps recorded."""
     for hook, layout in _cases():
@@ -64,11 +69,7 @@ def train_and_checkpoint_worker(rank: int, world_size: int, workdir: str) -> Non
         recorded = []
         for step in range(STEPS):
             if step == CHECKPOINT_AT:
-                checkpoint = {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "comm": state.state_dict(),
-                }
+                checkpoint = _checkpoint(model, state, optimizer)
                 torch.save(checkpoint, Path(workdir) / f"checkpoint_{hook}_{layout}_{rank}.pt")
             result = _step(model, ddp, optimizer, rank, step)
             if step >= CHECKPOINT_AT:
@@ -76,21 +77,44 @@ def train_and_checkpoint_worker(rank: int, world_size: int, workdir: str) -> Non
         torch.save(recorded, Path(workdir) / f"recorded_{hook}_{layout}_{rank}.pt")
 
 
-def resume_and_compare_worker(rank: int, world_size: int, workdir: str) -> None:
-    """Every case: a fresh DDP restored from the checkpoint reproduces the recorded steps bit for bit."""
+def _restored(
+    hook: str, layout: str, checkpoint: dict
+) -> tuple[nn.Module, nn.Module, object, torch.optim.Optimizer]:
+    """A fresh DDP model, hook state and optimizer (other initial weights) loaded from ``checkpoint``."""
+    model, ddp, state, optimizer = _build(hook, layout, seed=51)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    state.load_state_dict(checkpoint["comm"])
+    return model, ddp, state, optimizer
+
+
+def _compare(got: dict, expected: dict, what: str) -> list[str]:
+    """A line per tensor kind of ``got`` that is not bit-identical to ``expected``."""
+    failures = []
+    for kind in ("grads", "weights"):
+        diff = max(float((g - e).abs().max()) for g, e in zip(got[kind], expected[kind], strict=True))
+        if diff != 0.0:
+            failures.append(f"{what} {kind} differ by up to {diff:.3g}")
+    return failures
+
+
+def resume_and_compare_worker(rank: int, world_size: int, workdir: str, again: bool) -> None:
+    """Every case: a fresh DDP restored from the checkpoint reproduces the recorded steps bit for bit.
+
+    With ``again``, the restored run checkpoints after its first step and another fresh DDP restored
+    from that reproduces the steps after it.
+    """
     failures = []
     for hook, layout in _cases():
-        model, ddp, state, optimizer = _build(hook, layout, seed=51)  # other initial weights: all restored
         checkpoint = torch.load(Path(workdir) / f"checkpoint_{hook}_{layout}_{rank}.pt")
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        state.load_state_dict(checkpoint["comm"])
         recorded = torch.load(Path(workdir) / f"recorded_{hook}_{layout}_{rank}.pt")
-        for offset, expected in enumerate(recorded):
-            step = CHECKPOINT_AT + offset
+        model, ddp, state, optimizer = _restored(hook, layout, checkpoint)
+        first = CHECKPOINT_AT
+        if again:
+            _step(model, ddp, optimizer, rank, first)
+            model, ddp, state, optimizer = _restored(hook, layout, _checkpoint(model, state, optimizer))
+            first += 1
+        for step in range(first, STEPS):
             got = _step(model, ddp, optimizer, rank, step)
-            for what in ("grads", "weights"):
-                diff = max(float((g - e).abs().max()) for g, e in zip(got[what], expected[what], strict=True))
-                if diff != 0.0:
-                    failures.append(f"{hook}/{layout}: step {step} {what} differ by up to {diff:.3g}")
+            failures += _compare(got, recorded[step - CHECKPOINT_AT], f"{hook}/{layout}: step {step}")
     assert not failures, "resume is not bit-identical:\n" + "\n".join(failures)

@@ -162,12 +162,44 @@ def test_hook_momentum_equals_mean_gradient_momentum_with_and_without_no_sync(tm
     workers.spawn(tmp_path, 2, adam_workers.momentum_worker)
 
 
-@pytest.mark.parametrize(
-    "compressor, warmup_compressor",
-    [("sign", None), ("quantize", None), ("topk", None), ("sign", "quantize"), ("sign", "cast")],
+@pytest.fixture(scope="module")
+def resumed_weight_diffs(tmp_path_factory) -> dict[str, float]:
+    """Max |dW| of every resume case against its uninterrupted run (one process group runs them all)."""
+    workdir = tmp_path_factory.mktemp("adam_resume")
+    workers.spawn(workdir, 2, adam_workers.resume_worker, str(workdir / "diffs.json"))
+    return json.loads((workdir / "diffs.json").read_text())
+
+
+RESUME_CASES = pytest.mark.parametrize(
+    "compressor, warmup_compressor, resume_step, layout",
+    [
+        (compressor, warmup_compressor, resume_step, layout)
+        for compressor in fastcomm.optim.COMPRESSORS
+        for warmup_compressor in fastcomm.optim.WARMUP_COMPRESSORS
+        for resume_step in adam_workers.RESUME_STEPS
+        for layout in adam_workers.RESUME_LAYOUTS
+    ],
 )
-def test_resume_from_checkpoint_is_bit_identical(tmp_path, compressor, warmup_compressor):
-    workers.spawn(tmp_path, 2, adam_workers.resume_worker, compressor, warmup_compressor)
+
+
+@RESUME_CASES
+def test_resume_around_the_end_of_warmup_is_bit_identical(
+    resumed_weight_diffs, compressor, warmup_compressor, resume_step, layout
+):
+    # at resume_step == warmup_steps a fresh DDP's first iteration (one bucket) is the compressor's first
+    case = adam_workers.resume_case(compressor, warmup_compressor, layout, resume_step, again=False)
+    diff = resumed_weight_diffs[case]
+    assert diff == 0.0, f"{case}: weights differ by up to {diff:.3g}"
+
+
+@RESUME_CASES
+def test_resume_from_a_checkpoint_taken_one_step_after_a_resume_is_bit_identical(
+    resumed_weight_diffs, compressor, warmup_compressor, resume_step, layout
+):
+    # that checkpoint follows a fresh DDP's one-bucket iteration, reduced as the rebuilt layout's buckets
+    case = adam_workers.resume_case(compressor, warmup_compressor, layout, resume_step, again=True)
+    diff = resumed_weight_diffs[case]
+    assert diff == 0.0, f"{case}: weights differ by up to {diff:.3g}"
 
 
 def test_grad_scaler_skip_leaves_weights_momentum_and_residuals(tmp_path):
