@@ -19,6 +19,7 @@ from fastcomm.hooks._accounting import COUNTERS, StepAccounting
 from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._options import OptionTypeError
 from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_counters
+from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import BucketKey, all_finite, completed, ring_bytes
 
 __all__ = ["HookState"]
@@ -148,7 +149,7 @@ class HookState:
             self.accounting.note_output(all_finite(result))
             return result
 
-        return work.get_future().then(finish)
+        return then(work.get_future(), finish)
 
     def local(self, buffer: Tensor) -> torch.futures.Future[Tensor]:
         """World size 1: the gradient is already the mean; only the step accounting runs."""

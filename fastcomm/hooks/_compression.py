@@ -22,6 +22,7 @@ from fastcomm.hooks._groups import check_node_size
 from fastcomm.hooks._options import require_bool, require_int
 from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_buckets, merge_counters
 from fastcomm.hooks._store import BucketEntry, BucketStore, ResumePart
+from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import BucketKey, ring_bytes, world_of
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES, all_gather_rows
 from fastcomm.hooks.hierarchical import Hierarchy, check_hierarchical_options, fold_shards
@@ -376,7 +377,7 @@ def _in_parts(
             part.scatter(future.value().reshape(-1), flat)
         return buffer
 
-    return torch.futures.collect_all(futures).then(scatter)
+    return then(torch.futures.collect_all(futures), scatter)
 
 
 def gather_payloads(

@@ -21,15 +21,14 @@ collective order is deterministic without any collective issued from a callback.
 from __future__ import annotations
 
 import os
-import queue
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from fastcomm.hooks._lane import timeout_of
 from fastcomm.hooks._options import require_int
+from fastcomm.hooks._threads import OrderedWorker
 
 __all__ = ["NodeGroups", "OrderedWorker", "check_node_size", "node_groups", "resolve_node_size"]
 
@@ -77,23 +76,6 @@ def resolve_node_size(node_size: int | None, process_group: dist.ProcessGroup | 
             f"node_size ranks"
         )
     return 1 if node_size in (1, world_size) else node_size
-
-
-class OrderedWorker:
-    """A thread that runs jobs in submission order (the only thread issuing on its group)."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` after every job submitted before it; ``job`` reports its own failures."""
-        self._jobs.put(job)
-
-    def _run(self) -> None:
-        while True:
-            self._jobs.get()()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ call (on a 1 Gbit/s link that idle gap was ~55 ms of a 0.35 s step).
 
 from __future__ import annotations
 
-import queue
 import threading
 import warnings
 from collections.abc import Callable
@@ -17,6 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from fastcomm.hooks._threads import OrderedWorker
 
 __all__ = ["Lane", "lane_for", "timeout_of"]
 
@@ -40,20 +41,12 @@ class Lane:
             group_desc="fastcomm_phase2",
             timeout=timeout_of(parent),
         )
-        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="fastcomm-phase2", daemon=True)
-        self.thread.start()
+        # jobs report their own failures through their bucket's future; the worker is stopped at exit
+        self.worker = OrderedWorker("fastcomm-phase2")
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the lane's thread after the jobs submitted before it."""
-        self.jobs.put(job)
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            job()  # jobs report their own failures through their bucket's future
+        self.worker.submit(job)
 
 
 def timeout_of(group: dist.ProcessGroup) -> timedelta | None:

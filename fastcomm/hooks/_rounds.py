@@ -27,6 +27,7 @@ from torch import Tensor
 from fastcomm.compress.protocol import AllreduceCompressor
 from fastcomm.hooks._compression import BucketCall
 from fastcomm.hooks._errors import PeerCollectiveError, collective_value
+from fastcomm.hooks._threads import then, when_done
 from fastcomm.hooks._twophase import schedule_second_phase
 from fastcomm.hooks._util import Timer, all_finite, completed, ring_bytes, seed_for
 
@@ -93,7 +94,7 @@ class Rounds:
             except Exception as error:  # a failed second allreduce or decode: reaches DDP's wait
                 self.future.set_exception(error)
 
-        arrived.then(decode).add_done_callback(complete)
+        when_done(then(arrived, decode), complete)
 
 
 def start_rounds(call: BucketCall, compressor: AllreduceCompressor) -> Rounds:

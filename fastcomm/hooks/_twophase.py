@@ -41,6 +41,7 @@ from fastcomm.hooks._compression import BucketCall, CompressionState
 from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks._lane import lane_for
 from fastcomm.hooks._options import require_bool
+from fastcomm.hooks._threads import then, when_done
 from fastcomm.hooks._util import BucketKey, Timer, all_gather_flat, seed_for
 from fastcomm.hooks._wire import MAX_CHUNKS
 
@@ -359,7 +360,7 @@ def finish_phase2(phase1: Phase1, group: dist.ProcessGroup | None = None) -> Non
             except Exception as error:  # a group already broken raises at once
                 where = phase1.where("phase-2 all-gather")
                 raise PeerCollectiveError(where, call.bucket_index, error) from error
-        decoded.append(future.then(_decoder(phase1, piece_out.view(world_size, width), start, stop)))
+        decoded.append(then(future, _decoder(phase1, piece_out.view(world_size, width), start, stop)))
         placed.append((start, stop, offset, width))
         sent_bytes += 2 * (world_size - 1) * width
         offset += width
@@ -382,7 +383,7 @@ def finish_phase2(phase1: Phase1, group: dist.ProcessGroup | None = None) -> Non
         else:
             phase1.future.set_result(flat)
 
-    torch.futures.collect_all(decoded).add_done_callback(complete)
+    when_done(torch.futures.collect_all(decoded), complete)
 
 
 def _decoder(phase1: Phase1, rows: Tensor, start: int, stop: int) -> Callable[[torch.futures.Future], float]:
@@ -456,7 +457,7 @@ def schedule_second_phase(call: BucketCall, start: Callable[[], SecondPhase]) ->
         state.defer(mine)
     # DDP reads a future's value as the tensor; a value() in a callback turns the exception set on
     # mine.future into a real error of the returned future, which DDP's backward raises
-    return mine.future.then(_result)
+    return then(mine.future, _result)
 
 
 def _finish_on_lane(pending: SecondPhase, group: dist.ProcessGroup) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import all_gather_flat
 
 __all__ = [
@@ -72,7 +73,7 @@ def all_gather_rows(
             done.value()  # raises the collective's error, if any
             return out
 
-        return work.get_future().then(gathered_rows)
+        return then(work.get_future(), gathered_rows)
     gathered = scratch("ag_out", world * length)
     futures = [
         all_gather_flat(gathered[world * a : world * b], row[a:b], group=group, async_op=True).get_future()
@@ -86,4 +87,4 @@ def all_gather_rows(
             out[:, a:b].copy_(gathered[world * a : world * b].view(world, b - a))
         return out
 
-    return torch.futures.collect_all(futures).then(reassemble)
+    return then(torch.futures.collect_all(futures), reassemble)

@@ -9,6 +9,7 @@ from fastcomm.hooks._base import HookState
 from fastcomm.hooks._defaults import resolve_state
 from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._options import OptionTypeError
+from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import Timer, all_finite, ring_bytes, world_of
 
 __all__ = ["CastState", "cast_hook"]
@@ -86,4 +87,4 @@ def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures
         state.accounting.note_output(all_finite(result))
         return buffer.copy_(result)
 
-    return work.get_future().then(finish)
+    return then(work.get_future(), finish)

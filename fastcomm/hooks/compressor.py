@@ -22,6 +22,7 @@ from fastcomm.hooks._compression import BucketCall, gather_payloads, run_compres
 from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._reshard import same_value
 from fastcomm.hooks._rounds import allreduce_rounds
+from fastcomm.hooks._threads import then
 from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_allreduce
 from fastcomm.hooks._util import Timer, segment_layout
 
@@ -154,4 +155,4 @@ def _all_gather_allreduce(call: BucketCall, compressor: Compressor) -> torch.fut
         state.accounting.add_seconds(decode_timer.seconds)
         return flat
 
-    return future.then(decompress)
+    return then(future, decompress)

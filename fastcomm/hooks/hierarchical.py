@@ -57,6 +57,7 @@ from fastcomm.compress.protocol import AllreduceCompressor
 from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks._groups import NodeGroups, node_groups, resolve_node_size
 from fastcomm.hooks._store import BucketEntry, BucketStore
+from fastcomm.hooks._threads import then, when_done
 from fastcomm.hooks._util import BucketKey, all_gather_flat
 
 if TYPE_CHECKING:
@@ -348,10 +349,10 @@ class Hierarchy:
                     return
                 done.set_result(flat)
 
-            torch.futures.collect_all([w.get_future() for w in works]).add_done_callback(place)
+            when_done(torch.futures.collect_all([w.get_future() for w in works]), place)
 
         groups.cross_worker.submit(cross)
-        return done.then(_value)
+        return then(done, _value)
 
     def _gather_dense(
         self, source: Tensor, mine: Tensor, shard_size: int, flat: Tensor, elem: int

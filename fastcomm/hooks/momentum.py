@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._reshard import describe, keep_if_same_world
+from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import completed, ring_bytes
 from fastcomm.optim import CompressedAdam, precondition_
 
@@ -160,7 +161,7 @@ class CompressedAdamState:
         def reduced(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
             return collective_value(fut, "CompressedAdam warm-up allreduce", index)[0]
 
-        return work.get_future().then(reduced)
+        return then(work.get_future(), reduced)
 
     # ------------------------------------------------------------------------------------------- public
     @property

@@ -14,6 +14,7 @@ from fastcomm import ops
 from fastcomm.compress.topk import TopKCompressor
 from fastcomm.hooks._compression import BucketCall, CompressionState, gather_payloads, run_compressed
 from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import BucketKey, Timer, all_finite
 
 __all__ = ["TopKState", "topk_hook"]
@@ -157,7 +158,7 @@ class TopKState(CompressionState):
             self.store.stage(key, "velocity", velocity)
             return averaged.copy_(result.view_as(averaged))
 
-        return mean.then(with_momentum)
+        return then(mean, with_momentum)
 
     def ratio_at(self, step: int) -> float:
         """The sparsity ratio used at ``step`` (warmup stage or ``ratio``)."""
@@ -277,7 +278,7 @@ def _topk_bucket(call: BucketCall) -> torch.futures.Future[Tensor]:
         state.accounting.add_seconds(decompress_timer.seconds)
         return out
 
-    return gathered_future.then(decompress)
+    return then(gathered_future, decompress)
 
 
 class _SparseResult:
