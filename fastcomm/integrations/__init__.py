@@ -25,6 +25,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from fastcomm.hooks import register
@@ -39,8 +40,11 @@ def register_accelerate(accelerator: Any, model: nn.Module, name: Any, **options
     1. Warn if the accelerator's ``DistributedDataParallelKwargs`` carries a ``comm_hook`` that Accelerate
        does not know (a fastcomm hook there is silently ignored by Accelerate).
     2. Find the DDP wrapper (through ``torch.compile``). In a one-process run Accelerate does not wrap the
-       model and there is no gradient communication: warn and return ``None``. In a multi-process run a
-       model without DDP is an error (not the prepared model, or FSDP/DeepSpeed, which take no DDP hooks).
+       model and there is no gradient communication: warn and return ``None``. A model without DDP is an
+       error when ``torch.distributed`` has more than one rank, whatever Accelerate reports: on CPU a plain
+       ``Accelerator()`` under ``torchrun`` reports one process (distributed type ``NO``) while the ranks
+       exist, and each would train on its own gradients. It is an error too in a multi-process run (not the
+       prepared model, or FSDP/DeepSpeed, which take no DDP hooks).
     3. Refuse a model that already has a comm hook (DDP allows one), naming it.
     4. ``fastcomm.register(ddp, name, **options)``.
 
@@ -55,12 +59,14 @@ def register_accelerate(accelerator: Any, model: nn.Module, name: Any, **options
         The hook's state (for ``stats()`` and ``state_dict()``), or ``None`` in a one-process run.
 
     Raises:
+        RuntimeError: ``torch.distributed`` has several ranks but Accelerate reports one process (on CPU:
+            construct ``Accelerator(cpu=True)``).
         TypeError: a multi-process run whose ``model`` is not DDP-wrapped.
         ValueError: the model already has a comm hook.
 
     Example::
 
-        accelerator = Accelerator()
+        accelerator = Accelerator(cpu=True)  # on CPU; Accelerator() where the ranks have GPUs
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         state = register_accelerate(accelerator, model, "topk", ratio=0.01)
     """
@@ -75,6 +81,16 @@ def register_accelerate(accelerator: Any, model: nn.Module, name: Any, **options
     ddp = find_ddp(model)
     if ddp is None:
         processes = int(getattr(accelerator, "num_processes", 1))
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if processes <= 1 < ranks:
+            kind = getattr(accelerator, "distributed_type", "?")
+            raise RuntimeError(
+                f"register_accelerate: torch.distributed has {ranks} ranks but Accelerate reports "
+                f"{processes} process (distributed type {kind}), so it did not wrap the model in DDP and "
+                f"each rank would train on its own gradients, unsynchronized. "
+                f"On CPU construct the accelerator as Accelerator(cpu=True) (a plain Accelerator() without "
+                f"GPUs sees one process under torchrun), then prepare the model again"
+            )
         if processes <= 1:
             warnings.warn(
                 "register_accelerate: one process, so Accelerate did not wrap the model in DDP and no "

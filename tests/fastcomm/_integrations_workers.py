@@ -134,7 +134,35 @@ def _accelerate(rank: int) -> dict[str, Any]:
     result["register_stats"] = direct_state.stats()
     result["found_under_compile"] = find_ddp(torch.compile(direct)) is direct
     accelerator.wait_for_everyone()
+    result.update(_plain_accelerator_on_cpu())
     return result
+
+
+def _plain_accelerator_on_cpu() -> dict[str, Any]:
+    """What a user gets from ``Accelerator()`` (no ``cpu=True``) on these 2 CPU ranks, and the helper's error.
+
+    Accelerate keeps one process-wide state; it is set aside for a fresh ``Accelerator()`` and put back after.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+
+    from fastcomm.integrations import register_accelerate
+
+    saved = dict(PartialState._shared_state), dict(AcceleratorState._shared_state)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        from accelerate import Accelerator
+
+        plain = Accelerator()
+        prepared = plain.prepare(_model())
+        return {
+            "plain_processes": plain.num_processes,
+            "plain_model_type": type(prepared).__name__,
+            "plain_error": _error(lambda: register_accelerate(plain, prepared, "topk"), RuntimeError),
+        }
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        PartialState._shared_state.update(saved[0])
+        AcceleratorState._shared_state.update(saved[1])
 
 
 # ---------------------------------------------------------------------------------------------- Lightning

@@ -90,6 +90,14 @@ def test_find_ddp_looks_through_torch_compile(accelerate_ranks):
     assert all(rank["found_under_compile"] for rank in accelerate_ranks)
 
 
+def test_register_accelerate_refuses_a_one_process_accelerator_over_several_ranks(accelerate_ranks):
+    # a plain Accelerator() on CPU under a 2-rank launch: one process, no DDP, each rank on its own
+    for rank in accelerate_ranks:
+        assert rank["plain_processes"] == 1 and rank["plain_model_type"] != "DistributedDataParallel", rank
+        assert rank["plain_error"] is not None, "register_accelerate let 2 ranks train unsynchronized"
+        assert "2 ranks" in rank["plain_error"] and "Accelerator(cpu=True)" in rank["plain_error"]
+
+
 def test_register_accelerate_one_process_warns_and_registers_nothing():
     pytest.importorskip("accelerate")
     import torch
