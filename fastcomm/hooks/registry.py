@@ -14,6 +14,7 @@ from fastcomm.compress.cast import CastCompressor
 from fastcomm.compress.powersgd import PowerSGDCompressor
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.hooks._base import HookState
+from fastcomm.hooks._registered import refuse_second_hook
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
@@ -84,7 +85,7 @@ def register(
        ``grad_scaler=`` and ``process_group=``).
     2. Build the state (``ValueError`` for a bad option) or take the given one.
     3. Bind the state to the model's parameters (``ValueError`` if it already serves another model).
-    4. ``ddp.register_comm_hook(state, hook)``.
+    4. ``ddp.register_comm_hook(state, hook)`` (``ValueError`` naming the hook ``ddp`` already has).
 
     Args:
         ddp: the DistributedDataParallel model.
@@ -109,6 +110,7 @@ def register(
 
         if not isinstance(name, CompressedAdam):
             raise TypeError(f"register takes a fastcomm.CompressedAdam optimizer, got {type(name).__name__}")
+        refuse_second_hook(ddp)
         return register_optimizer(ddp, name, **options)
     if isinstance(name, HookState):
         if options:
@@ -122,7 +124,14 @@ def register(
             raise TypeError(f"no fastcomm hook takes a {type(state).__name__}")
     elif isinstance(name, str) and name in COMPRESSORS:
         state_options = {k: v for k, v in options.items() if k in _STATE_OPTIONS}
-        compressor = COMPRESSORS[name](**{k: v for k, v in options.items() if k not in _STATE_OPTIONS})
+        compressor_options = {k: v for k, v in options.items() if k not in _STATE_OPTIONS}
+        try:
+            compressor = COMPRESSORS[name](**compressor_options)
+        except TypeError as error:
+            raise TypeError(
+                f"register(ddp, {name!r}): {error}; its options: the compressor's own and "
+                f"{', '.join(sorted(_STATE_OPTIONS))}"
+            ) from error
         state, hook = CompressorState(compressor, **state_options), compressor_hook
     else:
         try:
@@ -131,7 +140,15 @@ def register(
             known = ", ".join(repr(n) for n in [*(h.value for h in HookName), *COMPRESSORS])
             raise ValueError(f"unknown hook {name!r}; known hooks: {known}") from None
         cls, hook = HOOKS[hook_name]
+        valid = (*cls._OPTIONS, "process_group")
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise TypeError(
+                f"register(ddp, {hook_name.value!r}): {cls.__name__} takes no option "
+                f"{', '.join(map(repr, unknown))}; its options: {', '.join(valid)}"
+            )
         state = cls(**options)
+    refuse_second_hook(ddp)
     state.bind(ddp.module)
     ddp.register_comm_hook(state, hook)
     return state

@@ -8,6 +8,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fastcomm.hooks._registered import known_hooks, refuse_second_hook
+
 __all__ = ["comm_hook_state", "find_ddp", "refuse_second_hook", "registered_comm_hooks"]
 
 
@@ -49,7 +51,7 @@ def registered_comm_hooks(ddp: DistributedDataParallel) -> list[tuple[Callable[.
     """
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
-    hooks = _known_hooks(ddp)
+    hooks = known_hooks(ddp)
     if hooks is None:
         raise RuntimeError(
             "this torch's DistributedDataParallel has no _comm_hooks list, so its registered hooks cannot be "
@@ -81,21 +83,5 @@ def comm_hook_state(model: nn.Module) -> object | None:
     return next((state for hook, state in registered_comm_hooks(ddp) if _is_fastcomm(hook)), None)
 
 
-def _known_hooks(ddp: DistributedDataParallel) -> list[tuple[Callable[..., Any], object]] | None:
-    hooks = getattr(ddp, "_comm_hooks", None)
-    return list(hooks) if isinstance(hooks, list) else None
-
-
 def _is_fastcomm(hook: Callable[..., Any]) -> bool:
     return str(getattr(hook, "__module__", "")).startswith("fastcomm.")
-
-
-def refuse_second_hook(ddp: DistributedDataParallel) -> None:
-    """Raise ``ValueError`` naming the hook already on ``ddp`` (DDP's own error does not name it)."""
-    hooks = _known_hooks(ddp) or []
-    if hooks:
-        names = ", ".join(getattr(hook, "__qualname__", repr(hook)) for hook, _ in hooks)
-        raise ValueError(
-            f"this DDP model already has a comm hook registered ({names}); DDP takes one hook per model, so "
-            "register fastcomm's instead of, not beside, it"
-        )
