@@ -802,19 +802,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _exit_without_finalizing(code: int) -> None:
-    """Exit with ``code`` once every output is written, skipping the interpreter's finalization.
-
-    With torch 2.13 and gloo, a rank that returned from ``destroy_process_group`` now and then aborts during
-    interpreter finalization ("terminate called without an active exception", exit -6), after its last step
-    and its last file: gloo objects still referenced from Python are torn down with the interpreter (the
-    failure PyTorch's PR 179291 describes). torchrun then reports the run as failed. Every output of this
-    script (checkpoints, --json, --final-state, the line-buffered sample log) is complete and closed by now.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit_without_finalizing(main())
+    sys.exit(main())

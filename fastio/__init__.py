@@ -20,6 +20,7 @@ from fastio.errors import (
     CorruptShardError,
     EmptySourceError,
     FastIOError,
+    MissingFieldError,
     MissingIndexError,
     SchemaMismatchError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "FastIOError",
     "Field",
     "ImageStage",
+    "MissingFieldError",
     "MissingIndexError",
     "Pack",
     "SchemaMismatchError",
