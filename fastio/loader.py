@@ -253,11 +253,15 @@ class _EpochIterator(BatchPass):
         order = loader._order(epoch)
         indices = rank_indices(order, start, loader.world_size, loader.rank, loader.drop_last)
         self.begin_pass(num_batches(len(indices), loader.batch_size, loader.drop_last))
-        # Before any fetch and before worker processes fork: they inherit what prepare() set up.
-        loader._source.prepare(shard_read_order(loader._source.shard_sizes, indices), epoch, indices)
         workers = loader.num_workers
         slots = workers + loader.prefetch if workers else 1
         processes = workers > 0 and loader.worker_mode == "process"
+        source = loader._source
+        plan_reads = getattr(source, "plan_reads", None)  # a source that caches shards sizes the cache to it
+        if plan_reads is not None:
+            plan_reads(loader.batch_size, slots, processes, loader.world_size > 1)
+        # Before any fetch and before worker processes fork: they inherit what prepare() set up.
+        source.prepare(shard_read_order(source.shard_sizes, indices), epoch, indices)
         threads = loader.threads or max(1, default_threads() // max(1, workers))
         mode = "process" if processes else "thread" if workers else "main"
         self.producer = _Producer(loader, epoch, indices, 1 if processes else slots, threads, mode)

@@ -15,8 +15,9 @@ while the entry is downloaded) and ``<key>.pin`` (held shared by every process r
    entries marked read (:meth:`ShardCache.mark_read`: read this epoch) first, least recently used
    otherwise; it then starts only while the bytes in the cache (entries, sidecars and reservations: what
    :meth:`ShardCache.usage` reports) are at most the limit, so the cache holds at most the limit plus one
-   shard. When every entry is pinned it waits for a pin to go, up to ``wait_s`` seconds, then raises
-   :class:`CacheFullError`. Reservations are made one at a time under ``.fastio-cache.lock``.
+   shard. When every entry is pinned it waits for a pin to go, as :mod:`fastio.remote.room` says (a wait a
+   batch needs raises :class:`CacheStalledError` once nothing can change). Reservations are made one at a
+   time under ``.fastio-cache.lock``.
 
 The recency of an entry is the mtime of its pin file (set on every pin); :meth:`mark_read` moves it back by
 ``_READ_SHIFT_S`` so read entries sort before any unread one while keeping their order.
@@ -40,9 +41,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from fastio.errors import CorruptShardError, FastIOError
+from fastio.errors import CorruptShardError
+from fastio.remote.room import CacheFullError, CacheStalledError, RoomWatch, alive, part_owner
 
-__all__ = ["CacheFullError", "Reservation", "ShardCache", "default_cache_dir", "parse_size"]
+__all__ = [
+    "CacheFullError", "CacheStalledError", "Reservation", "ShardCache", "default_cache_dir", "parse_size",
+]  # fmt: skip
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -50,32 +54,6 @@ _LOCK_SUFFIXES = (".lock", ".pin")
 _GLOBAL_LOCK = ".fastio-cache.lock"
 _READ_SHIFT_S = 1e9  # ~31 years: a read entry's recency sorts before every unread one
 _POLL_S = 0.05
-
-
-class CacheFullError(FastIOError):
-    """Every entry of the cache is pinned and the next shard does not fit under ``cache_limit``.
-
-    Example::
-
-        err = CacheFullError("/cache", 10, 12, 4)
-        assert "cache_limit" in str(err)
-    """
-
-    def __init__(self, cache_dir: str, limit: int, used: int, needed: int, detail: str = "") -> None:
-        self.cache_dir, self.limit, self.used, self.needed = cache_dir, limit, used, needed
-        self.detail = detail
-        if detail:  # known impossible at once: no waiting for pins that cannot go
-            message = f"{cache_dir}: cache_limit {limit} bytes {detail}"
-        else:
-            message = (
-                f"{cache_dir}: cache_limit {limit} bytes is full ({used} bytes, every entry pinned: being"
-                f" read or about to be) and the next shard needs {needed} bytes; raise cache_limit to at"
-                " least the shards one batch and the prefetch touch"
-            )
-        super().__init__(message)
-
-    def __reduce__(self) -> tuple:  # rebuilt from its fields when it crosses from a worker process
-        return (type(self), (self.cache_dir, self.limit, self.used, self.needed, self.detail))
 
 
 def parse_size(value: int | str | None) -> int | None:
@@ -148,6 +126,22 @@ def _flock(path: Path, mode: int) -> Iterator[int]:
         _close_lock(fd)
 
 
+def _try_flock(fd: int) -> bool:  # an exclusive flock, without waiting
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _waited(cancel: threading.Event | None) -> bool:
+    """Sleep one poll; True when ``cancel`` was set."""
+    if cancel is not None:
+        return cancel.wait(_POLL_S)
+    time.sleep(_POLL_S)
+    return False
+
+
 _CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
 
@@ -181,7 +175,9 @@ class ShardCache:
     Args:
         cache_dir: where entries live (created); default :func:`default_cache_dir`.
         cache_limit: bytes (int) or a size string (``"50GB"``); None: no limit.
-        wait_s: how long a reservation waits for a pinned entry to go before :class:`CacheFullError`.
+        wait_s: how long a reservation a batch needs waits for room before :class:`CacheFullError`.
+        stall_s: how long such a reservation waits while nothing in the cache can change (every entry pinned,
+            no download in progress, no pin taken or let go) before :class:`CacheStalledError`.
 
     Example::
 
@@ -191,12 +187,12 @@ class ShardCache:
 
     def __init__(
         self, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str | None = None,
-        wait_s: float = 600.0,
+        wait_s: float = 600.0, stall_s: float = 10.0,
     ) -> None:  # fmt: skip
         self.directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.limit = parse_size(cache_limit)
-        self.wait_s = float(wait_s)
+        self.wait_s, self.stall_s = float(wait_s), float(stall_s)
         self._lock = threading.Lock()
         self._pins: dict[str, tuple[int, int]] = {}  # key -> (descriptor holding the shared flock, count)
         self.evictions = 0
@@ -332,9 +328,7 @@ class ShardCache:
                 break
             fd = _open_lock(pin_path)
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                if not _try_flock(fd):
                     continue  # pinned by some process: being read or about to be
                 freed = 0
                 for victim in (data, Path(f"{data}.fidx")):  # the entry and the tar index built beside it
@@ -348,11 +342,11 @@ class ShardCache:
         return used
 
     def _reserve(
-        self, part: Path, size: int | None, cancel: threading.Event | None, on_wait: Callable[[], None] | None
-    ) -> bool:
+        self, part: Path, size: int | None, cancel: threading.Event | None,
+        on_wait: Callable[[], None] | None, watch: RoomWatch,
+    ) -> bool:  # fmt: skip
         """Make ``part`` a ``size``-byte file (empty when the size is not known) once the cache has room for
         it (see the module docstring); False when ``cancel`` was set meanwhile."""
-        deadline = time.monotonic() + self.wait_s
         part.parent.mkdir(parents=True, exist_ok=True)
         needed = size or 0
         while True:
@@ -362,28 +356,32 @@ class ShardCache:
                     with open(part, "wb") as fh:
                         fh.truncate(needed)  # counted at full size from now on (sparse until written)
                     return True
-            if time.monotonic() > deadline:
-                raise CacheFullError(str(self.directory), self.limit, used, needed)
             if on_wait is not None:
                 on_wait()  # e.g. let go of pins that are no longer needed, so room can appear
-            if cancel is not None and cancel.wait(_POLL_S):
+            watch.check(needed)
+            if _waited(cancel):
                 return False
-            if cancel is None:
-                time.sleep(_POLL_S)
 
     # -- filling -----------------------------------------------------------------------------------------
+    def watch(self, key: str, needed: Callable[[], bool] | None = None) -> RoomWatch:
+        """A :class:`fastio.remote.room.RoomWatch` for a wait on entry ``key``; ``needed()`` says whether a
+        batch waits for it now (None: always)."""
+        return RoomWatch(self.directory, key, self.limit, self.stall_s, self.wait_s, needed)
+
     def reserve(
         self,
         key: str,
         size: int | None,
         cancel: threading.Event | None = None,
         on_wait: Callable[[], None] | None = None,
+        watch: RoomWatch | None = None,
     ) -> Reservation | None:
         """Start making entry ``key`` (``size`` bytes; None: not known yet, e.g. a tar being decompressed):
         None when it is there already (or another process made it while this one waited for the entry's
-        download lock), or when ``cancel`` is set while waiting for room; else a :class:`Reservation`
-        holding that lock and a ``size``-byte temporary file counted against the limit. Blocks while the
-        cache has no room (see the module docstring), calling ``on_wait()`` between tries. The caller should
+        download lock), or when ``cancel`` is set while waiting; else a :class:`Reservation` holding that
+        lock and a ``size``-byte temporary file counted against the limit. Blocks while the cache has no
+        room (see the module docstring), calling ``on_wait()`` between tries and ``watch`` (default
+        :meth:`watch` ``(key)``: a batch needs it), which decides how the wait may end. The caller should
         hold a :meth:`pin` so the entry stays.
 
         Example::
@@ -397,11 +395,18 @@ class ShardCache:
         if self.has(key, size):
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
+        watch = watch or self.watch(key)
         fd = _open_lock(f"{dest}.lock")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # one download per entry per node
+            while not _try_flock(fd):  # one download per entry per node; its holder may wait for room
+                if on_wait is not None:
+                    on_wait()
+                watch.check(size or 0)
+                if _waited(cancel):
+                    _close_lock(fd)
+                    return None
             part = dest.with_name(f".{dest.name}.part-{os.getpid()}-{threading.get_ident()}")
-            if self.has(key, size) or not self._reserve(part, size, cancel, on_wait):
+            if self.has(key, size) or not self._reserve(part, size, cancel, on_wait, watch):
                 _close_lock(fd)
                 return None
         except BaseException:
@@ -443,16 +448,7 @@ class ShardCache:
         removed = 0
         for root, _, files in os.walk(self.directory):
             for name in files:
-                match = re.match(r"^\..+\.part-(\d+)-\d+$", name)
-                if match is None:
-                    continue
-                pid = int(match.group(1))
-                try:
-                    os.kill(pid, 0)
-                    continue
-                except ProcessLookupError:
-                    pass
-                except PermissionError:
+                if part_owner(name) is None or alive(part_owner(name)):
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(root, name))

@@ -13,14 +13,16 @@ How a pass runs:
    space in the cache (one shard at a time, in read order, so an earlier shard never waits behind a later
    one) and hands the download to a pool of ``download_threads`` threads, staying at most ``ahead`` shards
    past the furthest shard read so far.
-2. :meth:`RemoteSource.fetch` waits (counted as ``network_wait_s``) until the batch's shards are in the
-   cache, downloading a shard itself when the prefetcher has not (a forked worker process, which has no
-   prefetcher, always does: file locks make it once per node), then reads the batch through the local
+2. :meth:`RemoteSource.fetch` waits (counted as ``network_wait_s``) until the prefetcher has reserved the
+   room of the batch's shards (room is taken in read order only: :mod:`fastio.remote.working_set` counts on
+   it) and they are in the cache, downloading a shard itself when no process has (a forked worker process
+   has no prefetcher: file locks make a download once per node), then reads the batch through the local
    :class:`fastio.sources.ShardSource`/:class:`fastio.sources.TarSource` over just those cached shards
    (memoized per shard set, so consecutive batches of the same shards reuse the mapping).
 3. A shard whose samples have all been served this pass is unpinned and marked read: the cache evicts it
-   first. Progress is counted in shared memory made before the fork, so the prefetcher also sees what
-   worker processes read.
+   first. Progress is counted in shared memory made before the fork (:mod:`fastio.remote.progress`), so the
+   prefetcher also sees what worker processes read; every process lets go of its pins on such shards around
+   each fetch. :meth:`prepare` checks ``cache_limit`` against what the pass keeps pinned at once.
 4. Once every shard is cached and the whole set fits under ``cache_limit`` (or there is none), the next
    :meth:`RemoteSource.prepare` builds one local source over every shard, keeps them pinned and mapped, and
    starts no prefetcher: later epochs read exactly as a local loader over those files does.
@@ -53,14 +55,13 @@ import functools
 import hashlib
 import io
 import json
-import mmap
 import os
 import threading
 import time
 import weakref
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ from fastio.format.decode import INT_EXTENSIONS, last_extension, npy_layout
 from fastio.format.reader import ShardReader, ShardSet
 from fastio.format.schema import schema_from_json
 from fastio.format.tar import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
-from fastio.remote.cache import CacheFullError, ShardCache
+from fastio.remote.cache import ShardCache
 from fastio.remote.compressed import compression_of, decompress, decompressed_name
 from fastio.remote.fetch import (
     RangeReader,
@@ -87,15 +88,15 @@ from fastio.remote.fetch import (
     remote_size,
     with_retries,
 )
+from fastio.remote.progress import COUNTERS, SharedProgress
+from fastio.remote.room import RoomWatch
+from fastio.remote.working_set import ReadPlan, check_batch, check_pass
 from fastio.sources import BatchBuffers, ShardSource, StageTimes, TarSource
 from fastio.sources.base import Source, torch_dtype
 from fastio.sources.tar import TarLayout
-from fastio.workers import worker_info
 
 __all__ = ["RemoteShardSource", "RemoteSource", "RemoteTarSource", "open_remote"]
 
-_PROGRESS_ROWS = 33  # row 0: the process that planned the pass; 1..32: worker processes (by worker id)
-_COUNTERS = ("network_wait_s", "downloaded_bytes", "downloads", "retries", "read_front")
 _MEMO = 8  # local sources kept for recent shard sets
 _POLL_S = 0.02
 
@@ -103,7 +104,8 @@ _POLL_S = 0.02
 @dataclasses.dataclass
 class _Shard:
     """One shard: where it is, what the cache calls it, and its sizes (``local_size``: bytes of the cached
-    file, None until known for a compressed shard)."""
+    file, None until known for a compressed shard; ``index_bytes``: what is cached beside it and evicted with
+    it, a tar's index)."""
 
     url: str
     key: str
@@ -111,49 +113,18 @@ class _Shard:
     local_size: int | None
     compression: str | None
     num_samples: int = 0
+    index_bytes: int = 0
+
+    @property
+    def footprint(self) -> int:
+        """Bytes the shard takes in the cache."""
+        return (self.local_size or self.remote_size) + self.index_bytes
 
 
 def _cache_key(url: str, name: str) -> str:
     """``<digest of the shard's folder URL>/<name>``: one folder per remote folder, without credentials."""
     folder = redact(url).rsplit("/", 1)[0]
     return f"{hashlib.sha256(folder.encode()).hexdigest()[:16]}/{name}"
-
-
-class _SharedProgress:
-    """Samples consumed per shard and the I/O counters, per process, in anonymous shared memory made before
-    the fork: row 0 is the planning process (its threads add under a lock), row ``1 + worker id`` a worker
-    process. Sums over rows are what everyone read."""
-
-    def __init__(self, num_shards: int) -> None:
-        width = num_shards + len(_COUNTERS)
-        self._map = mmap.mmap(-1, max(1, _PROGRESS_ROWS * width * 8))
-        table = np.frombuffer(self._map, dtype=np.float64).reshape(_PROGRESS_ROWS, width)
-        self.consumed, self.counters = table[:, :num_shards], table[:, num_shards:]
-        self.lock = threading.Lock()
-        self.owner = os.getpid()
-
-    def row(self) -> int:
-        if os.getpid() == self.owner:
-            return 0
-        info = worker_info()
-        return 1 + (info.id % (_PROGRESS_ROWS - 1) if info is not None else 0)
-
-    def add_consumed(self, shards: np.ndarray, counts: np.ndarray, front: int) -> None:
-        """Count samples served from ``shards``; ``front``: the furthest read-order position among them."""
-        row = self.row()
-        column = _COUNTERS.index("read_front")
-        with self.lock:
-            self.consumed[row, shards] += counts
-            self.counters[row, column] = max(self.counters[row, column], front + 1)  # stored + 1: 0 is none
-
-    def add(self, counter: str, value: float) -> None:
-        row = self.row()
-        with self.lock:
-            self.counters[row, _COUNTERS.index(counter)] += value
-
-    def totals(self) -> dict[str, float]:
-        sums = self.counters.sum(axis=0)
-        return {name: float(v) for name, v in zip(_COUNTERS, sums, strict=True)}
 
 
 _SOURCES: weakref.WeakSet[RemoteSource] = weakref.WeakSet()
@@ -222,18 +193,19 @@ class RemoteSource(Source):
         self._failed: dict[int, BaseException] = {}  # downloads of this pass that failed for good
         self._prefetcher: threading.Thread | None = None
         self._stop = threading.Event()
-        self._progress: _SharedProgress | None = None
+        self._progress: SharedProgress | None = None
         self._expected: np.ndarray | None = None
         self._order_pos: np.ndarray | None = None
         self._prefetch_held: set[int] = set()
         self._full: Any = None  # one local source over every shard, once the whole set is cached and kept
+        self._plan = ReadPlan()
         _SOURCES.add(self)
 
     def _finish_init(self) -> None:
         self.shard_sizes = [s.num_samples for s in self.shards]
         self.num_samples = int(sum(self.shard_sizes))
         self.cumulative = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
-        self._progress = _SharedProgress(len(self.shards))
+        self._progress = SharedProgress(len(self.shards))
 
     # -- what subclasses provide ---------------------------------------------------------------------------
     def _open_shard(self, shard: int, path: Path) -> Any:
@@ -281,12 +253,12 @@ class RemoteSource(Source):
         if progress is not None:
             progress.add("downloads", 1)
 
-    def _materialize(self, shard: int) -> Path:
+    def _materialize(self, shard: int, watch: RoomWatch | None = None) -> Path:
         """Shard ``shard`` in the cache (the caller holds it), downloading it here if no process has."""
         info = self.shards[shard]
         if info.local_size is not None and self.cache.has(info.key, info.local_size):
             return self.cache.path(info.key)
-        job = self.cache.reserve(info.key, info.local_size)
+        job = self.cache.reserve(info.key, info.local_size, on_wait=self._let_go, watch=watch)
         if job is not None:
             failed = self._failed.get(shard)
             if failed is not None:  # this pass's download of it already spent the retry budget
@@ -324,7 +296,7 @@ class RemoteSource(Source):
         """Keep shards mapped between uses when the whole set fits the cache: nothing is ever evicted then,
         and a mapping kept is one whose pages need not be faulted in again next epoch."""
         limit = self.cache.limit
-        return limit is None or limit >= sum(s.local_size or s.remote_size for s in self.shards)
+        return limit is None or limit >= sum(s.footprint for s in self.shards)
 
     def _ensure_local(self, shard: int) -> Path:
         """Wait for (or make) the cached file of a held shard; the wait counts as network wait."""
@@ -333,13 +305,27 @@ class RemoteSource(Source):
             return self.cache.path(info.key)
         start = time.perf_counter()
         try:
+            watch = self.cache.watch(info.key)
+            self._await_turn(shard, watch)
             future = self._inflight.get(shard) if self._owner() else None
             if future is not None:
                 future.result()
-            return self._materialize(shard)
+            return self._materialize(shard, watch)
         finally:
             if self._progress is not None:
                 self._progress.add("network_wait_s", time.perf_counter() - start)
+
+    def _await_turn(self, shard: int, watch: RoomWatch) -> None:
+        """Wait until the prefetcher has room for ``shard``: room is taken in read order only, so a shard a
+        batch needs never waits behind one read after it (what :mod:`fastio.remote.working_set` relies on)."""
+        progress, position = self._progress, self._order_pos
+        if progress is None or position is None or position[shard] >= len(position):
+            return  # no pass prepared, or a shard the pass does not read: nothing to wait for
+        info = self.shards[shard]
+        while progress.front("reserved_front") < position[shard]:
+            self._let_go()
+            watch.check(info.local_size or info.remote_size)
+            time.sleep(_POLL_S)
 
     def _owner(self) -> bool:
         return self._progress is not None and os.getpid() == self._progress.owner
@@ -353,6 +339,7 @@ class RemoteSource(Source):
             source.prepare(np.array([2, 0, 1]), epoch=0, indices=np.arange(source.num_samples))
         """
         self._stop_prefetch()
+        self._drop_idle(lambda shards: True)  # the last pass's: their pins would hold shards not read soon
         order = np.asarray(shard_order, dtype=np.int64)
         expected = None
         if indices is not None:
@@ -361,7 +348,7 @@ class RemoteSource(Source):
             self._check_working_set(shard_of)
         for info in self.shards:
             self.cache.unmark_read(info.key)
-        self._progress = _SharedProgress(len(self.shards))
+        self._progress = SharedProgress(len(self.shards))
         self._expected = expected
         position = np.full(len(self.shards), len(order), dtype=np.int64)
         position[order] = np.arange(len(order))
@@ -401,11 +388,7 @@ class RemoteSource(Source):
             entry.refs += 1  # never idle: it is not dropped from the memo
         return entry
 
-    def _read_front(self, progress: _SharedProgress) -> int:
-        """The furthest position in the read order that any fetch of this pass has touched (-1: none)."""
-        return int(progress.counters[:, _COUNTERS.index("read_front")].max()) - 1
-
-    def _finished(self, progress: _SharedProgress, shards: np.ndarray | None = None) -> np.ndarray:
+    def _finished(self, progress: SharedProgress, shards: np.ndarray | None = None) -> np.ndarray:
         """Which shards of this pass have had all their samples served (of ``shards`` only, when given: the
         others read False); none when the indices are unknown."""
         done = np.zeros(len(self.shards), dtype=bool)
@@ -419,7 +402,7 @@ class RemoteSource(Source):
             )
         return done
 
-    def _sweep(self, progress: _SharedProgress) -> None:
+    def _sweep(self, progress: SharedProgress) -> None:
         """Unpin the prefetched shards that are read, and mark them read for the cache."""
         with self._lock:
             held = np.array(sorted(self._prefetch_held), dtype=np.int64)
@@ -431,10 +414,14 @@ class RemoteSource(Source):
             self._release(shard)
             self.cache.mark_read(self.shards[shard].key)
 
-    def _prefetch(self, order: np.ndarray, stop: threading.Event, progress: _SharedProgress) -> None:
+    def _prefetch(self, order: np.ndarray, stop: threading.Event, progress: SharedProgress) -> None:
         try:
             for pos, shard in enumerate(order.tolist()):
-                while not stop.is_set() and pos > self._read_front(progress) + self.ahead:
+                if pos:
+                    progress.advance("reserved_front", pos - 1)
+                while not stop.is_set() and pos > max(
+                    progress.front("read_front") + self.ahead, progress.front("demand_front")
+                ):
                     self._sweep(progress)
                     stop.wait(_POLL_S)
                 if stop.is_set():
@@ -451,9 +438,10 @@ class RemoteSource(Source):
                 # (and its outcome) rather than starting its own.
                 future: concurrent.futures.Future[None] = concurrent.futures.Future()
                 self._inflight[shard] = future
+                needed = functools.partial(progress.demanded, pos)
                 try:
                     job = self.cache.reserve(  # in read order: waits for room, unpinning what is read
-                        info.key, info.local_size, stop, functools.partial(self._sweep, progress)
+                        info.key, info.local_size, stop, self._let_go, self.cache.watch(info.key, needed)
                     )
                 except BaseException as exc:
                     future.set_exception(exc)
@@ -462,6 +450,7 @@ class RemoteSource(Source):
                     future.set_result(None)
                     continue
                 self._pool.submit(self._download_reserved, shard, job, future)
+            progress.advance("reserved_front", len(order))
             while not stop.is_set() and self._prefetch_held:
                 self._sweep(progress)
                 stop.wait(_POLL_S)
@@ -471,6 +460,8 @@ class RemoteSource(Source):
             for shard in order.tolist():
                 if shard not in self._inflight:
                     self._inflight[shard] = failed
+        finally:  # fetches stop waiting for their turn: they find the outcome, or download themselves
+            progress.advance("reserved_front", len(order))
 
     def _download_reserved(self, shard: int, job: Any, future: concurrent.futures.Future[None]) -> None:
         try:
@@ -592,77 +583,77 @@ class RemoteSource(Source):
         shards = np.flatnonzero(counts)
         counts = counts[shards]
         self._check_fits(shards)
+        progress = self._progress
+        front = int(self._order_pos[shards].max()) if self._order_pos is not None else -1
+        if progress is not None:  # the prefetcher's reservations of these shards are needed now
+            progress.advance("demand_front", front)
+        self._let_go()
         entry = self._entry(tuple(shards.tolist()))
         try:
             batch = entry.source.fetch(indices + entry.delta[shard_ids], buffers, threads, times)
         finally:
             with self._lock:
                 entry.refs -= 1
-        progress = self._progress
         if progress is not None:
-            front = int(self._order_pos[shards].max()) if self._order_pos is not None else -1
             progress.add_consumed(shards, counts.astype(np.float64), front)
             done = self._finished(progress, shards)
-            if done[shards].any():
-                self._drop_read(done)
-                if self._owner():
-                    self._sweep(progress)
-                if not self._owner():  # the planning process's prefetcher marks its own
-                    for shard in shards[done[shards]].tolist():
-                        self.cache.mark_read(self.shards[shard].key)
+            if not self._owner():  # the planning process's prefetcher marks its own
+                for shard in shards[done[shards]].tolist():
+                    self.cache.mark_read(self.shards[shard].key)
+            self._let_go()
         return batch
 
-    def _check_working_set(self, shard_of: np.ndarray) -> None:
-        """Raise :class:`CacheFullError` before the pass when the shards this rank's read order keeps open
-        at once (a shard is cached from its first sample read to its last) cannot fit under the limit plus
-        the one shard it may be exceeded by: the pass would otherwise stall on its own pins until ``wait_s``.
+    def plan_reads(
+        self, batch_size: int, batches_in_flight: int = 1, worker_processes: bool = False,
+        ranks_share_cache: bool = False,
+    ) -> None:  # fmt: skip
+        """Say how the next passes fetch (:class:`fastio.remote.working_set.ReadPlan`): what :meth:`prepare`
+        checks ``cache_limit`` against. :class:`fastio.StreamLoader` calls it before each pass.
+
+        Example::
+
+            source.plan_reads(batch_size=256, batches_in_flight=4, worker_processes=True)
         """
-        limit = self.cache.limit
-        if limit is None or len(shard_of) == 0:
-            return
-        present = np.flatnonzero(np.bincount(shard_of, minlength=len(self.shards)))
-        positions = np.arange(len(shard_of))
-        first = np.full(len(self.shards), len(shard_of), dtype=np.int64)
-        last = np.full(len(self.shards), -1, dtype=np.int64)
-        np.minimum.at(first, shard_of, positions)
-        np.maximum.at(last, shard_of, positions)
-        sizes = np.array([s.local_size or s.remote_size for s in self.shards], dtype=np.int64)
-        # Sweep: +size when a shard opens, -size after its last sample; opens sort before closes at a tie.
-        events = np.concatenate([first[present] * 2, last[present] * 2 + 1])
-        deltas = np.concatenate([sizes[present], -sizes[present]])
-        open_bytes = np.cumsum(deltas[np.argsort(events, kind="stable")])
-        peak = int(open_bytes.max())
-        needed = peak - int(sizes[present].max())
-        if needed > limit:
-            raise CacheFullError(
-                str(self.cache.directory), limit, 0, peak,
-                f"cannot hold the shards this rank's read order keeps open at once ({peak} bytes at the "
-                f"peak; shuffle='shard' interleaves the blocks of `window` shards and a shard stays cached "
-                f"until its last sample is read): raise cache_limit to at least {needed} bytes, plus room to "
-                f"prefetch",
-            )
+        self._plan = ReadPlan(batch_size, batches_in_flight, worker_processes, ranks_share_cache)
+
+    def _check_working_set(self, shard_of: np.ndarray) -> None:
+        """Raise :class:`CacheFullError` before the pass when ``cache_limit`` cannot hold what the pass keeps
+        pinned at once: it would otherwise stall on its own pins."""
+        footprints = np.array([s.footprint for s in self.shards], dtype=np.int64)
+        resident = self._resident_bytes()
+        check_pass(self.cache.directory, self.cache.limit, shard_of, footprints, self._plan, resident)
 
     def _check_fits(self, shards: np.ndarray) -> None:
         """Raise :class:`CacheFullError` at once when the shards one batch reads together cannot all be in
-        the cache (the limit, plus the one shard it may be exceeded by): waiting for room would wait on the
-        batch's own pins until ``wait_s``."""
-        limit = self.cache.limit
-        if limit is None or len(shards) < 2:
-            return
-        sizes = [self.shards[s].local_size or self.shards[s].remote_size for s in shards.tolist()]
-        if sum(sizes) - max(sizes) > limit:
-            raise CacheFullError(
-                str(self.cache.directory), limit, 0, sum(sizes),
-                f"cannot hold the {len(shards)} shards ({sum(sizes)} bytes) that one batch reads together "
-                f"(shuffle='shard' mixes up to `window` shards per batch): raise cache_limit to at least "
-                f"{sum(sizes) - max(sizes)} bytes, plus room to prefetch",
-            )
+        the cache: waiting for room would wait on the batch's own pins."""
+        if self.cache.limit is not None and len(shards) > 1:
+            footprints = [self.shards[s].footprint for s in shards.tolist()]
+            check_batch(self.cache.directory, self.cache.limit, footprints)
 
-    def _drop_read(self, done: np.ndarray) -> None:
-        """Forget idle local sources that hold a shard read to the end: their pins would keep it cached."""
+    def _resident_bytes(self) -> int:
+        """Bytes the source keeps in the cache that no eviction frees; default: none."""
+        return 0
+
+    def _let_go(self) -> None:
+        """Let go of this process's pins on shards read to the end this pass (by any process): the idle local
+        sources holding one and, in the planning process, the prefetched ones. Called around every fetch and
+        while waiting for room, so a pin outlives the shard's last read only until the process fetches again
+        (what :mod:`fastio.remote.working_set` counts)."""
+        progress = self._progress
+        if progress is None:
+            return
         with self._lock:
-            stale = [k for k, e in self._memo.items() if e.refs == 0 and done[list(k)].any()]
-            dropped = [self._memo.pop(k) for k in stale]
+            idle = [k for k, e in self._memo.items() if e.refs == 0]
+        if idle:
+            done = self._finished(progress, np.unique(np.concatenate([np.array(k) for k in idle])))
+            self._drop_idle(lambda k: bool(done[list(k)].any()))
+        if self._owner():
+            self._sweep(progress)
+
+    def _drop_idle(self, stale: Callable[[tuple[int, ...]], bool]) -> None:
+        """Forget the idle local sources whose shard tuple is ``stale(shards)``, and their pins."""
+        with self._lock:
+            dropped = [self._memo.pop(k) for k, e in list(self._memo.items()) if e.refs == 0 and stale(k)]
         for entry in dropped:
             for shard in entry.shards:
                 self._release(shard)
@@ -679,7 +670,7 @@ class RemoteSource(Source):
             s = source.stats()
             print(f"{s['downloaded_bytes'] / 1e6:.0f} MB, waited {s['network_wait_s']:.1f} s")
         """
-        totals = self._progress.totals() if self._progress is not None else dict.fromkeys(_COUNTERS, 0.0)
+        totals = self._progress.totals() if self._progress is not None else dict.fromkeys(COUNTERS, 0.0)
         return {
             "network_wait_s": totals["network_wait_s"],
             "downloaded_bytes": int(totals["downloaded_bytes"]),
@@ -822,14 +813,16 @@ class _TarMeta:
     fields: list[str]
     present: list[bool]  # per field: in every sample of the shard
     uniform: list[int]  # per field: the one member size of every sample, or -1
+    index_bytes: int = 0  # the index cached beside the tar
 
 
-def _meta_of(index: TarIndex, tar_size: int, remote_size: int) -> _TarMeta:
+def _meta_of(index: TarIndex, tar_size: int, remote_size: int, index_bytes: int) -> _TarMeta:
     present = (index.sizes >= 0).all(axis=0) if index.num_samples else np.zeros(len(index.fields), bool)
     uniform = [
         int(col[0]) if len(col) and (col == col[0]).all() and col[0] >= 0 else -1 for col in index.sizes.T
     ]
-    return _TarMeta(remote_size, tar_size, index.num_samples, list(index.fields), present.tolist(), uniform)
+    fields = list(index.fields)
+    return _TarMeta(remote_size, tar_size, index.num_samples, fields, present.tolist(), uniform, index_bytes)
 
 
 class RemoteTarSource(RemoteSource):
@@ -893,12 +886,18 @@ class RemoteTarSource(RemoteSource):
             metas = list(pool.map(self._meta, range(len(self.shards))))
         for info, meta in zip(self.shards, metas, strict=True):
             info.local_size, info.num_samples = meta.tar_size, meta.num_samples
+            info.index_bytes = meta.index_bytes
         self._layout = self._plan_layout(metas)
         self._finish_init()
 
     # -- opening -------------------------------------------------------------------------------------------
     def _meta_path(self, shard: int) -> Path:
         return Path(f"{self.cache.path(self.shards[shard].key)}.meta.json")
+
+    def _resident_bytes(self) -> int:
+        """The metas: kept for good, so that the next run opens without downloading."""
+        paths = [self._meta_path(s) for s in range(len(self.shards))]
+        return sum(p.stat().st_size for p in paths if p.exists())
 
     def _meta(self, shard: int) -> _TarMeta:
         """The shard's meta: kept from an earlier run, else from a remote sidecar, else by indexing it."""
@@ -922,7 +921,9 @@ class RemoteTarSource(RemoteSource):
                 info.local_size = None if info.compression else info.remote_size
                 path = self._materialize(shard)
                 index = load_tar_index(path, strict=self.tar_strict)
-                meta = _meta_of(index, path.stat().st_size, info.remote_size)
+                index_path = Path(f"{path}{INDEX_SUFFIX}")
+                index_bytes = index_path.stat().st_size if index_path.exists() else 0
+                meta = _meta_of(index, path.stat().st_size, info.remote_size, index_bytes)
             finally:
                 self._release(shard)
         meta_path.parent.mkdir(parents=True, exist_ok=True)
@@ -943,7 +944,7 @@ class RemoteTarSource(RemoteSource):
         if int(identity[1]) != info.remote_size:
             return None  # the sidecar describes another version of the tar
         self._sidecars[shard] = sidecar
-        return _meta_of(index, info.remote_size, info.remote_size)
+        return _meta_of(index, info.remote_size, info.remote_size, len(sidecar))
 
     def _after_download(self, shard: int, path: Path) -> None:
         """Put the remote sidecar beside the cached tar with the tar's mtime set to what the sidecar recorded,
