@@ -13,13 +13,15 @@ Two kinds of it:
   submission order; a job may be inside a collective.
 
 :func:`quiesce` runs at interpreter exit (``atexit``, before finalization starts): it stops every worker
-after the jobs it was given and waits until every callback that has started has also been dropped. Both
-waits release the GIL and are bounded, so a peer that died can delay exit by seconds, never hang it.
+after the jobs it was given and waits until every callback handed to a future has been dropped (run, or its
+future freed). Both waits release the GIL and are bounded, so a collective that never completes can delay
+exit by seconds, never hang it.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import queue
@@ -31,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["OrderedWorker", "callbacks_in_flight", "quiesce", "then", "when_done"]
+__all__ = ["OrderedWorker", "callbacks_in_flight", "quiesce", "then", "wait_for_callbacks", "when_done"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -41,17 +43,34 @@ EXIT_WAIT_S = 10.0
 
 
 class _InFlight:
-    """The number of callbacks that started running and have not been dropped yet."""
+    """The callbacks handed to a future and not dropped yet."""
 
     def __init__(self) -> None:
-        self.changed = threading.Condition()  # over an RLock: a __del__ may run inside add()
+        self.changed = threading.Condition()  # over an RLock: a weakref callback may run inside add()
         self.count = 0
+        self.refs: set[weakref.ref] = set()
 
     def add(self, delta: int) -> None:
         with self.changed:
             self.count += delta
             if self.count == 0:
                 self.changed.notify_all()
+
+    def track(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` in a wrapper that counts until the future that runs it drops it.
+
+        The wrapper is a ``functools.partial``, called from C with no Python frame of its own: a traceback
+        that keeps ``fn``'s frames alive (an error stored in a future) cannot keep the wrapper alive, so it
+        is dropped, and uncounted, when torch drops it.
+        """
+        wrapper = functools.partial(fn)
+        self.add(1)
+        self.refs.add(weakref.ref(wrapper, self._dropped))
+        return wrapper
+
+    def _dropped(self, ref: weakref.ref) -> None:
+        self.refs.discard(ref)
+        self.add(-1)
 
     def wait_empty(self, timeout: float) -> bool:
         with self.changed:
@@ -61,27 +80,6 @@ class _InFlight:
 _IN_FLIGHT = _InFlight()
 
 
-class _Tracked:
-    """A callback that counts itself in flight from its first call until it is dropped."""
-
-    __slots__ = ("_counted_in", "_fn")
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
-        self._counted_in: _InFlight | None = None
-
-    def __call__(self, future: torch.futures.Future) -> Any:
-        if self._counted_in is None:
-            self._counted_in = _IN_FLIGHT
-            self._counted_in.add(1)
-        return self._fn(future)
-
-    def __del__(self) -> None:
-        # the count it joined: one a forked child replaced is not the child's to wait on
-        if self._counted_in is not None:
-            self._counted_in.add(-1)
-
-
 def then(future: torch.futures.Future, fn: Callable[[torch.futures.Future], _T]) -> torch.futures.Future[_T]:
     """``future.then(fn)``, with ``fn`` waited for at interpreter exit (see the module docstring).
 
@@ -89,17 +87,22 @@ def then(future: torch.futures.Future, fn: Callable[[torch.futures.Future], _T])
 
         done = then(work.get_future(), lambda f: f.value()[0] / world_size)
     """
-    return future.then(_Tracked(fn))
+    return future.then(_IN_FLIGHT.track(fn))
 
 
 def when_done(future: torch.futures.Future, fn: Callable[[torch.futures.Future], None]) -> None:
     """``future.add_done_callback(fn)``, with ``fn`` waited for at interpreter exit."""
-    future.add_done_callback(_Tracked(fn))
+    future.add_done_callback(_IN_FLIGHT.track(fn))
 
 
 def callbacks_in_flight() -> int:
-    """How many callbacks given to :func:`then` or :func:`when_done` started and are not dropped yet."""
+    """How many callbacks given to :func:`then` or :func:`when_done` are not dropped yet."""
     return _IN_FLIGHT.count
+
+
+def wait_for_callbacks(timeout: float) -> bool:
+    """Wait, the GIL released, until no callback is in flight; ``True`` if none was left by ``timeout`` s."""
+    return _IN_FLIGHT.wait_empty(timeout)
 
 
 class OrderedWorker:
@@ -150,7 +153,7 @@ def quiesce(timeout: float = EXIT_WAIT_S) -> bool:
         if not worker.stop(max(0.0, deadline - time.monotonic())):
             clean = False
             _log.warning("fastcomm: %s still running a job at exit", worker._thread.name)
-    if not _IN_FLIGHT.wait_empty(max(0.0, deadline - time.monotonic())):
+    if not wait_for_callbacks(max(0.0, deadline - time.monotonic())):
         clean = False
         _log.warning("fastcomm: %d collective callbacks still running at exit", _IN_FLIGHT.count)
     return clean

@@ -3,17 +3,13 @@
 Each case runs ``_exit_script.py``: 50 two-rank runs of a short top-level training script (DDP, the hook,
 five steps, ``destroy_process_group``, a normal interpreter exit, no ``os._exit`` nor ``gc.collect()``).
 Before the exit wait of :mod:`fastcomm.hooks._threads`, a rank aborted with "terminate called without an
-active exception" in a few of every 50 runs (sign: 3 in 30), whenever the interpreter began finalizing
-while a gloo thread still had to drop a finished collective's Python callback.
-
-The second test holds the race open on purpose, as a busy user script does: with a long switch interval the
-main thread keeps the GIL from its last backward to the exit, so a callback not yet dropped by then aborts
-the rank on the old code far more often than in the plain runs.
+active exception" in up to a few of every 50 runs (topk 1, sign 2, quantize 0 of 50 here; under torchrun
+sign 3 of 25), whenever the interpreter began finalizing while a gloo thread still had to drop a finished
+collective's Python callback. ``test_threads.py`` holds that window open deterministically.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,13 +20,12 @@ SCRIPT = Path(__file__).with_name("_exit_script.py")
 METHODS = ("topk", "sign", "quantize", "powersgd", "cadam")
 
 
-def run_script(method: str, runs: int, **env: str) -> str:
+def run_script(method: str, runs: int) -> str:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), method, str(runs)],
         capture_output=True,
         text=True,
         timeout=60 + 10 * runs,
-        env={**os.environ, **env},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -40,9 +35,3 @@ def run_script(method: str, runs: int, **env: str) -> str:
 def test_a_script_with_a_hook_exits_cleanly_every_time(method: str) -> None:
     out = run_script(method, 50)
     assert out.strip().endswith("failed 0 of 50"), out
-
-
-@pytest.mark.parametrize("method", ("sign", "topk"))
-def test_exit_is_clean_while_the_main_thread_keeps_the_gil(method: str) -> None:
-    out = run_script(method, 20, FASTCOMM_TEST_SWITCH_INTERVAL="0.05")
-    assert out.strip().endswith("failed 0 of 20"), out
