@@ -16,7 +16,10 @@ INTEGRATIONS ?= accelerate==1.15.0 lightning==2.6.6 pytorch_lightning==2.6.6 lig
 INTEGRATIONS_STAMP := $(VENV)/.fastlib-integrations
 # fastio's remote sources (fsspec; http(s) needs aiohttp), .tar.zst shards, and the S3 tests' moto server + s3fs.
 # All torch-free; the tests that need one skip with its name when it is absent.
-REMOTE      ?= "fsspec>=2024.2" "aiohttp>=3.9" "requests>=2.31" "zstandard>=0.22" "moto[server]" s3fs boto3
+# s3fs pins aiobotocore, which pins botocore: unpinned, pip walked 23 boto3/botocore versions (minutes) to
+# find the pair, so the set that resolved is pinned here.
+REMOTE      ?= "fsspec>=2024.2" "aiohttp>=3.9" "requests>=2.31" "zstandard>=0.22" "moto[server]==5.2.5" \
+               s3fs==2026.9.0 aiobotocore==3.10.0 boto3==1.43.117 botocore==1.43.117
 NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
 .PHONY: test bench install lint clean test-no-native
