@@ -2,7 +2,10 @@
 node-local shard cache, compressed tar shards.
 
 * :mod:`fastio.remote.fetch`: reading objects with a bounded retry policy, errors naming the URL.
-* :mod:`fastio.remote.cache`: the shard cache (whole shards, file locks, pins, eviction under a limit).
+* :mod:`fastio.remote.cache`: the shard cache (whole shards, file locks, pins, eviction under a limit);
+  :mod:`fastio.remote.room`: how a reservation waits for room, and the errors of a full cache.
+* :mod:`fastio.remote.working_set`: what a pass keeps pinned at once, checked against ``cache_limit``.
+* :mod:`fastio.remote.progress`: a pass's progress, shared with its worker processes.
 * :mod:`fastio.remote.source`: :class:`RemoteShardSource` and :class:`RemoteTarSource`.
 * :mod:`fastio.remote.compressed`: ``.tar.gz``/``.tgz``/``.tar.zst`` shards, decompressed once into the cache.
 
@@ -15,7 +18,7 @@ Example::
                                  cache_dir="/tmp/fastio-cache", cache_limit="50GB")
 """
 
-from fastio.remote.cache import CacheFullError, ShardCache, parse_size
+from fastio.remote.cache import CacheFullError, CacheStalledError, ShardCache, parse_size
 from fastio.remote.fetch import (
     RemoteAccessError,
     RemoteError,
@@ -27,6 +30,7 @@ from fastio.remote.source import RemoteShardSource, RemoteSource, RemoteTarSourc
 
 __all__ = [
     "CacheFullError",
+    "CacheStalledError",
     "RemoteAccessError",
     "RemoteError",
     "RemoteNotFoundError",

@@ -8,12 +8,12 @@ now:
 
 1. Not needed yet (the prefetcher reserving ahead of the reads): it waits quietly for the reads to finish a
    shard, however long the consumer takes; its owner cancels it.
-2. Needed: it logs a warning every ``_LOG_EVERY_S`` seconds, and raises :class:`CacheStalledError` once
-   nothing in the cache has changed for ``stall_s`` seconds while no download is in progress (no entry came
-   or went, no pin was taken or marked read, no download wrote a byte): the readers holding the pins are
-   then waiting themselves, and no pin will go. After ``wait_s`` seconds needed it raises
-   :class:`CacheFullError` even while the cache changes (other readers keep taking the room), unless a
-   download is in progress (its retry policy bounds it).
+2. Needed: it logs a warning every ``_LOG_EVERY_S`` seconds (the first within ``stall_s / 2``), and
+   raises :class:`CacheStalledError` once nothing in the cache has changed for ``stall_s`` seconds while no
+   download is in progress (no entry came or went, no download wrote a byte: a pin taken frees nothing): the
+   readers holding the pins are then waiting themselves, and no pin will go. After ``wait_s`` seconds needed
+   it raises :class:`CacheFullError` even while the cache changes (other readers keep taking the room),
+   unless a download is in progress (its retry policy bounds it).
 
 Example::
 
@@ -44,17 +44,22 @@ _NOT_COUNTED = (".lock", ".pin", ".fastio-cache.lock")
 
 
 class CacheFullError(FastIOError):
-    """Every entry of the cache is pinned and the next shard does not fit under ``cache_limit``.
+    """Every entry of the cache is pinned and the next shard does not fit under ``cache_limit``;
+    ``suggested_limit`` is the limit the message advises (default: ``used``, what is pinned now).
 
     Example::
 
         err = CacheFullError("/cache", 10, 12, 4)
-        assert "cache_limit" in str(err)
+        assert f"at least {err.suggested_limit} bytes" in str(err)
     """
 
-    def __init__(self, cache_dir: str, limit: int, used: int, needed: int, detail: str = "") -> None:
+    def __init__(
+        self, cache_dir: str, limit: int, used: int, needed: int, detail: str = "",
+        suggested_limit: int | None = None,
+    ) -> None:  # fmt: skip
         self.cache_dir, self.limit, self.used, self.needed = cache_dir, limit, used, needed
         self.detail = detail
+        self.suggested_limit = used if suggested_limit is None else suggested_limit
         if detail:  # known impossible at once: no waiting for pins that cannot go
             message = f"{cache_dir}: cache_limit {limit} bytes {detail}"
         else:
@@ -67,7 +72,8 @@ class CacheFullError(FastIOError):
         super().__init__(message)
 
     def __reduce__(self) -> tuple:  # rebuilt from its fields when it crosses from a worker process
-        return (type(self), (self.cache_dir, self.limit, self.used, self.needed, self.detail))
+        args = (self.cache_dir, self.limit, self.used, self.needed, self.detail, self.suggested_limit)
+        return (type(self), args)
 
 
 class CacheStalledError(CacheFullError):
@@ -96,16 +102,18 @@ class CacheStalledError(CacheFullError):
 
 
 def _scan(directory: Path) -> tuple[int, int, bool]:
-    """``(bytes counted against the limit, a fingerprint of every file's name, size and mtime, whether a
-    live process is downloading)``."""
+    """``(bytes counted against the limit, a fingerprint of the files that make room, whether a live process
+    is downloading)``. The fingerprint changes when an entry comes or goes or a download writes; not when a
+    pin is taken or marked read (a lock or pin file comes or is touched), which frees nothing by itself."""
     used, seen, downloading = 0, [], False
     for root, _, files in os.walk(directory):
         for name in files:
+            if name.endswith(_NOT_COUNTED):
+                continue
             with contextlib.suppress(FileNotFoundError):
                 st = os.stat(os.path.join(root, name))
                 seen.append((root, name, st.st_size, st.st_mtime_ns))
-                if not name.endswith(_NOT_COUNTED):
-                    used += st.st_size
+                used += st.st_size
                 owner = part_owner(name)
                 if owner is not None and not downloading:
                     downloading = alive(owner)
@@ -171,14 +179,15 @@ class RoomWatch:
         now = time.monotonic()
         if self._since is None:
             self._since = self._changed = now
-            self._next_log, self._next_scan = now + _LOG_EVERY_S, now
+            self._next_log, self._next_scan = now + min(_LOG_EVERY_S, self.stall_s / 2), now
         if now >= self._next_scan:
             used, fingerprint, downloading = _scan(self.directory)
             if downloading or fingerprint != self._fingerprint:
                 self._fingerprint, self._changed = fingerprint, now
-            self._used, self._downloading, self._next_scan = used, downloading, now + _SCAN_EVERY_S
+            self._used, self._downloading = used, downloading
+            self._next_scan = now + min(_SCAN_EVERY_S, self.stall_s / 4)
         limit = -1 if self.limit is None else self.limit
-        if now - self._changed >= self.stall_s:
+        if now - self._changed >= self.stall_s and not self._downloading:
             raise CacheStalledError(str(self.directory), limit, self._used, size, now - self._changed)
         if now - self._since >= self.wait_s and not self._downloading:  # a download is bounded by its retries
             raise CacheFullError(str(self.directory), limit, self._used, size)

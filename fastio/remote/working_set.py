@@ -173,7 +173,7 @@ def check_pass(
             "`window` shards and a shard stays cached from its first batch to its last (and, with worker "
             f"processes, up to {plan.batches_in_flight - 1} batches more: a worker lets go of its last "
             f"batch's shards when it fetches again); raise cache_limit to at least {pinned.needed} bytes "
-            "(prefetching uses room beyond that when there is some)",
+            "(prefetching uses room beyond that when there is some)", pinned.needed,
         )  # fmt: skip
 
 
@@ -191,5 +191,5 @@ def check_batch(cache_dir: str | os.PathLike[str], limit: int, footprints: list[
             str(cache_dir), limit, 0, total,
             f"cannot hold the {len(footprints)} shards ({total} bytes) that one batch reads together "
             "(shuffle='shard' mixes up to `window` shards per batch): raise cache_limit to at least "
-            f"{total - smallest} bytes",
+            f"{total - smallest} bytes", total - smallest,
         )  # fmt: skip

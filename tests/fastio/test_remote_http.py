@@ -19,6 +19,7 @@ import torch
 import fastio
 from fastio.remote import (
     CacheFullError,
+    CacheStalledError,
     RemoteNotFoundError,
     RemoteReadError,
     RemoteShardSource,
@@ -216,6 +217,82 @@ def test_a_cache_limit_too_small_for_the_read_order_fails_at_once(shard_dir, ser
     finally:
         source.close()
     assert time.monotonic() - start < 30
+
+
+def _epoch_within(loader: fastio.StreamLoader, fio, timeout_s: float = 120.0) -> Counter:
+    """The samples of one epoch of ``loader``, read in a thread: a hang fails the test instead of CI."""
+    seen: Counter = Counter()
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for batch in loader:
+                seen.update(fio.check_batch(batch))
+        except BaseException as exc:  # raised in the test's thread below
+            raised.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    assert not reader.is_alive(), f"the epoch still had not ended after {timeout_s} s"
+    if raised:
+        raise raised[0]
+    return seen
+
+
+@pytest.mark.parametrize(
+    "num_workers, worker_mode, batch_size", [(0, "thread", 4), (2, "thread", 7), (2, "process", 4)]
+)
+def test_the_cache_limit_an_error_suggests_runs_the_epoch(
+    shard_dir, server, tmp_path, fio, num_workers, worker_mode, batch_size
+):
+    # A user told "raise cache_limit to at least N bytes" sets exactly N: the epoch must run. N covers every
+    # shard a batch reads together, the shards shuffle="shard" keeps open (counted per batch, the last one
+    # admitted being the smallest) and, with worker processes, a worker's pins until its next fetch.
+    options = dict(batch_size=batch_size, shuffle="shard", seed=3, shuffle_block=3, shuffle_window=3,
+                   num_workers=num_workers, worker_mode=worker_mode)  # fmt: skip
+    probe = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "probe", cache_limit=1,
+                              retry=FAST_RETRY)  # fmt: skip
+    try:
+        with pytest.raises(CacheFullError) as refused:
+            next(iter(fastio.StreamLoader(probe, **options)))
+    finally:
+        probe.close()
+    suggested = refused.value.suggested_limit
+    assert f"at least {suggested} bytes" in str(refused.value)
+    assert suggested < sum(p.stat().st_size for p in _shard_files(shard_dir))  # the limit really binds
+    source = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "cache", cache_limit=suggested,
+                               retry=FAST_RETRY)  # fmt: skip
+    try:
+        seen = _epoch_within(fastio.StreamLoader(source, **options), fio)
+    finally:
+        source.close()
+    assert sorted(seen) == list(range(fio.NUM_SAMPLES)) and set(seen.values()) == {1}
+
+
+def test_a_pass_that_can_never_get_room_raises_a_named_error_within_seconds(shard_dir, server, tmp_path, fio,
+                                                                           caplog):  # fmt: skip
+    # Another job sharing the cache_dir pins an entry that takes all the room: no shard of the pass can come
+    # in, and no pin will go. The pass must say why it waits and raise CacheStalledError once nothing changed
+    # for stall_s (10 s by default; 3 s here), not wait the 600 s of wait_s in silence.
+    cache_dir = tmp_path / "cache"
+    limit = sum(p.stat().st_size for p in _shard_files(shard_dir))
+    blob = bytes(i % 251 + 1 for i in range(limit + 1))
+    other = ShardCache(cache_dir)
+    other.pin("other-job/blob")
+    other.fill("other-job/blob", len(blob), lambda part: part.write_bytes(blob))
+    source = RemoteShardSource(server.url("train"), cache_dir=cache_dir, cache_limit=limit, retry=FAST_RETRY)
+    source.cache.stall_s = 3.0
+    loader = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=3, num_workers=2,
+                                 worker_mode="process")  # fmt: skip
+    try:
+        with caplog.at_level("WARNING", logger="fastio.remote.cache"):
+            with pytest.raises(CacheStalledError, match="other processes or ranks sharing this cache_dir"):
+                _epoch_within(loader, fio, timeout_s=60.0)
+    finally:
+        source.close()
+        other.unpin("other-job/blob")
+    assert any("every entry pinned" in record.getMessage() for record in caplog.records)
 
 
 def test_two_ranks_sharing_a_cache_download_each_shard_once(shard_dir, server, tmp_path, fio):
