@@ -645,7 +645,7 @@ class RemoteSource(Source):
         with self._lock:
             idle = [k for k, e in self._memo.items() if e.refs == 0]
         if idle:
-            done = self._finished(progress, np.unique(np.concatenate([np.array(k) for k in idle])))
+            done = self._finished(progress, np.unique(np.concatenate([np.array(k, np.int64) for k in idle])))
             self._drop_idle(lambda k: bool(done[list(k)].any()))
         if self._owner():
             self._sweep(progress)
