@@ -40,6 +40,8 @@ _T = TypeVar("_T")
 
 # How long exit waits for started callbacks to be dropped, and for each worker to finish its jobs.
 EXIT_WAIT_S = 10.0
+# How long exit then leaves the GIL to the threads that completed collectives, to finish with them.
+_SETTLE_S = 0.2
 
 
 class _InFlight:
@@ -56,6 +58,8 @@ class _InFlight:
             if self.count == 0:
                 self.changed.notify_all()
 
+    ever = False  # whether this process handed any callback to a future
+
     def track(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` in a wrapper that counts until the future that runs it drops it.
 
@@ -64,6 +68,7 @@ class _InFlight:
         is dropped, and uncounted, when torch drops it.
         """
         wrapper = functools.partial(fn)
+        self.ever = True
         self.add(1)
         self.refs.add(weakref.ref(wrapper, self._dropped))
         return wrapper
@@ -156,6 +161,10 @@ def quiesce(timeout: float = EXIT_WAIT_S) -> bool:
     if not wait_for_callbacks(max(0.0, deadline - time.monotonic())):
         clean = False
         _log.warning("fastcomm: %d collective callbacks still running at exit", _IN_FLIGHT.count)
+    if _IN_FLIGHT.ever:
+        # a gloo worker drops its finished work (and the tensors in it, whose Python objects may need the
+        # GIL) after our callback: give it the GIL for a moment before finalization can start
+        time.sleep(_SETTLE_S)
     return clean
 
 
