@@ -70,12 +70,12 @@ import torch
 
 from fastio._native import MappedFile
 from fastio.errors import CorruptShardError, FastIOError, SchemaMismatchError
+from fastio.format.compression import compression_of, decompress, decompressed_name
 from fastio.format.decode import INT_EXTENSIONS, last_extension, npy_layout
 from fastio.format.reader import ShardReader, ShardSet
 from fastio.format.schema import schema_from_json
 from fastio.format.tar import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
 from fastio.remote.cache import ShardCache
-from fastio.remote.compressed import compression_of, decompress, decompressed_name
 from fastio.remote.fetch import (
     RangeReader,
     RemoteError,
