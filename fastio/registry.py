@@ -9,7 +9,8 @@ local formats and one of URL schemes. :func:`open_source` consults only these ta
 2. Anything else goes to the first format (:func:`register_format`) whose ``matches(target)`` is True.
    Formats registered by users are consulted first (newest last), then the built-ins in this order: an
    object that already is a :class:`~fastio.sources.Source`; a directory (a fastio shard directory);
-   ``.tar.gz``/``.tgz``/``.tar.zst`` paths or patterns (decompressed once into the cache,
+   compressed tar paths or patterns (``.tar.gz``, ``.tgz``, ``.tar.zst``...:
+   :data:`fastio.format.compression.COMPRESSED_SUFFIXES`) (decompressed once into the cache,
    :mod:`fastio.remote.compressed`); a ``.tar`` path, glob or brace pattern, or a list of paths (WebDataset
    tar shards); any other object (a map-style ``Dataset``).
 3. A path no format takes: ``FileNotFoundError`` if it does not exist, else ``ValueError`` listing what
@@ -47,6 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastio.errors import EmptySourceError
+from fastio.format.compression import COMPRESSED_SUFFIXES, is_compressed_tar
 from fastio.sources.base import Source, missing_members
 
 __all__ = [
@@ -134,15 +136,6 @@ def _is_tar(target: Any) -> bool:
     return _is_path(target) and (target.endswith(".tar") or any(c in target for c in "*?[{"))
 
 
-_COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst")
-
-
-def _is_compressed_tar(target: Any) -> bool:
-    # Decided here, by name only, so that matching a local path never imports fastio.remote (and fsspec).
-    names = target if _is_path_list(target) else [target] if _is_path(target) else []
-    return bool(names) and all(n.lower().endswith(_COMPRESSED_TAR_SUFFIXES) for n in names)
-
-
 def _is_object(target: Any) -> bool:
     return not _is_path(target) and not _is_path_list(target)
 
@@ -166,9 +159,10 @@ _BUILTIN_FORMATS = (
     ),
     Format(
         "compressed-tar",
-        _is_compressed_tar,
+        # By name only (fastio.format.compression imports no fsspec): matching never imports fastio.remote.
+        is_compressed_tar,
         "fastio.remote.compressed:open_compressed_tars",
-        "WebDataset .tar.gz/.tgz/.tar.zst shards",
+        f"WebDataset {'/'.join(COMPRESSED_SUFFIXES)} shards",
     ),
     Format("webdataset-tar", _is_tar, "fastio.sources.tar:open_tar_shards", "WebDataset .tar shards"),
     Format("dataset", _is_object, "fastio.sources.dataset:open_dataset"),

@@ -18,7 +18,8 @@ import torch
 
 import fastio
 from fastio.errors import CorruptShardError
-from fastio.registry import OpenOptions
+from fastio.format.compression import COMPRESSED_SUFFIXES
+from fastio.registry import OpenOptions, open_source
 from fastio.remote import RemoteTarSource, RetryPolicy
 from fastio.remote.compressed import decompress, is_compressed_tar, open_compressed_tars
 
@@ -174,6 +175,29 @@ def test_gzip_decompress_streams_what_gzip_wrote():
 )  # fmt: skip
 def test_is_compressed_tar(target, expected):
     assert is_compressed_tar(target) is expected
+
+
+@pytest.mark.parametrize("suffix", list(COMPRESSED_SUFFIXES))
+def test_every_compressed_suffix_opens_locally_and_over_http(tmp_path, suffix):
+    root = tmp_path / "www"
+    root.mkdir()
+    path = root / f"shard-000{suffix}"
+    members = _members(0, 5)
+    if COMPRESSED_SUFFIXES[suffix] == "gzip":
+        _write_tar(path, members, "w:gz")
+    else:
+        _write_zst(path, members)
+    expected = sorted({name.rsplit(".", 1)[0] for name, _ in members})
+
+    def keys(target: str, cache: str) -> list[str]:
+        source = open_source(target, OpenOptions(decode=_raw, cache_dir=str(tmp_path / cache)))
+        found = sorted(k for b in fastio.StreamLoader(source, batch_size=100) for k in b["__key__"])
+        source.close()
+        return found
+
+    assert keys(str(path), "local") == expected
+    with HttpServer(root) as server:
+        assert keys(server.url(path.name), "remote") == expected
 
 
 def test_int_fields_of_compressed_tars_are_tensors(tmp_path):
