@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import netlab
-from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, output_dir, write_results
+from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, output_dir, progress, write_results
 
 __all__ = ["LOSS_METHODS", "main"]
 
@@ -82,6 +82,7 @@ LOSS_METHODS = (
 )
 REFERENCE = {"sgd": "none", "sgd_clip": "sgd", "dgc": "sgd"}
 LOSS_ONLY = {"sgd_clip": "a loss reference (top-k at ratio 1.0 sends twice the dense bytes): not timed"}
+FULL_STEPS = 500  # the committed result's loss runs
 FAST_LINK = "1gbit"
 COMM_TO_COMPUTE = 3.0  # the shaped link: dense allreduce's communication about 3x the no-comm step
 TARGET_SLACK = 1.02  # time to reach dense AdamW's 500-step validation loss + 2%
@@ -1012,6 +1013,15 @@ def _reference_check(kept: _Run, settings: _Settings) -> str:
     )
 
 
+def _short_form_note(methods: Sequence[str], steps: int) -> str:
+    """What a run with fewer methods or steps than the committed result is, and where the full one is."""
+    return (
+        f"short form ({len(methods)} of {len(LOSS_METHODS)} methods, {steps} of {FULL_STEPS} steps): "
+        f"compare with the full run committed in {RESULTS_DIR / (NAME + '.md')} (make bench FULL=1 runs it, "
+        "about 1.5 h)"
+    )
+
+
 def _load_text() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
@@ -1020,7 +1030,7 @@ def _load_text() -> str:
 def main(argv: Sequence[str] | None = None) -> str:
     """Run the benchmark, write ``bench_convergence.*`` to ``harness.output_dir()``; return the Markdown."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=500, help="training steps of each loss run")
+    parser.add_argument("--steps", type=int, default=FULL_STEPS, help="training steps of each loss run")
     parser.add_argument("--methods", default=",".join(LOSS_METHODS), help="comma-separated subset")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps of each speed run")
     parser.add_argument("--timed-steps", type=int, default=20, help="timed steps of each speed run")
@@ -1104,6 +1114,9 @@ def main(argv: Sequence[str] | None = None) -> str:
         for method in methods:
             spec = train_lm.METHODS[method]
             notes.append(f"{method}: {spec.description} {spec.options}")
+        if previous is None and (args.steps != FULL_STEPS or set(LOSS_METHODS) - set(methods)):
+            notes.append(_short_form_note(methods, args.steps))
+            progress(notes[-1])
 
         # -- speed -------------------------------------------------------------------------------------
         shaped_name, fast_name = "shaped", FAST_LINK
@@ -1185,7 +1198,8 @@ def main(argv: Sequence[str] | None = None) -> str:
 
         # -- loss --------------------------------------------------------------------------------------
         runs: dict[str, _Run] = {}
-        for method in methods:
+        for number, method in enumerate(methods, 1):
+            progress(f"[{NAME}] loss run {number} of {len(methods)}: {method}, {args.steps} steps, loopback")
             begin = time.perf_counter()
             runs[method] = _loss_run(train_lm, method, settings, available)
             run = runs[method]

@@ -13,6 +13,7 @@ Every benchmark script builds a list of :class:`Row` (the metric's unit travels 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -22,24 +23,29 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the committed results
 RUNS_DIR = Path(__file__).resolve().parent / "runs"  # one folder per run, git-ignored
 OUTPUT_ENV = "FASTLIB_BENCH_OUTPUT"
+HEARTBEAT_S = 25.0  # a silent benchmark says it is alive this often (the issue asks for every 30 s or less)
 
 __all__ = [
     "OUTPUT_ENV",
     "RESULTS_DIR",
     "RUNS_DIR",
+    "HEARTBEAT_S",
     "Row",
+    "heartbeat",
     "kill_process_groups",
     "machine_info",
     "markdown_table",
     "output_dir",
+    "progress",
     "run_folder",
     "time_call",
     "write_results",
@@ -60,6 +66,54 @@ def output_dir() -> Path:
     """Where benchmarks write: ``$FASTLIB_BENCH_OUTPUT`` if set, else this process's run folder."""
     chosen = os.environ.get(OUTPUT_ENV)
     return Path(chosen) if chosen else _this_run_folder()
+
+
+_STARTED = time.monotonic()
+_last_progress = _STARTED
+
+
+def progress(message: str) -> None:
+    """Print ``[<seconds since the process started> s] message`` to stderr at once, and note the time, so
+    that :func:`heartbeat` stays quiet while progress lines come often enough.
+
+    Example::
+
+        progress("loss run 2 of 3: q8")   # [  83 s] loss run 2 of 3: q8
+    """
+    global _last_progress
+    _last_progress = time.monotonic()
+    print(f"[{_last_progress - _STARTED:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def heartbeat(label: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """While the block runs, a daemon thread prints ``label: still running`` through :func:`progress`
+    whenever no progress line came for ``every_s`` seconds, so long silent work (a child process training,
+    a shard set being written) still shows it is alive.
+
+    Example::
+
+        with heartbeat("bench_hooks"):
+            bench_hooks.main(["--quick"])
+    """
+    done = threading.Event()
+    began = time.monotonic()
+
+    def beat() -> None:
+        def silent_since() -> float:
+            return max(_last_progress, began)
+
+        while not done.wait(max(0.05, silent_since() + every_s - time.monotonic())):
+            if time.monotonic() - silent_since() >= every_s:
+                progress(f"{label}: still running ({time.monotonic() - began:.0f} s)")
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{label}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 @dataclasses.dataclass

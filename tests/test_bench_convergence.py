@@ -240,3 +240,10 @@ def test_a_merge_whose_methods_were_all_rerun_since_leaves_no_notes(train_lm, re
     assert merged.count("powersgd: its line") == 1 and "q8: its line" in merged
     assert set(report.dense) == {"", "second"}
     assert _summary(results)["powersgd"]["shaped_speedup"] == pytest.approx(2.0 / 0.45)
+
+
+def test_a_short_form_names_the_committed_full_result() -> None:
+    note = bench._short_form_note(["none", "topk", "cadam"], 300)
+    counts = f"3 of {len(bench.LOSS_METHODS)} methods, 300 of {bench.FULL_STEPS} steps"
+    assert note.startswith(f"short form ({counts})")
+    assert str(harness.RESULTS_DIR / "bench_convergence.md") in note and "make bench FULL=1" in note
