@@ -47,9 +47,11 @@ test: $(STAMP) $(INTEGRATIONS_STAMP)
 	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-# Results go to benchmarks/runs/<UTC time>/; UPDATE_RESULTS=1 writes the committed benchmarks/results/ instead.
+# The short profile (under 20 min on 2 cores); FULL=1 runs every benchmark in full (about 2 h).
+# Results go to benchmarks/runs/<UTC time>/; UPDATE_RESULTS=1 writes the committed benchmarks/results/ instead,
+# in full.
 bench: $(STAMP)
-	$(PY) -m benchmarks.run_all $(if $(filter 1 yes true,$(UPDATE_RESULTS)),--update-results)
+	$(PY) -m benchmarks.run_all $(if $(filter 1 yes true,$(FULL)),--full) $(if $(filter 1 yes true,$(UPDATE_RESULTS)),--update-results)
 
 lint: $(STAMP)
 	$(PIP) install ruff

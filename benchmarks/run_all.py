@@ -1,17 +1,24 @@
 """`make bench`: every benchmark on built-in synthetic data, one after another, each printing its table.
 
-1. Where results go: a new run folder, ``benchmarks/runs/<UTC time>/`` (git-ignored), or
+1. How much: by default the short profile, each benchmark with the arguments of :attr:`Benchmark.short`
+   (smaller data, fewer steps, fewer rows, but every kind of claim still measured; under 20 minutes on 2
+   cores as root, see :func:`short_minutes`), bench_convergence's result naming the committed full one to
+   compare with. ``--full`` (``make bench FULL=1``) runs every benchmark with its own defaults (about
+   2 h, 1.5 of them bench_convergence). ``--update-results`` implies ``--full``: the committed results
+   are full runs. While a benchmark runs, a line comes at least every :data:`harness.HEARTBEAT_S` seconds.
+2. Where results go: a new run folder, ``benchmarks/runs/<UTC time>/`` (git-ignored), or
    ``$FASTLIB_BENCH_OUTPUT`` when set; the committed ``benchmarks/results/`` only with ``--update-results``
    (``make bench UPDATE_RESULTS=1``). The folder is named before the first benchmark and after the last.
-2. What needs root: the shaped links of :mod:`benchmarks.netlab` need root, ``ip`` and ``tc``. Where they
+3. What needs root: the shaped links of :mod:`benchmarks.netlab` need root, ``ip`` and ``tc``. Where they
    are missing, each benchmark that uses them prints one ``skip ...`` line and runs without those parts
    (or, for one that has no other part, not at all), rather than failing.
-3. One benchmark failing does not stop the others; the exit status is 1 if any failed.
+4. One benchmark failing does not stop the others; the exit status is 1 if any failed.
 
 Example::
 
-    python -m benchmarks.run_all                     # -> benchmarks/runs/20250101-120000Z/
-    python -m benchmarks.run_all --update-results    # -> benchmarks/results/
+    python -m benchmarks.run_all                     # short profile -> benchmarks/runs/20250101-120000Z/
+    python -m benchmarks.run_all --full              # every benchmark in full (about 2 h)
+    python -m benchmarks.run_all --update-results    # in full -> benchmarks/results/
 """
 
 from __future__ import annotations
@@ -27,31 +34,73 @@ from pathlib import Path
 
 from benchmarks import harness, netlab
 
-__all__ = ["SUITE", "Benchmark", "Step", "choose_output", "main", "plan"]
+__all__ = ["SUITE", "Benchmark", "Step", "choose_output", "main", "plan", "short_minutes"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
-    """One benchmark of the suite: its module under ``benchmarks/``, and what of it needs netlab.
+    """One benchmark of the suite: its module under ``benchmarks/``, its short profile, and what of it
+    needs netlab.
 
     Attributes:
         name: the module, e.g. ``"bench_hooks"``.
+        short: the arguments of the default (short) profile, with the minutes they take on 2 cores as
+            root in ``minutes`` (estimated from the committed results' timings); ``--full`` passes none.
+        minutes: the short profile's estimated wall time with netlab, and without it.
         netlab_part: what of it runs on netlab's shaped links (None: nothing does).
-        without_netlab: the arguments that run the rest; None when nothing is left.
+        without_netlab: the arguments that run the rest, overriding ``short``'s options of the same name;
+            None when nothing is left.
     """
 
     name: str
+    short: tuple[str, ...] = ()
+    minutes: tuple[float, float] = (0.0, 0.0)
     netlab_part: str | None = None
     without_netlab: tuple[str, ...] | None = ()
 
 
+# Short-profile estimates (2 cores, as root / without root), from the committed results and the code:
+# kernels: 5M elements is 1/5 of the 25M default's memory traffic (~2 min in full).
+# loader: 1/5 of every data set; writing the 3 GB `fixed` set alone took 19 s in full.
+# images: --quick is 1,000 JPEGs and 640 timed samples per run, 2 rounds (1/5 of the full run).
+# hooks: 2 + 2 steps per configuration, 11 configurations per network at ~12 s each (process start,
+#   model build, 4 steps of 0.3-1 s); the nodes network (4 min, its own bench_hooks_nodes.*) is left out.
+# convergence: 3 methods x 300 steps on loopback at ~0.35 s/step + evaluation and start (~2 min each),
+#   then 9 speed runs of 10 steps (~15 s each) on the shaped and 1gbit links; the full run is 15 methods
+#   x 500 steps (~1.5 h).
+# remote: 0.5 GB of each shard kind (1/2), one run per configuration (of 2): ~1/4 of its ~5 min.
 SUITE = (
-    Benchmark("bench_kernels"),
-    Benchmark("bench_loader"),
-    Benchmark("bench_images"),
-    Benchmark("bench_hooks", "netlab and nodes networks (1gbit links)", ("--network", "loopback")),
-    Benchmark("bench_convergence", "speed runs (shaped links)", ("--skip-speed",)),
-    Benchmark("bench_remote", "entirely (HTTP behind a 1gbit link)", None),
+    Benchmark("bench_kernels", ("--numel", "5000000", "--repeat", "3"), (0.5, 0.5)),
+    Benchmark(
+        "bench_loader",
+        (
+            "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
+            "--dataloader-samples", "20000", "--webloader-samples", "5000", "--pack-docs", "10000",
+        ),
+        (1.5, 1.5),
+    ),
+    Benchmark("bench_images", ("--quick",), (1.0, 1.0)),
+    Benchmark(
+        "bench_hooks",
+        ("--quick", "--network", "both"),
+        (4.5, 2.2),
+        "netlab and nodes networks (1gbit links)",
+        ("--network", "loopback"),
+    ),
+    Benchmark(
+        "bench_convergence",
+        ("--methods", "none,topk,cadam", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "8"),
+        (8.0, 6.0),
+        "speed runs (shaped links)",
+        ("--skip-speed",),
+    ),
+    Benchmark(
+        "bench_remote",
+        ("--gigabytes", "0.5", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"),
+        (2.0, 0.0),
+        "entirely (HTTP behind a 1gbit link)",
+        None,
+    ),
 )
 
 
@@ -65,9 +114,26 @@ class Step:
     skip: str | None = None
 
 
-def plan(suite: Sequence[Benchmark], netlab_unavailable: str | None) -> list[Step]:
-    """Each benchmark's step; where netlab is unavailable (``netlab.unavailable_reason()``), those that use
-    it leave it out and say so in one line.
+def _by_option(argv: Sequence[str]) -> dict[str, list[str]]:
+    """``["--a", "1", "--b"]`` as ``{"--a": ["1"], "--b": []}``: each option with the values after it."""
+    options: dict[str, list[str]] = {}
+    for token in argv:
+        if token.startswith("--"):
+            options[token] = []
+        else:
+            options[next(reversed(options))].append(token)
+    return options
+
+
+def _merged(first: Sequence[str], then: Sequence[str]) -> list[str]:
+    """``first``'s options with those of ``then`` added, an option in both taking ``then``'s values."""
+    options = {**_by_option(first), **_by_option(then)}
+    return [token for option, values in options.items() for token in (option, *values)]
+
+
+def plan(suite: Sequence[Benchmark], netlab_unavailable: str | None, *, full: bool = False) -> list[Step]:
+    """Each benchmark's step: its short-profile arguments, or none with ``full``; where netlab is
+    unavailable (``netlab.unavailable_reason()``), those that use it leave it out and say so in one line.
 
     Example::
 
@@ -75,12 +141,18 @@ def plan(suite: Sequence[Benchmark], netlab_unavailable: str | None) -> list[Ste
     """
     steps = []
     for bench in suite:
+        short = [] if full else list(bench.short)
         if bench.netlab_part is None or netlab_unavailable is None:
-            steps.append(Step(bench.name, []))
+            steps.append(Step(bench.name, short))
             continue
-        argv = None if bench.without_netlab is None else list(bench.without_netlab)
+        argv = None if bench.without_netlab is None else _merged(short, bench.without_netlab)
         steps.append(Step(bench.name, argv, f"skip {bench.name} {bench.netlab_part}: {netlab_unavailable}"))
     return steps
+
+
+def short_minutes(suite: Sequence[Benchmark], netlab_unavailable: str | None) -> float:
+    """The short profile's estimated wall time in minutes on 2 cores, with netlab or without it."""
+    return sum(b.minutes[0 if netlab_unavailable is None else 1] for b in suite)
 
 
 def choose_output(update_results: bool, environ: Mapping[str, str], now: time.struct_time) -> Path:
@@ -100,16 +172,33 @@ def choose_output(update_results: bool, environ: Mapping[str, str], now: time.st
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
+        "--full",
+        action="store_true",
+        help="every benchmark with its own defaults, about 2 h (default: the short profile, about 20 min)",
+    )
+    parser.add_argument(
         "--update-results",
         action="store_true",
-        help=f"write the committed {harness.RESULTS_DIR} (default: a new folder under {harness.RUNS_DIR})",
+        help=f"write the committed {harness.RESULTS_DIR}, in full (default: a new folder under "
+        f"{harness.RUNS_DIR})",
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
+    full = args.full or args.update_results
     out = choose_output(args.update_results, os.environ, time.gmtime())
     os.environ[harness.OUTPUT_ENV] = str(out)  # what harness.output_dir() reads, here and in child processes
     print(f"Results go to {out}", flush=True)
+    netlab_unavailable = netlab.unavailable_reason()
+    if full:
+        print("Full profile: every benchmark with its own defaults (about 2 h on 2 cores)", flush=True)
+    else:
+        print(
+            f"Short profile (about {short_minutes(SUITE, netlab_unavailable):.0f} min on 2 cores): fewer "
+            f"rows and steps, smaller data; the full results are committed in {harness.RESULTS_DIR}; "
+            "make bench FULL=1 runs everything (about 2 h)",
+            flush=True,
+        )
     failed = []
-    for step in plan(SUITE, netlab.unavailable_reason()):
+    for step in plan(SUITE, netlab_unavailable, full=full):
         if step.skip:
             print(step.skip, flush=True)
         if step.argv is None:
@@ -117,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         print(f"\n===== benchmarks/{step.name}.py {' '.join(step.argv)} =====", flush=True)
         try:
-            print(importlib.import_module(f"benchmarks.{step.name}").main(step.argv))
+            with harness.heartbeat(step.name):
+                print(importlib.import_module(f"benchmarks.{step.name}").main(step.argv))
         except Exception as exc:  # one benchmark failing must not hide the others' numbers
             failed.append(step.name)
             print(f"{step.name} FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -1,8 +1,12 @@
-"""`make bench` (benchmarks/run_all.py): where results go and what is skipped without root, with the
-benchmarks replaced by stand-ins (nothing is measured)."""
+"""`make bench` (benchmarks/run_all.py): the short and full profiles, where results go, what is skipped
+without root, and the progress lines, with the benchmarks replaced by stand-ins (nothing is measured)."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import shutil
+import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +17,20 @@ from benchmarks import harness, netlab, run_all
 
 _NOW = time.struct_time((2025, 3, 4, 5, 6, 7, 1, 63, 0))
 _NOT_ROOT = "netlab needs root to create network namespaces (run as root to get the 1 Gbit/s link)"
+_REPO = Path(__file__).resolve().parent.parent
+_SHORT = {
+    "bench_kernels": ["--numel", "5000000", "--repeat", "3"],
+    "bench_loader": [
+        "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
+        "--dataloader-samples", "20000", "--webloader-samples", "5000", "--pack-docs", "10000",
+    ],
+    "bench_images": ["--quick"],
+    "bench_hooks": ["--quick", "--network", "both"],
+    "bench_convergence": [
+        "--methods", "none,topk,cadam", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "8",
+    ],
+    "bench_remote": ["--gigabytes", "0.5", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"],
+}
 
 
 @pytest.fixture
@@ -82,11 +100,11 @@ def test_without_root_netlab_parts_are_skipped_with_one_line_each(ran, monkeypat
     _as(monkeypatch, uid=1000, tools=True)
     assert run_all.main([]) == 0
     assert ran == {
-        "bench_kernels": [],
-        "bench_loader": [],
-        "bench_images": [],
-        "bench_hooks": ["--network", "loopback"],
-        "bench_convergence": ["--skip-speed"],
+        "bench_kernels": _SHORT["bench_kernels"],
+        "bench_loader": _SHORT["bench_loader"],
+        "bench_images": _SHORT["bench_images"],
+        "bench_hooks": ["--quick", "--network", "loopback"],
+        "bench_convergence": [*_SHORT["bench_convergence"], "--skip-speed"],
     }
     skips = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skip ")]
     assert skips == [
@@ -103,10 +121,116 @@ def test_missing_ip_or_tc_skips_the_same_parts_as_root(monkeypatch):
     assert all("`ip` command" in s.skip for s in steps if s.skip)
 
 
-def test_as_root_with_ip_and_tc_everything_runs_in_full(monkeypatch):
+def test_full_as_root_passes_no_arguments(monkeypatch):
     _as(monkeypatch, uid=0, tools=True)
-    steps = run_all.plan(run_all.SUITE, netlab.unavailable_reason())
+    steps = run_all.plan(run_all.SUITE, netlab.unavailable_reason(), full=True)
     assert [(s.name, s.argv, s.skip) for s in steps] == [(b.name, [], None) for b in run_all.SUITE]
+
+
+def test_full_without_root_passes_only_what_leaves_netlab_out(monkeypatch):
+    _as(monkeypatch, uid=1000, tools=True)
+    steps = run_all.plan(run_all.SUITE, netlab.unavailable_reason(), full=True)
+    assert {s.name: s.argv for s in steps} == {
+        "bench_kernels": [],
+        "bench_loader": [],
+        "bench_images": [],
+        "bench_hooks": ["--network", "loopback"],
+        "bench_convergence": ["--skip-speed"],
+        "bench_remote": None,
+    }
+
+
+def test_the_short_profile_is_the_default_as_root(ran, monkeypatch, capsys):
+    _as(monkeypatch, uid=0, tools=True)
+    assert run_all.main([]) == 0
+    assert ran == _SHORT
+    out = capsys.readouterr().out
+    assert "Short profile" in out and "make bench FULL=1" in out
+
+
+@pytest.mark.parametrize("flags", [["--full"], ["--update-results"], ["--full", "--update-results"]])
+def test_full_and_update_results_run_every_benchmark_with_its_defaults(flags, ran, monkeypatch, capsys):
+    _as(monkeypatch, uid=0, tools=True)
+    assert run_all.main(flags) == 0
+    assert ran == {name: [] for name in _SHORT}
+    assert "Full profile" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_the_short_profile_is_estimated_under_20_minutes(uid, monkeypatch):
+    _as(monkeypatch, uid=uid, tools=True)
+    assert 0 < run_all.short_minutes(run_all.SUITE, netlab.unavailable_reason()) <= 20
+
+
+@pytest.mark.parametrize("bench", run_all.SUITE, ids=lambda b: b.name)
+def test_every_short_profile_option_exists(bench, monkeypatch):
+    """Each short-profile flag is one of the benchmark's own options (its parser is read, nothing runs)."""
+    seen: list[argparse.ArgumentParser] = []
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def capture(parser: argparse.ArgumentParser, args=None, namespace=None):
+        seen.append(parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"benchmarks.{bench.name}").main(list(bench.short))
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", real_parse)
+    (parser,) = seen
+    options = {option for action in parser._actions for option in action.option_strings}
+    assert {token for token in bench.short if token.startswith("--")} <= options
+    parsed = parser.parse_args(list(bench.short))  # values of the right type, no conflicts
+    assert parsed is not None
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize(
+    "variables, flags",
+    [([], ""), (["FULL=1"], "--full"), (["UPDATE_RESULTS=1"], "--update-results"),
+     (["FULL=yes", "UPDATE_RESULTS=true"], "--full --update-results")],
+)
+def test_make_bench_passes_full_and_update_results(variables, flags):
+    dry = subprocess.run(
+        ["make", "-n", "-W", "Makefile", "bench", *variables], cwd=_REPO, capture_output=True, text=True
+    )
+    (line,) = [line for line in dry.stdout.splitlines() if "benchmarks.run_all" in line]
+    assert line.split("benchmarks.run_all", 1)[1].split() == flags.split()
+
+
+def test_progress_prints_the_elapsed_time_to_stderr(capsys):
+    harness.progress("loss run 1 of 3")
+    err = capsys.readouterr().err
+    assert err.startswith("[") and err.rstrip().endswith("s] loss run 1 of 3")
+
+
+def test_a_silent_block_gets_a_heartbeat_line(capsys):
+    with harness.heartbeat("bench_x", every_s=0.2):
+        time.sleep(0.7)
+    beats = [line for line in capsys.readouterr().err.splitlines() if "bench_x: still running" in line]
+    assert 2 <= len(beats) <= 4
+
+
+def test_progress_lines_keep_the_heartbeat_quiet(capsys):
+    with harness.heartbeat("bench_x", every_s=0.4):
+        for _ in range(6):
+            time.sleep(0.1)
+            harness.progress("step")
+    assert "still running" not in capsys.readouterr().err
+
+
+def test_run_all_gives_each_benchmark_a_heartbeat(ran, monkeypatch, capsys):
+    _as(monkeypatch, uid=0, tools=True)
+    labels: list[str] = []
+    real = harness.heartbeat
+
+    def recorded(label: str, every_s: float = harness.HEARTBEAT_S):
+        labels.append(label)
+        assert every_s <= 30
+        return real(label, every_s)
+
+    monkeypatch.setattr(harness, "heartbeat", recorded)
+    assert run_all.main([]) == 0
+    assert labels == [b.name for b in run_all.SUITE]
 
 
 def test_a_failing_benchmark_does_not_stop_the_others(ran, monkeypatch, capsys):
