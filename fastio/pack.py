@@ -58,7 +58,8 @@ from fastio._gather import gather_ranges
 from fastio._native import default_threads
 from fastio.errors import EmptySourceError
 from fastio.sources import BufferPool, StageTimes, TokenDocuments, shard_read_order, torch_dtype
-from fastio.workers import BatchPass, ThreadPipeline
+from fastio.workers.batch_pass import BatchPass
+from fastio.workers.threads import ThreadPipeline
 
 __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
 

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from fastio.workers import worker_info
+from fastio.workers.info import worker_info
 
 __all__ = ["COUNTERS", "SharedProgress"]
 

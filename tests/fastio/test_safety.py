@@ -19,6 +19,7 @@ import torch
 
 import fastio
 from fastio import workers as fastio_workers
+from fastio.workers import processes, threads
 
 MODES = {"main": dict(num_workers=0), "threads": dict(num_workers=2, worker_mode="thread")}
 MODES["processes"] = dict(num_workers=2, worker_mode="process")
@@ -231,7 +232,7 @@ def test_kept_large_batches_from_processes_stay_valid_and_hold_no_fds(reuse):
 
 def test_a_slot_file_that_cannot_be_made_raises_instead_of_hanging(monkeypatch):
     made = []
-    create = fastio_workers._SlotFile.create
+    create = processes._SlotFile.create
 
     def create_until_the_disk_is_full() -> object:
         made.append(1)
@@ -239,7 +240,7 @@ def test_a_slot_file_that_cannot_be_made_raises_instead_of_hanging(monkeypatch):
             raise OSError(28, "No space left on device")
         return create()
 
-    monkeypatch.setattr(fastio_workers._SlotFile, "create", staticmethod(create_until_the_disk_is_full))
+    monkeypatch.setattr(processes._SlotFile, "create", staticmethod(create_until_the_disk_is_full))
     loader = fastio.StreamLoader(_Big(), batch_size=2, num_workers=2, worker_mode="process")
     previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the loader hung"))
     signal.alarm(30)
@@ -359,7 +360,7 @@ def test_running_thread_pipelines_are_stopped_and_joined_at_exit():
 
     pipeline = fastio_workers.ThreadPipeline(produce, n_batches=1000, num_workers=2, slots=4)
     assert pipeline.get(0)[0]
-    fastio_workers._stop_thread_pipelines()  # what atexit runs
+    threads._stop_thread_pipelines()  # what atexit runs
     assert not any(t.is_alive() for t in pipeline.threads)
 
 

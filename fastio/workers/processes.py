@@ -1,0 +1,336 @@
+"""Forked worker processes making batches ahead of the consumer (for Python transforms, collates and
+Datasets that hold the GIL). Each process writes the tensors of its batch into a ring slot: a file in
+``$FASTIO_WORKER_DIR`` (or the system temp dir, never ``/dev/shm``) that is unlinked as it is created, so
+it has no path and never outlives the processes that map it. Both sides map it shared; only a small
+description (offsets, dtypes, shapes, and non-tensor leaves such as keys) goes through a pipe. Tensors are
+never pickled.
+
+Batch ``j`` is handed out only in order, at most ``slots`` batches in flight. A yielded batch is
+never overwritten while anything still views it (the batch, a slice, a numpy view): before a slot
+is refilled the consumer checks whether its mapping is still viewed, and if so gives the slot a new file
+(sent to the worker over the pipe) and leaves the old mapping to whoever holds it. ``reuse=False`` gives
+every batch fresh memory. An exception in a worker is re-raised in the consumer; a worker that dies raises
+``RuntimeError`` (never a hang). A worker process exits when its parent dies, even mid-batch
+(``PR_SET_PDEATHSIG`` on Linux, with the pipe and a parent-pid check as the fallback elsewhere). Linux sends
+that signal when the *thread* that forked exits, so start the iteration (``iter(loader)``) in a thread that
+outlives it; if that thread ends first, the next batch raises the dead-worker ``RuntimeError``.
+
+Example::
+
+    pipeline = ProcessPipeline(produce, n_batches=100, num_workers=2, slots=4, times=StageTimes())
+    ok, (batch, size) = pipeline.get(0)
+    pipeline.stop()
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any
+
+import torch
+
+from fastio.sources import storage_refs
+from fastio.structure import map_structure
+
+__all__ = ["ProcessPipeline"]
+
+_ALIGN = 64
+_COPY_AT_MOST = 64 << 10  # tensors this small leave a slot as copies
+_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.5  # how often an idle worker process checks that its parent is still there
+
+
+class _TensorRef:
+    """Where a tensor of a batch lies in its slot file."""
+
+    __slots__ = ("dtype", "nbytes", "offset", "shape")
+
+    def __init__(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.offset, self.nbytes, self.dtype, self.shape = offset, nbytes, dtype, shape
+
+
+def _collect(batch: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]]]:
+    """The batch's layout (tensors replaced by refs at packed, aligned offsets) and the refs with their
+    tensors."""
+    pairs: list[tuple[_TensorRef, torch.Tensor]] = []
+
+    def place(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        offset = (pairs[-1][0].offset + pairs[-1][0].nbytes + _ALIGN - 1) // _ALIGN * _ALIGN if pairs else 0
+        ref = _TensorRef(offset, value.numel() * value.element_size(), value.dtype, tuple(value.shape))
+        pairs.append((ref, value))
+        return ref
+
+    return map_structure(batch, place), pairs
+
+
+def _rebuild(layout: Any, base: torch.Tensor | None) -> Any:
+    """The batch: its large tensors views of ``base`` (the slot's mapping, so that the slot knows it is held),
+    its small ones (labels, lengths) copied out, so that keeping only those never holds a whole slot."""
+
+    def view(value: Any) -> Any:
+        if not isinstance(value, _TensorRef):
+            return value
+        if value.nbytes == 0:
+            return torch.empty(value.shape, dtype=value.dtype)
+        tensor = base[value.offset : value.offset + value.nbytes].view(value.dtype).view(value.shape)
+        return tensor.clone() if value.nbytes <= _COPY_AT_MOST else tensor
+
+    return map_structure(layout, view)
+
+
+class _SlotFile:
+    """One ring slot: an unlinked file (an fd, no path) that both processes map shared; the writer grows it
+    when a batch needs more. ``base`` is a uint8 tensor over the whole mapping: every tensor handed out from
+    the slot is a view of it, so its storage's use count says whether anyone still holds one."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.size = fd, 0
+        self.base: torch.Tensor | None = None
+
+    @classmethod
+    def create(cls) -> _SlotFile:
+        with tempfile.TemporaryFile(dir=os.environ.get("FASTIO_WORKER_DIR")) as fh:  # unlinked at once
+            return cls(os.dup(fh.fileno()))
+
+    def mapped(self, nbytes: int = 0) -> torch.Tensor | None:
+        """The mapping (None while the file is empty), the file first grown to ``nbytes`` if smaller."""
+        if nbytes > os.fstat(self.fd).st_size:
+            os.ftruncate(self.fd, nbytes * 5 // 4 + _ALIGN)
+        actual = os.fstat(self.fd).st_size
+        if actual != self.size:
+            self.base = _map_shared(self.fd, actual) if actual else None  # the old mapping lives in its views
+            self.size = actual
+        return self.base
+
+    def held(self) -> bool:
+        return self.base is not None and storage_refs(self.base) > 1
+
+    def close(self) -> None:
+        self.base = None  # unmapped when its last view is freed
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1  # a second close must not hit a descriptor since reused elsewhere
+
+
+def _map_shared(fd: int, size: int) -> torch.Tensor:
+    """A uint8 tensor over the first ``size`` bytes of file ``fd``, mapped shared and unmapped with its last
+    view. On Linux through ``/proc/self/fd``, so that the mapping keeps no descriptor open: batches a user
+    keeps cost no file descriptors. (Never ``mmap.close()`` one: ``torch.frombuffer`` keeps the mmap object
+    alive without holding a buffer export, so close() would unmap under a kept batch.)"""
+    proc_path = f"/proc/self/fd/{fd}"
+    if os.path.exists(proc_path):
+        return torch.from_file(proc_path, shared=True, size=size, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), dtype=torch.uint8)
+
+
+def _write(slot: _SlotFile, pairs: list[tuple[_TensorRef, torch.Tensor]]) -> None:
+    end = max((ref.offset + ref.nbytes for ref, _ in pairs), default=0)
+    base = slot.mapped(end)
+    for ref, tensor in pairs:
+        if ref.nbytes:
+            base[ref.offset : ref.offset + ref.nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux), and exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the parent-pid check of the receive loop still notices
+    if os.getppid() != parent_pid:  # the parent died between fork and prctl
+        os._exit(0)
+
+
+def _worker_main(
+    produce: Callable[[int], Any],
+    conn: Any,
+    slot_fds: list[int],
+    times: Any,
+    worker_id: int,
+    parent_pid: int,
+    worker_init: Callable[[int], None] | None,
+    inherited: list[Any],
+) -> None:
+    _die_with_parent(parent_pid)
+    for other in inherited:  # other workers' pipe ends: holding them would hide their parent's death
+        other.close()
+    torch.set_num_threads(1)
+    slots = [_SlotFile(fd) for fd in slot_fds]
+    if worker_init is not None:
+        worker_init(worker_id)
+    while True:
+        while not conn.poll(_PARENT_POLL_S):
+            if os.getppid() != parent_pid:
+                return
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        job, new_file = message
+        if new_file:  # the consumer still holds this slot's last batch: write into the file it sends
+            slots[job % len(slots)].close()
+            slots[job % len(slots)] = _SlotFile(recv_handle(conn))
+        before = (dict(times.seconds), times.bytes)
+        try:
+            batch, size = produce(job)
+            layout, pairs = _collect(batch)
+            _write(slots[job % len(slots)], pairs)
+            del batch, pairs
+            deltas = ({k: v - before[0][k] for k, v in times.seconds.items()}, times.bytes - before[1])
+            conn.send((job, True, (layout, size, deltas)))
+        except BaseException as exc:
+            try:
+                pickle.loads(pickle.dumps(exc))
+                error: BaseException = exc
+            except Exception:
+                error = RuntimeError(f"fastio worker process: {type(exc).__name__}: {exc}")
+            error.__cause__ = None
+            detail = "".join(traceback.format_exception(exc))
+            conn.send((job, False, (error, detail)))
+
+
+class ProcessPipeline:
+    """Forked worker processes running ``produce(job)``, batches handed over through slot files.
+
+    ``times`` (a :class:`fastio.sources.StageTimes`) receives each worker's per-batch stage times;
+    ``worker_init(worker_id)``, when given, runs first in each process; ``reuse=False`` writes every batch
+    into a new file.
+
+    Example::
+
+        pipeline = ProcessPipeline(produce, n_batches=100, num_workers=2, slots=4, times=StageTimes())
+    """
+
+    def __init__(
+        self,
+        produce: Callable[[int], Any],
+        n_batches: int,
+        num_workers: int,
+        slots: int,
+        times: Any,
+        worker_init: Callable[[int], None] | None = None,
+        reuse: bool = True,
+    ) -> None:
+        self.n_batches, self.slots, self.times, self.reuse = n_batches, slots, times, reuse
+        # One file more than batches in flight: the consumer still holds the last batch while asking for
+        # the next, so the file refilled then is one it has dropped, and the fast path never makes files.
+        self.slot_files = [_SlotFile.create() for _ in range(slots + 1)]
+        self.generation = [0] * len(self.slot_files)
+        self.known = [[0] * len(self.slot_files) for _ in range(num_workers)]  # per worker, per slot
+        context = multiprocessing.get_context("fork")
+        self.conns, self.procs = [], []
+        for w in range(num_workers):
+            parent, child = context.Pipe(duplex=True)
+            proc = context.Process(
+                target=_worker_main,
+                args=(
+                    produce,
+                    child,
+                    [s.fd for s in self.slot_files],
+                    times,
+                    w,
+                    os.getpid(),
+                    worker_init,
+                    list(self.conns),
+                ),
+                name=f"fastio-worker-{w}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.dispatched = 0
+        self.results: dict[int, tuple[bool, Any]] = {}
+        self.stopped = False
+
+    def _dispatch(self, job: int) -> None:
+        k, w = job % len(self.slot_files), job % len(self.conns)
+        slot = self.slot_files[k]
+        if slot.held() or (not self.reuse and job >= len(self.slot_files)):
+            self.slot_files[k] = _SlotFile.create()
+            self.generation[k] += 1
+            slot.close()  # kept views keep their mapping (and the file's blocks) alive on their own
+        new_file = self.known[w][k] != self.generation[k]
+        self.conns[w].send((job, new_file))
+        if new_file:
+            send_handle(self.conns[w], self.slot_files[k].fd, self.procs[w].pid)
+            self.known[w][k] = self.generation[k]
+
+    def get(self, job: int) -> tuple[bool, Any]:
+        """``(True, (batch, size))`` or ``(False, exception)``; blocks until batch ``job`` is made."""
+        try:
+            while self.dispatched < min(self.n_batches, job + self.slots):
+                self._dispatch(self.dispatched)
+                self.dispatched += 1
+        except ConnectionError:
+            pass  # a worker is gone: reported below (a slot file that cannot be made raises here)
+        live = list(self.conns)
+        while job not in self.results:
+            ready = wait(live, timeout=1.0) if live else []
+            for conn in ready:
+                try:
+                    done, ok, payload = conn.recv()
+                except (EOFError, OSError):
+                    live.remove(conn)
+                    continue
+                self.results[done] = (ok, payload)
+            if job in self.results:
+                break
+            dead = [p for p in self.procs if not p.is_alive()]
+            if dead or not live:
+                name, code = (dead[0].name, dead[0].exitcode) if dead else ("?", None)
+                return False, RuntimeError(
+                    f"fastio: worker process {name} exited (code {code}) before batch {job}"
+                )
+        ok, payload = self.results.pop(job)
+        if not ok:
+            error, detail = payload
+            error.add_note(f"in a fastio worker process:\n{detail}")
+            return False, error
+        layout, size, (seconds, nbytes) = payload
+        for stage, value in seconds.items():
+            self.times.add(stage, value)
+        self.times.add("read", 0.0, nbytes)
+        base = self.slot_files[job % len(self.slot_files)].mapped()
+        return True, (_rebuild(layout, base), size)
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=1.0)
+            if not proc.is_alive():
+                proc.close()  # its sentinel pipes
+        for conn in self.conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        for slot in self.slot_files:
+            slot.close()

@@ -1,0 +1,117 @@
+"""Worker threads making batches ahead of the consumer: the native gather releases the GIL, so threads are
+the fast path for shards and tar members. Batches land in the producer's reused buffers
+(:class:`fastio.sources.BufferPool`: a set is refilled only when nothing outside still views it).
+
+Batch ``j`` is handed out only in order, at most ``slots`` batches in flight; an exception in a worker is
+re-raised in the consumer. Worker threads still running at interpreter exit are stopped and joined first (a
+daemon thread caught inside the native gather by the shutdown would abort the process).
+
+Example::
+
+    pipeline = ThreadPipeline(produce, n_batches=100, num_workers=2, slots=4)
+    ok, (batch, size) = pipeline.get(0)
+    pipeline.stop()
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ThreadPipeline"]
+
+_EXIT_WAIT_S = 10.0  # at interpreter exit, how long worker threads may take to finish their batch
+
+
+_running_thread_pipelines: weakref.WeakSet[ThreadPipeline] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_thread_pipelines() -> None:
+    """Let worker threads finish their batch before the interpreter shuts down: a daemon thread still inside
+    the native gather then would be unwound through C++ frames that cannot be, and the process aborts."""
+    pipelines = list(_running_thread_pipelines)
+    for pipeline in pipelines:
+        pipeline.stop()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for pipeline in pipelines:
+        for thread in pipeline.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class ThreadPipeline:
+    """Worker threads running ``produce(job)`` ahead of the consumer (see the module docstring).
+
+    ``worker_init(worker_id)``, when given, runs first in each thread.
+
+    Example::
+
+        pipeline = ThreadPipeline(lambda j: (j, 1), n_batches=3, num_workers=2, slots=2)
+        assert pipeline.get(0) == (True, (0, 1))
+    """
+
+    def __init__(
+        self,
+        produce: Callable[[int], Any],
+        n_batches: int,
+        num_workers: int,
+        slots: int,
+        worker_init: Callable[[int], None] | None = None,
+    ) -> None:
+        self.produce, self.n_batches, self.slots = produce, n_batches, slots
+        self.worker_init = worker_init
+        self.cond = threading.Condition()
+        self.next_job = 0
+        self.released = 0
+        self.results: dict[int, tuple[bool, Any]] = {}
+        self.stopped = False
+        self.threads = [
+            threading.Thread(target=self._work, args=(w,), name=f"fastio-worker-{w}", daemon=True)
+            for w in range(num_workers)
+        ]
+        for t in self.threads:
+            t.start()
+        _running_thread_pipelines.add(self)
+
+    def _work(self, worker_id: int) -> None:
+        if self.worker_init is not None:
+            self.worker_init(worker_id)
+        while True:
+            with self.cond:
+                while (
+                    not self.stopped
+                    and self.next_job < self.n_batches
+                    and self.next_job >= self.released + self.slots
+                ):
+                    self.cond.wait()
+                if self.stopped or self.next_job >= self.n_batches:
+                    return
+                job = self.next_job
+                self.next_job += 1
+            try:
+                result = (True, self.produce(job))
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                result = (False, exc)
+            with self.cond:
+                self.results[job] = result
+                self.cond.notify_all()
+
+    def get(self, job: int) -> tuple[bool, Any]:
+        """``(True, produce(job))`` or ``(False, exception)``; blocks until batch ``job`` is made."""
+        with self.cond:
+            self.released = job  # the consumer moved past job - 1: another batch may start
+            self.cond.notify_all()
+            while job not in self.results:
+                if not any(t.is_alive() for t in self.threads):
+                    return False, RuntimeError(f"fastio: worker threads exited before batch {job}")
+                self.cond.wait(timeout=1.0)
+            return self.results.pop(job)
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
