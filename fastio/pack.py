@@ -57,6 +57,7 @@ import torch
 from fastio._gather import gather_ranges
 from fastio._native import default_threads
 from fastio.errors import EmptySourceError
+from fastio.pack_rows import EpochPlan, RowRuns, plan_rows
 from fastio.sources import BufferPool, StageTimes, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.threads import ThreadPipeline
@@ -124,16 +125,6 @@ class Pack:
         return self.seq_len + int(self.shift)
 
 
-@dataclasses.dataclass(frozen=True)
-class _EpochPlan:
-    """This rank's token stream of one epoch."""
-
-    epoch: int
-    docs: np.ndarray  # int64: this rank's documents, in stream order
-    starts: np.ndarray  # int64 [len(docs) + 1]: stream position of each document's first token
-    rows: int  # rows every rank yields this epoch
-
-
 def _documents(source: Any, field_name: str) -> TokenDocuments:
     token_documents = getattr(source, "token_documents", None)
     if token_documents is None:
@@ -163,58 +154,6 @@ def _out_dtype(pack: Pack, stored: np.dtype) -> torch.dtype:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class _RowRuns:
-    """The runs of rows ``[first, first + rows)`` of a stream: run ``i`` copies ``nbytes[i]`` bytes from
-    ``(shard[i], src[i])`` to token ``dst[i]`` (counted from the first row's start) and spans ``length[i]``
-    tokens there (its eos included); ``row_runs[k]``/``row_eos[k]``: the first run/eos slot of row ``k``."""
-
-    first: int
-    shard: np.ndarray  # int32
-    src: np.ndarray  # int64 bytes
-    nbytes: np.ndarray  # int64
-    dst: np.ndarray  # int64 tokens
-    length: np.ndarray  # int64 tokens
-    run_in_row: np.ndarray  # int32: the document's number within its row
-    row_runs: np.ndarray  # int64 [rows + 1]
-    eos_at: np.ndarray  # int64 tokens
-    row_eos: np.ndarray  # int64 [rows + 1]
-
-
-def _plan_rows(plan: _EpochPlan, docs: TokenDocuments, pack: Pack, first: int, rows: int) -> _RowRuns:
-    """Every run of rows ``[first, first + rows)``: vectorized, no token read (see the module docstring)."""
-    width, cs = pack.row_len, plan.starts
-    row_start = (first + np.arange(rows, dtype=np.int64)) * pack.seq_len
-    first_doc = np.searchsorted(cs, row_start, "right") - 1
-    runs_per_row = np.searchsorted(cs, row_start + width, "left") - first_doc
-    run_row = np.repeat(np.arange(rows, dtype=np.int64), runs_per_row)
-    first_run = np.cumsum(runs_per_row) - runs_per_row
-    pos = first_doc[run_row] + (np.arange(len(run_row)) - first_run[run_row])
-    begin = np.maximum(cs[pos], row_start[run_row])
-    end = np.minimum(cs[pos + 1], row_start[run_row] + width)
-    if (end <= begin).any():  # empty documents without eos inside a row take no place and no number
-        keep = end > begin
-        run_row, pos, begin, end = run_row[keep], pos[keep], begin[keep], end[keep]
-    doc = plan.docs[pos]
-    offset = begin - cs[pos]  # of the run within its document
-    count = docs.tokens[doc]
-    copied = np.minimum(end - cs[pos], count) - offset  # 0 for a run that is only the eos
-    dst = run_row * width + (begin - row_start[run_row])
-    size = docs.dtype.itemsize
-    row_runs = np.searchsorted(run_row, np.arange(rows + 1), "left")
-    run_in_row = (np.arange(len(run_row)) - row_runs[run_row]).astype(np.int32)
-    if pack.eos is not None:
-        ends = end - cs[pos] == count + 1
-        eos_at = dst[ends] + copied[ends]
-    else:
-        eos_at = np.zeros(0, dtype=np.int64)
-    row_eos = np.searchsorted(eos_at, np.arange(rows + 1) * width, "left")
-    return _RowRuns(
-        first, docs.shard[doc], docs.src[doc] + offset * size, copied * size, dst, end - begin, run_in_row,
-        row_runs, eos_at, row_eos,
-    )  # fmt: skip
-
-
 class _PackProducer:
     """Fills batch ``job`` of a pass (rows ``start_row + job * B`` on); holds no reference to the iterator.
 
@@ -226,7 +165,7 @@ class _PackProducer:
     _KEEP_CHUNKS = 4
 
     def __init__(
-        self, packer: TokenPacker, plan: _EpochPlan, start_row: int, threads: int, pin: bool, keep: int
+        self, packer: TokenPacker, plan: EpochPlan, start_row: int, threads: int, pin: bool, keep: int
     ) -> None:
         self.packer, self.plan, self.start_row, self.threads = packer, plan, start_row, threads
         self.pack, self.docs, self.batch_size = packer.pack, packer.documents, packer.batch_size
@@ -235,16 +174,17 @@ class _PackProducer:
         self.times = StageTimes()
         self.arange = np.arange(self.batch_size * self.pack.row_len, dtype=np.int64)
         self.batches_per_chunk = max(1, self._CHUNK_ROWS // self.batch_size)
-        self._chunks: dict[int, _RowRuns] = {}
+        self._chunks: dict[int, RowRuns] = {}
         self._chunk_lock = threading.Lock()
 
-    def _chunk(self, index: int) -> _RowRuns:
+    def _chunk(self, index: int) -> RowRuns:
         with self._chunk_lock:
             runs = self._chunks.get(index)
             if runs is None:
                 first = self.start_row + index * self.batches_per_chunk * self.batch_size
                 rows = min(self.batches_per_chunk * self.batch_size, self.plan.rows - first)
-                runs = _plan_rows(self.plan, self.docs, self.pack, first, rows)
+                pack = self.pack
+                runs = plan_rows(self.plan, self.docs, pack.seq_len, pack.row_len, pack.eos, first, rows)
                 self.docs.verify(runs.shard)  # checksums, once per shard and process
                 self._chunks[index] = runs
                 for old in sorted(self._chunks)[: -self._KEEP_CHUNKS]:
@@ -263,7 +203,7 @@ class _PackProducer:
         self.times.add("read", time.perf_counter() - start, out["tokens"].numel() * self.docs.dtype.itemsize)
         return out, rows
 
-    def _fill(self, runs: _RowRuns, first: int, rows: int, out: dict[str, torch.Tensor]) -> None:
+    def _fill(self, runs: RowRuns, first: int, rows: int, out: dict[str, torch.Tensor]) -> None:
         pack, width, size = self.pack, self.pack.row_len, self.docs.dtype.itemsize
         a, b = first - runs.first, first - runs.first + rows
         ra, rb = runs.row_runs[a], runs.row_runs[b]
@@ -380,7 +320,7 @@ class TokenPacker:
         self.documents = _documents(source, pack.field)
         self.out_dtype = _out_dtype(pack, self.documents.dtype)
         self.num_tokens = int(self.documents.tokens.sum())
-        self._plan: _EpochPlan | None = None
+        self._plan: EpochPlan | None = None
         self._plan_lock = threading.Lock()
         self.num_batches(0)
 
@@ -401,7 +341,7 @@ class TokenPacker:
             specs["positions"] = (torch.int32, (width,))
         return specs
 
-    def plan(self, epoch: int) -> _EpochPlan:
+    def plan(self, epoch: int) -> EpochPlan:
         """This rank's stream of ``epoch`` (cached for the latest epoch asked).
 
         Example::
@@ -413,7 +353,7 @@ class TokenPacker:
                 self._plan = self._make_plan(epoch)
             return self._plan
 
-    def _make_plan(self, epoch: int) -> _EpochPlan:
+    def _make_plan(self, epoch: int) -> EpochPlan:
         order = self.order(epoch)
         units = self.documents.tokens + (self.pack.eos is not None)
         width, stride, world = self.pack.row_len, self.pack.seq_len, self.world_size
@@ -429,7 +369,7 @@ class TokenPacker:
                 f"tokens) that is {rows} row(s) of {width} per rank in epoch {epoch}, fewer than one "
                 f"batch of {self.batch_size}{' (drop_last=True)' if self.drop_last else ''}"
             )
-        return _EpochPlan(epoch, docs, starts, rows)
+        return EpochPlan(epoch, docs, starts, rows)
 
     def num_batches(self, epoch: int, start_row: int = 0) -> int:
         """Batches this rank (and every rank) yields in ``epoch`` from row ``start_row`` on.
