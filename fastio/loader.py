@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -60,40 +59,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio._native import default_threads
 from fastio.collate import collate_samples
+from fastio.epoch import EpochPass
 from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
 from fastio.pack import Pack, PackedEpoch, TokenPacker
 from fastio.registry import OpenOptions, open_source
-from fastio.seeding import (
-    STREAM_COLLATE,
-    STREAM_FETCH,
-    STREAM_TRANSFORM,
-    STREAM_WORKER,
-    global_rngs_kept,
-    sample_seeds,
-    seed_global_rngs,
-)
-from fastio.sources import BatchBuffers, BufferPool, StageTimes, shard_read_order
-from fastio.stages import BatchStage, StageContext
-from fastio.workers import (
-    BatchPass,
-    ProcessPipeline,
-    ThreadPipeline,
-    WorkerInfo,
-    map_structure,
-    set_worker_info,
-    worker_info,
-)
+from fastio.sources import StageTimes
+from fastio.stages import BatchStage
 
 __all__ = ["StreamLoader", "collate_samples"]
 
 _STATE_FORMAT = "fastio.StreamLoader"
 _STATE_VERSION = 1
-
-
-def _split_batch(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
-    return [{k: v[i] for k, v in batch.items()} for i in range(size)]
 
 
 def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -106,234 +83,6 @@ def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return int(rank), int(world_size)
-
-
-class _Producer:
-    """Makes batch ``job`` of one epoch pass; called by worker threads, worker processes or the consumer.
-
-    ``mode`` says where it runs: ``"main"`` (the consumer's thread, ``num_workers=0``), ``"thread"`` or
-    ``"process"``. Randomness of the user's Python code (see :mod:`fastio.seeding`):
-
-    1. Before each sample's ``transform``, torch's default CPU generator, ``random`` and ``numpy.random`` are
-       seeded from ``sample_seeds(seed, epoch, sample index, STREAM_TRANSFORM)``; before a Dataset's
-       ``__getitem__``s and before ``collate``, from one seed per batch (its first sample's,
-       ``STREAM_FETCH`` / ``STREAM_COLLATE``). The same sample draws the same numbers for any
-       ``num_workers`` and on resume.
-    2. ``"main"``: the consumer's own global states are put back after each batch, so its training
-       randomness (dropout, its own shuffles) is what it would be without the loader.
-    3. ``"thread"``: the global generators are shared with the training thread, so they are not reseeded
-       (reseeding them would change the trainer's draws, and its draws would change the transforms');
-       transforms that must reproduce seed their own generator from ``fastio.worker_info().sample_seed``.
-
-    Holds no reference to the iterator, so an abandoned iterator is collected and stops its workers."""
-
-    def __init__(
-        self,
-        loader: StreamLoader,
-        epoch: int,
-        indices: np.ndarray,
-        slots: int,
-        threads: int,
-        mode: str,
-    ):
-        # In forked worker processes CUDA is off limits (no pinned buffers, no copies): the consumer copies.
-        cuda_allowed = mode != "process"
-        self.mode, self.num_workers = mode, loader.num_workers
-        self.source, self.batch_size = loader._source, loader.batch_size
-        self.pin = loader._pin and cuda_allowed
-        self.transform, self.collate, self.python_path = loader.transform, loader.collate, loader._python_path
-        self.worker_init_fn = loader.worker_init_fn
-        self.indices, self.threads = indices, threads
-        self.seed, self.epoch, self.stages = loader.seed, epoch, loader.stages
-        self.times = StageTimes()
-        self.specs = self.source.fixed_specs()
-        self.stage_specs = [stage.output_specs() for stage in self.stages]
-        for specs in self.stage_specs:
-            self.specs.update(specs)
-        # The slots in flight, the batch the consumer holds while asking for the next, and one spare.
-        keep = slots + 2 if loader.reuse_buffers else 0
-        self.pool = BufferPool(self.specs, self.batch_size, self.pin, keep)
-        cuda = loader.device is not None and loader.device.type == "cuda"
-        self.device = loader.device if cuda and cuda_allowed else None
-        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
-
-    def start_worker(self, worker_id: int) -> None:
-        """First thing in each worker thread or process: what ``fastio.worker_info()`` (and, in processes,
-        ``torch.utils.data.get_worker_info()``) answer there."""
-        set_worker_info(WorkerInfo(worker_id, self.num_workers, self.seed, self.epoch))
-        if self.mode == "process":
-            seed = int(sample_seeds(self.seed, self.epoch, np.array([worker_id]), STREAM_WORKER)[0])
-            dataset = getattr(self.source, "dataset", self.source)
-            torch.utils.data._utils.worker._worker_info = torch.utils.data._utils.worker.WorkerInfo(
-                id=worker_id, num_workers=self.num_workers, seed=seed, dataset=dataset
-            )
-        if self.worker_init_fn is not None:
-            self.worker_init_fn(worker_id)
-
-    def __call__(self, job: int) -> tuple[Any, int]:
-        if self.mode != "main" or not self.python_path:  # no user code runs in the consumer's thread
-            return self._make(job)
-        previous = set_worker_info(WorkerInfo(0, 0, self.seed, self.epoch))
-        try:
-            with global_rngs_kept():
-                return self._make(job)
-        finally:
-            set_worker_info(previous)
-
-    def _make(self, job: int) -> tuple[Any, int]:
-        indices = self.indices[job * self.batch_size : (job + 1) * self.batch_size]
-        buffers = self.pool.acquire()
-        try:
-            if buffers.event is not None:
-                buffers.event.synchronize()  # the set's last copy to the device must finish first
-            self._reseed(indices, STREAM_FETCH)
-            batch = self.source.fetch(indices, buffers, self.threads, self.times)
-            if self.stages:
-                batch = self._run_stages(batch, indices, buffers)
-            if self.python_path:
-                start = time.perf_counter()
-                samples = batch if self.source.per_sample else _split_batch(batch, len(indices))
-                if self.transform is not None:
-                    samples = self._transform(samples, indices)
-                collated = time.perf_counter()
-                self.times.add("decode_transform", collated - start)
-                self._reseed(indices, STREAM_COLLATE)
-                batch = (self.collate or collate_samples)(samples)
-                self.times.add("collate", time.perf_counter() - collated)
-            if self.stream is not None:
-                batch = self._to_device(batch, buffers)
-            return batch, len(indices)
-        finally:
-            self.pool.release(buffers)
-
-    def _reseed(self, indices: np.ndarray, stream: int) -> None:
-        """One seed per batch (from its first sample) for user code outside ``transform``."""
-        if self.python_path and self.mode != "thread" and len(indices):
-            seed_global_rngs(int(sample_seeds(self.seed, self.epoch, indices[:1], stream)[0]))
-
-    def _transform(self, samples: list[Any], indices: np.ndarray) -> list[Any]:
-        seeds = sample_seeds(self.seed, self.epoch, indices, STREAM_TRANSFORM).tolist()
-        info = worker_info()
-        out = []
-        try:
-            for sample, seed in zip(samples, seeds, strict=True):
-                set_worker_info(WorkerInfo(info.id, info.num_workers, info.seed, info.epoch, seed))
-                if self.mode != "thread":
-                    seed_global_rngs(seed)
-                out.append(self.transform(sample))
-        finally:
-            set_worker_info(info)
-        return out
-
-    def _run_stages(self, batch: Any, indices: np.ndarray, buffers: BatchBuffers) -> Any:
-        start = time.perf_counter()
-        ctx = StageContext(self.seed, self.epoch, indices, self.threads)
-        for stage, specs in zip(self.stages, self.stage_specs, strict=True):
-            out = {name: buffers.fixed(name, len(indices)) for name in specs}
-            batch = stage(batch, out, ctx)
-        self.times.add("decode_transform", time.perf_counter() - start)
-        return batch
-
-    def _to_device(self, batch: Any, buffers: BatchBuffers) -> tuple[Any, Any]:
-        start = time.perf_counter()
-        with torch.cuda.stream(self.stream):
-            moved = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        buffers.event = event
-        self.times.add("host_to_device", time.perf_counter() - start)
-        return moved, event
-
-
-class _EpochIterator(BatchPass):
-    """One pass over (the rest of) an epoch for this rank."""
-
-    def __init__(self, loader: StreamLoader, epoch: int, start: int) -> None:
-        self.loader, self.epoch, self.start = loader, epoch, start
-        order = loader._order(epoch)
-        indices = rank_indices(order, start, loader.world_size, loader.rank, loader.drop_last)
-        self.begin_pass(num_batches(len(indices), loader.batch_size, loader.drop_last))
-        workers = loader.num_workers
-        slots = workers + loader.prefetch if workers else 1
-        processes = workers > 0 and loader.worker_mode == "process"
-        source = loader._source
-        plan_reads = getattr(source, "plan_reads", None)  # a source that caches shards sizes the cache to it
-        if plan_reads is not None:
-            plan_reads(loader.batch_size, slots, processes, loader.world_size > 1)
-        # Before any fetch and before worker processes fork: they inherit what prepare() set up.
-        source.prepare(shard_read_order(source.shard_sizes, indices), epoch, indices)
-        threads = loader.threads or max(1, default_threads() // max(1, workers))
-        mode = "process" if processes else "thread" if workers else "main"
-        self.producer = _Producer(loader, epoch, indices, 1 if processes else slots, threads, mode)
-        self.copy_in_consumer = processes and loader.device is not None and loader.device.type == "cuda"
-        self.times = self.producer.times
-        self.pipeline: ThreadPipeline | ProcessPipeline | None = None
-        start_worker = self.producer.start_worker
-        if processes:
-            self.pipeline = ProcessPipeline(
-                self.producer, self.n_batches, workers, slots, self.times, start_worker, loader.reuse_buffers
-            )
-        elif workers:
-            self.pipeline = ThreadPipeline(self.producer, self.n_batches, workers, slots, start_worker)
-        self.bar = None
-        if loader.progress:
-            try:
-                from tqdm import tqdm
-            except ImportError as exc:
-                raise ImportError(
-                    'StreamLoader(progress=True) needs tqdm: pip install "fastcomm[progress]" (or tqdm)'
-                ) from exc
-
-            self.bar = tqdm(total=self.n_batches, desc=f"epoch {epoch}", unit="batch")
-
-    # -- consuming -----------------------------------------------------------------------------------------
-    def __next__(self) -> Any:
-        batch, size = self.take()
-        if self.copy_in_consumer:
-            start = time.perf_counter()
-            batch = _map_tensors(batch, lambda t: t.to(self.loader.device))
-            self.times.add("host_to_device", time.perf_counter() - start)
-        elif self.producer.stream is not None:
-            batch, event = batch
-            current = torch.cuda.current_stream(self.loader.device)
-            current.wait_event(event)
-            _map_tensors(batch, lambda t: (t.record_stream(current), t)[1])
-        self.count(size)
-        if self.bar is not None:
-            self.bar.update(1)
-            if self.yielded % _PROGRESS_EVERY == 1:
-                note = _source_note(self.loader._source.stats())
-                if note:
-                    self.bar.set_postfix_str(note, refresh=False)
-        return batch
-
-    def close(self) -> None:
-        finished = self.finished
-        super().close()
-        if not finished and self.bar is not None:
-            self.bar.close()
-
-
-_PROGRESS_EVERY = 10  # batches between updates of the source's part of the progress bar
-
-
-def _source_note(stats: dict[str, Any]) -> str:
-    """The progress bar's note on a source's counters: bytes downloaded and cache use, where it has them."""
-    parts = []
-    if "downloaded_bytes" in stats:
-        parts.append(f"{stats['downloaded_bytes'] / 1e6:.0f} MB down")
-    if "cache_bytes" in stats:
-        limit = stats.get("cache_limit")
-        parts.append(
-            f"cache {stats['cache_bytes'] / 1e6:.0f}/{'-' if limit is None else f'{limit / 1e6:.0f}'} MB"
-        )
-    if "network_wait_s" in stats:
-        parts.append(f"net wait {stats['network_wait_s']:.1f} s")
-    return ", ".join(parts)
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    return map_structure(value, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
 
 
 class StreamLoader:
@@ -488,7 +237,7 @@ class StreamLoader:
         self.worker_mode = worker_mode
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
-        self._current: _EpochIterator | PackedEpoch | None = None
+        self._current: EpochPass | PackedEpoch | None = None
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._order_lock = threading.Lock()
         self.pack, self._packer = pack, None
@@ -576,7 +325,31 @@ class StreamLoader:
                 device=self.device,
             )
         else:
-            self._current = _EpochIterator(self, self.epoch, start)
+            order = self._order(self.epoch)
+            indices = rank_indices(order, start, self.world_size, self.rank, self.drop_last)
+            self._current = EpochPass(
+                self._source,
+                indices,
+                self.epoch,
+                start,
+                batch_size=self.batch_size,
+                drop_last=self.drop_last,
+                num_workers=self.num_workers,
+                prefetch=self.prefetch,
+                worker_mode=self.worker_mode,
+                world_size=self.world_size,
+                threads=self.threads,
+                device=self.device,
+                reuse_buffers=self.reuse_buffers,
+                progress=self.progress,
+                seed=self.seed,
+                pin=self._pin,
+                transform=self.transform,
+                collate=self.collate,
+                python_path=self._python_path,
+                worker_init_fn=self.worker_init_fn,
+                stages=self.stages,
+            )
         return self._current
 
     # -- resume --------------------------------------------------------------------------------------------

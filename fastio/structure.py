@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["map_structure"]
+import torch
+
+__all__ = ["map_structure", "map_tensors"]
 
 
 def map_structure(value: Any, fn: Callable[[Any], Any]) -> Any:
@@ -28,3 +30,13 @@ def map_structure(value: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(map_structure(v, fn) for v in value)
     return fn(value)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``fn`` applied to every tensor leaf of a nested structure; other leaves are kept as they are.
+
+    Example::
+
+        halves = map_tensors({"x": torch.ones(2), "key": "a"}, lambda t: t / 2)
+    """
+    return map_structure(value, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)

@@ -1,0 +1,147 @@
+"""One epoch pass of :class:`fastio.StreamLoader`: the source prepared for the pass's reads, a
+:class:`fastio.producer.BatchProducer` run by worker threads, worker processes or the consumer, batches
+handed over in order (waiting on their copy to the device), and the progress bar.
+
+Example::
+
+    epoch = EpochPass(source, indices, epoch=0, start=0, batch_size=8, drop_last=False, num_workers=2,
+                      prefetch=2, worker_mode="thread", world_size=1, threads=None, device=None,
+                      reuse_buffers=True, progress=False, seed=0, pin=False, transform=None,
+                      collate=None, python_path=False, worker_init_fn=None, stages=[])
+    for batch in epoch:
+        ...
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio._native import default_threads
+from fastio.order import num_batches
+from fastio.producer import BatchProducer
+from fastio.sources import Source, shard_read_order
+from fastio.structure import map_tensors
+from fastio.workers.batch_pass import BatchPass
+from fastio.workers.processes import ProcessPipeline
+from fastio.workers.threads import ThreadPipeline
+
+__all__ = ["EpochPass"]
+
+
+class EpochPass(BatchPass):
+    """One pass over (the rest of) an epoch for this rank: ``indices`` are the samples it reads, from sample
+    ``start`` of the epoch's rank-split order on; what ``iter(StreamLoader)`` returns."""
+
+    def __init__(
+        self,
+        source: Source,
+        indices: np.ndarray,
+        epoch: int,
+        start: int,
+        *,
+        batch_size: int,
+        drop_last: bool,
+        num_workers: int,
+        prefetch: int,
+        worker_mode: str,
+        world_size: int,
+        threads: int | None,
+        device: torch.device | None,
+        reuse_buffers: bool,
+        progress: bool,
+        **producer_options: Any,
+    ) -> None:
+        self.source, self.epoch, self.start, self.device = source, epoch, start, device
+        self.begin_pass(num_batches(len(indices), batch_size, drop_last))
+        workers = num_workers
+        slots = workers + prefetch if workers else 1
+        processes = workers > 0 and worker_mode == "process"
+        plan_reads = getattr(source, "plan_reads", None)  # a source that caches shards sizes the cache to it
+        if plan_reads is not None:
+            plan_reads(batch_size, slots, processes, world_size > 1)
+        # Before any fetch and before worker processes fork: they inherit what prepare() set up.
+        source.prepare(shard_read_order(source.shard_sizes, indices), epoch, indices)
+        threads = threads or max(1, default_threads() // max(1, workers))
+        mode = "process" if processes else "thread" if workers else "main"
+        self.producer = BatchProducer(
+            source,
+            epoch=epoch,
+            indices=indices,
+            slots=1 if processes else slots,
+            threads=threads,
+            mode=mode,
+            num_workers=workers,
+            batch_size=batch_size,
+            device=device,
+            reuse_buffers=reuse_buffers,
+            **producer_options,
+        )
+        self.copy_in_consumer = processes and device is not None and device.type == "cuda"
+        self.times = self.producer.times
+        self.pipeline: ThreadPipeline | ProcessPipeline | None = None
+        start_worker = self.producer.start_worker
+        if processes:
+            self.pipeline = ProcessPipeline(
+                self.producer, self.n_batches, workers, slots, self.times, start_worker, reuse_buffers
+            )
+        elif workers:
+            self.pipeline = ThreadPipeline(self.producer, self.n_batches, workers, slots, start_worker)
+        self.bar = None
+        if progress:
+            try:
+                from tqdm import tqdm
+            except ImportError as exc:
+                raise ImportError(
+                    'StreamLoader(progress=True) needs tqdm: pip install "fastcomm[progress]" (or tqdm)'
+                ) from exc
+
+            self.bar = tqdm(total=self.n_batches, desc=f"epoch {epoch}", unit="batch")
+
+    # -- consuming -----------------------------------------------------------------------------------------
+    def __next__(self) -> Any:
+        batch, size = self.take()
+        if self.copy_in_consumer:
+            start = time.perf_counter()
+            batch = map_tensors(batch, lambda t: t.to(self.device))
+            self.times.add("host_to_device", time.perf_counter() - start)
+        elif self.producer.stream is not None:
+            batch, event = batch
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            map_tensors(batch, lambda t: (t.record_stream(current), t)[1])
+        self.count(size)
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.yielded % _PROGRESS_EVERY == 1:
+                note = _source_note(self.source.stats())
+                if note:
+                    self.bar.set_postfix_str(note, refresh=False)
+        return batch
+
+    def close(self) -> None:
+        finished = self.finished
+        super().close()
+        if not finished and self.bar is not None:
+            self.bar.close()
+
+
+_PROGRESS_EVERY = 10  # batches between updates of the source's part of the progress bar
+
+
+def _source_note(stats: dict[str, Any]) -> str:
+    """The progress bar's note on a source's counters: bytes downloaded and cache use, where it has them."""
+    parts = []
+    if "downloaded_bytes" in stats:
+        parts.append(f"{stats['downloaded_bytes'] / 1e6:.0f} MB down")
+    if "cache_bytes" in stats:
+        limit = stats.get("cache_limit")
+        parts.append(
+            f"cache {stats['cache_bytes'] / 1e6:.0f}/{'-' if limit is None else f'{limit / 1e6:.0f}'} MB"
+        )
+    if "network_wait_s" in stats:
+        parts.append(f"net wait {stats['network_wait_s']:.1f} s")
+    return ", ".join(parts)
