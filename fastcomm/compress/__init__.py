@@ -13,8 +13,8 @@ compressor             payload                                                  
 ``PowerSGDCompressor`` is an :class:`AllreduceCompressor`: its payloads are summed over ranks, not decoded
 per rank, so it has its own protocol (two allreduces per bucket, sizes from the parameter shapes).
 
-A new compressor is one file here implementing :class:`Compressor` and one line in
-``fastcomm.hooks.registry.COMPRESSORS`` (or a call to ``fastcomm.hooks.add_compressor``); the hooks'
+A new compressor is one file here implementing :class:`Compressor` and one row in
+``fastcomm.hooks.HOOKS`` (or a call to ``fastcomm.hooks.add_compressor``); the hooks'
 bucket store gives it error feedback, rebuild inheritance, skipped-step staging and checkpoints.
 
 Example::

@@ -36,12 +36,11 @@ from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
 from fastcomm.hooks.powersgd import PowerSGDState, powersgd_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
-from fastcomm.hooks.registry import COMPRESSORS, HOOKS, HookName, add_compressor, register
+from fastcomm.hooks.registry import HOOKS, HookName, Registered, add_compressor, register
 from fastcomm.hooks.sign import SignState, sign_hook
 from fastcomm.hooks.topk import TopKState, topk_hook
 
 __all__ = [
-    "COMPRESSORS",
     "HOOKS",
     "CastState",
     "CompressionState",
@@ -51,6 +50,7 @@ __all__ = [
     "PeerCollectiveError",
     "PowerSGDState",
     "QuantState",
+    "Registered",
     "SignState",
     "TopKState",
     "add_compressor",

@@ -1,6 +1,6 @@
 """The hook of any :class:`~fastcomm.compress.Compressor`: error feedback, store and exchange for free.
 
-A compressor registered by name (``fastcomm.hooks.registry.COMPRESSORS`` or
+A compressor registered by name (a row of ``fastcomm.hooks.HOOKS`` naming its factory, added by
 :func:`~fastcomm.hooks.registry.add_compressor`) is served by :func:`compressor_hook` with a
 :class:`CompressorState`: a blockwise compressor (``block > 0``) through the two-phase allreduce, any
 other by one all-gather of every rank's payload, decoded and averaged on every rank; an
@@ -110,7 +110,7 @@ def compressor_hook(state: CompressorState, bucket: dist.GradBucket) -> torch.fu
 
     Example::
 
-        state = fastcomm.register(ddp, "mycompressor")  # a name in fastcomm.hooks.registry.COMPRESSORS
+        state = fastcomm.register(ddp, "mycompressor")  # added by fastcomm.hooks.add_compressor
     """
     if state is None:
         raise TypeError("compressor_hook needs a CompressorState: a compressor has no default")

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._names import HOOKS, HookName
 from fastcomm.hooks._reshard import describe, keep_if_same_world
 from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import completed, ring_bytes
@@ -280,9 +281,7 @@ class CompressedAdamState:
 
 def _merged_part(states: list[dict[str, Any]], world_size: int, rank: int) -> tuple[dict[str, Any], str]:
     """A wrapped compressor's states merged by the ``merge_state_dicts`` of the class they name."""
-    from fastcomm.hooks.registry import HOOKS  # the registry imports this module
-
-    by_name = {cls.__name__: cls for cls, _ in HOOKS.values()}
+    by_name = {row.state.__name__: row.state for row in HOOKS.values()}
     name = states[0].get("type")
     if name not in by_name:
         raise ValueError(f"CompressedAdamState wraps a {name!r} state; known: {sorted(by_name)}")
@@ -346,20 +345,18 @@ def register_optimizer(
 
         state = fastcomm.hooks.momentum.register_optimizer(ddp, optimizer)  # fastcomm.register does this
     """
-    from fastcomm.hooks.registry import HOOKS, HookName  # the registry imports this module
-
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp).__name__}")
     if optimizer.hook_attached:
         raise ValueError("this CompressedAdam already has a hook registered on a DDP model")
-    cls, hook = HOOKS[HookName(optimizer.compressor)]
-    inner = cls(**optimizer.compressor_options, process_group=process_group)
+    inner_row = HOOKS[HookName(optimizer.compressor)]
+    inner = inner_row.state(**optimizer.compressor_options, process_group=process_group)
     warmup = None
     if optimizer.warmup_compressor is not None:
-        warmup_cls, warmup_hook = HOOKS[HookName(optimizer.warmup_compressor)]
-        warmup = (warmup_cls(process_group=process_group), warmup_hook)
+        warmup_row = HOOKS[HookName(optimizer.warmup_compressor)]
+        warmup = (warmup_row.state(process_group=process_group), warmup_row.hook)
     state = CompressedAdamState(
-        optimizer, inner, hook, warmup, grad_scaler=grad_scaler, process_group=process_group
+        optimizer, inner, inner_row.hook, warmup, grad_scaler=grad_scaler, process_group=process_group
     )
     state.bind(ddp.module)
     ddp.register_comm_hook(state, compressed_adam_hook)

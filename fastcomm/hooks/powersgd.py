@@ -4,7 +4,7 @@ The algorithm is :class:`~fastcomm.compress.PowerSGDCompressor`'s; the exchange 
 bucket, the second issued from the phase-2 lane or the next hook call, never from a callback) is
 :mod:`fastcomm.hooks._rounds`'; residuals and warm-start ``Q``'s live in the bucket store, so bucket
 rebuilds, GradScaler's skipped steps and ``state_dict()`` resumes work as for every other hook.
-``fastcomm.register(ddp, "powersgd", rank=4)`` serves the same compressor through ``compressor_hook``.
+``fastcomm.register(ddp, "powersgd", rank=4)`` builds a :class:`PowerSGDState` and registers this hook.
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.

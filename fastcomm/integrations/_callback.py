@@ -10,7 +10,8 @@ import importlib
 import warnings
 from typing import Any
 
-from fastcomm.hooks import HOOKS, HookName, register
+from fastcomm.hooks import HookName, register
+from fastcomm.hooks.registry import build_state
 from fastcomm.integrations._ddp import comm_hook_state, find_ddp, refuse_second_hook
 
 __all__ = ["CommHookLogic", "callback_base"]
@@ -55,12 +56,7 @@ class CommHookLogic:
 
     def __init__(self, name: Any, **options: Any) -> None:
         if isinstance(name, (str, HookName)):
-            try:
-                hook_name = HookName(name)
-            except ValueError:
-                known = ", ".join(repr(h.value) for h in HookName)
-                raise ValueError(f"unknown hook {name!r}; known hooks: {known}") from None
-            self._target: Any = HOOKS[hook_name][0](**options)
+            self._target: Any = build_state(name, options)[0]
             self._options: dict[str, Any] = {}
         else:
             self._target, self._options = name, options

@@ -213,7 +213,7 @@ DIMS = (16, 37, 29, 4)
 def ddp_worker(rank: int, world_size: int) -> None:
     """DDP with node_size=2: every hook, default / one / many buckets, no hang, one result on all ranks;
     resume from state_dict() bit-identical; bad options named."""
-    if "hier_test_q4" not in fastcomm.hooks.COMPRESSORS:
+    if "hier_test_q4" not in fastcomm.hooks.HOOKS:
         q4 = QuantCompressor(bits=4, block=32, stochastic=False)
         fastcomm.hooks.add_compressor("hier_test_q4", lambda: q4)
     for name, (hook_name, options) in DDP_CASES.items():

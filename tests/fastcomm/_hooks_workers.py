@@ -674,8 +674,8 @@ def _check_rebuild_keeps_residuals(rank: int, world_size: int, name: str) -> Non
     model = make_mlp(20)
     local = copy.deepcopy(model)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
-    state_cls, hook = fastcomm.hooks.HOOKS[fastcomm.HookName(hook_name)]
-    state = state_cls(**options)
+    row = fastcomm.hooks.HOOKS[fastcomm.HookName(hook_name)]
+    state, hook = row.state(**options), row.hook
     state.bind(ddp.module)
     layouts: list[list[int]] = []
     ddp.register_comm_hook(state, _recording(hook, layouts))
@@ -890,8 +890,8 @@ def stress_worker(rank: int, world_size: int, steps: int) -> None:
         model = MixedModel()
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.00002)
         layouts: list[list[int]] = []
-        state_cls, hook = fastcomm.hooks.HOOKS[fastcomm.HookName(hook_name)]
-        state = state_cls(**options)
+        row = fastcomm.hooks.HOOKS[fastcomm.HookName(hook_name)]
+        state, hook = row.state(**options), row.hook
         state.bind(model)
         ddp.register_comm_hook(state, _recording(hook, layouts))
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)

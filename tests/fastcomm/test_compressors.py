@@ -97,7 +97,7 @@ def test_compressor_options_are_checked():
 
 def test_added_compressor_is_registered_by_name():
     fastcomm.hooks.add_compressor("half_in_process", _compressor_workers.HalfCompressor)
-    assert fastcomm.hooks.COMPRESSORS["half_in_process"] is _compressor_workers.HalfCompressor
+    assert fastcomm.hooks.HOOKS["half_in_process"].compressor is _compressor_workers.HalfCompressor
     with pytest.raises(ValueError, match="built-in"):
         fastcomm.hooks.add_compressor("topk", _compressor_workers.HalfCompressor)
     with pytest.raises(ValueError, match="already registered"):

@@ -29,6 +29,7 @@ STATE_CLASSES = {
         fastcomm.SignState,
         fastcomm.CastState,
         fastcomm.hooks.CompressorState,
+        fastcomm.PowerSGDState,
         CompressedAdamState,
     )
 }
