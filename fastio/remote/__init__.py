@@ -6,7 +6,9 @@ node-local shard cache, compressed tar shards.
   :mod:`fastio.remote.room`: how a reservation waits for room, and the errors of a full cache.
 * :mod:`fastio.remote.working_set`: what a pass keeps pinned at once, checked against ``cache_limit``.
 * :mod:`fastio.remote.progress`: a pass's progress, shared with its worker processes.
-* :mod:`fastio.remote.source`: :class:`RemoteShardSource` and :class:`RemoteTarSource`.
+* :mod:`fastio.remote.source`: :class:`RemoteShardSource` (:mod:`~fastio.remote.shard_source`) and
+  :class:`RemoteTarSource` (:mod:`~fastio.remote.tar_source`) over :mod:`fastio.remote.base` and
+  :mod:`fastio.remote.prefetch`.
 * :mod:`fastio.remote.compressed`: ``.tar.gz``/``.tgz``/``.tar.zst`` shards, decompressed once into the cache.
 
 Importing this package imports fsspec; ``import fastio`` does not (the registry opens URLs through

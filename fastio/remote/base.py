@@ -1,0 +1,472 @@
+"""What the remote sources share (:class:`RemoteSource`): the node-local cache, the shards brought into it
+and held there, the progress counts, and the memoized local sources batches are read through. How a pass
+runs is :mod:`fastio.remote.source`'s docstring; the pass itself (planning, the prefetcher) is
+:mod:`fastio.remote.prefetch`. Subclasses say how a cached shard is opened and read.
+
+Example::
+
+    class MySource(RemoteSource):
+        def _open_shard(self, shard, path): ...
+        def _local_source(self, shards, opened): ...
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastio.errors import CorruptShardError, FastIOError
+from fastio.format.compression import decompress
+from fastio.remote.cache import ShardCache
+from fastio.remote.fetch import (
+    RangeReader,
+    RemoteError,
+    RetryPolicy,
+    download,
+    redact,
+)
+from fastio.remote.prefetch import POLL_S, PassPrefetch
+from fastio.remote.progress import COUNTERS, SharedProgress
+from fastio.remote.room import RoomWatch
+from fastio.remote.working_set import ReadPlan, check_batch, check_pass
+from fastio.sources import BatchBuffers, StageTimes
+from fastio.sources.base import Source
+
+__all__ = ["RemoteSource", "Shard", "cache_for", "cache_key"]
+
+_MEMO = 8  # local sources kept for recent shard sets
+
+
+@dataclasses.dataclass
+class Shard:
+    """One shard: where it is, what the cache calls it, and its sizes (``local_size``: bytes of the cached
+    file, None until known for a compressed shard; ``index_bytes``: what is cached beside it and evicted with
+    it, a tar's index)."""
+
+    url: str
+    key: str
+    remote_size: int
+    local_size: int | None
+    compression: str | None
+    num_samples: int = 0
+    index_bytes: int = 0
+
+    @property
+    def footprint(self) -> int:
+        """Bytes the shard takes in the cache."""
+        return (self.local_size or self.remote_size) + self.index_bytes
+
+
+def cache_key(url: str, name: str) -> str:
+    """``<digest of the shard's folder URL>/<name>``: one folder per remote folder, without credentials."""
+    folder = redact(url).rsplit("/", 1)[0]
+    return f"{hashlib.sha256(folder.encode()).hexdigest()[:16]}/{name}"
+
+
+_SOURCES: weakref.WeakSet[RemoteSource] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for source in list(_SOURCES):
+        source._reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Entry:
+    """A local source over a set of cached shards; ``delta[s]`` turns a global index of shard ``s`` into
+    the local source's index (the shard's start there minus its global start)."""
+
+    def __init__(self, shards: tuple[int, ...], source: Any, cumulative: np.ndarray) -> None:
+        self.shards, self.source, self.refs = shards, source, 0
+        sizes = cumulative[1:] - cumulative[:-1]
+        starts = np.concatenate([[0], np.cumsum(sizes[list(shards)])[:-1]]).astype(np.int64)
+        self.delta = np.zeros(len(sizes), dtype=np.int64)
+        self.delta[list(shards)] = starts - cumulative[list(shards)]
+
+
+class RemoteSource(PassPrefetch, Source):
+    """What the remote sources share: the cache, the prefetcher, the progress counts, the memoized local
+    sources (see the module docstring). Subclasses say how a cached shard is opened and read.
+
+    Args:
+        shards: the shards in storage order (filled by the subclass).
+        name: what errors and progress bars call the source.
+        cache: the node-local cache.
+        retry: the retry policy of every remote read.
+        storage_options: fsspec options (``endpoint_url``, ``anon``...).
+        download_threads: concurrent shard downloads.
+        ahead: shards downloaded past the furthest shard read so far (the cache limit bounds it too).
+    """
+
+    requires_shard_order = True
+    per_sample = False
+
+    def _init_remote(
+        self,
+        name: str,
+        cache: ShardCache,
+        retry: RetryPolicy,
+        storage_options: dict[str, Any] | None,
+        download_threads: int,
+        ahead: int,
+    ) -> None:
+        if download_threads < 1:
+            raise ValueError(f"download_threads must be >= 1, got {download_threads}")
+        if ahead < 1:
+            raise ValueError(f"ahead must be >= 1, got {ahead}")
+        self.name, self.cache, self.retry = redact(name), cache, retry
+        self.storage_options = dict(storage_options or {})
+        self.download_threads, self.ahead = download_threads, ahead
+        self.shards: list[Shard] = []
+        self._lock = threading.Lock()
+        self._memo: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._opened: dict[int, tuple[Any, int]] = {}  # shard -> (opened, inode of the cached file)
+        self._holds: dict[int, int] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: dict[int, concurrent.futures.Future[None]] = {}
+        self._failed: dict[int, BaseException] = {}  # downloads of this pass that failed for good
+        self._prefetcher: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._progress: SharedProgress | None = None
+        self._expected: np.ndarray | None = None
+        self._order_pos: np.ndarray | None = None
+        self._prefetch_held: set[int] = set()
+        self._full: Any = None  # one local source over every shard, once the whole set is cached and kept
+        self._plan = ReadPlan()
+        _SOURCES.add(self)
+
+    def _finish_init(self) -> None:
+        self.shard_sizes = [s.num_samples for s in self.shards]
+        self.num_samples = int(sum(self.shard_sizes))
+        self.cumulative = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
+        self._progress = SharedProgress(len(self.shards))
+
+    # -- what subclasses provide ---------------------------------------------------------------------------
+    def _open_shard(self, shard: int, path: Path) -> Any:
+        """The opened cached shard (a reader, an index and its mapping)."""
+        raise NotImplementedError
+
+    def _local_source(self, shards: tuple[int, ...], opened: list[Any]) -> Any:
+        """A local source over the opened ``shards`` (their samples back to back, in that order)."""
+        raise NotImplementedError
+
+    def _check_download(self, shard: int, part: Path) -> None:
+        """Refuse downloaded bytes that are not the shard (a header, a checksum); default: none."""
+
+    def _after_download(self, shard: int, path: Path) -> None:
+        """Work once a shard is in the cache (a tar's sidecar beside it); default: none."""
+
+    # -- bringing shards in --------------------------------------------------------------------------------
+    def _write(self, shard: int, part: Path) -> None:
+        """Download shard ``shard`` into ``part`` (decompressing it on the way when compressed)."""
+        info = self.shards[shard]
+        progress = self._progress
+
+        def counted(n: int) -> None:
+            if progress is not None:
+                progress.add("downloaded_bytes", n)
+
+        def retried(attempt: int, cause: str) -> None:
+            if progress is not None:
+                progress.add("retries", 1)
+
+        if info.compression is None:
+            download(info.url, part, info.remote_size, self.retry, self.storage_options, counted, retried)
+        else:
+            raw = RangeReader(info.url, info.remote_size, self.retry, self.storage_options, counted, retried)
+            with raw, open(part, "r+b" if part.exists() else "wb") as out:
+                try:
+                    written = decompress(raw, info.compression, out)
+                except (RemoteError, FastIOError, ImportError):
+                    raise
+                except Exception as exc:  # the decompressor's own errors (gzip: OSError/EOFError, ZstdError)
+                    raise CorruptShardError(
+                        redact(info.url), "compressed stream", f"a whole {info.compression} stream", repr(exc)
+                    ) from None
+                out.truncate(written)
+        if progress is not None:
+            progress.add("downloads", 1)
+
+    def _materialize(self, shard: int, watch: RoomWatch | None = None) -> Path:
+        """Shard ``shard`` in the cache (the caller holds it), downloading it here if no process has."""
+        info = self.shards[shard]
+        if info.local_size is not None and self.cache.has(info.key, info.local_size):
+            return self.cache.path(info.key)
+        job = self.cache.reserve(info.key, info.local_size, on_wait=self._let_go, watch=watch)
+        if job is not None:
+            failed = self._failed.get(shard)
+            if failed is not None:  # this pass's download of it already spent the retry budget
+                job.abort()
+                raise failed
+            try:
+                self._write(shard, job.part)
+            except BaseException as exc:
+                self._failed[shard] = exc  # before the lock goes: a fetch waiting on it must see this
+                job.abort()
+                raise
+            job.finish(lambda part: self._check_download(shard, part))
+            self._after_download(shard, self.cache.path(info.key))
+        return self.cache.path(info.key)
+
+    def _hold(self, shard: int) -> None:
+        with self._lock:
+            count = self._holds.get(shard, 0)
+            self._holds[shard] = count + 1
+        if count == 0:
+            self.cache.pin(self.shards[shard].key)
+
+    def _release(self, shard: int) -> None:
+        with self._lock:
+            count = self._holds[shard] - 1
+            if count:
+                self._holds[shard] = count
+                return
+            del self._holds[shard]
+            if not self._keep_mapped():
+                self._opened.pop(shard, None)  # it may be evicted: a mapping would hold the disk
+        self.cache.unpin(self.shards[shard].key)
+
+    def _keep_mapped(self) -> bool:
+        """Keep shards mapped between uses when the whole set fits the cache: nothing is ever evicted then,
+        and a mapping kept is one whose pages need not be faulted in again next epoch."""
+        limit = self.cache.limit
+        return limit is None or limit >= sum(s.footprint for s in self.shards)
+
+    def _ensure_local(self, shard: int) -> Path:
+        """Wait for (or make) the cached file of a held shard; the wait counts as network wait."""
+        info = self.shards[shard]
+        if info.local_size is not None and self.cache.has(info.key, info.local_size):
+            return self.cache.path(info.key)
+        start = time.perf_counter()
+        try:
+            watch = self.cache.watch(info.key)
+            self._await_turn(shard, watch)
+            future = self._inflight.get(shard) if self._owner() else None
+            if future is not None:
+                future.result()
+            return self._materialize(shard, watch)
+        finally:
+            if self._progress is not None:
+                self._progress.add("network_wait_s", time.perf_counter() - start)
+
+    def _await_turn(self, shard: int, watch: RoomWatch) -> None:
+        """Wait until the prefetcher has room for ``shard``: room is taken in read order only, so a shard a
+        batch needs never waits behind one read after it (what :mod:`fastio.remote.working_set` relies on)."""
+        progress, position = self._progress, self._order_pos
+        if progress is None or position is None or position[shard] >= len(position):
+            return  # no pass prepared, or a shard the pass does not read: nothing to wait for
+        info = self.shards[shard]
+        while progress.front("reserved_front") < position[shard]:
+            self._let_go()
+            watch.check(info.local_size or info.remote_size)
+            time.sleep(POLL_S)
+
+    def _owner(self) -> bool:
+        return self._progress is not None and os.getpid() == self._progress.owner
+
+    def close(self) -> None:
+        """Stop prefetching and release every pin (idempotent); the cache keeps what it has.
+
+        Example::
+
+            source.close()
+        """
+        self._stop_prefetch()
+        with self._lock:
+            memo, self._memo, self._full = list(self._memo.values()), OrderedDict(), None
+        for entry in memo:
+            for shard in entry.shards:
+                self._release(shard)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _reset_after_fork(self) -> None:
+        """In a forked worker: no prefetcher, no pool, no pins (the cache dropped the inherited ones)."""
+        self._lock = threading.Lock()
+        self._memo = OrderedDict()
+        self._opened, self._holds, self._inflight, self._failed = {}, {}, {}, {}
+        self._pool, self._prefetcher, self._prefetch_held = None, None, set()
+        self._stop = threading.Event()
+        if self._progress is not None:
+            self._progress.lock = threading.Lock()
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def _entry(self, shards: tuple[int, ...]) -> _Entry:
+        with self._lock:
+            entry = self._memo.get(shards)
+            if entry is not None:
+                self._memo.move_to_end(shards)
+                entry.refs += 1
+                return entry
+        for shard in shards:
+            self._hold(shard)
+        try:
+            opened = []
+            for shard in shards:
+                path = self._ensure_local(shard)
+                inode = os.stat(path).st_ino
+                with self._lock:
+                    kept = self._opened.get(shard)
+                if kept is None or kept[1] != inode:  # none, or a mapping of a file evicted since
+                    kept = (self._open_shard(shard, path), inode)
+                    with self._lock:
+                        self._opened[shard] = kept
+                opened.append(kept[0])
+            entry = _Entry(shards, self._local_source(shards, opened), self.cumulative)
+        except BaseException:
+            for shard in shards:
+                self._release(shard)
+            raise
+        dropped: list[_Entry] = []
+        with self._lock:
+            existing = self._memo.get(shards)
+            if existing is not None:  # another thread built it meanwhile
+                existing.refs += 1
+                dropped.append(entry)
+                entry = existing
+            else:
+                entry.refs = 1
+                self._memo[shards] = entry
+            idle = [k for k, e in self._memo.items() if e.refs == 0]
+            while len(self._memo) > _MEMO and idle:
+                dropped.append(self._memo.pop(idle.pop(0)))
+        for old in dropped:
+            for shard in old.shards:
+                self._release(shard)
+        return entry
+
+    def fetch(
+        self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes
+    ) -> dict[str, Any]:
+        """The batch of global ``indices``, read from the cached shards (waiting for them if needed).
+
+        Example::
+
+            batch = source.fetch(np.arange(8), BatchBuffers(source.fixed_specs(), 8, False), 2, StageTimes())
+        """
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and (indices.min() < 0 or indices.max() >= self.num_samples):
+            raise IndexError(f"sample index out of range [0, {self.num_samples})")
+        full = self._full
+        if full is not None:  # the whole set is cached: global indices are the local source's own
+            return full.source.fetch(indices, buffers, threads, times)
+        shard_ids = np.searchsorted(self.cumulative, indices, side="right") - 1
+        counts = np.bincount(shard_ids, minlength=len(self.shards))
+        shards = np.flatnonzero(counts)
+        counts = counts[shards]
+        self._check_fits(shards)
+        progress = self._progress
+        front = int(self._order_pos[shards].max()) if self._order_pos is not None else -1
+        if progress is not None:  # the prefetcher's reservations of these shards are needed now
+            progress.advance("demand_front", front)
+        self._let_go()
+        entry = self._entry(tuple(shards.tolist()))
+        try:
+            batch = entry.source.fetch(indices + entry.delta[shard_ids], buffers, threads, times)
+        finally:
+            with self._lock:
+                entry.refs -= 1
+        if progress is not None:
+            progress.add_consumed(shards, counts.astype(np.float64), front)
+            done = self._finished(progress, shards)
+            if not self._owner():  # the planning process's prefetcher marks its own
+                for shard in shards[done[shards]].tolist():
+                    self.cache.mark_read(self.shards[shard].key)
+            self._let_go()
+        return batch
+
+    def plan_reads(
+        self, batch_size: int, batches_in_flight: int = 1, worker_processes: bool = False,
+        ranks_share_cache: bool = False,
+    ) -> None:  # fmt: skip
+        """Say how the next passes fetch (:class:`fastio.remote.working_set.ReadPlan`): what :meth:`prepare`
+        checks ``cache_limit`` against. :class:`fastio.StreamLoader` calls it before each pass.
+
+        Example::
+
+            source.plan_reads(batch_size=256, batches_in_flight=4, worker_processes=True)
+        """
+        self._plan = ReadPlan(batch_size, batches_in_flight, worker_processes, ranks_share_cache)
+
+    def _check_working_set(self, shard_of: np.ndarray) -> None:
+        """Raise :class:`CacheFullError` before the pass when ``cache_limit`` cannot hold what the pass keeps
+        pinned at once: it would otherwise stall on its own pins."""
+        footprints = np.array([s.footprint for s in self.shards], dtype=np.int64)
+        resident = self._resident_bytes()
+        check_pass(self.cache.directory, self.cache.limit, shard_of, footprints, self._plan, resident)
+
+    def _check_fits(self, shards: np.ndarray) -> None:
+        """Raise :class:`CacheFullError` at once when the shards one batch reads together cannot all be in
+        the cache: waiting for room would wait on the batch's own pins."""
+        if self.cache.limit is not None and len(shards) > 1:
+            footprints = [self.shards[s].footprint for s in shards.tolist()]
+            check_batch(self.cache.directory, self.cache.limit, footprints)
+
+    def _resident_bytes(self) -> int:
+        """Bytes the source keeps in the cache that no eviction frees; default: none."""
+        return 0
+
+    def _let_go(self) -> None:
+        """Let go of this process's pins on shards read to the end this pass (by any process): the idle local
+        sources holding one and, in the planning process, the prefetched ones. Called around every fetch and
+        while waiting for room, so a pin outlives the shard's last read only until the process fetches again
+        (what :mod:`fastio.remote.working_set` counts)."""
+        progress = self._progress
+        if progress is None:
+            return
+        with self._lock:
+            idle = [k for k, e in self._memo.items() if e.refs == 0]
+        if idle:
+            done = self._finished(progress, np.unique(np.concatenate([np.array(k, np.int64) for k in idle])))
+            self._drop_idle(lambda k: bool(done[list(k)].any()))
+        if self._owner():
+            self._sweep(progress)
+
+    def _drop_idle(self, stale: Callable[[tuple[int, ...]], bool]) -> None:
+        """Forget the idle local sources whose shard tuple is ``stale(shards)``, and their pins."""
+        with self._lock:
+            dropped = [self._memo.pop(k) for k, e in list(self._memo.items()) if e.refs == 0 and stale(k)]
+        for entry in dropped:
+            for shard in entry.shards:
+                self._release(shard)
+
+    # -- statistics ----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """I/O of the current pass, summed over threads and worker processes: ``network_wait_s`` (seconds
+        :meth:`fetch` waited for shards to be local; the gather itself is the loader's ``read`` stage),
+        ``downloaded_bytes``, ``downloads``, ``retries``; and the cache now: ``cache_bytes``,
+        ``cache_limit``, ``evictions`` (by this process).
+
+        Example::
+
+            s = source.stats()
+            print(f"{s['downloaded_bytes'] / 1e6:.0f} MB, waited {s['network_wait_s']:.1f} s")
+        """
+        totals = self._progress.totals() if self._progress is not None else dict.fromkeys(COUNTERS, 0.0)
+        return {
+            "network_wait_s": totals["network_wait_s"],
+            "downloaded_bytes": int(totals["downloaded_bytes"]),
+            "downloads": int(totals["downloads"]),
+            "retries": int(totals["retries"]),
+            "cache_bytes": self.cache.usage(),
+            "cache_limit": self.cache.limit,
+            "evictions": self.cache.evictions,
+        }
+
+
+def cache_for(cache_dir: str | os.PathLike[str] | None, cache_limit: int | str | None) -> ShardCache:
+    return ShardCache(cache_dir, cache_limit)

@@ -1,0 +1,148 @@
+"""A fastio shard directory at a URL, read through the node-local shard cache.
+
+Example::
+
+    source = RemoteShardSource("http://127.0.0.1:8000/train", cache_dir="/tmp/fastio-cache")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastio.errors import CorruptShardError, SchemaMismatchError
+from fastio.format.reader import ShardReader, ShardSet
+from fastio.format.schema import schema_from_json
+from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
+from fastio.remote.fetch import (
+    RetryPolicy,
+    read_bytes,
+    redact,
+)
+from fastio.sources import ShardSource
+from fastio.sources.base import torch_dtype
+
+__all__ = ["RemoteShardSource"]
+
+
+class RemoteShardSource(RemoteSource):
+    """A fastio shard directory at a URL (``<url>/index.json`` and the shard files it lists), read through
+    the shard cache (see the module docstring). Each download is checked against ``index.json``'s
+    ``file_nbytes`` (and a ``crc32`` or ``sha256`` there, when the writer put one) and the shard's own header
+    before it becomes visible; the sections' crc32 are checked once per process on first read, as for local
+    shards (``verify``).
+
+    Args:
+        url: the directory's URL (``s3://bucket/train/``, ``http://host/train``).
+        cache_dir, cache_limit: the node-local cache (:class:`fastio.remote.cache.ShardCache`).
+        storage_options: fsspec options.
+        retry: :class:`fastio.remote.fetch.RetryPolicy` of every remote read.
+        verify: as :class:`fastio.StreamLoader`'s ``verify``.
+        download_threads, ahead: see :class:`RemoteSource`.
+
+    Example::
+
+        source = RemoteShardSource("http://127.0.0.1:8000/train", cache_dir="/tmp/fastio-cache")
+        loader = fastio.StreamLoader(source, batch_size=64, shuffle="shard")
+    """
+
+    def __init__(
+        self,
+        url: str,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        verify: bool | None = None,
+        download_threads: int = 4,
+        ahead: int = 8,
+    ) -> None:
+        root = url.rstrip("/")
+        self._init_remote(
+            root, cache_for(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
+            download_threads, ahead,
+        )  # fmt: skip
+        self.verify = verify
+        index_url = f"{root}/index.json"
+        raw = read_bytes(index_url, self.retry, self.storage_options)
+        try:
+            index = json.loads(raw)
+        except ValueError as exc:
+            raise CorruptShardError(redact(index_url), "index", "UTF-8 JSON", repr(exc)) from None
+        if not isinstance(index, dict) or index.get("format") != "fastio-shards":
+            found = index.get("format") if isinstance(index, dict) else type(index).__name__
+            raise CorruptShardError(redact(index_url), "format", "fastio-shards", found)
+        try:
+            self.schema = schema_from_json(index.get("schema", {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptShardError(
+                redact(index_url), "schema", "{field: {kind, dtype, shape}}", repr(exc)
+            ) from None
+        entries = index.get("shards")
+        if not isinstance(entries, list) or not entries:
+            raise CorruptShardError(redact(index_url), "shards", "a non-empty list", repr(entries)[:80])
+        self._checksums: list[dict[str, Any]] = []
+        for i, entry in enumerate(entries):
+            ok = isinstance(entry, dict) and isinstance(entry.get("file"), str)
+            ok = ok and all(isinstance(entry.get(k), int) for k in ("num_samples", "file_nbytes"))
+            name = entry.get("file", "") if isinstance(entry, dict) else ""
+            if not ok or name.startswith("/") or ".." in name.split("/"):
+                raise CorruptShardError(
+                    redact(index_url),
+                    f"shards[{i}]",
+                    "{file (relative), num_samples, file_nbytes}",
+                    repr(entry),
+                )
+            shard_url = f"{root}/{name}"
+            size = entry["file_nbytes"]
+            self.shards.append(
+                Shard(shard_url, cache_key(shard_url, name), size, size, None, entry["num_samples"])
+            )
+            self._checksums.append({k: entry[k] for k in ("crc32", "sha256") if k in entry})
+        self._finish_init()
+
+    def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {n: (torch_dtype(f.np_dtype), f.shape) for n, f in self.schema.items() if f.kind == "fixed"}
+
+    def _check_download(self, shard: int, part: Path) -> None:
+        wanted = self._checksums[shard]
+        if wanted:
+            crc, sha = 0, hashlib.sha256()
+            with open(part, "rb") as fh:
+                while block := fh.read(1 << 22):
+                    crc = zlib.crc32(block, crc)
+                    sha.update(block)
+            if "crc32" in wanted and crc != wanted["crc32"]:
+                raise CorruptShardError(
+                    self.shards[shard].url, "download", f"crc32 {wanted['crc32']:#010x}", f"crc32 {crc:#010x}"
+                )
+            if "sha256" in wanted and sha.hexdigest() != wanted["sha256"]:
+                raise CorruptShardError(
+                    self.shards[shard].url,
+                    "download",
+                    f"sha256 {wanted['sha256']}",
+                    f"sha256 {sha.hexdigest()}",
+                )
+        ShardReader(part, verify=False)  # the header, sizes and sections: a wrong file never gets its name
+
+    def _open_shard(self, shard: int, path: Path) -> ShardReader:
+        reader = ShardReader(path, verify=self.verify)
+        info = self.shards[shard]
+        if reader.num_samples != info.num_samples:
+            raise CorruptShardError(
+                str(path), "num_samples", f"{info.num_samples} (index.json)", reader.num_samples
+            )
+        for name, field in self.schema.items():
+            if reader.schema.get(name) != field:
+                found = reader.schema[name].describe() if name in reader.schema else "no such field"
+                raise SchemaMismatchError(info.url, name, f"{field.describe()} (index.json)", found)
+        return reader
+
+    def _local_source(self, shards: tuple[int, ...], opened: list[ShardReader]) -> ShardSource:
+        return ShardSource(ShardSet.from_readers(self.name, self.schema, opened))

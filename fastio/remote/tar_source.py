@@ -1,0 +1,284 @@
+"""WebDataset tar shards at URLs (or local compressed tars), read through the node-local shard cache; how
+their sample counts are known before the order is :mod:`fastio.remote.source`'s docstring.
+
+Example::
+
+    source = RemoteTarSource("http://127.0.0.1:8000/shard-{000..009}.tar", cache_dir="/tmp/fastio-cache")
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio._mapped import MappedFile
+from fastio.errors import CorruptShardError
+from fastio.format.compression import compression_of, decompressed_name
+from fastio.format.decode import INT_EXTENSIONS, last_extension, npy_layout
+from fastio.format.tar import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
+from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
+from fastio.remote.fetch import (
+    RemoteNotFoundError,
+    RetryPolicy,
+    expand_urls,
+    filesystem,
+    read_bytes,
+    remote_size,
+    with_retries,
+)
+from fastio.sources import TarSource
+from fastio.sources.base import torch_dtype
+from fastio.sources.tar import TarLayout
+
+__all__ = ["RemoteTarSource"]
+
+
+@dataclasses.dataclass
+class _TarMeta:
+    """What the source keeps per tar shard beside its cache entry: enough to open without downloading."""
+
+    remote_size: int
+    tar_size: int
+    num_samples: int
+    fields: list[str]
+    present: list[bool]  # per field: in every sample of the shard
+    uniform: list[int]  # per field: the one member size of every sample, or -1
+    index_bytes: int = 0  # the index cached beside the tar
+
+
+def _meta_of(index: TarIndex, tar_size: int, remote_size: int, index_bytes: int) -> _TarMeta:
+    present = (index.sizes >= 0).all(axis=0) if index.num_samples else np.zeros(len(index.fields), bool)
+    uniform = [
+        int(col[0]) if len(col) and (col == col[0]).all() and col[0] >= 0 else -1 for col in index.sizes.T
+    ]
+    fields = list(index.fields)
+    return _TarMeta(remote_size, tar_size, index.num_samples, fields, present.tolist(), uniform, index_bytes)
+
+
+class RemoteTarSource(RemoteSource):
+    """WebDataset tar shards at URLs (or local compressed tars), read through the shard cache: plain tars
+    are downloaded whole, compressed ones decompressed once on the way in (see the module docstring for how
+    sample counts are known before the order).
+
+    Batches are what :class:`fastio.sources.TarSource` gives over the same tars (fields as WebDataset names
+    them, ``__key__``): a ``.npy`` field whose members have one size throughout the set and an int field
+    present in every sample come as tensors, everything else decoded per sample. A ``.npy`` field of one
+    size whose header differs between shards raises :class:`fastio.SchemaMismatchError` naming the shard (a
+    remote set cannot be scanned whole before its first batch); pass ``decode=`` a callable to decode it
+    yourself.
+
+    Args:
+        urls: a URL, brace pattern or glob (``http://host/shard-{000..099}.tar``), or a list of them; local
+            paths work too (compressed tars).
+        cache_dir, cache_limit, storage_options, retry, download_threads, ahead: as
+            :class:`RemoteShardSource`.
+        decode: as :class:`fastio.StreamLoader`'s ``decode``.
+        tar_strict: as :class:`fastio.StreamLoader`'s ``tar_strict``.
+
+    Example::
+
+        source = RemoteTarSource("http://127.0.0.1:8000/shard-{000..009}.tar", cache_dir="/tmp/fastio-cache")
+        loader = fastio.StreamLoader(source, batch_size=64, shuffle="shard", num_workers=2)
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        decode: Any = None,
+        tar_strict: bool = True,
+        download_threads: int = 4,
+        ahead: int = 8,
+    ) -> None:
+        listed = expand_urls(urls, storage_options)
+        if not listed:
+            raise RemoteNotFoundError(str(urls), "the pattern names no shard")
+        name = listed[0] if len(listed) == 1 else f"{listed[0]} (+{len(listed) - 1})"
+        self._init_remote(
+            name, cache_for(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
+            download_threads, ahead,
+        )  # fmt: skip
+        if decode is not None and decode != "pil" and not callable(decode):
+            raise ValueError(f"decode must be None, 'pil' or a callable, got {decode!r}")
+        self.decode, self.tar_strict = decode, tar_strict
+        self._sidecars: dict[int, bytes] = {}
+        # Sizes, sidecars and (without sidecars) whole downloads at open go download_threads at a time.
+        with concurrent.futures.ThreadPoolExecutor(
+            download_threads, thread_name_prefix="fastio-open"
+        ) as pool:
+            sizes = list(pool.map(lambda url: remote_size(url, self.retry, self.storage_options), listed))
+            for url, size in zip(listed, sizes, strict=True):
+                key = cache_key(url, decompressed_name(url))
+                self.shards.append(Shard(url, key, size, None, compression_of(url)))
+            metas = list(pool.map(self._meta, range(len(self.shards))))
+        for info, meta in zip(self.shards, metas, strict=True):
+            info.local_size, info.num_samples = meta.tar_size, meta.num_samples
+            info.index_bytes = meta.index_bytes
+        self._layout = self._plan_layout(metas)
+        self._finish_init()
+
+    # -- opening -------------------------------------------------------------------------------------------
+    def _meta_path(self, shard: int) -> Path:
+        return Path(f"{self.cache.path(self.shards[shard].key)}.meta.json")
+
+    def _resident_bytes(self) -> int:
+        """The metas: kept for good, so that the next run opens without downloading."""
+        paths = [self._meta_path(s) for s in range(len(self.shards))]
+        return sum(p.stat().st_size for p in paths if p.exists())
+
+    def _meta(self, shard: int) -> _TarMeta:
+        """The shard's meta: kept from an earlier run, else from a remote sidecar, else by indexing it."""
+        info = self.shards[shard]
+        meta_path = self._meta_path(shard)
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            meta = _TarMeta(**json.loads(meta_path.read_text()))
+            if meta.remote_size == info.remote_size:
+                return meta
+        meta = None
+        if info.compression is None:
+            try:
+                sidecar = read_bytes(info.url + INDEX_SUFFIX, self.retry, self.storage_options)
+            except RemoteNotFoundError:
+                sidecar = None
+            if sidecar is not None:
+                meta = self._meta_from_sidecar(shard, sidecar)
+        if meta is None:  # download (and decompress) the shard now and index it
+            self._hold(shard)
+            try:
+                info.local_size = None if info.compression else info.remote_size
+                path = self._materialize(shard)
+                index = load_tar_index(path, strict=self.tar_strict)
+                index_path = Path(f"{path}{INDEX_SUFFIX}")
+                index_bytes = index_path.stat().st_size if index_path.exists() else 0
+                meta = _meta_of(index, path.stat().st_size, info.remote_size, index_bytes)
+            finally:
+                self._release(shard)
+        meta_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        tmp.write_text(json.dumps(dataclasses.asdict(meta)))
+        os.replace(tmp, meta_path)
+        return meta
+
+    def _meta_from_sidecar(self, shard: int, sidecar: bytes) -> _TarMeta | None:
+        info = self.shards[shard]
+        try:
+            with np.load(io.BytesIO(sidecar), allow_pickle=False) as data:
+                identity = data["identity"]
+                index = TarIndex(info.url, data["keys"], [str(f) for f in data["fields"]],
+                                 data["offsets"], data["sizes"])  # fmt: skip
+        except (OSError, ValueError, KeyError):
+            return None  # not a sidecar this fastio reads: index the shard instead
+        if int(identity[1]) != info.remote_size:
+            return None  # the sidecar describes another version of the tar
+        self._sidecars[shard] = sidecar
+        return _meta_of(index, info.remote_size, info.remote_size, len(sidecar))
+
+    def _after_download(self, shard: int, path: Path) -> None:
+        """Put the remote sidecar beside the cached tar with the tar's mtime set to what the sidecar recorded,
+        so the tar is not re-scanned (:func:`fastio.format.tar.load_tar_index` still checks its fingerprint
+        of the bytes and rebuilds on any mismatch)."""
+        sidecar = self._sidecars.get(shard)
+        if sidecar is None:
+            return
+        with np.load(io.BytesIO(sidecar), allow_pickle=False) as data:
+            mtime_ns = int(data["identity"][2])
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+        target = Path(f"{path}{INDEX_SUFFIX}")
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        tmp.write_bytes(sidecar)
+        os.replace(tmp, target)
+
+    def _plan_layout(self, metas: list[_TarMeta]) -> TarLayout:
+        """The field decisions of the whole set, as a local TarSource over every tar would make them: a
+        ``.npy`` field of one member size in every sample of every shard is gathered fixed (its dtype and
+        shape read from the first member), an int field present in every sample is an int64 tensor."""
+        fields: dict[str, None] = {}
+        for meta in metas:
+            fields.update(dict.fromkeys(meta.fields))
+        npy: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
+        ints: list[str] = []
+        if callable(self.decode):
+            return TarLayout(tuple(fields), npy, ())
+        for field in fields:
+            where = [m.fields.index(field) if field in m.fields else -1 for m in metas]
+            if any(j < 0 or not m.present[j] for m, j in zip(metas, where, strict=True)):
+                continue
+            kind = last_extension(field)
+            if kind == "npy":
+                sizes = {m.uniform[j] for m, j in zip(metas, where, strict=True)}
+                if len(sizes) == 1 and -1 not in sizes:
+                    spec = self._npy_spec(field, sizes.pop())
+                    if spec is not None:
+                        npy[field] = spec
+            elif kind in INT_EXTENSIONS:
+                ints.append(field)
+        return TarLayout(tuple(fields), npy, tuple(ints))
+
+    def _npy_spec(self, field: str, size: int) -> tuple[np.dtype, tuple[int, ...], int] | None:
+        """(dtype, shape, header bytes) of ``field`` from the first sample of the first shard (the shard's
+        start of the member read remotely when it is not cached; compressed shards are cached at open)."""
+        shard = 0
+        info = self.shards[shard]
+        head_len = min(size, 4096)
+        path = self.cache.path(info.key)
+        sidecar = self._sidecars.get(shard)
+        if sidecar is not None:
+            with np.load(io.BytesIO(sidecar), allow_pickle=False) as data:
+                fields = [str(f) for f in data["fields"]]
+                offset = int(data["offsets"][0, fields.index(field)])
+            url = info.url
+
+            def head() -> bytes:
+                fs, fspath = filesystem(url, self.storage_options, self.retry.timeout)
+                return bytes(fs.cat_file(fspath, start=offset, end=offset + head_len))
+
+            first = with_retries(head, url, self.retry)
+        else:
+            self._hold(shard)
+            try:
+                path = self._materialize(shard)
+                index = load_tar_index(path, strict=self.tar_strict)
+                offset = int(index.offsets[0, index.fields.index(field)])
+                with open(path, "rb") as fh:
+                    fh.seek(offset)
+                    first = fh.read(head_len)
+            finally:
+                self._release(shard)
+        dtype, shape, fortran, header = npy_layout(first, size, info.url, f"{field} of the first sample")
+        if fortran or dtype.hasobject or not dtype.isnative:
+            return None
+        return dtype, tuple(shape), header
+
+    def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        specs = {n: (torch_dtype(dtype), shape) for n, (dtype, shape, _) in self._layout.npy_fixed.items()}
+        specs.update({name: (torch.int64, ()) for name in self._layout.ints})
+        return specs
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def _open_shard(self, shard: int, path: Path) -> tuple[TarIndex, MappedFile]:
+        index = load_tar_index(path, strict=self.tar_strict)
+        info = self.shards[shard]
+        if index.num_samples != info.num_samples:
+            raise CorruptShardError(
+                str(path), "samples", f"{info.num_samples} (when the source opened)", index.num_samples
+            )
+        return index, MappedFile(path)
+
+    def _local_source(self, shards: tuple[int, ...], opened: list[tuple[TarIndex, MappedFile]]) -> TarSource:
+        paths = [str(self.cache.path(self.shards[s].key)) for s in shards]
+        subset = TarShardSet.from_parts(paths, [o[0] for o in opened], [o[1] for o in opened])
+        return TarSource(subset, decode=self.decode, layout=self._layout)
