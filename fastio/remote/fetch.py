@@ -3,7 +3,8 @@
 Any URL fsspec understands works: ``s3://`` (s3fs), ``gs://`` (gcsfs), ``az://``/``abfs://`` (adlfs),
 ``http(s)://`` (aiohttp), ``file://`` and plain paths. Credentials come from the environment the way each
 filesystem expects (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``...) or from ``storage_options``; they never
-appear in a message: :func:`redact` strips ``user:password@`` and query values from every URL fastio prints.
+appear in a message: :func:`redact` (:mod:`fastio.remote.errors`) strips ``user:password@`` and query
+values from every URL fastio prints.
 
 How a failure is treated (:func:`classify`, :func:`with_retries`):
 
@@ -45,6 +46,14 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from fastio.remote.errors import (
+    RemoteAccessError,
+    RemoteError,
+    RemoteNotFoundError,
+    RemoteReadError,
+    redact,
+)
+
 __all__ = [
     "RemoteAccessError",
     "RemoteError",
@@ -66,72 +75,6 @@ __all__ = [
 T = TypeVar("T")
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
-_QUERY_VALUE = re.compile(r"([?&][^=&#\s]+=)[^&#\s]*")
-
-
-class RemoteError(OSError):
-    """Base of the errors about one remote object; ``url`` is redacted (no credentials)."""
-
-    def __init__(self, url: str, message: str) -> None:
-        self.url = redact(url)
-        super().__init__(f"{self.url}: {message}")
-
-    def __reduce__(self) -> tuple:  # rebuilt from its text when it crosses from a worker process
-        return (_rebuild, (type(self), self.url, str(self)))
-
-
-def _rebuild(cls: type, url: str, text: str) -> RemoteError:
-    err = cls.__new__(cls)
-    OSError.__init__(err, text)
-    err.url = url
-    return err
-
-
-class RemoteNotFoundError(RemoteError, FileNotFoundError):
-    """The object does not exist (HTTP 404/410, S3 NoSuchKey): raised at once, never retried.
-
-    Example::
-
-        try:
-            remote_size("http://127.0.0.1:8000/missing.tar", RetryPolicy())
-        except RemoteNotFoundError as err:
-            print(err.url, err.code)
-    """
-
-    def __init__(self, url: str, code: str) -> None:
-        self.code = code
-        super().__init__(url, f"not found ({code})")
-
-
-class RemoteAccessError(RemoteError, PermissionError):
-    """Access denied (HTTP 401/403, S3 AccessDenied): raised at once, never retried.
-
-    Example::
-
-        err = RemoteAccessError("s3://bucket/a.tar", "403")
-        assert "403" in str(err)
-    """
-
-    def __init__(self, url: str, code: str) -> None:
-        self.code = code
-        super().__init__(
-            url, f"access denied ({code}); credentials come from the environment or storage_options"
-        )
-
-
-class RemoteReadError(RemoteError):
-    """Reading the object failed: transient failures beyond the retry budget, or an unexpected error.
-
-    Example::
-
-        err = RemoteReadError("http://h/a.tar", 6, "HTTP 503")
-        assert err.attempts == 6 and "503" in str(err)
-    """
-
-    def __init__(self, url: str, attempts: int, cause: str) -> None:
-        self.attempts, self.cause = attempts, cause
-        super().__init__(url, f"read failed after {attempts} attempt(s); last cause: {cause}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,18 +118,6 @@ class RetryPolicy:
         """Seconds to sleep before retry number ``attempt`` (0-based)."""
         base = min(self.max_backoff, self.backoff * 2.0**attempt)
         return base * (1.0 - self.jitter * rng.random())
-
-
-def redact(text: str) -> str:
-    """``text`` with credentials removed from every URL in it: ``user:password@`` and query values (a
-    presigned URL's signature) become ``***``.
-
-    Example::
-
-        assert redact("https://bob:pw@host/a.tar?sig=abc") == "https://***@host/a.tar?sig=***"
-    """
-    text = _USERINFO.sub(r"\1***@", str(text))
-    return _QUERY_VALUE.sub(r"\1***", text)
 
 
 def is_remote(path: Any) -> bool:
