@@ -11,6 +11,7 @@ line before a block chooses what runs first:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -125,16 +126,68 @@ RUN = [b for b in PYTHON_BLOCKS if b.mark != "not-run"]
 NOT_RUN = [b for b in PYTHON_BLOCKS if b.mark == "not-run"]
 
 
+# Blocks run in processes forked from one server that has imported torch, fastcomm and fastio once (and done
+# nothing else): each block still gets a fresh process and namespace, without paying the imports again.
+_SERVER = r"""
+import json, os, signal, sys, time, traceback
+import numpy, torch, fastcomm, fastio
+for line in sys.stdin:
+    job = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        os.chdir(job["cwd"])
+        os.environ.update(job["env"])
+        out = os.open(job["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, 1); os.dup2(out, 2)
+        rc = 0
+        try:
+            exec(compile(job["code"], job["name"], "exec"), {"__name__": "__main__"})
+        except SystemExit as stop:
+            rc = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:
+            traceback.print_exc(); rc = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(rc)
+    deadline, status = time.monotonic() + job["timeout"], None
+    while status is None:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(raw)
+        elif time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL); os.waitpid(pid, 0); status = "timeout"
+        else:
+            time.sleep(0.02)
+    print(json.dumps({"status": status}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def block_server():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env=env, text=True, cwd=ROOT)
+    yield server
+    server.stdin.close()
+    server.wait(timeout=30)
+
+
 @pytest.mark.parametrize("block", RUN, ids=[b.name for b in RUN])
-def test_python_block_runs(block: Block, tmp_path: Path) -> None:
+def test_python_block_runs(block: Block, tmp_path: Path, block_server: subprocess.Popen) -> None:
     prelude = ""
     if block.mark == "prelude":
         assert block.mark_value in PRELUDES, f"{block.name}: unknown prelude {block.mark_value!r}"
         prelude = PRELUDES[block.mark_value]
-    env = dict(os.environ, FASTIO_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", prelude + "\n" + block.code], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    assert result.returncode == 0, f"{block.name} failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    output = tmp_path / "output.txt"
+    job = {"name": block.name, "code": prelude + "\n" + block.code, "cwd": str(tmp_path),
+           "output": str(output), "timeout": BLOCK_TIMEOUT_S, "env": {"FASTIO_CACHE": str(tmp_path / "cache")}}
+    block_server.stdin.write(json.dumps(job) + "\n")
+    block_server.stdin.flush()
+    reply = block_server.stdout.readline()
+    assert reply, f"{block.name}: the block server died"
+    status = json.loads(reply)["status"]
+    assert status == 0, f"{block.name} ended with {status}:\n{output.read_text()[-4000:]}"
 
 
 @pytest.mark.parametrize("block", NOT_RUN, ids=[b.name for b in NOT_RUN])
