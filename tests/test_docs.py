@@ -46,7 +46,9 @@ for shard in range(4):
         for i in range(13):
             for name, payload in ((f"{shard}-{i}.x.npy", None), (f"{shard}-{i}.cls", str(i % 10).encode())):
                 if payload is None:
-                    buffer = io.BytesIO(); np.save(buffer, np.full((3, 8, 8), i, np.uint8)); payload = buffer.getvalue()
+                    buffer = io.BytesIO()
+                    np.save(buffer, np.full((3, 8, 8), i, np.uint8))
+                    payload = buffer.getvalue()
                 info = tarfile.TarInfo(name); info.size = len(payload); tar.addfile(info, io.BytesIO(payload))
 """
 
@@ -60,7 +62,8 @@ for shard in range(5):
         for i in range(16):
             image = io.BytesIO()
             Image.fromarray(rng.integers(0, 255, (80, 96, 3), dtype=np.uint8)).save(image, format="JPEG")
-            for name, payload in ((f"{shard}-{i}.jpg", image.getvalue()), (f"{shard}-{i}.cls", str(i % 10).encode())):
+            members = ((f"{shard}-{i}.jpg", image.getvalue()), (f"{shard}-{i}.cls", str(i % 10).encode()))
+            for name, payload in members:
                 info = tarfile.TarInfo(name); info.size = len(payload); tar.addfile(info, io.BytesIO(payload))
 device = "cuda" if __import__("torch").cuda.is_available() else "cpu"
 """
@@ -181,7 +184,8 @@ def test_python_block_runs(block: Block, tmp_path: Path, block_server: subproces
         prelude = PRELUDES[block.mark_value]
     output = tmp_path / "output.txt"
     job = {"name": block.name, "code": prelude + "\n" + block.code, "cwd": str(tmp_path),
-           "output": str(output), "timeout": BLOCK_TIMEOUT_S, "env": {"FASTIO_CACHE": str(tmp_path / "cache")}}
+           "output": str(output), "timeout": BLOCK_TIMEOUT_S,
+           "env": {"FASTIO_CACHE": str(tmp_path / "cache")}}
     block_server.stdin.write(json.dumps(job) + "\n")
     block_server.stdin.flush()
     reply = block_server.stdout.readline()
