@@ -242,7 +242,7 @@ else:
     try:
         from fastcomm.triton import register_cuda_kernels
 
-        register_cuda_kernels(_LIB)
+        register_cuda_kernels(_LIB, {spec.name: spec.triton for spec in OP_SPECS if spec.triton is not None})
     except ImportError as exc:
         _triton_error = f"triton unavailable: {exc}"
 

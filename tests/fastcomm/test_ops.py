@@ -434,7 +434,7 @@ def test_triton_rows_register_their_host_functions():
     try:
         for spec in ops.OP_SPECS:
             lib.define(spec.name + spec.schema)
-        register_cuda_kernels(lib)
+        register_cuda_kernels(lib, {s.name: s.triton for s in ops.OP_SPECS if s.triton})
         for spec in ops.OP_SPECS:
             qualname = f"fastcomm_table_test::{spec.name}"
             has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA")

@@ -122,7 +122,7 @@ def test_register_cuda_kernels_registers_every_triton_row() -> None:
     for op in _TRITON_OPS:
         schema = getattr(torch.ops.fastcomm, op).default._schema
         lib.define(str(schema).replace("fastcomm::", "", 1))
-    register_cuda_kernels(lib)
+    register_cuda_kernels(lib, {s.name: s.triton for s in fastcomm.ops.OP_SPECS if s.triton})
     for op in _TRITON_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastcomm_triton_test::{op}", "CUDA")
 
