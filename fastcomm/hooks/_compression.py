@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch import Tensor
 from fastcomm.hooks._base import HookState
 from fastcomm.hooks._defaults import resolve_state
 from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._exchange import SecondPhase
 from fastcomm.hooks._groups import check_node_size
 from fastcomm.hooks._options import require_bool, require_int
 from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_buckets, merge_counters
@@ -27,15 +28,7 @@ from fastcomm.hooks._util import BucketKey, ring_bytes, world_of
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES, all_gather_rows
 from fastcomm.hooks.hierarchical import Hierarchy, check_hierarchical_options, fold_shards
 
-__all__ = ["BucketCall", "CompressionState", "PendingPhase", "gather_payloads", "run_compressed"]
-
-
-class PendingPhase(Protocol):
-    """A bucket whose first collective is in flight and whose second is issued by a later hook call."""
-
-    def finish(self) -> None:
-        """Wait for the first collective, then issue the second (from the hook thread, in bucket order)."""
-        ...
+__all__ = ["BucketCall", "CompressionState", "gather_payloads", "run_compressed"]
 
 
 class CompressionState(HookState):
@@ -87,7 +80,7 @@ class CompressionState(HookState):
         self.store = BucketStore()
         self.hierarchy = Hierarchy()
         # a two-phase bucket whose phase 1 is in flight; its phase 2 is issued by the next hook call
-        self._pending: PendingPhase | None = None
+        self._pending: SecondPhase | None = None
 
     def _end_iteration(self, finite: bool) -> None:
         self.store.end_iteration(finite)
@@ -131,7 +124,7 @@ class CompressionState(HookState):
         """Whether a bucket of ``numel`` elements is compressed at the current step."""
         return self.accounting.steps >= self.start_iter and numel >= max(1, self.min_compress_numel)
 
-    def defer(self, pending: PendingPhase) -> None:
+    def defer(self, pending: SecondPhase) -> None:
         """Leave ``pending``'s second phase to the next hook call (or the next iteration's bucket 0)."""
         self._pending = pending
 

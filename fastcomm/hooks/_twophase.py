@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from torch import Tensor
 from fastcomm.compress.protocol import Compressor
 from fastcomm.hooks._compression import BucketCall, CompressionState
 from fastcomm.hooks._errors import PeerCollectiveError
+from fastcomm.hooks._exchange import SecondPhase
 from fastcomm.hooks._lane import lane_for
 from fastcomm.hooks._options import require_bool
 from fastcomm.hooks._threads import then, when_done
@@ -49,7 +50,6 @@ __all__ = [
     "Phase1",
     "Phase2Payload",
     "Piece",
-    "SecondPhase",
     "TwoPhaseLayout",
     "TwoPhaseState",
     "finish_phase2",
@@ -59,20 +59,6 @@ __all__ = [
     "two_phase_allreduce",
     "two_phase_bucket",
 ]
-
-
-class SecondPhase(Protocol):
-    """A bucket whose first collective is in flight; :meth:`finish` issues its second (any exchange).
-
-    :func:`schedule_second_phase` decides where ``finish`` runs (the lane, the next hook call, or now);
-    ``future`` completes with the bucket's result once the second collective's data is decoded.
-    """
-
-    future: torch.futures.Future[Tensor]
-
-    def finish(self, group: dist.ProcessGroup | None = None) -> None:
-        """Wait for the first collective, then issue the second over ``group`` (default: the state's)."""
-        ...
 
 
 @dataclass(frozen=True)

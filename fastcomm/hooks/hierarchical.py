@@ -47,23 +47,20 @@ import dataclasses
 import math
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm.compress.protocol import AllreduceCompressor
+from fastcomm.hooks._accounting import StepAccounting
 from fastcomm.hooks._errors import PeerCollectiveError
+from fastcomm.hooks._exchange import FlatCall, FlatState, PhasePayload, SecondPhase
 from fastcomm.hooks._groups import NodeGroups, node_groups, resolve_node_size
 from fastcomm.hooks._store import BucketEntry, BucketStore
 from fastcomm.hooks._threads import then, when_done
 from fastcomm.hooks._util import BucketKey, all_gather_flat
-
-if TYPE_CHECKING:
-    from fastcomm.hooks._accounting import StepAccounting
-    from fastcomm.hooks._compression import BucketCall, CompressionState, PendingPhase
-    from fastcomm.hooks._twophase import Phase2Payload
 
 __all__ = ["Hierarchy", "check_hierarchical_options", "fold_shards", "shard_numel"]
 
@@ -82,7 +79,7 @@ def shard_numel(numel: int, node_size: int) -> int:
     return max(1, math.ceil(numel / node_size))
 
 
-def check_hierarchical_options(state: CompressionState, node_size: int | None) -> None:
+def check_hierarchical_options(state: FlatState, node_size: int | None) -> None:
     """Refuse an explicit ``node_size > 1`` on a state whose algorithm a shard would change.
 
     Raises:
@@ -137,12 +134,12 @@ class _Phase2Deferral:
     def __init__(self, groups: NodeGroups) -> None:
         self._groups = groups
 
-    def __call__(self, pending: PendingPhase) -> None:
+    def __call__(self, pending: SecondPhase) -> None:
         group = self._groups.phase2_group
 
         def finish() -> None:
             try:
-                pending.finish(group)  # type: ignore[call-arg]
+                pending.finish(group)
             except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
                 future = getattr(pending, "future", None)
                 if future is not None and not future.done():
@@ -188,7 +185,7 @@ class Hierarchy:
         self.traffic = _NodeTraffic()
         self.groups: NodeGroups | None = None
         self._resolved = False
-        self._inner: CompressionState | None = None
+        self._inner: FlatState | None = None
         # bucket layout -> (its shard store key, its parameters' sizes): a key of its own per layout, so
         # the shard store never mixes layouts (a rebuild hands the owed amounts over: _take_over)
         self._layouts: dict[BucketKey, tuple[BucketKey, tuple[int, ...]]] = {}
@@ -197,7 +194,7 @@ class Hierarchy:
         self._next_shard = 0
 
     # ------------------------------------------------------------------------------------- resolution
-    def resolve(self, state: CompressionState) -> bool:
+    def resolve(self, state: FlatState) -> bool:
         """Whether ``state`` reduces hierarchically; the first call decides and makes the groups.
 
         Every rank must first call this at the same point (``register()``'s bind, or the first
@@ -217,7 +214,7 @@ class Hierarchy:
             self._resolved = True
         return self.groups is not None
 
-    def _inner_state(self, state: CompressionState) -> CompressionState:
+    def _inner_state(self, state: FlatState) -> FlatState:
         """A state of the same class and options that runs the flat exchange over the cross-node group."""
         if self._inner is None:
             assert self.groups is not None
@@ -239,7 +236,7 @@ class Hierarchy:
 
     # -------------------------------------------------------------------------------------- reducing
     def reduce(
-        self, call: BucketCall, compress: Callable[[BucketCall], torch.futures.Future[Tensor]]
+        self, call: FlatCall, compress: Callable[[Any], torch.futures.Future[Tensor]]
     ) -> torch.futures.Future[Tensor]:
         """Steps 1-3 of the module docstring for one bucket; the future DDP waits on."""
         groups = self.groups
@@ -381,7 +378,7 @@ class Hierarchy:
         return works, finish
 
     def _gather_payloads(
-        self, shard_key: BucketKey, payload: Phase2Payload, mine: Tensor, shard_size: int, flat: Tensor
+        self, shard_key: BucketKey, payload: PhasePayload, mine: Tensor, shard_size: int, flat: Tensor
     ) -> tuple[list[dist.Work], Callable[[], None]]:
         """Step 3 with the compressed shards: every local rank's phase-2 payloads, decoded here.
 
