@@ -43,7 +43,7 @@ from fastcomm.hooks._exchange import SecondPhase
 from fastcomm.hooks._lane import lane_for
 from fastcomm.hooks._options import require_bool
 from fastcomm.hooks._threads import then, when_done
-from fastcomm.hooks._util import BucketKey, Timer, all_gather_flat, seed_for
+from fastcomm.hooks._util import BucketKey, Timer, all_gather_flat, block_unit, seed_for, segment_layout
 from fastcomm.hooks._wire import MAX_CHUNKS
 
 __all__ = [
@@ -76,6 +76,12 @@ class TwoPhaseLayout:
     segment: int
     unit: int
     seed: int = 0
+
+    @classmethod
+    def of_blocks(cls, compressor: Compressor, numel: int, world_size: int, seed: int = 0) -> TwoPhaseLayout:
+        """Segments of whole blocks and bytes: ``ceil(numel / W)`` rounded up to ``lcm(block, 8)``."""
+        unit = block_unit(compressor.block)
+        return cls(compressor, segment_layout(numel, world_size, unit), unit, seed)
 
 
 class TwoPhaseState(CompressionState):

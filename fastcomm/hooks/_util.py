@@ -16,6 +16,7 @@ __all__ = [
     "Timer",
     "all_finite",
     "all_gather_flat",
+    "block_unit",
     "completed",
     "ring_bytes",
     "seed_for",
@@ -57,6 +58,17 @@ def seed_for(base: int, step: int, key: BucketKey, rank: int, phase: int) -> int
     """A stochastic-rounding seed unique to (seed option, step, bucket, rank, phase), identical on resume."""
     first = key[0] if key else 0
     return ((((base * 1_000_003 + step) * 65_537 + first) * 4_099 + rank) * 4 + phase) % (2**62)
+
+
+def block_unit(block: int) -> int:
+    """The two-phase piece granularity for ``block``-element blocks: ``lcm(block, 8)`` (whole blocks, bytes).
+
+    Example::
+
+        >>> block_unit(100)
+        200
+    """
+    return math.lcm(block, 8)
 
 
 def segment_layout(numel: int, world_size: int, unit: int) -> int:

@@ -9,7 +9,6 @@ other by one all-gather of every rank's payload, decoded and averaged on every r
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ from fastcomm.hooks._reshard import same_value
 from fastcomm.hooks._rounds import allreduce_rounds
 from fastcomm.hooks._threads import then
 from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_allreduce
-from fastcomm.hooks._util import Timer, segment_layout
+from fastcomm.hooks._util import Timer
 
 __all__ = ["CompressorState", "compressor_hook"]
 
@@ -61,8 +60,7 @@ class CompressorState(TwoPhaseState):
 
     def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
         """Segments of whole blocks and bytes: ``ceil(numel / W)`` rounded up to ``lcm(block, 8)``."""
-        unit = math.lcm(self.compressor.block, 8)
-        return TwoPhaseLayout(self.compressor, segment_layout(numel, world_size, unit), unit)
+        return TwoPhaseLayout.of_blocks(self.compressor, numel, world_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict()}

@@ -1,7 +1,6 @@
 """Quantized allreduce hook: blockwise 8/4/2-bit codes through a two-phase all-to-all, all-gather exchange."""
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
-import math
 from typing import Any
 
 import torch
@@ -13,7 +12,6 @@ from fastcomm.compress.quantize import QuantCompressor
 from fastcomm.hooks._compression import run_compressed
 from fastcomm.hooks._options import require_bool, require_int
 from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_bucket
-from fastcomm.hooks._util import segment_layout
 
 __all__ = ["QuantState", "quantize_hook"]
 
@@ -62,8 +60,7 @@ class QuantState(TwoPhaseState):
 
     def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
         """Segments of whole blocks: ``ceil(numel / W)`` rounded up to ``lcm(block, 8)``."""
-        unit = math.lcm(self.block, 8)
-        return TwoPhaseLayout(self._compressor, segment_layout(numel, world_size, unit), unit, self.seed)
+        return TwoPhaseLayout.of_blocks(self._compressor, numel, world_size, self.seed)
 
 
 def quantize_hook(state: QuantState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

@@ -1,7 +1,6 @@
 """1-bit sign hook: signs and per-chunk scales in a two-phase exchange (1-bit Adam's compressed allreduce)."""
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
-import math
 from typing import Any
 
 import torch
@@ -12,7 +11,7 @@ from fastcomm.compress.sign import SignCompressor
 from fastcomm.hooks._compression import run_compressed
 from fastcomm.hooks._options import require_int
 from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_bucket
-from fastcomm.hooks._util import segment_layout
+from fastcomm.hooks._util import block_unit, segment_layout
 
 __all__ = ["SignState", "sign_hook", "sign_layout"]
 
@@ -53,7 +52,7 @@ class SignState(TwoPhaseState):
     def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
         """The segment and chunk of :func:`sign_layout`, and the sign compressor of that chunk."""
         segment, chunk = sign_layout(numel, world_size, self.chunk)
-        return TwoPhaseLayout(SignCompressor(chunk), segment, math.lcm(chunk, 8))
+        return TwoPhaseLayout(SignCompressor(chunk), segment, block_unit(chunk))
 
 
 def sign_layout(numel: int, world_size: int, chunk: int) -> tuple[int, int]:
@@ -70,7 +69,7 @@ def sign_layout(numel: int, world_size: int, chunk: int) -> tuple[int, int]:
     small = segment_layout(numel, world_size, 8)
     if small <= chunk:
         return small, small
-    return segment_layout(numel, world_size, math.lcm(chunk, 8)), chunk
+    return segment_layout(numel, world_size, block_unit(chunk)), chunk
 
 
 def sign_hook(state: SignState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
