@@ -19,8 +19,9 @@ Example::
 from __future__ import annotations
 
 import numbers
+from typing import TypeGuard
 
-__all__ = ["OptionTypeError", "require_bool", "require_int", "require_real"]
+__all__ = ["OptionTypeError", "is_real", "require_bool", "require_int", "require_real"]
 
 
 class OptionTypeError(TypeError, ValueError):
@@ -52,6 +53,11 @@ def require_int(name: str, value: object, *, minimum: int | None = None) -> int:
     return int(value)
 
 
+def is_real(value: object) -> TypeGuard[numbers.Real]:
+    """Whether ``value`` is a real number: an int or a float (any ``numbers.Real``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def require_real(name: str, value: object) -> float:
     """``value`` as a ``float`` if it is a real number (an int or a float, not a bool).
 
@@ -60,6 +66,6 @@ def require_real(name: str, value: object) -> float:
     Raises:
         OptionTypeError: not a real number.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise OptionTypeError(f"{name} must be a real number, {_got(value)}")
     return float(value)

@@ -14,6 +14,7 @@ from fastcomm import ops
 from fastcomm.compress.topk import TopKCompressor
 from fastcomm.hooks._compression import BucketCall, CompressionState, gather_payloads, run_compressed
 from fastcomm.hooks._errors import collective_value
+from fastcomm.hooks._options import is_real, require_real
 from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import BucketKey, Timer, all_finite
 
@@ -106,11 +107,11 @@ class TopKState(CompressionState):
         clip_norm: float | None = None,
         **options: Any,
     ) -> None:
-        if not _is_real(ratio) or not 0.0 < ratio <= 1.0:
+        if not 0.0 < require_real("ratio", ratio) <= 1.0:
             raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
-        if not _is_real(momentum) or not 0.0 <= momentum < 1.0:
+        if not 0.0 <= require_real("momentum", momentum) < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        if isinstance(warmup_ratios, str) or not all(_is_real(r) for r in warmup_ratios):
+        if isinstance(warmup_ratios, str) or not all(is_real(r) for r in warmup_ratios):
             raise ValueError(f"warmup_ratios must be a sequence of numbers, got {warmup_ratios!r}")
         warmup_ratios = tuple(float(r) for r in warmup_ratios)
         if not warmup_ratios or not all(0.0 < r <= 1.0 for r in warmup_ratios):
@@ -124,7 +125,7 @@ class TopKState(CompressionState):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         if nesterov and momentum == 0.0:
             raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
-        if clip_norm is not None and (not _is_real(clip_norm) or not 0.0 < clip_norm < math.inf):
+        if clip_norm is not None and not 0.0 < require_real("clip_norm", clip_norm) < math.inf:
             raise ValueError(f"clip_norm must be None or a positive finite number, got {clip_norm!r}")
         self.ratio = float(ratio)
         self.exact = exact
@@ -310,10 +311,6 @@ class _SparseResult:
             self.out[touched] = means.to(self.out.dtype)
         self.touched = touched
         return self.out
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _clip_norm_(flat: Tensor, threshold: float) -> None:
