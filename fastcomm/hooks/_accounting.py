@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["COUNTERS", "StepAccounting"]
+__all__ = ["COUNTERS", "NodeTraffic", "ShardAccounting", "StepAccounting"]
 
 # the counters a checkpoint keeps, with their types
 COUNTERS: dict[str, type] = {
@@ -112,3 +112,43 @@ class StepAccounting:
         with self._lock:
             for name, kind in COUNTERS.items():
                 self._counters[name] = kind(state_dict[name])
+
+
+class NodeTraffic:
+    """Bytes this rank sent inside its node and to other nodes (thread-safe; checkpointed)."""
+
+    NAMES = ("intra_node_bytes", "cross_node_bytes")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counters = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                self.counters[name] += value
+
+    def load(self, counters: dict[str, int]) -> None:
+        with self._lock:
+            self.counters = {name: int(counters.get(name, 0)) for name in self.NAMES}
+
+
+class ShardAccounting:
+    """The step accounting the shard exchange writes to: the state's own, plus cross-node byte counts."""
+
+    def __init__(self, outer: StepAccounting, traffic: NodeTraffic) -> None:
+        self._outer, self._traffic = outer, traffic
+
+    @property
+    def steps(self) -> int:
+        return self._outer.steps
+
+    def count(self, bytes_sent: int, dense_bytes: int, seconds: float, compressed: bool) -> None:
+        self._traffic.add(cross_node_bytes=bytes_sent)
+        self._outer.count(bytes_sent, dense_bytes, seconds, compressed)
+
+    def add_seconds(self, seconds: float) -> None:
+        self._outer.add_seconds(seconds)
+
+    def note_output(self, finite: bool) -> None:
+        self._outer.note_output(finite)

@@ -22,11 +22,12 @@ from fastcomm.hooks._exchange import SecondPhase
 from fastcomm.hooks._groups import check_node_size
 from fastcomm.hooks._options import require_bool, require_int
 from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_buckets, merge_counters
+from fastcomm.hooks._shards import check_hierarchical_options, fold_shards
 from fastcomm.hooks._store import BucketEntry, BucketStore, ResumePart
 from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import BucketKey, ring_bytes, world_of
 from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES, all_gather_rows
-from fastcomm.hooks.hierarchical import Hierarchy, check_hierarchical_options, fold_shards
+from fastcomm.hooks.hierarchical import Hierarchy
 
 __all__ = ["BucketCall", "CompressionState", "gather_payloads", "run_compressed"]
 

@@ -44,8 +44,6 @@ shapes its low-rank factors are built from.
 from __future__ import annotations
 
 import dataclasses
-import math
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -53,12 +51,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.compress.protocol import AllreduceCompressor
-from fastcomm.hooks._accounting import StepAccounting
+from fastcomm.hooks._accounting import NodeTraffic, ShardAccounting
 from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks._exchange import FlatCall, FlatState, PhasePayload, SecondPhase
 from fastcomm.hooks._groups import NodeGroups, node_groups, resolve_node_size
-from fastcomm.hooks._store import BucketEntry, BucketStore
+from fastcomm.hooks._shards import check_hierarchical_options, fold_shards, shard_numel
+from fastcomm.hooks._store import BucketStore
 from fastcomm.hooks._threads import then, when_done
 from fastcomm.hooks._util import BucketKey, all_gather_flat
 
@@ -66,61 +64,6 @@ __all__ = ["Hierarchy", "check_hierarchical_options", "fold_shards", "shard_nume
 
 # reduce_scatter_tensor was renamed reduce_scatter_single; use whichever this torch has, without a warning
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def shard_numel(numel: int, node_size: int) -> int:
-    """Elements of each local rank's shard of a ``numel``-element bucket: ``ceil(numel / node_size)``.
-
-    Example::
-
-        >>> shard_numel(1001, 2)
-        501
-    """
-    return max(1, math.ceil(numel / node_size))
-
-
-def check_hierarchical_options(state: FlatState, node_size: int | None) -> None:
-    """Refuse an explicit ``node_size > 1`` on a state whose algorithm a shard would change.
-
-    Raises:
-        ValueError: PowerSGD (an :class:`~fastcomm.compress.AllreduceCompressor`), or top-k with DGC
-            momentum or local clipping (their velocity and clipping shares belong to whole buckets).
-    """
-    if node_size is None or node_size == 1:
-        return
-    if isinstance(getattr(state, "compressor", None), AllreduceCompressor):
-        raise ValueError(
-            f"node_size={node_size}: {type(state.compressor).__name__} cannot compress a shard of a bucket "
-            f"(its factors come from whole parameter matrices, which a 1/node_size shard cuts); use "
-            f"node_size=1"
-        )
-    for name, off in (("momentum", 0.0), ("clip_norm", None)):
-        if getattr(state, name, off) != off:
-            raise ValueError(
-                f"node_size={node_size} with {name}={getattr(state, name)!r}: hierarchical top-k supports "
-                f"neither DGC momentum nor local clipping; use {name}={off!r} or node_size=1"
-            )
-
-
-class _ShardAccounting:
-    """The step accounting the shard exchange writes to: the state's own, plus cross-node byte counts."""
-
-    def __init__(self, outer: StepAccounting, traffic: _NodeTraffic) -> None:
-        self._outer, self._traffic = outer, traffic
-
-    @property
-    def steps(self) -> int:
-        return self._outer.steps
-
-    def count(self, bytes_sent: int, dense_bytes: int, seconds: float, compressed: bool) -> None:
-        self._traffic.add(cross_node_bytes=bytes_sent)
-        self._outer.count(bytes_sent, dense_bytes, seconds, compressed)
-
-    def add_seconds(self, seconds: float) -> None:
-        self._outer.add_seconds(seconds)
-
-    def note_output(self, finite: bool) -> None:
-        self._outer.note_output(finite)
 
 
 class _Phase2Deferral:
@@ -148,25 +91,6 @@ class _Phase2Deferral:
         self._groups.phase2_worker.submit(finish)
 
 
-class _NodeTraffic:
-    """Bytes this rank sent inside its node and to other nodes (thread-safe; checkpointed)."""
-
-    NAMES = ("intra_node_bytes", "cross_node_bytes")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counters = dict.fromkeys(self.NAMES, 0)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                self.counters[name] += value
-
-    def load(self, counters: dict[str, int]) -> None:
-        with self._lock:
-            self.counters = {name: int(counters.get(name, 0)) for name in self.NAMES}
-
-
 class Hierarchy:
     """The hierarchical part of a :class:`~fastcomm.hooks._compression.CompressionState`.
 
@@ -182,7 +106,7 @@ class Hierarchy:
 
     def __init__(self) -> None:
         self.store = BucketStore()
-        self.traffic = _NodeTraffic()
+        self.traffic = NodeTraffic()
         self.groups: NodeGroups | None = None
         self._resolved = False
         self._inner: FlatState | None = None
@@ -228,7 +152,7 @@ class Hierarchy:
             if hasattr(inner, "payloads"):
                 inner.payloads = {}  # a two-phase exchange keeps its payloads for the in-node gather
             inner.store = self.store
-            inner.accounting = _ShardAccounting(state.accounting, self.traffic)  # type: ignore[assignment]
+            inner.accounting = ShardAccounting(state.accounting, self.traffic)  # type: ignore[assignment]
             if state.options().get("overlap_phase2", False):
                 inner.defer = _Phase2Deferral(self.groups)  # type: ignore[method-assign]
             self._inner = inner
@@ -527,55 +451,6 @@ class Hierarchy:
         if self.groups is None:
             return {}
         return dict(self.traffic.counters)
-
-
-def fold_shards(state_dict: dict[str, Any], old_rank: int) -> dict[str, Any]:
-    """``state_dict`` with its shards' owed amounts moved into its bucket entries' ``residual`` tensors.
-
-    For :meth:`~fastcomm.hooks._compression.CompressionState.merge_state_dicts` at another world size:
-    old rank ``old_rank`` owes, per bucket layout, ``L`` times its shard's owed amount (phase-2 residual
-    folded in) on its shard of the bucket, in the bucket's layout, which the merge re-partitions like any
-    residual. A state without hierarchical keys is returned as is.
-
-    Example::
-
-        folded = [fold_shards(states[r], r) for r in range(len(states))]
-    """
-    saved = state_dict.get("hierarchical")
-    if not saved or not saved["layouts"]:
-        return state_dict
-    node_size = int(saved["node_size"])
-    local_rank = old_rank % node_size
-    shards = {tuple(int(p) for p in item["params"]): item for item in saved["store"]["buckets"]}
-    buckets = [{**item, "tensors": dict(item["tensors"])} for item in state_dict["buckets"]]
-    by_key = {tuple(int(p) for p in item["params"]): item for item in buckets}
-    for layout in saved["layouts"]:
-        item = shards.get(tuple(int(s) for s in layout["shard"]))
-        key, numels = tuple(int(p) for p in layout["params"]), tuple(int(n) for n in layout["numels"])
-        if item is None:
-            continue
-        entry = BucketEntry(
-            numels=tuple(int(n) for n in item["numels"]),
-            world_size=int(item["world_size"]),
-            segment_start=int(item["segment_start"]),
-            tensors=item["tensors"],
-        )
-        shard_owed = entry.owed()
-        if shard_owed is None:
-            continue
-        total, shard = sum(numels), shard_owed.numel()
-        owed = torch.zeros(total, dtype=torch.float32)
-        start, stop = local_rank * shard, min((local_rank + 1) * shard, total)
-        if start < stop:
-            owed[start:stop] = shard_owed[: stop - start].cpu() * node_size
-        target = by_key.get(key)
-        if target is None:
-            target = {"params": list(key), "numels": list(numels), "world_size": int(entry.world_size),
-                      "segment_start": 0, "tensors": {}}  # fmt: skip
-            buckets.append(target)
-        kept = target["tensors"].get("residual")
-        target["tensors"]["residual"] = owed if kept is None else kept.float() + owed
-    return {**state_dict, "buckets": buckets}
 
 
 def _row_of(rank: int, local: int) -> int:
