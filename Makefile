@@ -45,7 +45,7 @@ install: $(STAMP) $(INTEGRATIONS_STAMP)
 # (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build time).
 test: $(STAMP) $(INTEGRATIONS_STAMP)
 	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 tests
 
 # The short profile (under 20 min on 2 cores); FULL=1 runs every benchmark in full (about 2 h).
 # Results go to benchmarks/runs/<UTC time>/; UPDATE_RESULTS=1 writes the committed benchmarks/results/ instead,
