@@ -58,5 +58,7 @@ class BufferPool:
     def drop(self, key: BucketKey) -> None:
         """Forget every buffer and object of bucket layout ``key`` (after a bucket rebuild)."""
         for table in (self._tensors, self._objects):
-            for stale in [k for k in table if k[0] == key]:
+            # list(table) copies the keys in one step under the GIL: the phase-2 thread may be adding
+            # another layout's buffers meanwhile, which a comprehension over the dict itself trips on
+            for stale in [k for k in list(table) if k[0] == key]:
                 del table[stale]
