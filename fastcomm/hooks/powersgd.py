@@ -8,6 +8,7 @@ rebuilds, GradScaler's skipped steps and ``state_dict()`` resumes work as for ev
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -64,6 +65,31 @@ class PowerSGDState(CompressorState):
     @property
     def orthogonalization(self) -> str:
         return self.compressor.orthogonalization
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`CompressorState.load_state_dict`, also of a checkpoint that ``register(ddp, "powersgd")``
+        saved as a ``CompressorState`` serving a PowerSGD compressor (the same state under its old name)."""
+        super().load_state_dict(_as_powersgd_state(state_dict))
+
+    @classmethod
+    def merge_state_dicts(
+        cls, states: Sequence[dict[str, Any]], world_size: int, rank: int
+    ) -> tuple[dict[str, Any], str]:
+        """:meth:`CompressorState.merge_state_dicts`, taking old ``CompressorState`` PowerSGD dicts too."""
+        return super().merge_state_dicts([_as_powersgd_state(s) for s in states], world_size, rank)
+
+
+def _as_powersgd_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` as a :class:`PowerSGDState`'s when it is a ``CompressorState``'s over PowerSGD."""
+    options = state_dict.get("options", {})
+    compressor = options.get("compressor") if isinstance(options, dict) else None
+    if state_dict.get("type") != "CompressorState" or not isinstance(compressor, PowerSGDCompressor):
+        return state_dict
+    renamed = {key: value for key, value in options.items() if key != "compressor"}
+    renamed.update(
+        rank=compressor.rank, warm_start=compressor.warm_start, orthogonalization=compressor.orthogonalization
+    )
+    return {**state_dict, "type": "PowerSGDState", "options": renamed}
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

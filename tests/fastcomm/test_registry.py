@@ -72,3 +72,25 @@ def test_an_added_compressor_lands_in_the_same_table():
 def test_an_unknown_name_lists_the_table(one_rank):
     with pytest.raises(ValueError, match=r"unknown hook 'nope'; known hooks: .*'powersgd'.*'cast16'"):
         fastcomm.register(_ddp(), "nope")
+
+
+def test_a_powersgd_checkpoint_saved_as_a_compressor_state_loads_into_powersgd_state(one_rank):
+    # register(ddp, "powersgd") built a CompressorState before the one table; its checkpoints still load
+    from fastcomm.compress.cast import CastCompressor
+    from fastcomm.compress.powersgd import PowerSGDCompressor
+    from fastcomm.hooks import CompressorState, PowerSGDState
+
+    ddp = _ddp()
+    old = CompressorState(PowerSGDCompressor(2, True, "qr"))
+    fastcomm.register(ddp, old)
+    for _ in range(3):
+        ddp(torch.randn(4, 8)).square().sum().backward()
+    saved = old.state_dict()
+    assert saved["type"] == "CompressorState"
+    state = PowerSGDState(rank=2)
+    state.load_state_dict(saved)
+    assert state.stats()["steps"] == old.stats()["steps"] == 3
+    merged, _ = PowerSGDState.merge_state_dicts([saved], world_size=1, rank=0)
+    assert merged["type"] == "PowerSGDState" and merged["options"]["rank"] == 2
+    with pytest.raises(ValueError, match="CompressorState"):
+        PowerSGDState().load_state_dict(CompressorState(CastCompressor()).state_dict())
