@@ -10,17 +10,9 @@
   description (offsets, dtypes, shapes, and non-tensor leaves such as keys) goes through a pipe. Tensors are
   never pickled.
 
-Both hand out batch ``j`` only in order and keep at most ``slots`` batches in flight. A yielded batch is
-never overwritten while anything still views it (the batch, a slice, a numpy view): before a process slot
-is refilled the consumer checks whether its mapping is still viewed, and if so gives the slot a new file
-(sent to the worker over the pipe) and leaves the old mapping to whoever holds it. ``reuse=False`` gives
-every batch fresh memory. An exception in a worker is re-raised in the consumer; a worker that dies raises
-``RuntimeError`` (never a hang). A worker process exits when its parent dies, even mid-batch
-(``PR_SET_PDEATHSIG`` on Linux, with the pipe and a parent-pid check as the fallback elsewhere). Linux sends
-that signal when the *thread* that forked exits, so start the iteration (``iter(loader)``) in a thread that
-outlives it; if that thread ends first, the next batch raises the dead-worker ``RuntimeError``. Worker threads
-still running at interpreter exit are stopped and joined first (a daemon thread caught inside the native
-gather by the shutdown would abort the process).
+Both hand out batch ``j`` only in order, keep at most ``slots`` batches in flight, never overwrite a
+batch anything still views, and re-raise a worker's exception (or a dead worker's ``RuntimeError``) in the
+consumer: the details are in :mod:`fastio.workers.processes` and :mod:`fastio.workers.threads`.
 
 :func:`worker_info` says, inside a loader's Python code, which worker runs it and the current sample's seed.
 

@@ -3,23 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastcomm
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _ddp() -> DDP:
-    return DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
 
 
 @pytest.mark.parametrize(
@@ -31,22 +16,22 @@ def _ddp() -> DDP:
         ("cast", "bits", "dtype"),
     ],
 )
-def test_an_option_the_hook_lacks_names_the_hook_and_its_options(one_rank, hook, option, valid):
+def test_an_option_the_hook_lacks_names_the_hook_and_its_options(small_ddp, hook, option, valid):
     with pytest.raises(TypeError) as caught:
-        fastcomm.register(_ddp(), hook, **{option: 8})
+        fastcomm.register(small_ddp(), hook, **{option: 8})
     message = str(caught.value)
     assert f"register(ddp, '{hook}')" in message and repr(option) in message, message
     assert valid in message and "process_group" in message, message
 
 
-def test_a_compressor_option_it_lacks_names_the_compressor(one_rank):
+def test_a_compressor_option_it_lacks_names_the_compressor(small_ddp):
     with pytest.raises(TypeError, match=r"register\(ddp, 'powersgd'\).*bits"):
-        fastcomm.register(_ddp(), "powersgd", bits=8)
+        fastcomm.register(small_ddp(), "powersgd", bits=8)
 
 
 @pytest.mark.parametrize("first", ["topk", "sign", "torch_allreduce"])
-def test_a_second_hook_names_the_one_the_model_has(one_rank, first):
-    ddp = _ddp()
+def test_a_second_hook_names_the_one_the_model_has(small_ddp, first):
+    ddp = small_ddp()
     if first == "torch_allreduce":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -59,8 +44,8 @@ def test_a_second_hook_names_the_one_the_model_has(one_rank, first):
         fastcomm.register(ddp, "quantize")
 
 
-def test_a_second_hook_from_compressed_adam_names_the_one_the_model_has(one_rank):
-    ddp = _ddp()
+def test_a_second_hook_from_compressed_adam_names_the_one_the_model_has(small_ddp):
+    ddp = small_ddp()
     fastcomm.register(ddp, "sign")
     optimizer = fastcomm.CompressedAdam(ddp.parameters(), lr=1e-3, warmup_steps=2)
     with pytest.raises(ValueError, match=r"already has a comm hook registered \(sign_hook\)"):

@@ -4,23 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastcomm
 from fastcomm.hooks import HOOKS, HookName
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _ddp() -> DDP:
-    return DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
 
 
 def test_every_built_in_name_is_a_row():
@@ -28,28 +14,28 @@ def test_every_built_in_name_is_a_row():
 
 
 @pytest.mark.parametrize("name", sorted(HOOKS))
-def test_a_name_registers_its_rows_state_and_hook(one_rank, name):
-    ddp = _ddp()
+def test_a_name_registers_its_rows_state_and_hook(small_ddp, name):
+    ddp = small_ddp()
     state = fastcomm.register(ddp, name)
     assert type(state) is HOOKS[name].state
     assert fastcomm.hooks.registry.hook_of(state) is HOOKS[name].hook
 
 
 @pytest.mark.parametrize("name", sorted(HOOKS))
-def test_a_state_object_registers_with_its_rows_hook(one_rank, name):
+def test_a_state_object_registers_with_its_rows_hook(small_ddp, name):
     state = fastcomm.hooks.registry.build_state(name, {})[0]
-    assert fastcomm.register(_ddp(), state) is state
+    assert fastcomm.register(small_ddp(), state) is state
 
 
-def test_powersgd_by_name_is_the_documented_powersgd_state(one_rank):
-    state = fastcomm.register(_ddp(), "powersgd", rank=2, start_iter=3)
+def test_powersgd_by_name_is_the_documented_powersgd_state(small_ddp):
+    state = fastcomm.register(small_ddp(), "powersgd", rank=2, start_iter=3)
     assert type(state) is fastcomm.PowerSGDState
     assert (state.rank, state.start_iter) == (2, 3)
     assert HOOKS["powersgd"].hook is fastcomm.powersgd_hook
 
 
-def test_a_hook_name_member_resolves_as_its_value(one_rank):
-    assert type(fastcomm.register(_ddp(), HookName.POWERSGD)) is fastcomm.PowerSGDState
+def test_a_hook_name_member_resolves_as_its_value(small_ddp):
+    assert type(fastcomm.register(small_ddp(), HookName.POWERSGD)) is fastcomm.PowerSGDState
 
 
 def test_an_added_compressor_lands_in_the_same_table():
@@ -69,18 +55,18 @@ def test_an_added_compressor_lands_in_the_same_table():
         fastcomm.hooks.add_compressor("powersgd", QuantCompressor)
 
 
-def test_an_unknown_name_lists_the_table(one_rank):
+def test_an_unknown_name_lists_the_table(small_ddp):
     with pytest.raises(ValueError, match=r"unknown hook 'nope'; known hooks: .*'powersgd'.*'cast16'"):
-        fastcomm.register(_ddp(), "nope")
+        fastcomm.register(small_ddp(), "nope")
 
 
-def test_a_powersgd_checkpoint_saved_as_a_compressor_state_loads_into_powersgd_state(one_rank):
+def test_a_powersgd_checkpoint_saved_as_a_compressor_state_loads_into_powersgd_state(small_ddp):
     # register(ddp, "powersgd") built a CompressorState before the one table; its checkpoints still load
     from fastcomm.compress.cast import CastCompressor
     from fastcomm.compress.powersgd import PowerSGDCompressor
     from fastcomm.hooks import CompressorState, PowerSGDState
 
-    ddp = _ddp()
+    ddp = small_ddp()
     old = CompressorState(PowerSGDCompressor(2, True, "qr"))
     fastcomm.register(ddp, old)
     for _ in range(3):
