@@ -2,8 +2,8 @@
 
 One table, :data:`OP_SPECS`, drives every registration: each row names an op, its schema, its reference
 twin, its fake kernel and the Triton module that holds its CUDA kernel, if any. A new op is one row (plus
-its reference twin, its argument check and one ``_public_op`` line below, and its kernels). Backends are
-picked once, at import:
+its reference twin, its argument check in :mod:`fastcomm._op_checks`, one ``_public_op`` line below, and its
+kernels). Backends are picked once, at import:
 
 * The plain-PyTorch twin from :mod:`fastcomm.reference` is the ``CompositeExplicitAutograd`` kernel: the
   default on any device without a native kernel.
@@ -42,13 +42,23 @@ import torch
 from torch import Tensor
 
 from fastcomm import reference
+from fastcomm._op_checks import (
+    check_dequantize_blockwise,
+    check_dequantize_blockwise_into,
+    check_powersgd_back_project,
+    check_powersgd_expand,
+    check_powersgd_project,
+    check_quantize_blockwise,
+    check_sign_compress,
+    check_sign_decompress,
+    check_sign_decompress_into,
+    check_sparse_accumulate,
+    check_topk_select,
+    num_blocks,
+)
 
 
 # ---------------------------------------------------------------------------------------------- fake kernels
-def _num_blocks(n: int, block: int) -> int:
-    return -(-n // block)
-
-
 def _topk_select_fake(x, k, residual=None, exact=True, residual_source=None):
     if exact or reference.approx_sample_size(x.numel(), k) * 2 > x.numel():
         count = k
@@ -59,8 +69,8 @@ def _topk_select_fake(x, k, residual=None, exact=True, residual_source=None):
 
 def _quantize_fake(x, bits=8, block=256, stochastic=False, seed=0, residual=None, residual_source=None):
     n = x.numel()
-    return x.new_empty(_num_blocks(n * bits, 8), dtype=torch.uint8), x.new_empty(
-        _num_blocks(n, block), dtype=torch.float32
+    return x.new_empty(num_blocks(n * bits, 8), dtype=torch.uint8), x.new_empty(
+        num_blocks(n, block), dtype=torch.float32
     )
 
 
@@ -70,8 +80,8 @@ def _dequantize_fake(codes, scales, numel, bits=8, block=256, dtype=torch.float3
 
 def _sign_compress_fake(x, residual=None, chunk=2048, residual_source=None):
     n = x.numel()
-    return x.new_empty(_num_blocks(n, 8), dtype=torch.uint8), x.new_empty(
-        _num_blocks(n, chunk), dtype=torch.float32
+    return x.new_empty(num_blocks(n, 8), dtype=torch.uint8), x.new_empty(
+        num_blocks(n, chunk), dtype=torch.float32
     )
 
 
@@ -389,263 +399,25 @@ def _warn_if_unexpectedly_slow(x: Tensor) -> None:
         f"({_native_error}). Rebuild with `pip install --no-build-isolation -e .` (needs a C++ compiler), or "
         f"set FASTCOMM_NO_NATIVE=1 to use the reference on purpose and silence this warning.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=3,
     )
-
-
-# ---------------------------------------------------------------------------------------------- validation
-def _check_float(name: str, t: Tensor) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in reference.FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-
-
-def _check_residual(x: Tensor, residual: Tensor | None) -> None:
-    if residual is None:
-        return
-    _check_float("residual", residual)
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(
-            "residual must match x in shape, dtype and device: "
-            f"x is {tuple(x.shape)} {x.dtype} on {x.device}, "
-            f"residual is {tuple(residual.shape)} {residual.dtype} on {residual.device}"
-        )
-
-
-def _extent(t: Tensor) -> tuple[int, int]:
-    """The byte range ``[first, last)`` that a strided tensor's elements lie in."""
-    span = (
-        sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
-        if t.numel()
-        else 0
-    )
-    return t.data_ptr(), t.data_ptr() + span * t.element_size()
-
-
-def _check_residual_source(x: Tensor, residual: Tensor | None, residual_source: Tensor | None) -> None:
-    if residual_source is None:
-        return
-    if residual is None:
-        raise ValueError(
-            "residual_source needs residual: x + residual_source is compressed and acc - sent is written to "
-            "residual, so pass both (residual_source=residual is the in-place form)"
-        )
-    _check_float("residual_source", residual_source)
-    if (
-        residual_source.shape != x.shape
-        or residual_source.dtype != x.dtype
-        or residual_source.device != x.device
-    ):
-        raise ValueError(
-            "residual_source must match x in shape, dtype and device: "
-            f"x is {tuple(x.shape)} {x.dtype} on {x.device}, residual_source is "
-            f"{tuple(residual_source.shape)} {residual_source.dtype} on {residual_source.device}"
-        )
-    same_view = (
-        residual_source.data_ptr() == residual.data_ptr() and residual_source.stride() == residual.stride()
-    )
-    (a0, a1), (b0, b1) = _extent(residual_source), _extent(residual)
-    if not same_view and a0 < b1 and b0 < a1:
-        raise ValueError(
-            "residual_source must be residual itself or lie apart from it: the two overlap in memory, so the "
-            "kernel would read values it has already overwritten"
-        )
-
-
-def _check_out(out: Tensor) -> None:
-    _check_float("out", out)
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous: it is written in place through out.view(-1)")
-
-
-def _check_payload_prefix(name: str, t: Tensor, dtype: torch.dtype, needed: int, out: Tensor) -> None:
-    """``t`` holds at least ``needed`` elements of ``dtype`` on ``out``'s device (any extra is ignored)."""
-    if not isinstance(t, Tensor) or t.dtype != dtype:
-        raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if t.numel() < needed:
-        raise ValueError(
-            f"{name} has {t.numel()} elements, needs at least {needed} to fill out ({out.numel()} elements)"
-        )
-    if t.device != out.device:
-        raise ValueError(f"{name} is on {t.device} but out is on {out.device}")
-
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_bits(bits: int) -> None:
-    if bits not in reference.QUANT_BITS:
-        raise ValueError(f"bits must be one of {reference.QUANT_BITS}, got {bits!r}")
-
-
-def _check_payload(name: str, t: Tensor, dtype: torch.dtype, expected: int) -> None:
-    if not isinstance(t, Tensor) or t.dtype != dtype:
-        raise TypeError(f"{name} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if t.numel() != expected:
-        raise ValueError(f"{name} has {t.numel()} elements, expected {expected} for these arguments")
-
-
-def _check_numel(numel: int) -> None:
-    if not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-
-
-def _check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in reference.FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-
-
-def _check_compress_input(args: dict[str, Any]) -> None:
-    """What every compressor takes first: a float ``x`` and its optional error-feedback buffers."""
-    x, residual = args["x"], args["residual"]
-    _check_float("x", x)
-    _check_residual(x, residual)
-    _check_residual_source(x, residual, args["residual_source"])
 
 
 # -------------------------------------------------------------------------------------------- public ops
-# Each check takes the op's bound arguments by name (defaults applied), raises on a bad one, and may replace
-# a value by its normalised form (``bool(...)``, a flat view), which is what the op then receives.
-def _check_topk_select(args: dict[str, Any]) -> None:
-    _check_compress_input(args)
-    x, k = args["x"], args["k"]
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= x.numel():
-        raise ValueError(f"k must be an int in [0, x.numel()={x.numel()}], got {k!r}")
-    args["exact"] = bool(args["exact"])
-    _warn_if_unexpectedly_slow(x)
-
-
-def _check_quantize_blockwise(args: dict[str, Any]) -> None:
-    _check_compress_input(args)
-    _check_bits(args["bits"])
-    _check_positive("block", args["block"])
-    seed = args["seed"]
-    if not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
-        raise ValueError(f"seed must be an int64, got {seed!r}")
-    args["stochastic"] = bool(args["stochastic"])
-    _warn_if_unexpectedly_slow(args["x"])
-
-
-def _check_dequantize_blockwise(args: dict[str, Any]) -> None:
-    bits, block, numel = args["bits"], args["block"], args["numel"]
-    _check_bits(bits)
-    _check_positive("block", block)
-    _check_numel(numel)
-    _check_payload("codes", args["codes"], torch.uint8, _num_blocks(numel * bits, 8))
-    _check_payload("scales", args["scales"], torch.float32, _num_blocks(numel, block))
-    _check_dtype(args["dtype"])
-
-
-def _check_dequantize_blockwise_into(args: dict[str, Any]) -> None:
-    out, bits, block = args["out"], args["bits"], args["block"]
-    _check_out(out)
-    _check_bits(bits)
-    _check_positive("block", block)
-    _check_payload_prefix("codes", args["codes"], torch.uint8, _num_blocks(out.numel() * bits, 8), out)
-    _check_payload_prefix("scales", args["scales"], torch.float32, _num_blocks(out.numel(), block), out)
-    args["accumulate"] = bool(args["accumulate"])
-    _warn_if_unexpectedly_slow(out)
-
-
-def _check_sign_compress(args: dict[str, Any]) -> None:
-    _check_compress_input(args)
-    _check_positive("chunk", args["chunk"])
-    _warn_if_unexpectedly_slow(args["x"])
-
-
-def _check_sign_decompress(args: dict[str, Any]) -> None:
-    chunk, numel = args["chunk"], args["numel"]
-    _check_positive("chunk", chunk)
-    _check_numel(numel)
-    _check_payload("packed", args["packed"], torch.uint8, _num_blocks(numel, 8))
-    _check_payload("scales", args["scales"], torch.float32, _num_blocks(numel, chunk))
-    _check_dtype(args["dtype"])
-
-
-def _check_sign_decompress_into(args: dict[str, Any]) -> None:
-    out, chunk = args["out"], args["chunk"]
-    _check_out(out)
-    _check_positive("chunk", chunk)
-    _check_payload_prefix("packed", args["packed"], torch.uint8, _num_blocks(out.numel(), 8), out)
-    _check_payload_prefix("scales", args["scales"], torch.float32, _num_blocks(out.numel(), chunk), out)
-    args["accumulate"] = bool(args["accumulate"])
-    _warn_if_unexpectedly_slow(out)
-
-
-def _check_sparse_accumulate(args: dict[str, Any]) -> None:
-    out, indices, values = args["out"], args["indices"], args["values"]
-    _check_float("out", out)
-    _check_float("values", values)
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous: it is accumulated in place through out.view(-1)")
-    if not isinstance(indices, Tensor) or indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"indices must be an int32 or int64 tensor, got {getattr(indices, 'dtype', indices)}")
-    if indices.numel() != values.numel():
-        raise ValueError(f"indices has {indices.numel()} elements but values has {values.numel()}")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= out.numel()):
-        raise ValueError(f"indices must lie in [0, out.numel()={out.numel()})")
-    args["indices"], args["values"] = indices.reshape(-1), values.reshape(-1)
-
-
-def _check_matrix(name: str, t: Any, shape: tuple[int, int]) -> None:
-    if not isinstance(t, Tensor) or t.dtype != torch.float32:
-        raise TypeError(f"{name} must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must be {shape[0]} x {shape[1]}, got {tuple(t.shape)}")
-    if shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} must have contiguous rows (stride 1 along dim 1), got strides {t.stride()}")
-
-
-def _check_powersgd_factors(matrix_name: str, args: dict[str, Any], factor: str) -> tuple[int, int]:
-    matrix, q_t = args[matrix_name], args["q_t"]
-    if not isinstance(matrix, Tensor) or matrix.dim() != 2:
-        raise ValueError(
-            f"{matrix_name} must be a 2-D tensor (n x m), got {getattr(matrix, 'shape', matrix)}"
-        )
-    if not isinstance(q_t, Tensor) or q_t.dim() != 2:
-        raise ValueError(f"q_t must be a 2-D tensor (r x m), got {getattr(q_t, 'shape', q_t)}")
-    (n, m), r = matrix.shape, q_t.shape[0]
-    _check_matrix(matrix_name, matrix, (n, m))
-    _check_matrix("q_t", q_t, (r, m))
-    _check_matrix(factor, args[factor], (n, r))
-    return n, m
-
-
-def _check_powersgd_project(args: dict[str, Any]) -> None:
-    n, m = _check_powersgd_factors("x", args, "p")
-    gradient, residual = args["gradient"], args["residual"]
-    if residual is not None and gradient is None:
-        raise ValueError("residual needs gradient: x = gradient + residual is formed only from a gradient")
-    for name in ("gradient", "residual"):
-        if args[name] is not None:
-            _check_matrix(name, args[name], (n, m))
-
-
-def _check_powersgd_back_project(args: dict[str, Any]) -> None:
-    _check_powersgd_factors("x", args, "p")
-
-
-def _check_powersgd_expand(args: dict[str, Any]) -> None:
-    n, m = _check_powersgd_factors("mean", args, "p")
-    if args["residual"] is not None:
-        _check_matrix("residual", args["residual"], (n, m))
-        if args["residual"].data_ptr() == args["mean"].data_ptr() and n * m:
-            raise ValueError("residual and mean must be different tensors (both are written)")
-
-
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _public_op(twin: Callable[_P, _R], check: Callable[[dict[str, Any]], None]) -> Callable[_P, _R]:
+def _public_op(
+    twin: Callable[_P, _R], check: Callable[[dict[str, Any]], None], slow_on: str | None = None
+) -> Callable[_P, _R]:
     """The public op of ``twin``'s name: bind the arguments to ``twin``'s signature, ``check`` them, dispatch.
 
     The twin is the one home of the op's signature, defaults and docstring (the schema in :data:`OP_SPECS`
     states the same parameters for the dispatcher; ``test_ops.py`` holds the two to each other). An op whose
-    schema returns nothing writes its first argument in place and returns it, as the twin does.
+    schema returns nothing writes its first argument in place and returns it, as the twin does. ``slow_on``
+    names the argument whose device decides whether a missing native build makes the call slow (warned once);
+    ``None`` for an op that has no native CPU kernel to miss.
     """
     signature = inspect.signature(twin)
     defaults = tuple((name, parameter.default) for name, parameter in signature.parameters.items())
@@ -659,6 +431,8 @@ def _public_op(twin: Callable[_P, _R], check: Callable[[dict[str, Any]], None]) 
         arguments = {name: given[name] if name in given else default for name, default in defaults}
         first = next(iter(arguments.values()))
         check(arguments)
+        if slow_on is not None:
+            _warn_if_unexpectedly_slow(arguments[slow_on])
         result = op(*arguments.values())
         return first if returns_first else result
 
@@ -666,14 +440,16 @@ def _public_op(twin: Callable[_P, _R], check: Callable[[dict[str, Any]], None]) 
     return public
 
 
-topk_select = _public_op(reference.topk_select, _check_topk_select)
-quantize_blockwise = _public_op(reference.quantize_blockwise, _check_quantize_blockwise)
-dequantize_blockwise = _public_op(reference.dequantize_blockwise, _check_dequantize_blockwise)
-dequantize_blockwise_into = _public_op(reference.dequantize_blockwise_into, _check_dequantize_blockwise_into)
-sign_compress = _public_op(reference.sign_compress, _check_sign_compress)
-sign_decompress = _public_op(reference.sign_decompress, _check_sign_decompress)
-sign_decompress_into = _public_op(reference.sign_decompress_into, _check_sign_decompress_into)
-sparse_accumulate = _public_op(reference.sparse_accumulate, _check_sparse_accumulate)
-powersgd_project = _public_op(reference.powersgd_project, _check_powersgd_project)
-powersgd_back_project = _public_op(reference.powersgd_back_project, _check_powersgd_back_project)
-powersgd_expand = _public_op(reference.powersgd_expand, _check_powersgd_expand)
+topk_select = _public_op(reference.topk_select, check_topk_select, slow_on="x")
+quantize_blockwise = _public_op(reference.quantize_blockwise, check_quantize_blockwise, slow_on="x")
+dequantize_blockwise = _public_op(reference.dequantize_blockwise, check_dequantize_blockwise)
+dequantize_blockwise_into = _public_op(
+    reference.dequantize_blockwise_into, check_dequantize_blockwise_into, slow_on="out"
+)
+sign_compress = _public_op(reference.sign_compress, check_sign_compress, slow_on="x")
+sign_decompress = _public_op(reference.sign_decompress, check_sign_decompress)
+sign_decompress_into = _public_op(reference.sign_decompress_into, check_sign_decompress_into, slow_on="out")
+sparse_accumulate = _public_op(reference.sparse_accumulate, check_sparse_accumulate)
+powersgd_project = _public_op(reference.powersgd_project, check_powersgd_project)
+powersgd_back_project = _public_op(reference.powersgd_back_project, check_powersgd_back_project)
+powersgd_expand = _public_op(reference.powersgd_expand, check_powersgd_expand)
