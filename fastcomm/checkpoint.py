@@ -60,12 +60,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -76,64 +74,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fastcomm._checkpoint_files import (
+    FORMAT,
+    STEP_DIR,
+    VERSION,
+    CheckpointError,
+    fsync_dir,
+    rank_file,
+    step_name,
+    verify_checkpoint,
+    write_manifest,
+    write_rank_file,
+)
+
 __all__ = ["CheckpointError", "Checkpointer", "verify_checkpoint"]
 
 logger = logging.getLogger("fastcomm.checkpoint")
-
-_FORMAT = "fastcomm-checkpoint"
-_VERSION = 1
-_MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_HASH_CHUNK = 4 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used: its files are missing, corrupt, or of another run."""
-
-
-class _HashingWriter(io.RawIOBase):
-    """A binary file that hashes (SHA-256) and counts what is written through it."""
-
-    def __init__(self, handle: io.BufferedWriter) -> None:
-        super().__init__()
-        self.handle = handle
-        self.digest = hashlib.sha256()
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.digest.update(view)
-        self.size += view.nbytes
-        self.handle.write(view)
-        return view.nbytes
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank{rank}.pt"
-
-
-def _step_name(step: int) -> str:
-    return f"step-{step:09d}"
-
 
 def _rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
@@ -222,56 +178,6 @@ def merge_optimizer_states(states: Sequence[Mapping[str, Any]]) -> tuple[dict[st
     else:
         why = f"the same on all {len(states)} old ranks; rank 0's state"
     return merged, why
-
-
-def verify_checkpoint(path: str | os.PathLike[str], ranks: Sequence[int] | None = None) -> dict[str, Any]:
-    """Check one checkpoint directory: its manifest, and the size and SHA-256 of the files of ``ranks``.
-
-    Args:
-        path: a ``step-*`` directory.
-        ranks: the ranks whose files to hash (default: all of them).
-
-    Returns:
-        The manifest.
-
-    Raises:
-        CheckpointError: what is wrong, naming the file.
-
-    Example::
-
-        manifest = verify_checkpoint("ckpt/step-000000100")
-        print(manifest["step"], manifest["world_size"])
-    """
-    path = Path(path)
-    manifest_path = path / _MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{manifest_path} is missing (the checkpoint was not finished)") from None
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{manifest_path} is unreadable: {error}") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-        raise CheckpointError(f"{manifest_path} is not a fastcomm checkpoint manifest")
-    if manifest.get("version") != _VERSION:
-        raise CheckpointError(f"{manifest_path} has version {manifest.get('version')}; this fastcomm reads "
-                              f"version {_VERSION}")
-    world = int(manifest["world_size"])
-    for rank in range(world) if ranks is None else ranks:
-        name = _rank_file(rank)
-        entry = manifest["files"].get(name)
-        if entry is None:
-            raise CheckpointError(f"{manifest_path} lists no {name}")
-        file = path / name
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"{file} is missing") from None
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file} has {size} bytes, the manifest says {entry['bytes']} "
-                                  "(truncated or overwritten)")
-        if _sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"{file}: SHA-256 mismatch (the file is corrupt or was changed)")
-    return manifest
 
 
 class Checkpointer:
@@ -368,12 +274,12 @@ class Checkpointer:
         """
         if not self.directory.is_dir():
             return []
-        found = [int(m.group(1)) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name))]
+        found = [int(m.group(1)) for p in self.directory.iterdir() if (m := STEP_DIR.match(p.name))]
         return sorted(found, reverse=True)
 
     def path_of(self, step: int) -> Path:
         """The directory of step ``step``'s checkpoint."""
-        return self.directory / _step_name(step)
+        return self.directory / step_name(step)
 
     # ------------------------------------------------------------------------------------------- save
     def maybe_save(self, step: int, extra: Mapping[str, Any] | None = None) -> Path | None:
@@ -381,15 +287,6 @@ class Checkpointer:
         if self.every and step % self.every == 0:
             return self.save(step, extra)
         return None
-
-    def _write_file(self, path: Path, payload: Mapping[str, Any]) -> tuple[int, str]:
-        """Write ``payload`` with ``torch.save`` to ``path``, fsynced; return its size and SHA-256."""
-        with open(path, "wb") as handle:
-            writer = _HashingWriter(handle)
-            torch.save(dict(payload), writer)
-            handle.flush()
-            os.fsync(handle.fileno())
-        return writer.size, writer.digest.hexdigest()
 
     def save(self, step: int, extra: Mapping[str, Any] | None = None) -> Path:
         """Write checkpoint ``step`` (every rank calls it) and return its directory.
@@ -414,31 +311,26 @@ class Checkpointer:
         if extra is not None:
             self.extra = dict(extra)
         payload = {
-            "format": _FORMAT, "version": _VERSION, "step": step, "world_size": world, "rank": rank,
+            "format": FORMAT, "version": VERSION, "step": step, "world_size": world, "rank": rank,
             "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
             "rng": _rng_state(), "extra": self.extra,
         }
-        size, digest = self._write_file(partial / _rank_file(rank), payload)
-        files = self._gather((_rank_file(rank), size, digest))
+        size, digest = write_rank_file(partial / rank_file(rank), payload)
+        files = self._gather((rank_file(rank), size, digest))
         if rank == 0:
             manifest = {
-                "format": _FORMAT, "version": _VERSION, "step": step, "world_size": world,
+                "format": FORMAT, "version": VERSION, "step": step, "world_size": world,
                 "objects": sorted(self.objects), "run": self.run, "created": time.time(),
                 "files": {name: {"bytes": size, "sha256": digest} for name, size, digest in files},
             }
-            tmp = partial / f".{_MANIFEST}.tmp"
-            with open(tmp, "w") as handle:
-                json.dump(manifest, handle, indent=1)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, partial / _MANIFEST)
-            _fsync_dir(partial)
+            write_manifest(partial, manifest)
+            fsync_dir(partial)
             if final.exists():  # a checkpoint of this step from before a fallback: replace it
                 stale = self.directory / f".{final.name}.stale-{os.getpid()}"
                 os.rename(final, stale)
                 shutil.rmtree(stale, ignore_errors=True)
             os.rename(partial, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             for old in self.steps()[self.keep:]:
                 shutil.rmtree(self.path_of(old), ignore_errors=True)
         self._barrier()
@@ -507,9 +399,9 @@ class Checkpointer:
     def _load(self, path: Path, manifest: Mapping[str, Any], world: int, rank: int) -> int:
         old_world = int(manifest["world_size"])
         if old_world == world:
-            payloads = [torch.load(path / _rank_file(rank), map_location="cpu", weights_only=False)]
+            payloads = [torch.load(path / rank_file(rank), map_location="cpu", weights_only=False)]
         else:
-            payloads = [torch.load(path / _rank_file(r), map_location="cpu", weights_only=False)
+            payloads = [torch.load(path / rank_file(r), map_location="cpu", weights_only=False)
                         for r in range(old_world)]
         missing = sorted(set(self.objects) - set(payloads[0]["objects"]))
         if missing:
