@@ -288,6 +288,10 @@ class Checkpointer:
             return self.save(step, extra)
         return None
 
+    def _write_file(self, path: Path, payload: Mapping[str, Any]) -> tuple[int, str]:
+        """Write this rank's file, fsynced; return its size and SHA-256 (a seam for fault injection)."""
+        return write_rank_file(path, payload)
+
     def save(self, step: int, extra: Mapping[str, Any] | None = None) -> Path:
         """Write checkpoint ``step`` (every rank calls it) and return its directory.
 
@@ -315,7 +319,7 @@ class Checkpointer:
             "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
             "rng": _rng_state(), "extra": self.extra,
         }
-        size, digest = write_rank_file(partial / rank_file(rank), payload)
+        size, digest = self._write_file(partial / rank_file(rank), payload)
         files = self._gather((rank_file(rank), size, digest))
         if rank == 0:
             manifest = {
