@@ -198,8 +198,8 @@ def _parts(pattern: str, count: int) -> list[Row]:
     import webdataset as wds
     from PIL import Image
 
-    from fastio.format.tar import expand_pattern
     from fastio.image import ImageStage
+    from fastio.paths import expand_pattern
     from fastio.stages import StageContext
 
     samples = wds.WebDataset(expand_pattern(pattern)[0], shardshuffle=False, empty_check=False)

@@ -574,7 +574,7 @@ def _bench_variable(var_dir: Path, args: argparse.Namespace) -> list[Row]:
 
 def _bench_tar(pattern: str, args: argparse.Namespace, notes: list[str]) -> list[Row]:
     import fastio
-    from fastio.format.tar import expand_pattern
+    from fastio.paths import expand_pattern
 
     sample_bytes = IMAGE_BYTES + 8
     wl = {w: _webloader_rate(pattern, args.batch, w, args.webloader_samples) for w in (0, 2)}

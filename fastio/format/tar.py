@@ -19,9 +19,7 @@ Example::
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,8 +29,9 @@ import numpy as np
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError
 from fastio.format.tarscan import scan_tar
+from fastio.paths import expand_pattern
 
-__all__ = ["INDEX_SUFFIX", "TarIndex", "TarShardSet", "expand_pattern", "index_tar", "load_tar_index"]
+__all__ = ["INDEX_SUFFIX", "TarIndex", "TarShardSet", "index_tar", "load_tar_index"]
 
 INDEX_SUFFIX = ".fidx"
 _INDEX_VERSION = 2
@@ -257,40 +256,6 @@ def load_tar_index(path: str | os.PathLike[str], build: bool = True, strict: boo
     elif not build:
         raise MissingIndexError(sidecar, f"run fastio.index_tar({path!r}) or let StreamLoader build it")
     return index_tar(path, strict=strict)
-
-
-_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
-_ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
-
-
-def expand_pattern(pattern: str | Sequence[str]) -> list[str]:
-    """Paths named by brace ranges (``{000..099}``), alternatives (``{a,b}``) and globs, in that order.
-
-    Example::
-
-        expand_pattern("data/shard-{000000..000002}.tar")   # three paths, zero padding kept
-    """
-    if not isinstance(pattern, str):
-        return [p for item in pattern for p in expand_pattern(item)]
-    candidates = [m for m in (_RANGE.search(pattern), _ALTERNATIVES.search(pattern)) if m is not None]
-    if candidates:
-        match = min(
-            candidates, key=lambda m: m.start()
-        )  # leftmost group first: "{a,b}-{1..2}" -> a-1, a-2, ...
-        head, tail = pattern[: match.start()], pattern[match.end() :]
-        if match.re is _RANGE:
-            first, last = match.group(1), match.group(2)
-            width = len(first) if first.startswith("0") or len(first) == len(last) else 0
-            names = [f"{n:0{width}d}" for n in range(int(first), int(last) + 1)]
-        else:
-            names = match.group(1).split(",")
-        return [p for name in names for p in expand_pattern(head + name + tail)]
-    if glob.has_magic(pattern):
-        found = sorted(glob.glob(pattern))
-        if not found:
-            raise EmptySourceError(f"{pattern}: the pattern matches no file")
-        return found
-    return [pattern]
 
 
 class TarShardSet:

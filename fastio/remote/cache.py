@@ -42,10 +42,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fastio.errors import CorruptShardError
+from fastio.paths import default_cache_dir
 from fastio.remote.room import CacheFullError, CacheStalledError, RoomWatch, alive, part_owner
 
 __all__ = [
-    "CacheFullError", "CacheStalledError", "Reservation", "ShardCache", "default_cache_dir", "parse_size",
+    "CacheFullError", "CacheStalledError", "Reservation", "ShardCache", "parse_size",
 ]  # fmt: skip
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -83,17 +84,6 @@ def parse_size(value: int | str | None) -> int | None:
     if size <= 0:
         raise ValueError(f"cache_limit must be > 0 bytes, got {value!r}")
     return size
-
-
-def default_cache_dir() -> Path:
-    """``$FASTIO_CACHE`` when set, else ``~/.cache/fastio``.
-
-    Example::
-
-        cache = ShardCache(default_cache_dir())
-    """
-    env = os.environ.get("FASTIO_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "fastio"
 
 
 # Every descriptor that holds (or waits for) a lock, so that a forked child closes its copies: a copy left

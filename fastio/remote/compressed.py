@@ -31,7 +31,7 @@ from fastio.format.compression import (
     decompressed_name,
     is_compressed_tar,
 )
-from fastio.format.tar import expand_pattern
+from fastio.paths import expand_pattern
 from fastio.remote.source import open_remote
 
 __all__ = [

@@ -46,6 +46,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from fastio.paths import expand_pattern
 from fastio.remote.errors import (
     RemoteAccessError,
     RemoteError,
@@ -283,8 +284,6 @@ def expand_urls(pattern: str | Sequence[str], storage_options: dict[str, Any] | 
 
         expand_urls("http://127.0.0.1:8000/shard-{000..002}.tar")   # three URLs, zero padding kept
     """
-    from fastio.format.tar import expand_pattern
-
     if not isinstance(pattern, str):
         return [url for item in pattern for url in expand_urls(item, storage_options)]
     # Braces only: glob characters are set aside (a URL's "?" starts its query, not a wildcard).
