@@ -127,7 +127,7 @@ def _write_variable(root: Path, n: int) -> Path:
 def _write_tar(root: Path, fixed_dir: Path, n: int, per_shard: int) -> str:
     import webdataset as wds
 
-    from fastio.format.reader import ShardSet
+    from fastio.format.shards.reader import ShardSet
 
     reader = ShardSet(fixed_dir).readers[0]
     xs, ys = reader.fixed("x"), reader.fixed("y")
@@ -140,7 +140,7 @@ def _write_tar(root: Path, fixed_dir: Path, n: int, per_shard: int) -> str:
 
 
 def _memmap_views(fixed_dir: Path) -> tuple[np.memmap, np.ndarray, int]:
-    from fastio.format.reader import ShardSet
+    from fastio.format.shards.reader import ShardSet
 
     reader = ShardSet(fixed_dir).readers[0]
     start, nbytes, _ = reader.sections["x"]["data"]
@@ -281,7 +281,7 @@ def _interleaved_token_rates(
 
 def _bench_packing(pack_dir: Path, args: argparse.Namespace, notes: list[str]) -> list[Row]:
     import fastio
-    from fastio.format.reader import ShardSet
+    from fastio.format.shards.reader import ShardSet
     from fastio.pack import Pack
 
     seq_len, batch, epochs = PACK_SEQ_LEN, args.pack_batch, max(args.epochs, 7)
@@ -528,7 +528,7 @@ def _bench_fixed(fixed_dir: Path, args: argparse.Namespace, notes: list[str]) ->
 
 
 def _bench_variable(var_dir: Path, args: argparse.Namespace) -> list[Row]:
-    from fastio.format.reader import ShardSet
+    from fastio.format.shards.reader import ShardSet
 
     reader = ShardSet(var_dir).readers[0]
     offsets, base = reader.variable_layout("tokens")

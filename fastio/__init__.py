@@ -25,10 +25,10 @@ from fastio.errors import (
     SchemaMismatchError,
 )
 from fastio.format.decode import decode_default
-from fastio.format.reader import ShardReader, ShardSet
-from fastio.format.schema import Field
+from fastio.format.shards.reader import ShardReader, ShardSet
+from fastio.format.shards.schema import Field
+from fastio.format.shards.writer import ShardWriter
 from fastio.format.tar import TarShardSet, index_tar
-from fastio.format.writer import ShardWriter
 from fastio.image import ImageStage
 from fastio.loader import StreamLoader
 from fastio.pack import Pack

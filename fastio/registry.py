@@ -154,7 +154,7 @@ _BUILTIN_FORMATS = (
     Format(
         "fastio-shards",
         _is_directory,
-        "fastio.sources.shards:open_shard_directory",
+        "fastio.format.shards.source:open_shard_directory",
         "a fastio shard directory",
     ),
     Format(

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from fastio.errors import CorruptShardError, SchemaMismatchError
-from fastio.format.reader import ShardReader, ShardSet
-from fastio.format.schema import schema_from_json
+from fastio.format.shards.reader import ShardReader, ShardSet
+from fastio.format.shards.schema import schema_from_json
 from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
 from fastio.remote.fetch import (
     RetryPolicy,

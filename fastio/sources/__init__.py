@@ -1,9 +1,9 @@
 """Sources of a :class:`fastio.StreamLoader`: each turns global sample indices into one batch.
 
 The contract is :class:`Source` (:mod:`fastio.sources.base`); :mod:`fastio.registry` says which source opens
-what the loader was given. Built in, one file each:
+what the loader was given. Each shard format's source lives in its folder under :mod:`fastio.format`:
 
-* :class:`ShardSource` (:mod:`~fastio.sources.shards`, a fastio shard directory): fixed fields gathered
+* :class:`~fastio.format.shards.source.ShardSource` (a fastio shard directory): fixed fields gathered
   natively into the caller's output tensors, variable fields into one reused payload buffer, as views.
 * :class:`TarSource` (:mod:`~fastio.sources.tar`, WebDataset tar shards): uniform ``.npy`` members gathered
   like fixed fields, integer members decoded once at open, everything else decoded per sample.
@@ -29,7 +29,6 @@ from fastio.sources.base import (
 )
 from fastio.sources.buffers import BatchBuffers, BufferPool, storage_refs
 from fastio.sources.dataset import DatasetSource
-from fastio.sources.shards import ShardSource
 from fastio.sources.tar import TarSource
 
 __all__ = [
@@ -37,7 +36,6 @@ __all__ = [
     "BufferPool",
     "DatasetSource",
     "OpenOptions",
-    "ShardSource",
     "Source",
     "StageTimes",
     "TarSource",

@@ -25,8 +25,8 @@ import pytest
 import fastio
 from fastio import _native
 from fastio.format.decode import decode_default
-from fastio.format.layout import PREFIX
-from fastio.format.reader import ShardReader, ShardSet
+from fastio.format.shards.layout import PREFIX
+from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.tar import INDEX_SUFFIX, TarShardSet, index_tar, load_tar_index
 from fastio.sources import open_source
 
@@ -688,7 +688,7 @@ def test_checksum_pass_over_a_shard_truncated_since_open(tmp_path):
     script = f"""
         import os
         import fastio
-        from fastio.format.reader import ShardReader
+        from fastio.format.shards.reader import ShardReader
         reader = ShardReader({victim!r})
         os.truncate({victim!r}, 4096)
         try:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fastio
-from fastio.format.reader import ShardReader, ShardSet
+from fastio.format.shards.reader import ShardReader, ShardSet
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import fastio
-from fastio.format.reader import ShardSet
+from fastio.format.shards.reader import ShardSet
+from fastio.format.shards.source import ShardSource
 from fastio.format.tar import TarShardSet, load_tar_index
-from fastio.sources import BatchBuffers, ShardSource, StageTimes, TarSource
+from fastio.sources import BatchBuffers, StageTimes, TarSource
 
 
 def _fetch(source, indices):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastio
-from fastio.format.reader import ShardSet
+from fastio.format.shards.reader import ShardSet
 
 DTYPES = [
     "bool",

@@ -31,8 +31,8 @@ import numpy as np
 from fastio._gather import read_chunks
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError, SchemaMismatchError
-from fastio.format.layout import INDEX_NAME, MAGIC, PREFIX, SHARD_SUFFIX, VERSION
-from fastio.format.schema import Schema, schema_from_json
+from fastio.format.shards.layout import INDEX_NAME, MAGIC, PREFIX, SHARD_SUFFIX, VERSION
+from fastio.format.shards.schema import Schema, schema_from_json
 
 __all__ = ["ShardReader", "ShardSet"]
 

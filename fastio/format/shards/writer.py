@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from fastio.errors import SchemaMismatchError
-from fastio.format.layout import ALIGN, INDEX_NAME, MAGIC, PREFIX, VERSION, align, shard_name
-from fastio.format.schema import Field, Schema, infer_schema, normalize_schema, schema_to_json
+from fastio.format.shards.layout import ALIGN, INDEX_NAME, MAGIC, PREFIX, VERSION, align, shard_name
+from fastio.format.shards.schema import Field, Schema, infer_schema, normalize_schema, schema_to_json
 
 __all__ = ["ShardWriter"]
 
@@ -66,9 +66,9 @@ def _check_fits(where: str, name: str, arr: np.ndarray, dtype: np.dtype) -> None
 class ShardWriter:
     """Writes samples (dicts of field -> value) into shards of at most ``max_samples`` / ``max_bytes``.
 
-    1. The schema is ``schema`` (see :func:`fastio.format.schema.normalize_schema`), or inferred from the
-       first sample: arrays and numbers become fixed-shape fields, ``bytes``/``str`` variable-length ones.
-       For variable-length arrays pass ``schema={"tokens": ("int32", None)}``.
+    1. The schema is ``schema`` (see :func:`fastio.format.shards.schema.normalize_schema`), or inferred
+       from the first sample: arrays and numbers become fixed-shape fields, ``bytes``/``str``
+       variable-length ones. For variable-length arrays pass ``schema={"tokens": ("int32", None)}``.
     2. Every sample is checked against the schema (a :class:`fastio.SchemaMismatchError` names the field):
        its dtype must cast to the field's within the same kind, and its values must fit the field's dtype
        (an int64 50000 does not fit int16, a float64 1e6 does not fit float16; an int64 5 fits int16).

@@ -20,7 +20,7 @@ import torch
 from fastio._gather import gather_ranges, gather_rows, read_ranges
 from fastio._mapped import MappedTable
 from fastio.errors import CorruptShardError, SchemaMismatchError
-from fastio.format.reader import ShardSet
+from fastio.format.shards.reader import ShardSet
 from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype
 from fastio.sources.buffers import BatchBuffers
 

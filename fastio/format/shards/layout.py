@@ -10,7 +10,7 @@
                nbytes, crc32], "offsets": [...]}}} at file_nbytes - header_nbytes
 
 The prefix is checked on every open (magic, version, file size, header crc32), so a truncated or overwritten
-file fails at once; section crc32s are checked lazily (see :mod:`fastio.format.reader`).
+file fails at once; section crc32s are checked lazily (see :mod:`fastio.format.shards.reader`).
 
 Example::
 
