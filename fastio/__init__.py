@@ -24,11 +24,11 @@ from fastio.errors import (
     MissingIndexError,
     SchemaMismatchError,
 )
-from fastio.format.decode import decode_default
 from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.shards.schema import Field
 from fastio.format.shards.writer import ShardWriter
-from fastio.format.tar import TarShardSet, index_tar
+from fastio.format.tar.decode import decode_default
+from fastio.format.tar.index import TarShardSet, index_tar
 from fastio.image import ImageStage
 from fastio.loader import StreamLoader
 from fastio.pack import Pack

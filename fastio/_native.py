@@ -3,9 +3,10 @@ import.
 
 ``FASTIO_NO_NATIVE=1`` skips the native module at import (as it skips it at build time); otherwise a module
 that fails to load (``ImportError``/``OSError`` only) leaves the torch fallback in place, and
-:func:`backend` says which is live and why. The code that calls the kernels reads ``_C`` from here at each
-call: the mapped files are :mod:`fastio._mapped`, the gathers :mod:`fastio._gather`, the tar header scan
-:mod:`fastio.format.tarscan`. Their names are importable from here too, as they always were.
+:func:`backend` says which is live and why. The code that calls the kernels imports this module and reads
+``_C`` from here at each call (so a test can switch it off): the mapped files are :mod:`fastio._mapped`, the
+gathers :mod:`fastio._gather`, the tar header scan :mod:`fastio.format.tar.scan`. This module imports none
+of them.
 
 Example::
 
@@ -15,9 +16,7 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import Any
 
 import torch  # noqa: F401  (loads the libraries fastio._C links against: libc10, libtorch)
 
@@ -70,25 +69,3 @@ def default_threads() -> int:
     except AttributeError:
         cpus = os.cpu_count() or 1
     return max(1, min(8, cpus))
-
-
-_MOVED = {
-    "MappedFile": "fastio._mapped",
-    "MappedTable": "fastio._mapped",
-    "gather_ranges": "fastio._gather",
-    "gather_rows": "fastio._gather",
-    "read_chunks": "fastio._gather",
-    "read_ranges": "fastio._gather",
-    "TarScan": "fastio.format.tarscan",
-    "scan_tar": "fastio.format.tarscan",
-    "_scan_tar_reference": "fastio.format.tarscan",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """The names moved to the modules the docstring names, resolved on first use (they import this module,
-    so importing them here at the top would be circular)."""
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)

@@ -10,7 +10,7 @@ local formats and one of URL schemes. :func:`open_source` consults only these ta
    Formats registered by users are consulted first (newest last), then the built-ins in this order: an
    object that already is a :class:`~fastio.sources.Source`; a directory (a fastio shard directory);
    compressed tar paths or patterns (``.tar.gz``, ``.tgz``, ``.tar.zst``...:
-   :data:`fastio.format.compression.COMPRESSED_SUFFIXES`) (decompressed once into the cache,
+   :data:`fastio.format.tar.compression.COMPRESSED_SUFFIXES`) (decompressed once into the cache,
    :mod:`fastio.remote.compressed`); a ``.tar`` path, glob or brace pattern, or a list of paths (WebDataset
    tar shards); any other object (a map-style ``Dataset``).
 3. A path no format takes: ``FileNotFoundError`` if it does not exist, else ``ValueError`` listing what
@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastio.errors import EmptySourceError
-from fastio.format.compression import COMPRESSED_SUFFIXES, is_compressed_tar
+from fastio.format.tar.compression import COMPRESSED_SUFFIXES, is_compressed_tar
 from fastio.sources.base import Source, missing_members
 
 __all__ = [
@@ -159,12 +159,12 @@ _BUILTIN_FORMATS = (
     ),
     Format(
         "compressed-tar",
-        # By name only (fastio.format.compression imports no fsspec): matching never imports fastio.remote.
+        # By name only (format.tar.compression imports no fsspec): matching never imports fastio.remote.
         is_compressed_tar,
         "fastio.remote.compressed:open_compressed_tars",
         f"WebDataset {'/'.join(COMPRESSED_SUFFIXES)} shards",
     ),
-    Format("webdataset-tar", _is_tar, "fastio.sources.tar:open_tar_shards", "WebDataset .tar shards"),
+    Format("webdataset-tar", _is_tar, "fastio.format.tar.source:open_tar_shards", "WebDataset .tar shards"),
     Format("dataset", _is_object, "fastio.sources.dataset:open_dataset"),
 )
 _formats: list[Format] = []  # registered by users; consulted before the built-ins

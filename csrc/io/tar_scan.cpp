@@ -3,9 +3,9 @@
 //
 // Hostile input is refused, never trusted: every numeric field must be well-formed octal (or non-negative GNU
 // base-256 that fits int64), every member must end inside the file, pax records must have sane lengths, and
-// name records are capped. What the strict mode of fastio/format/tar.py refuses (a zero block followed by more
-// data, no end-of-archive marker) is not an error here: it is reported in TarScan::problem, so one scan serves
-// both modes. The Python twin is fastio._native._scan_tar_reference; keep the two in step.
+// name records are capped. What the strict mode of fastio/format/tar/index.py refuses (a zero block followed by
+// more data, no end-of-archive marker) is not an error here: it is reported in TarScan::problem, so one scan
+// serves both modes. The Python twin is fastio.format.tar.scan._scan_tar_reference; keep the two in step.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>

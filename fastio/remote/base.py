@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fastio.errors import CorruptShardError, FastIOError
-from fastio.format.compression import decompress
+from fastio.format.tar.compression import decompress
 from fastio.remote.cache import ShardCache
 from fastio.remote.fetch import (
     RangeReader,

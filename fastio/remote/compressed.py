@@ -10,7 +10,7 @@ streaming, into the shard cache (:mod:`fastio.remote.cache`), then indexed and m
    run or a re-download after eviction does not redo that at open).
 3. ``zstandard`` is an optional extra, imported only for ``.tar.zst``.
 
-Which names are compressed tars, and the decompression itself, are :mod:`fastio.format.compression`
+Which names are compressed tars, and the decompression itself, are :mod:`fastio.format.tar.compression`
 (re-exported here); this module opens local compressed shards as a remote tar source.
 
 Example::
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fastio.format.compression import (
+from fastio.format.tar.compression import (
     COMPRESSED_SUFFIXES,
     compression_of,
     decompress,

@@ -19,13 +19,13 @@ import torch
 from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.shards.schema import schema_from_json
+from fastio.format.shards.source import ShardSource
 from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
 from fastio.remote.fetch import (
     RetryPolicy,
     read_bytes,
     redact,
 )
-from fastio.sources import ShardSource
 from fastio.sources.base import torch_dtype
 
 __all__ = ["RemoteShardSource"]

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastio.format.compression import compression_of
+from fastio.format.tar.compression import compression_of
 from fastio.remote.base import RemoteSource
 from fastio.remote.shard_source import RemoteShardSource
 from fastio.remote.tar_source import RemoteTarSource

@@ -24,9 +24,10 @@ import torch
 
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError
-from fastio.format.compression import compression_of, decompressed_name
-from fastio.format.decode import INT_EXTENSIONS, last_extension, npy_layout
-from fastio.format.tar import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
+from fastio.format.tar.compression import compression_of, decompressed_name
+from fastio.format.tar.decode import INT_EXTENSIONS, last_extension, npy_layout
+from fastio.format.tar.index import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
+from fastio.format.tar.source import TarLayout, TarSource
 from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
 from fastio.remote.fetch import (
     RemoteNotFoundError,
@@ -37,9 +38,7 @@ from fastio.remote.fetch import (
     remote_size,
     with_retries,
 )
-from fastio.sources import TarSource
 from fastio.sources.base import torch_dtype
-from fastio.sources.tar import TarLayout
 
 __all__ = ["RemoteTarSource"]
 
@@ -189,8 +188,8 @@ class RemoteTarSource(RemoteSource):
 
     def _after_download(self, shard: int, path: Path) -> None:
         """Put the remote sidecar beside the cached tar with the tar's mtime set to what the sidecar recorded,
-        so the tar is not re-scanned (:func:`fastio.format.tar.load_tar_index` still checks its fingerprint
-        of the bytes and rebuilds on any mismatch)."""
+        so the tar is not re-scanned (:func:`fastio.format.tar.index.load_tar_index` still checks its
+        fingerprint of the bytes and rebuilds on any mismatch)."""
         sidecar = self._sidecars.get(shard)
         if sidecar is None:
             return

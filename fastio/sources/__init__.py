@@ -5,7 +5,7 @@ what the loader was given. Each shard format's source lives in its folder under 
 
 * :class:`~fastio.format.shards.source.ShardSource` (a fastio shard directory): fixed fields gathered
   natively into the caller's output tensors, variable fields into one reused payload buffer, as views.
-* :class:`TarSource` (:mod:`~fastio.sources.tar`, WebDataset tar shards): uniform ``.npy`` members gathered
+* :class:`~fastio.format.tar.source.TarSource` (WebDataset tar shards): uniform ``.npy`` members gathered
   like fixed fields, integer members decoded once at open, everything else decoded per sample.
 * :class:`DatasetSource` (:mod:`~fastio.sources.dataset`, any map-style ``Dataset``): ``__getitems__`` when
   present, else ``__getitem__``.
@@ -29,7 +29,6 @@ from fastio.sources.base import (
 )
 from fastio.sources.buffers import BatchBuffers, BufferPool, storage_refs
 from fastio.sources.dataset import DatasetSource
-from fastio.sources.tar import TarSource
 
 __all__ = [
     "BatchBuffers",
@@ -38,7 +37,6 @@ __all__ = [
     "OpenOptions",
     "Source",
     "StageTimes",
-    "TarSource",
     "TokenDocuments",
     "missing_members",
     "open_source",

@@ -1,5 +1,5 @@
-"""fastio._native: the backend choice (a built extension is used, never skipped silently) and the names it
-still serves for the modules the kernels' callers moved to."""
+"""fastio._native: the backend choice (a built extension is used, never skipped silently); it serves no
+names of the modules that call the kernels (fastio._mapped, fastio._gather, fastio.format.tar.scan)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 import fastio
-from fastio import _gather, _mapped, _native
-from fastio.format import tarscan
+from fastio import _native
 
 
 @pytest.mark.skipif(os.environ.get("FASTIO_NO_NATIVE") == "1", reason="FASTIO_NO_NATIVE=1 is set")
@@ -20,24 +19,6 @@ def test_a_built_extension_is_loaded():
         pytest.skip("fastio._C is not built in place")
     assert _native.native(), fastio.backend()
     assert fastio.backend().startswith("native:")
-
-
-@pytest.mark.parametrize(
-    "name,module",
-    [
-        ("MappedFile", _mapped),
-        ("MappedTable", _mapped),
-        ("gather_rows", _gather),
-        ("gather_ranges", _gather),
-        ("read_ranges", _gather),
-        ("read_chunks", _gather),
-        ("scan_tar", tarscan),
-        ("TarScan", tarscan),
-        ("_scan_tar_reference", tarscan),
-    ],
-)
-def test_moved_names_still_resolve_from_native(name, module):
-    assert getattr(_native, name) is getattr(module, name)
 
 
 def test_an_unknown_name_is_an_attribute_error():

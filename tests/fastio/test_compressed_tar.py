@@ -18,7 +18,7 @@ import torch
 
 import fastio
 from fastio.errors import CorruptShardError
-from fastio.format.compression import COMPRESSED_SUFFIXES
+from fastio.format.tar.compression import COMPRESSED_SUFFIXES
 from fastio.registry import OpenOptions, open_source
 from fastio.remote import RemoteTarSource, RetryPolicy
 from fastio.remote.compressed import decompress, is_compressed_tar, open_compressed_tars

@@ -24,10 +24,11 @@ import pytest
 
 import fastio
 from fastio import _native
-from fastio.format.decode import decode_default
 from fastio.format.shards.layout import PREFIX
 from fastio.format.shards.reader import ShardReader, ShardSet
-from fastio.format.tar import INDEX_SUFFIX, TarShardSet, index_tar, load_tar_index
+from fastio.format.tar import scan as tarscan
+from fastio.format.tar.decode import decode_default
+from fastio.format.tar.index import INDEX_SUFFIX, TarShardSet, index_tar, load_tar_index
 from fastio.sources import open_source
 
 NATIVE = pytest.mark.skipif(not _native.native(), reason=f"needs fastio._C: {fastio.backend()}")
@@ -86,13 +87,13 @@ SCANNERS = {
 }
 
 
-def _scan(backend: str, path: Path) -> _native.TarScan:
+def _scan(backend: str, path: Path) -> tarscan.TarScan:
     if backend == "reference":
         try:
-            return _native._scan_tar_reference(str(path))
+            return tarscan._scan_tar_reference(str(path))
         except ValueError as exc:  # what scan_tar turns into CorruptShardError
             raise fastio.CorruptShardError(str(path), "tar header", "a well-formed tar", str(exc)) from None
-    return _native.scan_tar(str(path))
+    return tarscan.scan_tar(str(path))
 
 
 # -- 1. tar header fields ---------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def test_reference_scan_agrees_with_the_native_one_on_real_archives(tmp_path):
             info = tarfile.TarInfo(f"d/{'ü' * (i * 30)}{i}.bin")
             info.size = size
             archive.addfile(info, io.BytesIO(rng.integers(0, 256, size, dtype=np.uint8).tobytes()))
-    native, reference = _native.scan_tar(str(path)), _native._scan_tar_reference(str(path))
+    native, reference = tarscan.scan_tar(str(path)), tarscan._scan_tar_reference(str(path))
     assert native.names == reference.names and native.problem == reference.problem == ""
     assert native.offsets.tolist() == reference.offsets.tolist()
     assert native.sizes.tolist() == reference.sizes.tolist()
@@ -609,20 +610,20 @@ def test_native_gather_turns_sigbus_into_an_error(tmp_path, threads):
         import os, sys
         import numpy as np, torch
         import fastio
-        from fastio import _native
-        f = _native.MappedFile({str(path)!r})
-        table = _native.MappedTable([f])
+        from fastio import _gather, _mapped
+        f = _mapped.MappedFile({str(path)!r})
+        table = _mapped.MappedTable([f])
         f.check_size = lambda: None
         os.truncate({str(path)!r}, 4096)
         offsets = np.arange(200, dtype=np.int64) * 4096
         out = torch.empty(200, 4096, dtype=torch.uint8)
         try:
-            _native.gather_rows(table, np.zeros(200, np.int32), offsets, 4096, out, {threads})
+            _gather.gather_rows(table, np.zeros(200, np.int32), offsets, 4096, out, {threads})
         except fastio.CorruptShardError as err:
             print("caught:", err)
         lengths = np.full(200, 4096, np.int64)
         try:
-            _native.gather_ranges(table, np.zeros(200, np.int32), offsets, lengths, out.view(-1), {threads})
+            _gather.gather_ranges(table, np.zeros(200, np.int32), offsets, lengths, out.view(-1), {threads})
         except fastio.CorruptShardError as err:
             print("caught:", err)
     """
@@ -641,15 +642,15 @@ def test_sigbus_in_the_output_is_not_blamed_on_the_shard(tmp_path):
         import mmap, os
         import numpy as np, torch
         import fastio
-        from fastio import _native
-        table = _native.MappedTable([_native.MappedFile({str(source)!r})])
+        from fastio import _gather, _mapped
+        table = _mapped.MappedTable([_mapped.MappedFile({str(source)!r})])
         with open({str(target)!r}, "r+b") as fh:
             shared = mmap.mmap(fh.fileno(), 0)
         out = torch.frombuffer(shared, dtype=torch.uint8).view(256, 4096)
         os.truncate({str(target)!r}, 4096)
         offsets = np.arange(256, dtype=np.int64) * 4096
         try:
-            _native.gather_rows(table, np.zeros(256, np.int32), offsets, 4096, out, 1)
+            _gather.gather_rows(table, np.zeros(256, np.int32), offsets, 4096, out, 1)
         except fastio.CorruptShardError as err:
             print("blamed the shard:", err)
         except RuntimeError as err:
@@ -670,10 +671,10 @@ def test_sigbus_outside_a_guarded_copy_still_kills(tmp_path, faulthandler):
         import os, signal
         {"import faulthandler; faulthandler.enable()" if faulthandler else ""}
         import numpy as np, torch
-        from fastio import _native
-        table = _native.MappedTable([_native.MappedFile({str(path)!r})])
+        from fastio import _gather, _mapped
+        table = _mapped.MappedTable([_mapped.MappedFile({str(path)!r})])
         out = torch.empty(8, dtype=torch.uint8)
-        _native.gather_rows(table, np.zeros(1, np.int32), np.zeros(1, np.int64), 8, out)
+        _gather.gather_rows(table, np.zeros(1, np.int32), np.zeros(1, np.int64), 8, out)
         os.kill(os.getpid(), signal.SIGBUS)
         print("survived")
     """
@@ -727,9 +728,9 @@ def test_native_and_reference_scans_agree_on_damaged_archives(tmp_path_factory, 
     clean, path = directory / "clean.tar", directory / "f.tar"
     clean.write_bytes(bytes(original))
     path.write_bytes(bytes(blob))
-    assert len(pax) == 34 and _native._scan_tar_reference(str(clean)).names[1] == pax[8:-1]
+    assert len(pax) == 34 and tarscan._scan_tar_reference(str(clean)).names[1] == pax[8:-1]
     outcomes = []
-    for scan in (lambda: _native.scan_tar(str(path)), lambda: _native._scan_tar_reference(str(path))):
+    for scan in (lambda: tarscan.scan_tar(str(path)), lambda: tarscan._scan_tar_reference(str(path))):
         try:
             found = scan()
             outcomes.append((found.names, found.offsets.tolist(), found.sizes.tolist(), found.problem))

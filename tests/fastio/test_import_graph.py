@@ -93,7 +93,7 @@ def test_find_cycle_reports_a_circle():
 
 def test_graph_sees_function_level_and_submodule_imports():
     graph = import_graph()
-    assert "fastio._native" in graph["fastio.format.tarscan"]  # `from fastio import _native`
+    assert "fastio._native" in graph["fastio.format.tar.scan"]  # `from fastio import _native`
     assert "fastio.errors" in graph["fastio._mapped"]  # imported inside a function
 
 

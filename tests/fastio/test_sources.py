@@ -14,8 +14,9 @@ import torch
 import fastio
 from fastio.format.shards.reader import ShardSet
 from fastio.format.shards.source import ShardSource
-from fastio.format.tar import TarShardSet, load_tar_index
-from fastio.sources import BatchBuffers, StageTimes, TarSource
+from fastio.format.tar.index import TarShardSet, load_tar_index
+from fastio.format.tar.source import TarSource
+from fastio.sources import BatchBuffers, StageTimes
 
 
 def _fetch(source, indices):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastio
-from fastio.format.tar import INDEX_SUFFIX, load_tar_index
+from fastio.format.tar.index import INDEX_SUFFIX, load_tar_index
 from fastio.paths import expand_pattern
 
 wds = pytest.importorskip("webdataset")

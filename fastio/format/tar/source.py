@@ -20,8 +20,8 @@ import torch
 from fastio._gather import gather_rows, read_ranges
 from fastio._mapped import MappedTable
 from fastio.errors import CorruptShardError, SchemaMismatchError
-from fastio.format.decode import INT_EXTENSIONS, decode_default, last_extension, npy_layout
-from fastio.format.tar import TarShardSet
+from fastio.format.tar.decode import INT_EXTENSIONS, decode_default, last_extension, npy_layout
+from fastio.format.tar.index import TarShardSet
 from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype
 from fastio.sources.buffers import BatchBuffers
 
@@ -58,8 +58,8 @@ class TarSource(Source):
 
     Args:
         shards: the indexed tar set.
-        decode: None for :func:`fastio.format.decode.decode_default`, ``"pil"`` for that plus Pillow images,
-            or ``decode(field, data: bytes) -> value`` for every field (no fast paths then).
+        decode: None for :func:`fastio.format.tar.decode.decode_default`, ``"pil"`` for that plus Pillow
+            images, or ``decode(field, data: bytes) -> value`` for every field (no fast paths then).
         layout: the :class:`TarLayout` of a larger set these shards are part of (``.layout`` of a source
             over that set); default: decided from these shards. A ``.npy`` member that does not fit it
             raises :class:`fastio.SchemaMismatchError`.

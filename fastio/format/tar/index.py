@@ -28,7 +28,7 @@ import numpy as np
 
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError
-from fastio.format.tarscan import scan_tar
+from fastio.format.tar.scan import scan_tar
 from fastio.paths import expand_pattern
 
 __all__ = ["INDEX_SUFFIX", "TarIndex", "TarShardSet", "index_tar", "load_tar_index"]
