@@ -1,0 +1,153 @@
+"""This machine's link, measured: gloo allreduce timed between local processes, and a :class:`Link` fitted.
+
+:func:`measure_allreduce` starts ``world_size`` processes joined over gloo on this machine (a file store
+in a temporary folder, TCP over loopback), times ``dist.all_reduce`` of fp32 tensors of each size and returns
+the slower rank's median. :func:`fit_link` fits ``alpha`` and ``bandwidth`` of the ring model
+(:func:`~fastcomm.advise.model.ring_allreduce`) to such times by least squares, weighting each point by
+``1 / time`` so small and large sizes count alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastcomm.advise.model import Link
+
+__all__ = ["fit_link", "measure_allreduce"]
+
+
+def _rank_main(spec: Mapping[str, Any]) -> None:
+    """One rank of :func:`measure_allreduce`: print ``{size: median seconds}`` as JSON."""
+    torch.set_num_threads(1)
+    world_size = spec["world_size"]
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(spec["store"], world_size),
+        rank=spec["rank"],
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        medians = {}
+        for nbytes in spec["sizes"]:
+            tensor = torch.ones(max(1, nbytes // 4))
+            for _ in range(2):
+                dist.all_reduce(tensor)
+            times = []
+            for _ in range(spec["repeat"]):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(tensor)
+                times.append(time.perf_counter() - start)
+            medians[nbytes] = statistics.median(times)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps(medians), flush=True)
+
+
+def measure_allreduce(
+    sizes: Sequence[int], world_size: int = 2, repeat: int = 7, timeout_s: float = 120.0
+) -> dict[int, float]:
+    """Median seconds of a gloo allreduce of each size in bytes (fp32), the slower rank's, on this machine.
+
+    Each rank is a fresh ``python -m fastcomm.advise.calibrate`` process with one thread, over loopback.
+
+    Raises:
+        RuntimeError: a rank failed or did not finish within ``timeout_s``.
+
+    Example::
+
+        times = measure_allreduce([1 << 16, 1 << 22], world_size=2, repeat=5)
+        link = fit_link(times, 2)
+    """
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory(prefix="fastcomm_advise_") as folder:
+        procs = []
+        for rank in range(world_size):
+            spec = {
+                "rank": rank,
+                "world_size": world_size,
+                "store": os.path.join(folder, "store"),
+                "sizes": [int(s) for s in sizes],
+                "repeat": repeat,
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "fastcomm.advise.calibrate", json.dumps(spec)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        try:
+            outputs = [proc.communicate(timeout=timeout_s) for proc in procs]
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(f"gloo allreduce timing did not finish in {timeout_s:.0f} s") from error
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    failed = [
+        (proc.returncode, err.strip().splitlines()[-1:])
+        for proc, (_, err) in zip(procs, outputs, strict=True)
+        if proc.returncode != 0
+    ]
+    if failed:
+        raise RuntimeError(f"gloo allreduce timing failed: {failed}")
+    reports = [{int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()} for out, _ in outputs]
+    return {int(size): max(report[int(size)] for report in reports) for size in sizes}
+
+
+def fit_link(
+    times: Mapping[int, float], world_size: int, overlaps_compute: bool = False, name: str = "fitted"
+) -> Link:
+    """The :class:`Link` whose ring allreduce best fits ``times`` (bytes -> seconds) over ``world_size``.
+
+    ``t = 2 (p-1) alpha + 2 (p-1)/p * n / B`` is linear in ``alpha`` and ``1/B``: a weighted least-squares
+    line through the points (weights ``1/t``, so the relative error is what is minimised), each parameter
+    kept positive.
+
+    Example::
+
+        >>> link = fit_link({1000: 2e-4 + 1e-6, 1_000_000: 2e-4 + 1e-3}, 2)
+        >>> round(link.alpha_s * 1e6), round(link.bandwidth_Bps / 1e6)
+        (100, 1000)
+    """
+    if len(times) < 2 or world_size < 2:
+        raise ValueError("fit_link needs times at two sizes or more and world_size >= 2")
+    p = world_size
+    rows = [(2.0 * (p - 1), 2.0 * (p - 1) / p * n, t) for n, t in times.items()]
+    weights = [1.0 / t for _, _, t in rows]
+    # normal equations of sum w^2 (a x + b y - t)^2, for (x, y) = (alpha, 1/B)
+    saa = sum((w * a) ** 2 for (a, _, _), w in zip(rows, weights, strict=True))
+    sbb = sum((w * b) ** 2 for (_, b, _), w in zip(rows, weights, strict=True))
+    sab = sum(w * w * a * b for (a, b, _), w in zip(rows, weights, strict=True))
+    sat = sum(w * w * a * t for (a, _, t), w in zip(rows, weights, strict=True))
+    sbt = sum(w * w * b * t for (_, b, t), w in zip(rows, weights, strict=True))
+    det = saa * sbb - sab * sab
+    alpha = (sat * sbb - sbt * sab) / det
+    inverse_bandwidth = (saa * sbt - sab * sat) / det
+    if alpha < 0:  # the latency is too small to see: a line through the origin
+        alpha, inverse_bandwidth = 0.0, sbt / sbb
+    if inverse_bandwidth <= 0:  # flat times: latency only, and a bandwidth no size here could tell
+        alpha, inverse_bandwidth = sat / saa, 1e-15
+    return Link(alpha, 1.0 / inverse_bandwidth, overlaps_compute, name)
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(sys.argv[1]))
