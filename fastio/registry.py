@@ -1,25 +1,31 @@
 """Which :class:`fastio.sources.Source` opens what a :class:`fastio.StreamLoader` was given: one table of
-local formats and one of URL schemes. :func:`open_source` consults only these tables.
+formats (one row per format, naming its local opener and, for formats that can be read remotely, its
+opener of URLs) and one of URL schemes. :func:`open_source` consults only these tables. A new format is
+its folder under :mod:`fastio.format` plus one row here: local and remote at once.
 
 1. A string (or ``os.PathLike``) with a URL scheme (``s3://...``, ``https://...``), or a list of such
    strings with one scheme, goes to the opener registered for that scheme
    (:func:`register_scheme`); an unknown scheme raises ``ValueError`` naming the URL and the registered
    schemes. ``file://`` URLs are local paths; ``s3``, ``gs``/``gcs``, ``az``/``abfs(s)``/``adl``, ``http(s)``,
-   ``hf`` and ``memory`` open :mod:`fastio.remote` (through fsspec and its per-store extras).
+   ``hf`` and ``memory`` go to the first built-in format whose ``url_matches(url)`` is True, whose
+   ``url_opener`` reads it through :mod:`fastio.remote` (fsspec and its per-store extras): compressed tars,
+   then ``.tar`` URLs, brace patterns, globs and lists, then a directory URL (no file suffix in its last
+   part) as a fastio shard directory.
 2. Anything else goes to the first format (:func:`register_format`) whose ``matches(target)`` is True.
    Formats registered by users are consulted first (newest last), then the built-ins in this order: an
-   object that already is a :class:`~fastio.sources.Source`; a directory (a fastio shard directory);
-   compressed tar paths or patterns (``.tar.gz``, ``.tgz``, ``.tar.zst``...:
-   :data:`fastio.format.tar.compression.COMPRESSED_SUFFIXES`) (decompressed once into the cache,
-   :mod:`fastio.remote.compressed`); a ``.tar`` path, glob or brace pattern, or a list of paths (WebDataset
-   tar shards); any other object (a map-style ``Dataset``).
+   object that already is a :class:`~fastio.sources.Source`; a directory (a fastio shard directory,
+   :mod:`fastio.format.shards`); compressed tar paths or patterns (``.tar.gz``, ``.tgz``, ``.tar.zst``...:
+   :data:`fastio.format.tar.compression.COMPRESSED_SUFFIXES`, decompressed once into ``cache_dir``,
+   :mod:`fastio.format.tar.compressed`); a ``.tar`` path, glob or brace pattern, or a list of paths
+   (WebDataset tar shards, :mod:`fastio.format.tar`); any other object (a map-style ``Dataset``).
 3. A path no format takes: ``FileNotFoundError`` if it does not exist, else ``ValueError`` listing what
    the path formats expect.
 4. An empty directory a format takes (checked before its opener runs), and a source opened with no
    samples (by any format or scheme), raise :class:`fastio.EmptySourceError` naming the path.
 
 A built-in entry names its opener as ``"module:function"``, imported at its first use, so optional
-dependencies (fsspec for remote stores) are imported only when a URL needs them.
+dependencies (fsspec for remote stores) are imported only when a URL needs them, and matching a local path
+never imports :mod:`fastio.remote`.
 
 An opener is ``opener(target, options: OpenOptions) -> Source``; ``target`` is the path string, the list of
 path strings, the URL (or list of URLs) or the object, as given (``os.PathLike`` turned into ``str``).
@@ -44,11 +50,12 @@ import dataclasses
 import importlib
 import os
 import re
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastio.errors import EmptySourceError
-from fastio.format.tar.compression import COMPRESSED_SUFFIXES, is_compressed_tar
+from fastio.format.tar.compression import COMPRESSED_SUFFIXES, compression_of, is_compressed_tar
 from fastio.sources.base import Source, missing_members
 
 __all__ = [
@@ -106,12 +113,16 @@ class Format:
         opener: ``opener(target, options) -> Source``, or ``"module:function"``.
         description: for paths, what the format expects (``"a fastio shard directory"``), listed when a
             path matches no format; None for formats that do not take paths.
+        url_matches, url_opener: for formats read from URLs (built-in ones), which URLs (or lists of URLs)
+            the format takes and its opener of them; None for local-only formats.
     """
 
     name: str
     matches: Matcher | str
     opener: Opener | str
     description: str | None = None
+    url_matches: Matcher | str | None = None
+    url_opener: Opener | str | None = None
 
 
 def _is_path(target: Any) -> bool:
@@ -136,6 +147,33 @@ def _is_tar(target: Any) -> bool:
     return _is_path(target) and (target.endswith(".tar") or any(c in target for c in "*?[{"))
 
 
+def _url_path(url: str) -> str:
+    return url.split("?", 1)[0]  # "?" starts a URL's query: it is no wildcard there
+
+
+def _is_tar_url(target: Any) -> bool:
+    if _is_path_list(target):
+        return True
+    return _is_path(target) and (
+        _url_path(target).endswith(".tar") or any(c in _url_path(target) for c in "*[{")
+    )
+
+
+def _is_compressed_tar_url(target: Any) -> bool:
+    if _is_path_list(target):
+        return all(compression_of(t) is not None for t in target)
+    return _is_path(target) and compression_of(target) is not None
+
+
+def _is_directory_url(target: Any) -> bool:
+    """A URL whose last part names no file (``s3://bucket/train``, ``https://host/train/``), nor a pattern."""
+    if not _is_path(target):
+        return False
+    path = urllib.parse.urlsplit(target).path
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    return not any(c in path for c in "*[{") and (path.endswith("/") or "." not in last)
+
+
 def _is_object(target: Any) -> bool:
     return not _is_path(target) and not _is_path_list(target)
 
@@ -149,32 +187,38 @@ def _open_file_url(target: Any, options: OpenOptions) -> Source:
     return open_source(local, options)
 
 
+_SHARDS, _TAR = "fastio.format.shards.", "fastio.format.tar."
+_SHARD_DIRECTORY = "a fastio shard directory"
+_COMPRESSED = f"WebDataset {'/'.join(COMPRESSED_SUFFIXES)} shards"
+# One row per format; compressed tars are matched by name only (format.tar.compression imports no fsspec).
 _BUILTIN_FORMATS = (
     Format("source", _is_source, _open_itself),
-    Format(
-        "fastio-shards",
-        _is_directory,
-        "fastio.format.shards.source:open_shard_directory",
-        "a fastio shard directory",
-    ),
-    Format(
-        "compressed-tar",
-        # By name only (format.tar.compression imports no fsspec): matching never imports fastio.remote.
-        is_compressed_tar,
-        "fastio.remote.compressed:open_compressed_tars",
-        f"WebDataset {'/'.join(COMPRESSED_SUFFIXES)} shards",
-    ),
-    Format("webdataset-tar", _is_tar, "fastio.format.tar.source:open_tar_shards", "WebDataset .tar shards"),
+    Format("fastio-shards", _is_directory, _SHARDS + "source:open_shard_directory", _SHARD_DIRECTORY,
+           _is_directory_url, _SHARDS + "remote:open_remote_shards"),
+    Format("compressed-tar", is_compressed_tar, _TAR + "compressed:open_compressed_tars", _COMPRESSED,
+           _is_compressed_tar_url, _TAR + "remote:open_remote_tars"),
+    Format("webdataset-tar", _is_tar, _TAR + "source:open_tar_shards", "WebDataset .tar shards",
+           _is_tar_url, _TAR + "remote:open_remote_tars"),
     Format("dataset", _is_object, "fastio.sources.dataset:open_dataset"),
-)
+)  # fmt: skip
 _formats: list[Format] = []  # registered by users; consulted before the built-ins
-_REMOTE = "fastio.remote.source:open_remote"  # through fsspec: any store it (and its extras) can reach
-_schemes: dict[str, Opener | str] = {
-    "file": _open_file_url,
-    **dict.fromkeys(
-        ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https", "hf", "memory"), _REMOTE
-    ),
-}
+
+
+def _open_url(target: Any, options: OpenOptions) -> Source:
+    """The opener of the built-in schemes (through fsspec: any store it and its extras reach): the first
+    built-in format that takes the URL opens it (see the module docstring)."""
+    for row in _BUILTIN_FORMATS:
+        if row.url_opener is not None and _resolve(row.url_matches)(target):
+            return _resolve(row.url_opener)(target, options)
+    readable = ", ".join(row.name for row in _BUILTIN_FORMATS if row.url_opener is not None)
+    raise ValueError(
+        f"{_shown(target)}: no format reads this URL (formats read remotely: {readable}; a directory URL "
+        "has no file suffix in its last part)"
+    )
+
+
+_REMOTE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https", "hf", "memory")
+_schemes: dict[str, Opener | str] = {"file": _open_file_url, **dict.fromkeys(_REMOTE_SCHEMES, _open_url)}
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 

@@ -1,18 +1,46 @@
-"""Remote datasets for :class:`fastio.StreamLoader`: object stores and HTTP through fsspec, a bounded
-node-local shard cache, compressed tar shards.
+"""Remote shards for :class:`fastio.StreamLoader`: object stores and HTTP through fsspec, brought whole into
+a bounded node-local cache ahead of the read order. This layer moves and keeps bytes; it knows no shard
+format (like Mosaic Streaming's downloader): each format's remote source (:mod:`fastio.format.shards.remote`,
+:mod:`fastio.format.tar.remote`) subclasses :class:`RemoteSource`, says what its shards are, and reads the
+cached files through its own local source.
 
-* :mod:`fastio.remote.fetch`: reading objects with a bounded retry policy, errors naming the URL.
+* :mod:`fastio.remote.fetch`: reading objects with a bounded retry policy, errors naming the URL
+  (:mod:`fastio.remote.errors`).
 * :mod:`fastio.remote.cache`: the shard cache (whole shards, file locks, pins, eviction under a limit);
   :mod:`fastio.remote.room`: how a reservation waits for room, and the errors of a full cache.
 * :mod:`fastio.remote.working_set`: what a pass keeps pinned at once, checked against ``cache_limit``.
 * :mod:`fastio.remote.progress`: a pass's progress, shared with its worker processes.
-* :mod:`fastio.remote.source`: :class:`RemoteShardSource` (:mod:`~fastio.remote.shard_source`) and
-  :class:`RemoteTarSource` (:mod:`~fastio.remote.tar_source`) over :mod:`fastio.remote.base` and
-  :mod:`fastio.remote.prefetch`.
-* :mod:`fastio.remote.compressed`: ``.tar.gz``/``.tgz``/``.tar.zst`` shards, decompressed once into the cache.
+* :mod:`fastio.remote.base`: :class:`RemoteSource` (the cache, the holds, the memoized local sources, the
+  reads); :mod:`fastio.remote.prefetch`: the pass (its plan and the prefetcher thread).
 
-Importing this package imports fsspec; ``import fastio`` does not (the registry opens URLs through
-``fastio.remote.source:open_remote`` at their first use).
+How a pass runs:
+
+1. :meth:`RemoteSource.prepare` (the loader calls it before the pass's first fetch) gets the shards this
+   rank reads in first-read order and the pass's sample indices. It counts what each shard must serve and
+   starts a prefetcher thread that walks the order, pins each shard (so no process evicts it), reserves its
+   space in the cache (one shard at a time, in read order, so an earlier shard never waits behind a later
+   one) and hands the download to a pool of ``download_threads`` threads, staying at most ``ahead`` shards
+   past the furthest shard read so far.
+2. :meth:`RemoteSource.fetch` waits (counted as ``network_wait_s``) until the prefetcher has reserved the
+   room of the batch's shards (room is taken in read order only: :mod:`fastio.remote.working_set` counts on
+   it) and they are in the cache, downloading a shard itself when no process has (a forked worker process
+   has no prefetcher: file locks make a download once per node), then reads the batch through the format's
+   local source over just those cached shards (memoized per shard set, so consecutive batches of the same
+   shards reuse the mapping).
+3. A shard whose samples have all been served this pass is unpinned and marked read: the cache evicts it
+   first. Progress is counted in shared memory made before the fork (:mod:`fastio.remote.progress`), so the
+   prefetcher also sees what worker processes read; every process lets go of its pins on such shards around
+   each fetch. :meth:`RemoteSource.prepare` checks ``cache_limit`` against what the pass keeps pinned at
+   once (:meth:`RemoteSource.plan_reads` says how the loader fetches).
+4. Once every shard is cached and the whole set fits under ``cache_limit`` (or there is none), the next
+   :meth:`RemoteSource.prepare` builds one local source over every shard, keeps them pinned and mapped, and
+   starts no prefetcher: later epochs read exactly as a local loader over those files does.
+
+Resume: the loader hands :meth:`RemoteSource.prepare` only the rest of the epoch, so a resumed run downloads
+only the shards it still reads.
+
+Importing this package imports fsspec; ``import fastio`` does not (:mod:`fastio.registry` opens URLs through
+the formats' remote openers, imported at their first use).
 
 Example::
 
@@ -20,6 +48,7 @@ Example::
                                  cache_dir="/tmp/fastio-cache", cache_limit="50GB")
 """
 
+from fastio.remote.base import RemoteSource, Shard
 from fastio.remote.cache import CacheFullError, CacheStalledError, ShardCache, parse_size
 from fastio.remote.fetch import (
     RemoteAccessError,
@@ -28,7 +57,6 @@ from fastio.remote.fetch import (
     RemoteReadError,
     RetryPolicy,
 )
-from fastio.remote.source import RemoteShardSource, RemoteSource, RemoteTarSource, open_remote
 
 __all__ = [
     "CacheFullError",
@@ -37,11 +65,9 @@ __all__ = [
     "RemoteError",
     "RemoteNotFoundError",
     "RemoteReadError",
-    "RemoteShardSource",
     "RemoteSource",
-    "RemoteTarSource",
     "RetryPolicy",
+    "Shard",
     "ShardCache",
-    "open_remote",
     "parse_size",
 ]

@@ -1,7 +1,9 @@
-"""What the remote sources share (:class:`RemoteSource`): the node-local cache, the shards brought into it
+"""What every remote source shares (:class:`RemoteSource`): the node-local cache, the shards brought into it
 and held there, the progress counts, and the memoized local sources batches are read through. How a pass
-runs is :mod:`fastio.remote.source`'s docstring; the pass itself (planning, the prefetcher) is
-:mod:`fastio.remote.prefetch`. Subclasses say how a cached shard is opened and read.
+runs is :mod:`fastio.remote`'s docstring; the pass itself (planning, the prefetcher) is
+:mod:`fastio.remote.prefetch`. A format's remote source (``fastio/format/<name>/remote.py``) subclasses it
+and says what its shards are, how a cached shard is opened, and the local source that reads them; this
+module knows no format.
 
 Example::
 
@@ -22,12 +24,11 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from fastio.errors import CorruptShardError, FastIOError
-from fastio.format.tar.compression import decompress
 from fastio.remote.cache import ShardCache
 from fastio.remote.fetch import (
     RangeReader,
@@ -40,8 +41,8 @@ from fastio.remote.prefetch import POLL_S, PassPrefetch
 from fastio.remote.progress import COUNTERS, SharedProgress
 from fastio.remote.room import RoomWatch
 from fastio.remote.working_set import ReadPlan, check_batch, check_pass
-from fastio.sources import BatchBuffers, StageTimes
-from fastio.sources.base import Source
+from fastio.sources.base import Source, StageTimes
+from fastio.sources.buffers import BatchBuffers
 
 __all__ = ["RemoteSource", "Shard", "cache_for", "cache_key"]
 
@@ -51,16 +52,21 @@ _MEMO = 8  # local sources kept for recent shard sets
 @dataclasses.dataclass
 class Shard:
     """One shard: where it is, what the cache calls it, and its sizes (``local_size``: bytes of the cached
-    file, None until known for a compressed shard; ``index_bytes``: what is cached beside it and evicted with
-    it, a tar's index)."""
+    file, None until known for a shard stored encoded; ``index_bytes``: what is cached beside it and evicted
+    with it, a tar's index).
+
+    ``unpack``: None when the cached file is the remote object's bytes; else ``unpack(raw, out) -> bytes
+    written``, which turns the remote stream into the cached file (a compressed tar's decompression, given
+    by its format), ``encoding`` naming what it undoes in errors (``"gzip"``)."""
 
     url: str
     key: str
     remote_size: int
     local_size: int | None
-    compression: str | None
     num_samples: int = 0
     index_bytes: int = 0
+    encoding: str | None = None
+    unpack: Callable[[IO[bytes], IO[bytes]], int] | None = None
 
     @property
     def footprint(self) -> int:
@@ -171,7 +177,7 @@ class RemoteSource(PassPrefetch, Source):
 
     # -- bringing shards in --------------------------------------------------------------------------------
     def _write(self, shard: int, part: Path) -> None:
-        """Download shard ``shard`` into ``part`` (decompressing it on the way when compressed)."""
+        """Download shard ``shard`` into ``part`` (unpacking it on the way when it is stored encoded)."""
         info = self.shards[shard]
         progress = self._progress
 
@@ -183,18 +189,18 @@ class RemoteSource(PassPrefetch, Source):
             if progress is not None:
                 progress.add("retries", 1)
 
-        if info.compression is None:
+        if info.unpack is None:
             download(info.url, part, info.remote_size, self.retry, self.storage_options, counted, retried)
         else:
             raw = RangeReader(info.url, info.remote_size, self.retry, self.storage_options, counted, retried)
             with raw, open(part, "r+b" if part.exists() else "wb") as out:
                 try:
-                    written = decompress(raw, info.compression, out)
+                    written = info.unpack(raw, out)
                 except (RemoteError, FastIOError, ImportError):
                     raise
-                except Exception as exc:  # the decompressor's own errors (gzip: OSError/EOFError, ZstdError)
+                except Exception as exc:  # the unpacker's own errors (gzip: OSError/EOFError, ZstdError)
                     raise CorruptShardError(
-                        redact(info.url), "compressed stream", f"a whole {info.compression} stream", repr(exc)
+                        redact(info.url), "compressed stream", f"a whole {info.encoding} stream", repr(exc)
                     ) from None
                 out.truncate(written)
         if progress is not None:

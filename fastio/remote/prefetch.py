@@ -1,4 +1,4 @@
-"""The pass of a :class:`fastio.remote.base.RemoteSource` (steps 1 and 3 of :mod:`fastio.remote.source`):
+"""The pass of a :class:`fastio.remote.base.RemoteSource` (steps 1 and 3 of :mod:`fastio.remote`):
 :meth:`PassPrefetch.prepare` counts what each shard serves this pass and starts a prefetcher thread that
 pins, reserves (in read order) and downloads shards ahead of the reads; shards read to the end are swept
 (unpinned and marked read).

@@ -1,11 +1,13 @@
-"""Compressed WebDataset tar shards (.tgz, .tar.gz, .tar.zst), local and over HTTP: decompressed once into
-the cache, then read like plain tars; checked against webdataset.WebDataset and fastio's own tar reader."""
+"""Compressed WebDataset tar shards (.tgz, .tar.gz, .tar.zst), local and over HTTP: decompressed once (locally
+into cache_dir without any remote code, remotely into the shard cache), then read like plain tars; checked
+against webdataset.WebDataset and fastio's own tar reader."""
 
 from __future__ import annotations
 
 import gzip
 import io
 import json
+import subprocess
 import sys
 import tarfile
 import zlib
@@ -18,10 +20,11 @@ import torch
 
 import fastio
 from fastio.errors import CorruptShardError
-from fastio.format.tar.compression import COMPRESSED_SUFFIXES
+from fastio.format.tar.compressed import open_compressed_tars
+from fastio.format.tar.compression import COMPRESSED_SUFFIXES, decompress, is_compressed_tar
+from fastio.format.tar.remote import RemoteTarSource
 from fastio.registry import OpenOptions, open_source
-from fastio.remote import RemoteTarSource, RetryPolicy
-from fastio.remote.compressed import decompress, is_compressed_tar, open_compressed_tars
+from fastio.remote import RetryPolicy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _http_server import HttpServer  # noqa: E402
@@ -110,7 +113,6 @@ def test_compressed_shards_read_like_the_plain_tars(tmp_path, suffix):
     mine = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=9, num_workers=2)
     for a, b in zip(reference, mine, strict=True):
         assert a == b
-    source.close()
 
 
 def test_tgz_over_http_is_decompressed_once_and_resumes(tmp_path):
@@ -192,7 +194,8 @@ def test_every_compressed_suffix_opens_locally_and_over_http(tmp_path, suffix):
     def keys(target: str, cache: str) -> list[str]:
         source = open_source(target, OpenOptions(decode=_raw, cache_dir=str(tmp_path / cache)))
         found = sorted(k for b in fastio.StreamLoader(source, batch_size=100) for k in b["__key__"])
-        source.close()
+        if hasattr(source, "close"):  # a remote source's prefetcher and pins; a local one holds neither
+            source.close()
         return found
 
     assert keys(str(path), "local") == expected
@@ -204,3 +207,28 @@ def test_int_fields_of_compressed_tars_are_tensors(tmp_path):
     path = _write_tar(tmp_path / "s.tgz", _members(1, 9), "w:gz")
     batch = next(iter(fastio.StreamLoader(str(path), batch_size=9, cache_dir=str(tmp_path / "cache"))))
     assert batch["cls"].dtype == torch.int64 and len(batch["__key__"]) == 9
+
+
+def test_local_compressed_tars_run_no_remote_code(tmp_path):
+    path = _write_tar(tmp_path / "s.tgz", _members(2, 4), "w:gz")
+    cache = str(tmp_path / "cache")
+    code = (
+        "import sys, fastio; "
+        f"loader = fastio.StreamLoader({str(path)!r}, batch_size=4, cache_dir={cache!r}); "
+        "keys = [k for b in loader for k in b['__key__']]; "
+        "print(len(keys), 'fastio.remote' in sys.modules, 'fsspec' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["4", "False", "False"]
+
+
+def test_a_local_compressed_tar_is_decompressed_again_only_when_it_changes(tmp_path):
+    path = _write_tar(tmp_path / "s.tgz", _members(3, 5), "w:gz")
+    options = OpenOptions(decode=_raw, cache_dir=str(tmp_path / "cache"))
+    first = open_compressed_tars(str(path), options).shards.paths[0]
+    made = Path(first).stat().st_mtime_ns
+    assert open_compressed_tars(str(path), options).shards.paths[0] == first
+    assert Path(first).stat().st_mtime_ns == made  # reused, not decompressed again
+    _write_tar(path, _members(4, 6), "w:gz")
+    again = open_compressed_tars(str(path), options)
+    assert again.num_samples == 6

@@ -1,5 +1,6 @@
 """fastio's modules import one another without a circle, counting imports inside functions (one moved
-into a function to dodge a circle keeps the circle) and under ``TYPE_CHECKING``."""
+into a function to dodge a circle keeps the circle) and under ``TYPE_CHECKING``; the remote layer reaches no
+format module, and the native backend none of the modules that call it."""
 
 from __future__ import annotations
 
@@ -100,3 +101,25 @@ def test_graph_sees_function_level_and_submodule_imports():
 def test_fastio_has_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def _reached(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    seen, todo = set(start), list(start)
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_remote_layer_knows_no_format():
+    graph = import_graph()
+    remote = {m for m in graph if m == "fastio.remote" or m.startswith("fastio.remote.")}
+    formats = sorted(m for m in _reached(graph, remote) if m.startswith("fastio.format"))
+    assert not formats, f"fastio.remote imports (through its imports) {formats}"
+
+
+def test_the_native_backend_imports_none_of_its_callers():
+    reached = _reached(import_graph(), {"fastio._native"})
+    assert reached == {"fastio._native", "fastio._C"}, sorted(reached)

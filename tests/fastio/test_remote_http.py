@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import fastio
+from fastio.format.shards.remote import RemoteShardSource
+from fastio.format.tar.remote import RemoteTarSource
 from fastio.remote import (
     CacheFullError,
     CacheStalledError,
     RemoteNotFoundError,
     RemoteReadError,
-    RemoteShardSource,
-    RemoteTarSource,
     RetryPolicy,
     ShardCache,
 )

@@ -21,13 +21,25 @@ from fastio._gather import gather_ranges, gather_rows, read_ranges
 from fastio._mapped import MappedTable
 from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.shards.reader import ShardSet
+from fastio.format.shards.schema import Schema
 from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype
 from fastio.sources.buffers import BatchBuffers
 
 if TYPE_CHECKING:
     from fastio.registry import OpenOptions
 
-__all__ = ["ShardSource", "open_shard_directory"]
+__all__ = ["ShardSource", "fixed_specs_of", "open_shard_directory"]
+
+
+def fixed_specs_of(schema: Schema) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The fixed fields of a schema as :meth:`fastio.sources.Source.fixed_specs` gives them: the batch
+    buffers a shard source (local or remote) fills.
+
+    Example::
+
+        fixed_specs_of(ShardSet("data/train").schema)   # {"x": (torch.uint8, (3, 32, 32)), ...}
+    """
+    return {n: (torch_dtype(f.np_dtype), f.shape) for n, f in schema.items() if f.kind == "fixed"}
 
 
 def _locate(cumulative: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +78,7 @@ class ShardSource(Source):
         }
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {n: (torch_dtype(f.np_dtype), f.shape) for n, f in self.schema.items() if f.kind == "fixed"}
+        return fixed_specs_of(self.schema)
 
     def _verify(self, shard_ids: np.ndarray) -> None:
         if self._all_verified:

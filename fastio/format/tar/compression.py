@@ -2,7 +2,8 @@
 reads), which codec each suffix means, the name of the tar inside, and streaming decompression.
 
 It imports nothing beyond the standard library, so the registry can match local paths by name without
-importing :mod:`fastio.remote` (and fsspec); :mod:`fastio.remote.compressed` opens such shards.
+importing :mod:`fastio.remote` (and fsspec). :mod:`fastio.format.tar.compressed` opens local compressed
+shards, :mod:`fastio.format.tar.remote` those at URLs.
 
 Example::
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from fastio.sources.buffers import BatchBuffers
 if TYPE_CHECKING:
     from fastio.registry import OpenOptions
 
-__all__ = ["TarLayout", "TarSource", "open_tar_shards"]
+__all__ = ["TarLayout", "TarSource", "decide_layout", "open_tar_shards"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,52 @@ class TarLayout:
     fields: tuple[str, ...]
     npy_fixed: dict[str, tuple[np.dtype, tuple[int, ...], int]]
     ints: tuple[str, ...]
+
+    def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The batch buffers a source of this layout fills: the gathered ``.npy`` fields, the int fields.
+
+        Example::
+
+            specs = layout.fixed_specs()   # {"x.npy": (torch.float32, (3, 8)), "cls": (torch.int64, ())}
+        """
+        specs = {name: (torch_dtype(dtype), shape) for name, (dtype, shape, _) in self.npy_fixed.items()}
+        specs.update({name: (torch.int64, ()) for name in self.ints})
+        return specs
+
+
+NpySpec = tuple[np.dtype, tuple[int, ...], int]
+
+
+def decide_layout(
+    fields: Sequence[str],
+    present: Callable[[str], bool],
+    uniform_npy: Callable[[str], NpySpec | None],
+    decode: Callable[[str, bytes], Any] | str | None,
+) -> TarLayout:
+    """The one decision of how a tar set's fields come out, for a local set and a remote one alike: a field
+    in every sample (``present(field)``) is an int64 tensor when its extension is an integer one (``cls``...),
+    a gathered tensor when it is ``.npy`` and ``uniform_npy(field)`` gives its ``(dtype, shape, header
+    bytes)`` (members of one size and header throughout); everything else is decoded per sample. A
+    ``decode`` callable decodes every field itself: no tensors then.
+
+    Example::
+
+        layout = decide_layout(["x.npy", "cls"], lambda f: True, lambda f: None, decode=None)
+    """
+    npy: dict[str, NpySpec] = {}
+    ints: list[str] = []
+    if not callable(decode):
+        for field in fields:
+            if not present(field):
+                continue
+            kind = last_extension(field)
+            if kind == "npy":
+                spec = uniform_npy(field)
+                if spec is not None:
+                    npy[field] = spec
+            elif kind in INT_EXTENSIONS:
+                ints.append(field)
+    return TarLayout(tuple(fields), npy, tuple(ints))
 
 
 class TarSource(Source):
@@ -89,23 +135,20 @@ class TarSource(Source):
         fields = list(layout.fields) if layout is not None else shards.fields
         self.columns = {f: shards.column(f) for f in fields}
         self._shard_of = np.repeat(np.arange(len(shards.files), dtype=np.int32), self.shard_sizes)
-        self._npy_fixed: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
+        self._npy_fixed: dict[str, NpySpec] = {}
         self._ints: dict[str, np.ndarray] = {}
         if layout is not None:
             self._apply(layout)
-        elif not callable(decode):
-            for field in fields:
-                offsets, sizes = self.columns[field]
-                if (sizes < 0).any():
-                    continue
-                kind = last_extension(field)
-                if kind == "npy":
-                    spec = self._uniform_npy(field, offsets, sizes)
-                    if spec is not None:
-                        self._npy_fixed[field] = spec
-                elif kind in INT_EXTENSIONS:
-                    self._ints[field] = self._decode_ints(field, offsets, sizes)
-        self.layout = TarLayout(tuple(fields), dict(self._npy_fixed), tuple(self._ints))
+        else:
+            layout = decide_layout(
+                fields,
+                lambda field: bool((self.columns[field][1] >= 0).all()),
+                lambda field: self._uniform_npy(field, *self.columns[field]),
+                decode,
+            )
+            self._npy_fixed = dict(layout.npy_fixed)
+            self._ints = {field: self._decode_ints(field, *self.columns[field]) for field in layout.ints}
+        self.layout = layout
 
     def _apply(self, layout: TarLayout) -> None:
         for field, spec in layout.npy_fixed.items():
@@ -197,9 +240,7 @@ class TarSource(Source):
         return TokenDocuments(shard, src, counts, dtype, self.table, _no_checksums)
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        specs = {name: (torch_dtype(dtype), shape) for name, (dtype, shape, _) in self._npy_fixed.items()}
-        specs.update({name: (torch.int64, ()) for name in self._ints})
-        return specs
+        return self.layout.fixed_specs()
 
     def fetch(
         self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes

@@ -1,4 +1,6 @@
-"""A fastio shard directory at a URL, read through the node-local shard cache.
+"""A fastio shard directory at a URL, read through the node-local shard cache (:mod:`fastio.remote`): the
+format's half of a remote source (what the shards are, how a download is checked, the local source that
+reads the cached files); :func:`open_remote_shards` is its opener in :mod:`fastio.registry`.
 
 Example::
 
@@ -19,16 +21,15 @@ import torch
 from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.shards.schema import schema_from_json
-from fastio.format.shards.source import ShardSource
+from fastio.format.shards.source import ShardSource, fixed_specs_of
 from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
 from fastio.remote.fetch import (
     RetryPolicy,
     read_bytes,
     redact,
 )
-from fastio.sources.base import torch_dtype
 
-__all__ = ["RemoteShardSource"]
+__all__ = ["RemoteShardSource", "open_remote_shards"]
 
 
 class RemoteShardSource(RemoteSource):
@@ -102,13 +103,13 @@ class RemoteShardSource(RemoteSource):
             shard_url = f"{root}/{name}"
             size = entry["file_nbytes"]
             self.shards.append(
-                Shard(shard_url, cache_key(shard_url, name), size, size, None, entry["num_samples"])
+                Shard(shard_url, cache_key(shard_url, name), size, size, entry["num_samples"])
             )
             self._checksums.append({k: entry[k] for k in ("crc32", "sha256") if k in entry})
         self._finish_init()
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {n: (torch_dtype(f.np_dtype), f.shape) for n, f in self.schema.items() if f.kind == "fixed"}
+        return fixed_specs_of(self.schema)
 
     def _check_download(self, shard: int, part: Path) -> None:
         wanted = self._checksums[shard]
@@ -146,3 +147,20 @@ class RemoteShardSource(RemoteSource):
 
     def _local_source(self, shards: tuple[int, ...], opened: list[ShardReader]) -> ShardSource:
         return ShardSource(ShardSet.from_readers(self.name, self.schema, opened))
+
+
+def open_remote_shards(url: str, options: Any) -> RemoteShardSource:
+    """The registry's opener of a fastio shard directory at a URL (``options``: a
+    :class:`fastio.registry.OpenOptions`; its cache, storage and ``verify`` settings apply).
+
+    Example::
+
+        source = open_remote_shards("http://127.0.0.1:8000/train/", OpenOptions(cache_dir="/tmp/c"))
+    """
+    return RemoteShardSource(
+        url,
+        cache_dir=options.cache_dir,
+        cache_limit=options.cache_limit,
+        storage_options=dict(options.storage_options or {}),
+        verify=options.verify,
+    )

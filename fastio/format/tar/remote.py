@@ -1,5 +1,14 @@
-"""WebDataset tar shards at URLs (or local compressed tars), read through the node-local shard cache; how
-their sample counts are known before the order is :mod:`fastio.remote.source`'s docstring.
+"""WebDataset tar shards at URLs, plain or compressed (``.tar.gz``/``.tgz``/``.tar.zst``), read through the
+node-local shard cache (:mod:`fastio.remote`): the format's half of a remote source. Compressed shards are
+decompressed once, streaming, on their way into the cache (:mod:`fastio.format.tar.compression` gives the
+remote layer the decompressor). :func:`open_remote_tars` is the opener in :mod:`fastio.registry`.
+
+Sample counts come before the order, in this order of preference: (a) a sidecar ``<shard>.fidx`` next to the
+remote tar (what :func:`fastio.index_tar` writes; a small download, and the cached tar then reuses it once its
+bytes are checked against the sidecar's fingerprint); (b) otherwise the shard is downloaded at open and
+indexed (its count, size and index are kept beside the cache entry, so the next run opens without
+downloading). Compressed shards always take (b). (a) is what a publisher should provide: opening then costs
+one small request per shard, not the dataset.
 
 Example::
 
@@ -15,19 +24,19 @@ import io
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError
-from fastio.format.tar.compression import compression_of, decompressed_name
-from fastio.format.tar.decode import INT_EXTENSIONS, last_extension, npy_layout
+from fastio.format.tar.compression import compression_of, decompress, decompressed_name
+from fastio.format.tar.decode import npy_layout
 from fastio.format.tar.index import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
-from fastio.format.tar.source import TarLayout, TarSource
+from fastio.format.tar.source import NpySpec, TarLayout, TarSource, decide_layout
 from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
 from fastio.remote.fetch import (
     RemoteNotFoundError,
@@ -38,9 +47,17 @@ from fastio.remote.fetch import (
     remote_size,
     with_retries,
 )
-from fastio.sources.base import torch_dtype
 
-__all__ = ["RemoteTarSource"]
+__all__ = ["RemoteTarSource", "open_remote_tars"]
+
+
+def _decompressor(kind: str) -> Callable[[IO[bytes], IO[bytes]], int]:
+    """What the remote layer runs on a compressed shard's stream on its way into the cache."""
+
+    def unpack(raw: IO[bytes], out: IO[bytes]) -> int:
+        return decompress(raw, kind, out)
+
+    return unpack
 
 
 @dataclasses.dataclass
@@ -66,22 +83,22 @@ def _meta_of(index: TarIndex, tar_size: int, remote_size: int, index_bytes: int)
 
 
 class RemoteTarSource(RemoteSource):
-    """WebDataset tar shards at URLs (or local compressed tars), read through the shard cache: plain tars
+    """WebDataset tar shards at URLs, read through the shard cache: plain tars
     are downloaded whole, compressed ones decompressed once on the way in (see the module docstring for how
     sample counts are known before the order).
 
-    Batches are what :class:`fastio.sources.TarSource` gives over the same tars (fields as WebDataset names
-    them, ``__key__``): a ``.npy`` field whose members have one size throughout the set and an int field
-    present in every sample come as tensors, everything else decoded per sample. A ``.npy`` field of one
-    size whose header differs between shards raises :class:`fastio.SchemaMismatchError` naming the shard (a
-    remote set cannot be scanned whole before its first batch); pass ``decode=`` a callable to decode it
-    yourself.
+    Batches are what :class:`~fastio.format.tar.source.TarSource` gives over the same tars (fields as
+    WebDataset names them, ``__key__``): a ``.npy`` field whose members have one size throughout the set and
+    an int field present in every sample come as tensors, everything else decoded per sample. A ``.npy``
+    field of one size whose header differs between shards raises :class:`fastio.SchemaMismatchError` naming
+    the shard (a remote set cannot be scanned whole before its first batch); pass ``decode=`` a callable to
+    decode it yourself.
 
     Args:
-        urls: a URL, brace pattern or glob (``http://host/shard-{000..099}.tar``), or a list of them; local
-            paths work too (compressed tars).
+        urls: a URL, brace pattern or glob (``http://host/shard-{000..099}.tar``), or a list of them (local
+            paths are read through fsspec too).
         cache_dir, cache_limit, storage_options, retry, download_threads, ahead: as
-            :class:`RemoteShardSource`.
+            :class:`fastio.format.shards.remote.RemoteShardSource`.
         decode: as :class:`fastio.StreamLoader`'s ``decode``.
         tar_strict: as :class:`fastio.StreamLoader`'s ``tar_strict``.
 
@@ -121,8 +138,9 @@ class RemoteTarSource(RemoteSource):
         ) as pool:
             sizes = list(pool.map(lambda url: remote_size(url, self.retry, self.storage_options), listed))
             for url, size in zip(listed, sizes, strict=True):
-                key = cache_key(url, decompressed_name(url))
-                self.shards.append(Shard(url, key, size, None, compression_of(url)))
+                key, kind = cache_key(url, decompressed_name(url)), compression_of(url)
+                unpack = None if kind is None else _decompressor(kind)
+                self.shards.append(Shard(url, key, size, None, encoding=kind, unpack=unpack))
             metas = list(pool.map(self._meta, range(len(self.shards))))
         for info, meta in zip(self.shards, metas, strict=True):
             info.local_size, info.num_samples = meta.tar_size, meta.num_samples
@@ -148,7 +166,7 @@ class RemoteTarSource(RemoteSource):
             if meta.remote_size == info.remote_size:
                 return meta
         meta = None
-        if info.compression is None:
+        if info.encoding is None:
             try:
                 sidecar = read_bytes(info.url + INDEX_SUFFIX, self.retry, self.storage_options)
             except RemoteNotFoundError:
@@ -158,7 +176,7 @@ class RemoteTarSource(RemoteSource):
         if meta is None:  # download (and decompress) the shard now and index it
             self._hold(shard)
             try:
-                info.local_size = None if info.compression else info.remote_size
+                info.local_size = None if info.encoding else info.remote_size
                 path = self._materialize(shard)
                 index = load_tar_index(path, strict=self.tar_strict)
                 index_path = Path(f"{path}{INDEX_SUFFIX}")
@@ -208,26 +226,20 @@ class RemoteTarSource(RemoteSource):
         fields: dict[str, None] = {}
         for meta in metas:
             fields.update(dict.fromkeys(meta.fields))
-        npy: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
-        ints: list[str] = []
-        if callable(self.decode):
-            return TarLayout(tuple(fields), npy, ())
-        for field in fields:
-            where = [m.fields.index(field) if field in m.fields else -1 for m in metas]
-            if any(j < 0 or not m.present[j] for m, j in zip(metas, where, strict=True)):
-                continue
-            kind = last_extension(field)
-            if kind == "npy":
-                sizes = {m.uniform[j] for m, j in zip(metas, where, strict=True)}
-                if len(sizes) == 1 and -1 not in sizes:
-                    spec = self._npy_spec(field, sizes.pop())
-                    if spec is not None:
-                        npy[field] = spec
-            elif kind in INT_EXTENSIONS:
-                ints.append(field)
-        return TarLayout(tuple(fields), npy, tuple(ints))
 
-    def _npy_spec(self, field: str, size: int) -> tuple[np.dtype, tuple[int, ...], int] | None:
+        def where(field: str) -> list[int]:
+            return [m.fields.index(field) if field in m.fields else -1 for m in metas]
+
+        def present(field: str) -> bool:
+            return all(j >= 0 and m.present[j] for m, j in zip(metas, where(field), strict=True))
+
+        def uniform_npy(field: str) -> NpySpec | None:
+            sizes = {m.uniform[j] for m, j in zip(metas, where(field), strict=True)}
+            return self._npy_spec(field, sizes.pop()) if len(sizes) == 1 and -1 not in sizes else None
+
+        return decide_layout(list(fields), present, uniform_npy, self.decode)
+
+    def _npy_spec(self, field: str, size: int) -> NpySpec | None:
         """(dtype, shape, header bytes) of ``field`` from the first sample of the first shard (the shard's
         start of the member read remotely when it is not cached; compressed shards are cached at open)."""
         shard = 0
@@ -263,9 +275,7 @@ class RemoteTarSource(RemoteSource):
         return dtype, tuple(shape), header
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        specs = {n: (torch_dtype(dtype), shape) for n, (dtype, shape, _) in self._layout.npy_fixed.items()}
-        specs.update({name: (torch.int64, ()) for name in self._layout.ints})
-        return specs
+        return self._layout.fixed_specs()
 
     # -- reading -------------------------------------------------------------------------------------------
     def _open_shard(self, shard: int, path: Path) -> tuple[TarIndex, MappedFile]:
@@ -281,3 +291,21 @@ class RemoteTarSource(RemoteSource):
         paths = [str(self.cache.path(self.shards[s].key)) for s in shards]
         subset = TarShardSet.from_parts(paths, [o[0] for o in opened], [o[1] for o in opened])
         return TarSource(subset, decode=self.decode, layout=self._layout)
+
+
+def open_remote_tars(target: str | list[str], options: Any) -> RemoteTarSource:
+    """The registry's opener of tar shards at URLs, plain or compressed (``options``: a
+    :class:`fastio.registry.OpenOptions`; its cache, storage, ``decode`` and ``tar_strict`` settings apply).
+
+    Example::
+
+        source = open_remote_tars("http://127.0.0.1:8000/shard-{000..009}.tar", OpenOptions(cache_dir="/c"))
+    """
+    return RemoteTarSource(
+        target,
+        cache_dir=options.cache_dir,
+        cache_limit=options.cache_limit,
+        storage_options=dict(options.storage_options or {}),
+        decode=options.decode,
+        tar_strict=options.tar_strict,
+    )
