@@ -23,7 +23,7 @@ import torch
 from fastio._native import default_threads
 from fastio.order import num_batches
 from fastio.producer import BatchProducer
-from fastio.sources import Source, shard_read_order
+from fastio.sources import ReadPlan, Source, shard_read_order
 from fastio.structure import map_tensors
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.processes import ProcessPipeline
@@ -60,9 +60,7 @@ class EpochPass(BatchPass):
         workers = num_workers
         slots = workers + prefetch if workers else 1
         processes = workers > 0 and worker_mode == "process"
-        plan_reads = getattr(source, "plan_reads", None)  # a source that caches shards sizes the cache to it
-        if plan_reads is not None:
-            plan_reads(batch_size, slots, processes, world_size > 1)
+        source.plan_reads(ReadPlan(batch_size, slots, processes, world_size > 1))
         # Before any fetch and before worker processes fork: they inherit what prepare() set up.
         source.prepare(shard_read_order(source.shard_sizes, indices), epoch, indices)
         threads = threads or max(1, default_threads() // max(1, workers))

@@ -58,7 +58,7 @@ from fastio._gather import gather_ranges
 from fastio._native import default_threads
 from fastio.errors import EmptySourceError
 from fastio.pack_rows import EpochPlan, RowRuns, plan_rows
-from fastio.sources import BufferPool, StageTimes, TokenDocuments, shard_read_order, torch_dtype
+from fastio.sources import BufferPool, ReadPlan, StageTimes, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.threads import ThreadPipeline
 
@@ -243,9 +243,12 @@ class PackedEpoch(BatchPass):
         # The documents are the source's samples; this pass reads them from the start row's first one on.
         first_doc = max(0, int(np.searchsorted(plan.starts, start * packer.pack.seq_len, "right")) - 1)
         docs = plan.docs[first_doc:]
+        slots = num_workers + prefetch if num_workers else 1
+        # A batch of rows reads about its share of the pass's documents; its workers are threads.
+        docs_per_batch = -(-len(docs) // max(1, self.n_batches))
+        packer.source.plan_reads(ReadPlan(max(1, docs_per_batch), slots, False, packer.world_size > 1))
         packer.source.prepare(shard_read_order(packer.source.shard_sizes, docs), epoch, docs)
         self.device = options["device"]
-        slots = num_workers + prefetch if num_workers else 1
         threads = options["threads"] or max(1, default_threads() // max(1, num_workers))
         # Slots in flight, plus the batch the consumer holds while asking for the next, plus one spare.
         keep = slots + 2 if options["reuse_buffers"] else 0

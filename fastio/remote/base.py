@@ -40,8 +40,8 @@ from fastio.remote.fetch import (
 from fastio.remote.prefetch import POLL_S, PassPrefetch
 from fastio.remote.progress import COUNTERS, SharedProgress
 from fastio.remote.room import RoomWatch
-from fastio.remote.working_set import ReadPlan, check_batch, check_pass
-from fastio.sources.base import Source, StageTimes
+from fastio.remote.working_set import check_batch, check_pass
+from fastio.sources.base import ReadPlan, Source, StageTimes
 from fastio.sources.buffers import BatchBuffers
 
 __all__ = ["RemoteSource", "Shard", "cache_for", "cache_key"]
@@ -395,18 +395,15 @@ class RemoteSource(PassPrefetch, Source):
             self._let_go()
         return batch
 
-    def plan_reads(
-        self, batch_size: int, batches_in_flight: int = 1, worker_processes: bool = False,
-        ranks_share_cache: bool = False,
-    ) -> None:  # fmt: skip
-        """Say how the next passes fetch (:class:`fastio.remote.working_set.ReadPlan`): what :meth:`prepare`
-        checks ``cache_limit`` against. :class:`fastio.StreamLoader` calls it before each pass.
+    def plan_reads(self, plan: ReadPlan) -> None:
+        """How the next passes fetch (:class:`fastio.sources.ReadPlan`): what :meth:`prepare` checks
+        ``cache_limit`` against. :class:`fastio.StreamLoader` calls it before each pass.
 
         Example::
 
-            source.plan_reads(batch_size=256, batches_in_flight=4, worker_processes=True)
+            source.plan_reads(ReadPlan(batch_size=256, batches_in_flight=4, worker_processes=True))
         """
-        self._plan = ReadPlan(batch_size, batches_in_flight, worker_processes, ranks_share_cache)
+        self._plan = plan
 
     def _check_working_set(self, shard_of: np.ndarray) -> None:
         """Raise :class:`CacheFullError` before the pass when ``cache_limit`` cannot hold what the pass keeps

@@ -12,7 +12,8 @@ consumer waits for batch ``c``:
    end, plus, with worker processes, the shards of a worker's last batch: a worker lets go of them when it
    fetches again, which can be ``batches_in_flight - 1`` batches after they were read to the end.
 3. Ranks sharing the node's cache read the same shards in step (the order is split by striding), give or
-   take a batch either way and a step apart: ``_RANK_SKEW`` batches each way.
+   take a batch either way and a step apart: a few batches each way (:attr:`ReadPlan.lead`,
+   :attr:`ReadPlan.lag` of :class:`fastio.sources.ReadPlan`, which says how the loader fetches).
 
 So the pinned set at ``c`` is every shard whose batches ``[first - lead, last + lag]`` cover ``c``. The cache
 admits a shard while the others use at most ``cache_limit`` bytes (it may exceed the limit by that one
@@ -33,52 +34,9 @@ import os
 import numpy as np
 
 from fastio.remote.room import CacheFullError
+from fastio.sources.base import ReadPlan
 
-__all__ = ["ReadPlan", "WorkingSet", "check_batch", "check_pass", "working_set"]
-
-_RANK_SKEW = 2  # batches by which ranks sharing a cache read apart: one step each way, one batch of rounding
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadPlan:
-    """How a pass fetches: what :func:`working_set` needs to know beyond the sample order.
-
-    Args:
-        batch_size: samples per batch (batches are consecutive slices of the pass's indices).
-        batches_in_flight: batches fetched at once, the one the consumer waits for included
-            (``num_workers + prefetch``; 1 without workers).
-        worker_processes: fetches run in forked processes, each keeping its own pins between fetches.
-        ranks_share_cache: other ranks may read through the same node cache; they read the same shards in
-            step, so their pins widen the window by ``_RANK_SKEW`` batches each way.
-
-    Example::
-
-        ReadPlan(batch_size=256, batches_in_flight=4)
-    """
-
-    batch_size: int = 1
-    batches_in_flight: int = 1
-    worker_processes: bool = False
-    ranks_share_cache: bool = False
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.batches_in_flight < 1:
-            raise ValueError(
-                f"batch_size and batches_in_flight must be >= 1, got {self.batch_size}, "
-                f"{self.batches_in_flight}"
-            )
-
-    @property
-    def lead(self) -> int:
-        """Batches past the consumer's whose shards are pinned (see the module docstring)."""
-        return _RANK_SKEW if self.ranks_share_cache else 0
-
-    @property
-    def lag(self) -> int:
-        """Batches before the consumer's whose shards may still be pinned (see the module docstring)."""
-        stale = self.batches_in_flight - 1 if self.worker_processes else 0
-        return stale + (_RANK_SKEW if self.ranks_share_cache else 0)
-
+__all__ = ["WorkingSet", "check_batch", "check_pass", "working_set"]
 
 @dataclasses.dataclass(frozen=True)
 class WorkingSet:

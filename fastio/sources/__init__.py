@@ -20,6 +20,7 @@ Example::
 
 from fastio.registry import OpenOptions, open_source
 from fastio.sources.base import (
+    ReadPlan,
     Source,
     StageTimes,
     TokenDocuments,
@@ -35,6 +36,7 @@ __all__ = [
     "BufferPool",
     "DatasetSource",
     "OpenOptions",
+    "ReadPlan",
     "Source",
     "StageTimes",
     "TokenDocuments",

@@ -9,7 +9,8 @@ Lifecycle, as the loader drives it:
 
 1. :func:`fastio.registry.open_source` opens it once, in the consumer's process.
 2. Before the first :meth:`Source.fetch` of an epoch (and of a resumed epoch), the loader calls
-   :meth:`Source.prepare` with the shards this rank will read, in the order its batches read them first.
+   :meth:`Source.plan_reads` (how it fetches: :class:`ReadPlan`), then :meth:`Source.prepare` with the
+   shards this rank will read, in the order its batches read them first.
    Sources whose shards become local lazily (downloaded, decompressed into a cache) start bringing them in
    there, ahead of the reads; every other source inherits the no-op. A later call replaces the earlier plan
    (a new epoch, a resume, a new ``iter()``).
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REQUIRED_MEMBERS",
+    "ReadPlan",
     "Source",
     "StageTimes",
     "TokenDocuments",
@@ -58,6 +60,49 @@ __all__ = [
 ]
 
 FixedSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+_RANK_SKEW = 2  # batches by which ranks sharing a cache read apart: one step each way, one batch of rounding
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """How the loader fetches a pass, beyond the sample order: what :meth:`Source.plan_reads` is told (a
+    source that caches shards checks its cache against it, :mod:`fastio.remote.working_set`).
+
+    Args:
+        batch_size: samples per batch (batches are consecutive slices of the pass's indices).
+        batches_in_flight: batches fetched at once, the one the consumer waits for included
+            (``num_workers + prefetch``; 1 without workers).
+        worker_processes: fetches run in forked processes, each keeping its own pins between fetches.
+        ranks_share_cache: other ranks may read through the same node cache; they read the same shards in
+            step, so their pins widen the window by a few batches each way (:attr:`lead`, :attr:`lag`).
+
+    Example::
+
+        ReadPlan(batch_size=256, batches_in_flight=4)
+    """
+
+    batch_size: int = 1
+    batches_in_flight: int = 1
+    worker_processes: bool = False
+    ranks_share_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.batches_in_flight < 1:
+            raise ValueError(
+                f"batch_size and batches_in_flight must be >= 1, got {self.batch_size}, "
+                f"{self.batches_in_flight}"
+            )
+
+    @property
+    def lead(self) -> int:
+        """Batches past the consumer's whose shards are pinned (:mod:`fastio.remote.working_set`)."""
+        return _RANK_SKEW if self.ranks_share_cache else 0
+
+    @property
+    def lag(self) -> int:
+        """Batches before the consumer's whose shards may still be pinned (see ``lead``)."""
+        stale = self.batches_in_flight - 1 if self.worker_processes else 0
+        return stale + (_RANK_SKEW if self.ranks_share_cache else 0)
 
 
 class StageTimes:
@@ -151,6 +196,17 @@ class Source(Protocol):
         """
         return None
 
+    def plan_reads(self, plan: ReadPlan) -> None:
+        """Called before :meth:`prepare` with how the loader fetches from this pass on (batch size, batches
+        in flight, worker processes, ranks that may share a node): a source that caches shards checks its
+        cache against it (a remote source's ``cache_limit``). Default: nothing.
+
+        Example::
+
+            source.plan_reads(ReadPlan(batch_size=256, batches_in_flight=4, worker_processes=True))
+        """
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Counters of the source's own (a remote source: ``network_wait_s``, ``downloaded_bytes``,
         ``cache_bytes``, ``cache_limit``...), which :meth:`fastio.StreamLoader.stats` reports as ``source``
@@ -190,7 +246,7 @@ class TokenDocuments:
 
 
 REQUIRED_MEMBERS = ("name", "num_samples", "shard_sizes", "per_sample", "requires_shard_order")
-_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare", "stats")
+_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare", "plan_reads", "stats")
 
 
 def missing_members(source: Any) -> list[str]:

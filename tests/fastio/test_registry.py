@@ -14,7 +14,7 @@ import torch
 
 import fastio
 from fastio import registry
-from fastio.sources import Source, open_source, shard_read_order
+from fastio.sources import ReadPlan, Source, open_source, shard_read_order
 
 _SHARDS = [13, 7, 1, 13, 9]  # odd sizes: 43 samples
 
@@ -338,3 +338,25 @@ def test_the_progress_bar_shows_downloads_and_cache_use():
     next(it)
     assert it.bar.postfix == "3 MB down, cache 2/- MB, net wait 0.2 s"
     it.close()
+
+
+class PlannedSource(MemorySource):
+    """A toy source that records how the loader says it will fetch, and when."""
+
+    def __init__(self, url: str, shard_sizes: list[int]) -> None:
+        super().__init__(url, shard_sizes)
+        self.calls: list[object] = []
+
+    def plan_reads(self, plan):
+        self.calls.append(plan)
+
+    def prepare(self, shard_order, epoch, indices=None):
+        self.calls.append("prepare")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_says_how_it_fetches_before_each_pass(workers):
+    source = PlannedSource("mem://planned", _SHARDS)
+    list(fastio.StreamLoader(source, batch_size=8, num_workers=workers, prefetch=2, world_size=2, rank=1))
+    in_flight = workers + 2 if workers else 1
+    assert source.calls == [ReadPlan(8, in_flight, False, True), "prepare"]

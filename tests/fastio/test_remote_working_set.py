@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fastio.remote.room import CacheFullError
-from fastio.remote.working_set import ReadPlan, check_batch, check_pass, working_set
+from fastio.remote.working_set import check_batch, check_pass, working_set
+from fastio.sources import ReadPlan
 
 
 def _direct(shard_of: np.ndarray, footprints: np.ndarray, plan: ReadPlan, resident: int) -> int:
