@@ -3,12 +3,13 @@
 Each :class:`Method` names a hook (a :func:`fastcomm.register` name and options) and how it exchanges a
 bucket, as the hooks do (``fastcomm.hooks``):
 
-- ``allreduce``: one ring allreduce of the bucket in its wire dtype (dense fp32: no hook; ``cast``: bf16);
+- ``allreduce``: one allreduce of the bucket in its wire dtype (dense fp32: no hook; ``cast``: bf16), ring or
+  tree, whichever is faster;
 - ``two_phase`` (quantize, sign, blockwise compressors): an all-to-all of the compressed segments (each rank
   owns ``ceil(numel / W)`` elements rounded up to whole blocks and bytes), then an all-gather of each
   owner's re-compressed segment;
 - ``all_gather`` (top-k): an all-gather of every rank's ``k = ceil(ratio * numel)`` (index, value) pairs;
-- ``powersgd``: two ring allreduces of fp32, the dense elements and the ``P`` factors, then the ``Q`` factors.
+- ``powersgd``: two allreduces of fp32, the dense elements and the ``P`` factors, then the ``Q`` factors.
 
 Payload sizes come from the compressors' own ``wire_bytes`` (and PowerSGD's plan), so the model sends what
 the hooks send. Two-level (``node_size = L``): a dense reduce-scatter inside the node, the flat exchange of a
@@ -155,7 +156,7 @@ def _allreduce(method: Method, topology: Topology, numel: int, rates: KernelRate
     width = 2 if method.hook == "cast" else _FP32
     codec = 0.0 if method.hook is None else 2 * 0.75 * rates.seconds("copy", _FP32 * numel)
     w = topology.gpus
-    return Cost((topology.flat_ring(width * numel, 2.0),), codec, 2 * (w - 1) / w * width * numel)
+    return Cost((topology.flat_allreduce(width * numel),), codec, 2 * (w - 1) / w * width * numel)
 
 
 def _powersgd_sizes(method: Method, shapes: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -169,11 +170,9 @@ def _powersgd(
     first, second = _powersgd_sizes(method, shapes)
     w = topology.gpus
     transfers = []
-    for numel in (first, second):
-        total = topology.flat_ring(_FP32 * numel, 2.0)
-        # one allreduce of each vector per bucket: the latency terms count once per bucket
-        extra = (buckets - 1) * 2 * (w - 1) * topology.link(total.link).alpha_s if w > 1 else 0.0
-        transfers.append(Transfer(total.link, total.seconds + extra, total.cross_node_bytes))
+    for numel in (first, second):  # one allreduce of each vector per bucket
+        one = topology.flat_allreduce(_FP32 * numel / buckets)
+        transfers.append(Transfer(one.link, buckets * one.seconds, buckets * one.cross_node_bytes))
     numel = sum(math.prod(s) for s in shapes)
     codec = sum(
         rates.seconds(k, _FP32 * numel)

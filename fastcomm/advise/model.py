@@ -279,6 +279,25 @@ class Topology:
         name = "inter" if slow is self.inter else "intra"
         return Transfer(name, messages * alpha + volume / slow.bandwidth_Bps, volume)
 
+    def flat_tree(self, nbytes: float) -> Transfer:
+        """A pipelined tree allreduce over every rank (:func:`tree_allreduce`): ``2 n`` through the slowest
+        link on the tree's paths, ``2 ceil(log2 W)`` of its latencies."""
+        w = self.gpus
+        if w == 1:
+            return Transfer("intra", 0.0)
+        if self.nodes == 1:
+            return Transfer("intra", tree_allreduce(nbytes, w, self.intra))
+        slow = min((self.intra, self.inter), key=lambda link: link.bandwidth_Bps)
+        alpha = max(self.intra.alpha_s, self.inter.alpha_s)
+        name = "inter" if slow is self.inter else "intra"
+        seconds = 2 * math.ceil(math.log2(w)) * alpha + 2 * nbytes / slow.bandwidth_Bps
+        return Transfer(name, seconds, 2 * nbytes)
+
+    def flat_allreduce(self, nbytes: float) -> Transfer:
+        """An allreduce over every rank as a library picks it (NCCL's tuner; gloo's ring on few ranks):
+        the faster of the ring and the tree."""
+        return min(self.flat_ring(nbytes, 2.0), self.flat_tree(nbytes), key=lambda t: t.seconds)
+
     def flat_all_to_all(self, nbytes: float) -> list[Transfer]:
         """A pairwise all-to-all of ``nbytes`` per rank over every rank: ``(L-1)/W`` of it inside the node,
         ``L (W-L)/W`` of a rank's buffer through each node's NIC."""

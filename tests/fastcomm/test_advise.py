@@ -263,3 +263,45 @@ def test_ring_model_matches_gloo_allreduce_on_loopback():
             return
     detail = ", ".join(f"{n >> 20} MB: {e:+.0%}" for n, e in errors.items())
     pytest.fail(f"ring model vs gloo allreduce beyond {TOLERANCE:.0%}: {detail}")
+
+
+# The README's and docs/hooks.md's "which hook when", checked against the advisor (GPU kernel rates where
+# the claim is about GPUs: benchmarks/results/bench_kernels_cuda.json, else the test's flat 10 GB/s).
+def _gpu_rates() -> KernelRates:
+    path = results_path("cuda")
+    return load_rates(path) if path.is_file() else RATES
+
+
+def _by_row(rows) -> dict[tuple[str, str], object]:
+    return {(r.method, r.schedule): r for r in rows}
+
+
+def test_which_hook_when_fast_network_plain_allreduce():
+    """"Fast network (NVLink, InfiniBand): plain allreduce; no hook gains where the link is not the
+    bottleneck": 8 GPUs on NVLink, 64 on 400 Gbit/s InfiniBand (8 per node), a 1.3B model."""
+    for rows in (predict(1.3e9, 8, 8, "400gbit", "nvlink", 0.8, rates=_gpu_rates()),
+                 predict(1.3e9, 64, 8, "3200gbit", "nvlink", 0.8, rates=_gpu_rates())):
+        best = min((r for r in rows if r.step_s is not None), key=lambda r: r.step_s)
+        assert best.method == "allreduce" or best.speedup < 1.05, best
+
+
+def test_which_hook_when_slow_link_quantize_beats_allreduce_and_four_bits_more():
+    """"Slow link: quantize_hook, 8-bit or 4-bit, faster than allreduce" (1 Gbit/s, 2 ranks, bench_hooks)."""
+    rows = _by_row(predict(25_182_208, 2, 1, "1gbit", "loopback", 0.24, rates=RATES, shapes=MLP_SHAPES))
+    assert 1.5 < rows[("quant8", "flat")].speedup < rows[("quant4", "flat")].speedup
+
+
+def test_which_hook_when_topk_traffic_grows_with_world_size_and_powersgd_does_not():
+    def sent(method: str, gpus: int) -> float:
+        topology = Topology(gpus, 1, inter=LINK, intra=LINK)
+        return method_cost(BY_NAME[method], topology, 10_000_000, 4, RATES, MLP_SHAPES).sent_bytes
+
+    assert sent("topk_0.01", 64) > 20 * sent("topk_0.01", 2)
+    assert sent("powersgd_r4", 64) < 2.1 * sent("powersgd_r4", 2)
+
+
+def test_which_hook_when_several_gpus_per_node_and_a_slow_link_two_level_pays():
+    """"Several GPUs per node, a slow link between nodes: any compressing hook with node_size"."""
+    rows = _by_row(predict(1.3e9, 64, 8, "25gbit", "nvlink", 0.8, rates=_gpu_rates()))
+    for method in ("quant8", "quant4", "sign", "topk_0.01"):
+        assert rows[(method, "two-level")].vs_flat > 1.2, method
