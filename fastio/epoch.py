@@ -4,10 +4,8 @@ handed over in order (waiting on their copy to the device), and the progress bar
 
 Example::
 
-    epoch = EpochPass(source, indices, epoch=0, start=0, batch_size=8, drop_last=False, num_workers=2,
-                      prefetch=2, worker_mode="thread", world_size=1, threads=None, device=None,
-                      reuse_buffers=True, progress=False, seed=0, pin=False, transform=None,
-                      collate=None, python_path=False, worker_init_fn=None, stages=[])
+    epoch = EpochPass(source, indices, epoch=0, start=0, seed=0, drop_last=False, world_size=1,
+                      workers=WorkerSettings(num_workers=2), assembly=AssemblySettings(batch_size=8))
     for batch in epoch:
         ...
 """
@@ -23,6 +21,7 @@ import torch
 from fastio._native import default_threads
 from fastio.order import num_batches
 from fastio.producer import BatchProducer
+from fastio.settings import AssemblySettings, WorkerSettings
 from fastio.sources import ReadPlan, Source, shard_read_order
 from fastio.structure import map_tensors
 from fastio.workers.batch_pass import BatchPass
@@ -43,40 +42,31 @@ class EpochPass(BatchPass):
         epoch: int,
         start: int,
         *,
-        batch_size: int,
+        seed: int,
         drop_last: bool,
-        num_workers: int,
-        prefetch: int,
-        worker_mode: str,
         world_size: int,
-        threads: int | None,
-        device: torch.device | None,
-        reuse_buffers: bool,
-        progress: bool,
-        **producer_options: Any,
+        workers: WorkerSettings,
+        assembly: AssemblySettings,
+        progress: bool = False,
     ) -> None:
+        device = assembly.device
         self.source, self.epoch, self.start, self.device = source, epoch, start, device
-        self.begin_pass(num_batches(len(indices), batch_size, drop_last))
-        workers = num_workers
-        slots = workers + prefetch if workers else 1
-        processes = workers > 0 and worker_mode == "process"
-        source.plan_reads(ReadPlan(batch_size, slots, processes, world_size > 1))
+        self.begin_pass(num_batches(len(indices), assembly.batch_size, drop_last))
+        n, slots, processes = workers.num_workers, workers.slots, workers.processes
+        source.plan_reads(ReadPlan(assembly.batch_size, slots, processes, world_size > 1))
         # Before any fetch and before worker processes fork: they inherit what prepare() set up.
         source.prepare(shard_read_order(source.shard_sizes, indices), epoch, indices)
-        threads = threads or max(1, default_threads() // max(1, workers))
-        mode = "process" if processes else "thread" if workers else "main"
         self.producer = BatchProducer(
             source,
+            assembly,
             epoch=epoch,
             indices=indices,
+            seed=seed,
             slots=1 if processes else slots,
-            threads=threads,
-            mode=mode,
-            num_workers=workers,
-            batch_size=batch_size,
-            device=device,
-            reuse_buffers=reuse_buffers,
-            **producer_options,
+            threads=workers.threads or max(1, default_threads() // max(1, n)),
+            mode="process" if processes else "thread" if n else "main",
+            num_workers=n,
+            worker_init_fn=workers.init_fn,
         )
         self.copy_in_consumer = processes and device is not None and device.type == "cuda"
         self.times = self.producer.times
@@ -84,10 +74,10 @@ class EpochPass(BatchPass):
         start_worker = self.producer.start_worker
         if processes:
             self.pipeline = ProcessPipeline(
-                self.producer, self.n_batches, workers, slots, self.times, start_worker, reuse_buffers
+                self.producer, self.n_batches, n, slots, self.times, start_worker, assembly.reuse_buffers
             )
-        elif workers:
-            self.pipeline = ThreadPipeline(self.producer, self.n_batches, workers, slots, start_worker)
+        elif n:
+            self.pipeline = ThreadPipeline(self.producer, self.n_batches, n, slots, start_worker)
         self.bar = None
         if progress:
             try:

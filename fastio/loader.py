@@ -50,27 +50,24 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
+from fastio.batches import Batches, EpochOrders, SampleBatches
 from fastio.collate import collate_samples
-from fastio.epoch import EpochPass
-from fastio.order import advance, epoch_order, normalize_shuffle, num_batches, rank_indices
-from fastio.pack import Pack, PackedEpoch, TokenPacker
+from fastio.pack import Pack, TokenPacker
 from fastio.registry import OpenOptions, open_source
+from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import StageTimes
 from fastio.stages import BatchStage
+from fastio.workers.batch_pass import BatchPass
 
 __all__ = ["StreamLoader", "collate_samples"]
-
-_STATE_FORMAT = "fastio.StreamLoader"
-_STATE_VERSION = 1
 
 
 def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -80,8 +77,6 @@ def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int
         world_size = dist.get_world_size() if initialised else 1
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return int(rank), int(world_size)
 
 
@@ -181,107 +176,78 @@ class StreamLoader:
             if collate is not None:
                 raise ValueError("pass collate= or DataLoader's name for it, collate_fn=, not both")
             collate = collate_fn
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        self.shuffle = normalize_shuffle(shuffle)
-        self.batch_size, self.seed, self.num_workers, self.prefetch = (
-            int(batch_size),
-            int(seed),
-            num_workers,
-            prefetch,
-        )
-        self.drop_last, self.transform, self.collate = drop_last, transform, collate
-        self.worker_init_fn = worker_init_fn
-        self.rank, self.world_size = _distributed_defaults(rank, world_size)
-        self.device = torch.device(device) if device is not None else None
-        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but CUDA is not available")
-        self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self.progress, self.reuse_buffers, self.threads = progress, reuse_buffers, threads
+        # 1. What is asked, checked once and grouped by the part that uses it (fastio.settings).
         if worker_mode not in ("auto", "thread", "process"):
             raise ValueError(f"worker_mode must be 'auto', 'thread' or 'process', got {worker_mode!r}")
-        self.shuffle_block, self.shuffle_window = shuffle_block, shuffle_window
-        self.stages = list(stages)
-        for stage in self.stages:
-            if not isinstance(stage, BatchStage):
-                raise TypeError(
-                    f"stages: {type(stage).__name__} is not a fastio.stages.BatchStage "
-                    "(needs output_specs() and __call__(batch, out, ctx))"
-                )
-        self._source = open_source(
-            source,
-            OpenOptions(
-                decode=decode,
-                verify=verify,
-                tar_strict=tar_strict,
-                cache_dir=None if cache_dir is None else str(cache_dir),
-                cache_limit=cache_limit,
-                storage_options=storage_options,
-            ),
+        assembly = AssemblySettings(batch_size, stages, transform, collate)
+        workers = WorkerSettings(num_workers, prefetch, "thread", threads, worker_init_fn)
+        rank, world_size = _distributed_defaults(rank, world_size)
+        order = OrderSettings(seed, shuffle, shuffle_block, shuffle_window, rank, world_size, drop_last)
+        device = torch.device(device) if device is not None else None
+        if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available")
+        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        # 2. The source, through the registry's tables (fastio.registry).
+        options = OpenOptions(
+            decode=decode,
+            verify=verify,
+            tar_strict=tar_strict,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+            cache_limit=cache_limit,
+            storage_options=storage_options,
         )
-        if self._source.requires_shard_order and self.shuffle == "full":
+        self._source = open_source(source, options)
+        if self._source.requires_shard_order and order.shuffle == "full":
             raise ValueError(
                 f"shuffle=True (a full permutation) on {self._source.name}, a source read shard by shard: "
                 "nearly every sample would come from another shard, each fetched whole; use shuffle='shard' "
                 "(a shard-aware shuffle: shards, then blocks within a window of shards, then samples)"
             )
-        self._python_path = transform is not None or collate is not None or self._source.per_sample
+        python_path = transform is not None or collate is not None or self._source.per_sample
         if worker_mode == "auto":
-            worker_mode = "process" if self._python_path else "thread"
-        self.worker_mode = worker_mode
+            worker_mode = "process" if python_path else "thread"
+        workers = dataclasses.replace(workers, mode=worker_mode)
+        assembly = dataclasses.replace(
+            assembly, python_path=python_path, pin=pin, reuse_buffers=reuse_buffers, device=device
+        )
+        self.order, self.workers, self.assembly = order, workers, assembly
+        # 3. How epochs are cut into batches, chosen once (fastio.batches): samples, or packed rows.
+        orders = EpochOrders(self._source.shard_sizes, order)
+        self.pack = pack
+        self._batches: Batches = (
+            SampleBatches(self._source, orders, order, workers, assembly, progress)
+            if pack is None
+            else TokenPacker(self._source, pack, orders, order=order, workers=workers, assembly=assembly)
+        )
+        self.progress = progress
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
-        self._current: EpochPass | PackedEpoch | None = None
-        self._order_cache: tuple[int, np.ndarray] | None = None
-        self._order_lock = threading.Lock()
-        self.pack, self._packer = pack, None
-        if pack is not None:
-            self._packer = TokenPacker(
-                self._source,
-                pack,
-                self._order,
-                batch_size=self.batch_size,
-                world_size=self.world_size,
-                rank=self.rank,
-                drop_last=self.drop_last,
-                settings={
-                    "seed": self.seed,
-                    "shuffle": self.shuffle,
-                    "shuffle_block": self.shuffle_block,
-                    "shuffle_window": self.shuffle_window,
-                },
-            )
-            if transform is not None or collate is not None or self.stages or self.worker_mode == "process":
-                raise ValueError(
-                    "pack= makes batches of packed rows itself: it takes no transform, collate, stages or "
-                    "worker_mode='process' (its workers are threads)"
-                )
+        self._current: BatchPass | None = None
 
-    # -- the order -----------------------------------------------------------------------------------------
+    # -- what was asked, read from the settings it was grouped into (fastio.settings) ---------------------
+    batch_size = property(lambda self: self.assembly.batch_size, doc="Samples (packed: rows) per batch.")
+    stages = property(lambda self: self.assembly.stages, doc="The batch stages, in order.")
+    transform = property(lambda self: self.assembly.transform, doc="The per-sample transform, or None.")
+    collate = property(lambda self: self.assembly.collate, doc="The collate function, or None.")
+    reuse_buffers = property(lambda self: self.assembly.reuse_buffers, doc="Reuse unviewed buffers.")
+    device = property(lambda self: self.assembly.device, doc="Where batches are copied, or None.")
+    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full" or "shard".')
+    shuffle_block = property(lambda self: self.order.shuffle_block, doc="Block of the shard shuffle.")
+    shuffle_window = property(lambda self: self.order.shuffle_window, doc="Window of the shard shuffle.")
+    seed = property(lambda self: self.order.seed, doc="With the epoch, the only source of randomness.")
+    drop_last = property(lambda self: self.order.drop_last, doc="Drop the last partial batch.")
+    rank = property(lambda self: self.order.rank, doc="This rank.")
+    world_size = property(lambda self: self.order.world_size, doc="Ranks sharing the epoch.")
+    num_workers = property(lambda self: self.workers.num_workers, doc="Workers ahead of the consumer.")
+    prefetch = property(lambda self: self.workers.prefetch, doc="Batches in flight beyond the workers.")
+    worker_mode = property(lambda self: self.workers.mode, doc='"thread" or "process".')
+    threads = property(lambda self: self.workers.threads, doc="Threads per native gather, or None.")
+    worker_init_fn = property(lambda self: self.workers.init_fn, doc="Run first in each worker, or None.")
+
     @property
     def num_samples(self) -> int:
         """Samples in the source (every rank's share together)."""
         return self._source.num_samples
-
-    def _order(self, epoch: int) -> np.ndarray:
-        with self._order_lock:
-            if self._order_cache is None or self._order_cache[0] != epoch:
-                order = epoch_order(
-                    self._source.shard_sizes,
-                    self.seed,
-                    epoch,
-                    self.shuffle,
-                    self.shuffle_block,
-                    self.shuffle_window,
-                )
-                self._order_cache = (epoch, order)
-            return self._order_cache[1]
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order from the next ``iter()``; drops a pending resume of another epoch.
@@ -297,14 +263,7 @@ class StreamLoader:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        if self._packer is not None:
-            return self._packer.num_batches(self.epoch)
-        per_rank = (
-            -(-self.num_samples // self.world_size)
-            if not self.drop_last
-            else self.num_samples // self.world_size
-        )
-        return num_batches(per_rank, self.batch_size, self.drop_last)
+        return self._batches.num_batches(self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
         if self._current is not None:
@@ -313,43 +272,7 @@ class StreamLoader:
         if self._resume is not None and self._resume[0] == self.epoch:
             start = self._resume[1]
         self._resume = None
-        if self._packer is not None:
-            self._current = self._packer.iterate(
-                self.epoch,
-                start,
-                num_workers=self.num_workers,
-                prefetch=self.prefetch,
-                threads=self.threads,
-                pin=self._pin,
-                reuse_buffers=self.reuse_buffers,
-                device=self.device,
-            )
-        else:
-            order = self._order(self.epoch)
-            indices = rank_indices(order, start, self.world_size, self.rank, self.drop_last)
-            self._current = EpochPass(
-                self._source,
-                indices,
-                self.epoch,
-                start,
-                batch_size=self.batch_size,
-                drop_last=self.drop_last,
-                num_workers=self.num_workers,
-                prefetch=self.prefetch,
-                worker_mode=self.worker_mode,
-                world_size=self.world_size,
-                threads=self.threads,
-                device=self.device,
-                reuse_buffers=self.reuse_buffers,
-                progress=self.progress,
-                seed=self.seed,
-                pin=self._pin,
-                transform=self.transform,
-                collate=self.collate,
-                python_path=self._python_path,
-                worker_init_fn=self.worker_init_fn,
-                stages=self.stages,
-            )
+        self._current = self._batches.iterate(self.epoch, start)
         return self._current
 
     # -- resume --------------------------------------------------------------------------------------------
@@ -363,38 +286,13 @@ class StreamLoader:
 
             torch.save(loader.state_dict(), "loader.pt")
         """
-        if self._packer is not None:  # rows of the packed stream (fastio.pack), not samples
-            if self._resume is not None:
-                return self._packer.state_dict(*self._resume)
-            if self._current is not None:
-                return self._packer.state_dict(self._current.epoch, self._current.rows_consumed)
-            return self._packer.state_dict(self.epoch, 0)
         if self._resume is not None:
-            epoch, start, yielded, world = self._resume[0], self._resume[1], 0, self.world_size
+            epoch, start, yielded = self._resume[0], self._resume[1], 0
         elif self._current is not None:
-            epoch, start, yielded, world = (
-                self._current.epoch,
-                self._current.start,
-                self._current.yielded,
-                (self.world_size),
-            )
+            epoch, start, yielded = self._current.epoch, self._current.start, self._current.yielded
         else:
-            epoch, start, yielded, world = self.epoch, 0, 0, self.world_size
-        return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_block": self.shuffle_block,
-            "shuffle_window": self.shuffle_window,
-            "num_samples": self.num_samples,
-            "epoch": epoch,
-            "start": start,
-            "batches_yielded": yielded,
-            "batch_size": self.batch_size,
-            "world_size": world,
-            "rank": self.rank,
-        }
+            epoch, start, yielded = self.epoch, 0, 0
+        return self._batches.state_dict(epoch, start, yielded)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` at the next ``iter()``.
@@ -408,33 +306,10 @@ class StreamLoader:
             for batch in loader:   # continues the saved epoch
                 ...
         """
-        if self._packer is not None:
-            self._warn_if_running()
-            self.epoch, row = self._packer.resume_point(state)
-            self._resume = (self.epoch, row)
-            return
-        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
-            raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
-        for key, mine in (
-            ("seed", self.seed),
-            ("shuffle", self.shuffle),
-            ("shuffle_block", self.shuffle_block),
-            ("shuffle_window", self.shuffle_window),
-            ("num_samples", self.num_samples),
-        ):
-            if state[key] != mine:
-                raise ValueError(
-                    f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
-                    "the epoch order would differ"
-                )
+        epoch, start = self._batches.resume_point(state)
         self._warn_if_running()
-        old_per_rank = len(
-            rank_indices(np.arange(self.num_samples), state["start"], state["world_size"], 0, False)
-        )
-        consumed = min(state["batches_yielded"] * state["batch_size"], old_per_rank)
-        start = advance(state["start"], state["world_size"], consumed, self.num_samples)
-        self.epoch = int(state["epoch"])
-        self._resume = (self.epoch, start)
+        self.epoch = epoch
+        self._resume = (epoch, start)
 
     def _warn_if_running(self) -> None:
         if self._current is not None and not self._current.finished and self._current.yielded:

@@ -58,6 +58,7 @@ from fastio._gather import gather_ranges
 from fastio._native import default_threads
 from fastio.errors import EmptySourceError
 from fastio.pack_rows import EpochPlan, RowRuns, plan_rows
+from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import BufferPool, ReadPlan, StageTimes, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.threads import ThreadPipeline
@@ -155,7 +156,8 @@ def _out_dtype(pack: Pack, stored: np.dtype) -> torch.dtype:
 
 
 class _PackProducer:
-    """Fills batch ``job`` of a pass (rows ``start_row + job * B`` on); holds no reference to the iterator.
+    """Fills batch ``job`` of a pass (rows ``start_row + job * B`` on) into buffers of ``specs`` (with the
+    stored-dtype staging buffer ``_RAW`` when the tokens are converted); holds no reference to the iterator.
 
     Rows are planned a chunk of batches at a time (one vectorized pass per ~4096 rows, the last few chunks
     kept), so a batch costs one native gather and a few slices."""
@@ -165,12 +167,22 @@ class _PackProducer:
     _KEEP_CHUNKS = 4
 
     def __init__(
-        self, packer: TokenPacker, plan: EpochPlan, start_row: int, threads: int, pin: bool, keep: int
+        self,
+        pack: Pack,
+        docs: TokenDocuments,
+        plan: EpochPlan,
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        *,
+        start_row: int,
+        batch_size: int,
+        threads: int,
+        pin: bool,
+        keep: int,
     ) -> None:
-        self.packer, self.plan, self.start_row, self.threads = packer, plan, start_row, threads
-        self.pack, self.docs, self.batch_size = packer.pack, packer.documents, packer.batch_size
-        self.convert = packer.out_dtype != torch_dtype(self.docs.dtype)
-        self.pool = BufferPool(packer.output_specs(self.convert), self.batch_size, pin, keep)
+        self.pack, self.docs, self.plan, self.start_row = pack, docs, plan, start_row
+        self.batch_size, self.threads = batch_size, threads
+        self.convert = self._RAW in specs
+        self.pool = BufferPool(specs, self.batch_size, pin, keep)
         self.times = StageTimes()
         self.arange = np.arange(self.batch_size * self.pack.row_len, dtype=np.int64)
         self.batches_per_chunk = max(1, self._CHUNK_ROWS // self.batch_size)
@@ -234,29 +246,36 @@ class PackedEpoch(BatchPass):
         it = iter(loader); batch = next(it); print(it.stats()["tokens_per_s"])
     """
 
-    def __init__(
-        self, packer: TokenPacker, epoch: int, start: int, num_workers: int, prefetch: int, options: dict
-    ) -> None:
+    def __init__(self, packer: TokenPacker, epoch: int, start: int) -> None:
         self.epoch, self.start = epoch, start
+        workers, assembly, source = packer.workers, packer.assembly, packer.source
         plan = packer.plan(epoch)
         self.begin_pass(packer.num_batches(epoch, start))
         # The documents are the source's samples; this pass reads them from the start row's first one on.
         first_doc = max(0, int(np.searchsorted(plan.starts, start * packer.pack.seq_len, "right")) - 1)
         docs = plan.docs[first_doc:]
-        slots = num_workers + prefetch if num_workers else 1
+        n, slots = workers.num_workers, workers.slots
         # A batch of rows reads about its share of the pass's documents; its workers are threads.
-        docs_per_batch = -(-len(docs) // max(1, self.n_batches))
-        packer.source.plan_reads(ReadPlan(max(1, docs_per_batch), slots, False, packer.world_size > 1))
-        packer.source.prepare(shard_read_order(packer.source.shard_sizes, docs), epoch, docs)
-        self.device = options["device"]
-        threads = options["threads"] or max(1, default_threads() // max(1, num_workers))
+        docs_per_batch = max(1, -(-len(docs) // max(1, self.n_batches)))
+        source.plan_reads(ReadPlan(docs_per_batch, slots, False, packer.order.world_size > 1))
+        source.prepare(shard_read_order(source.shard_sizes, docs), epoch, docs)
+        self.device = assembly.device
         # Slots in flight, plus the batch the consumer holds while asking for the next, plus one spare.
-        keep = slots + 2 if options["reuse_buffers"] else 0
-        self.producer = _PackProducer(packer, plan, start, threads, options["pin"], keep)
-        self.times = self.producer.times
-        self.pipeline = (
-            ThreadPipeline(self.producer, self.n_batches, num_workers, slots) if num_workers else None
+        keep = slots + 2 if assembly.reuse_buffers else 0
+        convert = packer.out_dtype != torch_dtype(packer.documents.dtype)
+        self.producer = _PackProducer(
+            packer.pack,
+            packer.documents,
+            plan,
+            packer.output_specs(convert),
+            start_row=start,
+            batch_size=assembly.batch_size,
+            threads=workers.threads or max(1, default_threads() // max(1, n)),
+            pin=assembly.pin,
+            keep=keep,
         )
+        self.times = self.producer.times
+        self.pipeline = ThreadPipeline(self.producer, self.n_batches, n, slots) if n else None
 
     def __next__(self) -> dict[str, torch.Tensor]:
         batch, rows = self.take()
@@ -281,25 +300,26 @@ class PackedEpoch(BatchPass):
 
 
 class TokenPacker:
-    """The packing side of a :class:`fastio.StreamLoader` with ``pack=``: plans, iterates and resumes.
+    """The batches of a :class:`fastio.StreamLoader` with ``pack=`` (a :class:`fastio.batches.Batches`):
+    plans, iterates and resumes the packed rows.
 
     Args:
         source: the loader's source; it must offer ``token_documents(field)``
             (:class:`fastio.sources.TokenDocuments`), as shard directories and tar shards do.
         pack: what to pack and how.
-        order: ``order(epoch) -> int64 [N]``, the loader's epoch order of the documents.
-        batch_size, world_size, rank, drop_last: the loader's.
-        settings: the loader's ``seed``, ``shuffle``, ``shuffle_block``, ``shuffle_window`` (kept in the
-            state dict, so a resume with another order is refused).
+        orders: ``orders(epoch) -> int64 [N]``, the loader's epoch order of the documents.
+        order: the loader's order settings (seed and shuffle are kept in the state dict, so a resume with
+            another order is refused; rank, world size, drop_last split the rows).
+        workers, assembly: the loader's (workers are threads; no stages, transform or collate).
 
     Raises :class:`fastio.SchemaMismatchError` when the field is not a 1-D variable-length integer array,
-    ``ValueError`` for a dtype or eos that does not fit, :class:`fastio.EmptySourceError` when a rank's
-    stream of epoch 0 holds no batch.
+    ``ValueError`` for a dtype or eos that does not fit or settings packing does not take,
+    :class:`fastio.EmptySourceError` when a rank's stream of epoch 0 holds no batch.
 
     Example::
 
-        packer = TokenPacker(source, Pack("tokens", seq_len=16), order, batch_size=4, world_size=1, rank=0,
-                             drop_last=False, settings={"seed": 0})
+        packer = TokenPacker(source, Pack("tokens", seq_len=16), orders, order=OrderSettings(),
+                             workers=WorkerSettings(), assembly=AssemblySettings(batch_size=4))
         print(packer.num_batches(epoch=0))
     """
 
@@ -307,25 +327,29 @@ class TokenPacker:
         self,
         source: Any,
         pack: Pack,
-        order: Callable[[int], np.ndarray],
+        orders: Callable[[int], np.ndarray],
         *,
-        batch_size: int,
-        world_size: int,
-        rank: int,
-        drop_last: bool,
-        settings: dict[str, Any],
+        order: OrderSettings,
+        workers: WorkerSettings,
+        assembly: AssemblySettings,
     ) -> None:
         if not isinstance(pack, Pack):
             raise TypeError(f"pack= must be a fastio.Pack, got {type(pack).__name__}")
-        self.source, self.pack, self.order = source, pack, order
-        self.batch_size, self.world_size, self.rank, self.drop_last = batch_size, world_size, rank, drop_last
-        self.settings = dict(settings)
+        self.source, self.pack, self.orders = source, pack, orders
+        self.order, self.workers, self.assembly = order, workers, assembly
+        self.batch_size = assembly.batch_size
         self.documents = _documents(source, pack.field)
         self.out_dtype = _out_dtype(pack, self.documents.dtype)
         self.num_tokens = int(self.documents.tokens.sum())
         self._plan: EpochPlan | None = None
         self._plan_lock = threading.Lock()
         self.num_batches(0)
+        python = assembly.transform is not None or assembly.collate is not None
+        if python or assembly.stages or workers.mode == "process":
+            raise ValueError(
+                "pack= makes batches of packed rows itself: it takes no transform, collate, stages or "
+                "worker_mode='process' (its workers are threads)"
+            )
 
     def output_specs(self, with_raw: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Output fields -> (dtype, per-row shape); ``with_raw`` adds the stored-dtype staging buffer.
@@ -357,20 +381,21 @@ class TokenPacker:
             return self._plan
 
     def _make_plan(self, epoch: int) -> EpochPlan:
-        order = self.order(epoch)
+        order = self.orders(epoch)
         units = self.documents.tokens + (self.pack.eos is not None)
-        width, stride, world = self.pack.row_len, self.pack.seq_len, self.world_size
+        width, stride, world = self.pack.row_len, self.pack.seq_len, self.order.world_size
         totals = [int(units[order[r::world]].sum()) for r in range(world)]
         rows = min((t - width) // stride + 1 if t >= width else 0 for t in totals)
-        docs = order[self.rank :: world]
+        docs = order[self.order.rank :: world]
         starts = np.zeros(len(docs) + 1, dtype=np.int64)
         np.cumsum(units[docs], out=starts[1:])
-        if (rows < self.batch_size) if self.drop_last else rows == 0:
+        drop_last = self.order.drop_last
+        if (rows < self.batch_size) if drop_last else rows == 0:
             raise EmptySourceError(
                 f"{self.source.name}: field {self.pack.field!r} holds {self.num_tokens} tokens in "
                 f"{len(units)} documents; split across {world} rank(s) (smallest stream {min(totals)} "
                 f"tokens) that is {rows} row(s) of {width} per rank in epoch {epoch}, fewer than one "
-                f"batch of {self.batch_size}{' (drop_last=True)' if self.drop_last else ''}"
+                f"batch of {self.batch_size}{' (drop_last=True)' if drop_last else ''}"
             )
         return EpochPlan(epoch, docs, starts, rows)
 
@@ -382,40 +407,40 @@ class TokenPacker:
             assert packer.num_batches(0) == len(loader)
         """
         left = max(0, self.plan(epoch).rows - start_row)
-        return left // self.batch_size if self.drop_last else -(-left // self.batch_size)
+        return left // self.batch_size if self.order.drop_last else -(-left // self.batch_size)
 
-    def iterate(self, epoch: int, start_row: int, **options: Any) -> PackedEpoch:
-        """A :class:`PackedEpoch` from row ``start_row``; ``options``: the loader's ``num_workers``,
-        ``prefetch``, ``threads``, ``pin``, ``reuse_buffers``, ``device``.
+    def iterate(self, epoch: int, start: int) -> PackedEpoch:
+        """A :class:`PackedEpoch` from row ``start`` of ``epoch``.
 
         Example::
 
-            it = packer.iterate(0, 0, num_workers=2, prefetch=2, threads=None, pin=False,
-                                reuse_buffers=True, device=None)
+            it = packer.iterate(0, 0)
         """
-        workers, prefetch = options.pop("num_workers"), options.pop("prefetch")
-        return PackedEpoch(self, epoch, start_row, workers, prefetch, options)
+        return PackedEpoch(self, epoch, start)
 
     # -- resume --------------------------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
         return {
-            **self.settings,
+            **self.order.identity(),
             "num_samples": len(self.documents.tokens),
             "num_tokens": self.num_tokens,
             "field": self.pack.field,
             "seq_len": self.pack.seq_len,
             "shift": self.pack.shift,
             "eos": self.pack.eos,
-            "world_size": self.world_size,
+            "world_size": self.order.world_size,
         }
 
-    def state_dict(self, epoch: int, rows_consumed: int) -> dict[str, Any]:
-        """The state of a packing loader at ``rows_consumed`` rows of ``epoch``.
+    def state_dict(self, epoch: int, start: int, yielded: int = 0) -> dict[str, Any]:
+        """The state of a packing loader after ``yielded`` batches of a pass from row ``start`` of ``epoch``.
 
         Example::
 
-            state = packer.state_dict(epoch=1, rows_consumed=96)   # state["token_offset"] == 96 * seq_len
+            state = packer.state_dict(epoch=1, start=96)   # state["token_offset"] == 96 * seq_len
         """
+        rows_consumed = start + yielded * self.batch_size
+        if yielded:
+            rows_consumed = min(rows_consumed, self.plan(epoch).rows)  # the last batch may be partial
         return {
             "format": _STATE_FORMAT,
             "version": _STATE_VERSION,
@@ -424,7 +449,7 @@ class TokenPacker:
             "rows_consumed": int(rows_consumed),
             "token_offset": int(rows_consumed) * self.pack.seq_len,
             "batch_size": self.batch_size,
-            "rank": self.rank,
+            "rank": self.order.rank,
         }
 
     def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:

@@ -4,17 +4,15 @@ per sample, then ``collate``), the copy to the device, and the seeding of user c
 
 Example::
 
-    producer = BatchProducer(source, epoch=0, indices=order, slots=1, threads=2, mode="main", num_workers=0,
-                             batch_size=8, seed=0, pin=False, transform=None, collate=None,
-                             python_path=False, worker_init_fn=None, stages=[], reuse_buffers=True,
-                             device=None)
+    producer = BatchProducer(source, AssemblySettings(batch_size=8), epoch=0, indices=order, seed=0, slots=1,
+                             threads=2, mode="main", num_workers=0, worker_init_fn=None)
     batch, size = producer(0)
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,8 +28,9 @@ from fastio.seeding import (
     sample_seeds,
     seed_global_rngs,
 )
+from fastio.settings import AssemblySettings
 from fastio.sources import BatchBuffers, BufferPool, Source, StageTimes
-from fastio.stages import BatchStage, StageContext
+from fastio.stages import StageContext
 from fastio.structure import map_tensors
 from fastio.workers.info import WorkerInfo, set_worker_info, worker_info
 
@@ -64,41 +63,36 @@ class BatchProducer:
     def __init__(
         self,
         source: Source,
+        assembly: AssemblySettings,
         *,
         epoch: int,
         indices: np.ndarray,
+        seed: int,
         slots: int,
         threads: int,
         mode: str,
         num_workers: int,
-        batch_size: int,
-        seed: int,
-        pin: bool,
-        transform: Callable[[Any], Any] | None,
-        collate: Callable[[list[Any]], Any] | None,
-        python_path: bool,
         worker_init_fn: Callable[[int], None] | None,
-        stages: Sequence[BatchStage],
-        reuse_buffers: bool,
-        device: torch.device | None,
     ):
         # In forked worker processes CUDA is off limits (no pinned buffers, no copies): the consumer copies.
         cuda_allowed = mode != "process"
         self.mode, self.num_workers = mode, num_workers
-        self.source, self.batch_size = source, batch_size
-        self.pin = pin and cuda_allowed
-        self.transform, self.collate, self.python_path = transform, collate, python_path
+        self.source, self.batch_size = source, assembly.batch_size
+        self.pin = assembly.pin and cuda_allowed
+        self.transform, self.collate = assembly.transform, assembly.collate
+        self.python_path = assembly.python_path
         self.worker_init_fn = worker_init_fn
         self.indices, self.threads = indices, threads
-        self.seed, self.epoch, self.stages = seed, epoch, stages
+        self.seed, self.epoch, self.stages = seed, epoch, assembly.stages
         self.times = StageTimes()
         self.specs = self.source.fixed_specs()
         self.stage_specs = [stage.output_specs() for stage in self.stages]
         for specs in self.stage_specs:
             self.specs.update(specs)
         # The slots in flight, the batch the consumer holds while asking for the next, and one spare.
-        keep = slots + 2 if reuse_buffers else 0
+        keep = slots + 2 if assembly.reuse_buffers else 0
         self.pool = BufferPool(self.specs, self.batch_size, self.pin, keep)
+        device = assembly.device
         cuda = device is not None and device.type == "cuda"
         self.device = device if cuda and cuda_allowed else None
         self.stream = torch.cuda.Stream(self.device) if self.device is not None else None

@@ -24,8 +24,9 @@ class BatchPass:
     pass and is raised here. Counts batches, samples and the time spent waiting; :meth:`stats` is
     the throughput report of :meth:`fastio.StreamLoader.stats`.
 
-    Subclasses set ``epoch``, ``times`` (a :class:`fastio.sources.StageTimes`), ``producer`` and
-    ``pipeline`` and call :meth:`begin_pass`; their ``__next__`` is ``batch, size = self.take()``, then
+    Subclasses set ``epoch``, ``start`` (the epoch's units before the pass: samples of its order, or
+    packed rows), ``times`` (a :class:`fastio.sources.StageTimes`), ``producer`` and ``pipeline`` and call
+    :meth:`begin_pass`; their ``__next__`` is ``batch, size = self.take()``, then
     whatever they do to the batch, then ``self.count(size)``.
 
     Example::
@@ -41,6 +42,7 @@ class BatchPass:
     """
 
     epoch: int
+    start: int
     times: Any
     producer: Callable[[int], Any]
     pipeline: ThreadPipeline | ProcessPipeline | None

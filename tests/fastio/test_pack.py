@@ -177,7 +177,7 @@ def test_resume_gives_the_batches_that_would_have_come(corpus, cut, workers):
         for key in b:
             assert torch.equal(a[key], b[key]), key
     if cut:  # the cut falls inside a document: its row starts at no document's first token
-        assert state["token_offset"] not in set(resumed._packer.plan(0).starts.tolist())
+        assert state["token_offset"] not in set(resumed._batches.plan(0).starts.tolist())
 
 
 def test_resume_with_another_batch_size_continues_at_the_same_row(corpus):

@@ -1,0 +1,154 @@
+"""What a :class:`fastio.StreamLoader`'s batches are, chosen once when it is built: :class:`SampleBatches`
+(batches of the source's samples in the epoch's rank-split order, each made by
+:class:`fastio.producer.BatchProducer`: gather, stages, ``transform``/``collate``, copy to the device) or,
+with ``pack=``, :class:`fastio.pack.TokenPacker` (fixed-length rows packed from a token field). Both meet
+:class:`Batches`: how many batches an epoch has, a pass over (the rest of) an epoch, and the state dict that
+resumes one. The loader holds one and never asks which.
+
+Example::
+
+    batches = SampleBatches(source, EpochOrders(source.shard_sizes, order), order, workers, assembly)
+    for batch in batches.iterate(epoch=0, start=0):
+        ...
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from fastio.epoch import EpochPass
+from fastio.order import advance, epoch_order, num_batches, rank_indices
+from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
+from fastio.sources import Source
+from fastio.workers.batch_pass import BatchPass
+
+__all__ = ["Batches", "EpochOrders", "SampleBatches"]
+
+_STATE_FORMAT = "fastio.StreamLoader"
+_STATE_VERSION = 1
+
+
+class Batches(Protocol):
+    """How a loader's epochs are cut into batches: what :class:`fastio.StreamLoader` delegates to.
+
+    ``start`` counts the epoch's units (samples of the global order, or packed rows) before the pass;
+    ``yielded`` the batches a pass has handed over since.
+    """
+
+    def num_batches(self, epoch: int) -> int:
+        """Batches this rank yields in ``epoch`` (every rank yields as many)."""
+        ...
+
+    def iterate(self, epoch: int, start: int) -> BatchPass:
+        """A pass over ``epoch`` from ``start`` on: what ``iter(loader)`` returns."""
+        ...
+
+    def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:
+        """The state that resumes right after ``yielded`` batches of the pass from ``start``."""
+        ...
+
+    def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
+        """``(epoch, start)`` of :meth:`state_dict`'s ``state``, after checking it describes these batches."""
+        ...
+
+
+class EpochOrders:
+    """The global order of each epoch (:func:`fastio.order.epoch_order`), kept for the latest epoch asked;
+    thread-safe.
+
+    Example::
+
+        orders = EpochOrders([13, 7], OrderSettings(seed=0, shuffle=True))
+        assert sorted(orders(2).tolist()) == list(range(20))
+    """
+
+    def __init__(self, shard_sizes: Sequence[int], order: OrderSettings) -> None:
+        self.shard_sizes, self.settings = shard_sizes, order
+        self._cache: tuple[int, np.ndarray] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        with self._lock:
+            if self._cache is None or self._cache[0] != epoch:
+                s = self.settings
+                block, window = s.shuffle_block, s.shuffle_window
+                self._cache = (epoch, epoch_order(self.shard_sizes, s.seed, epoch, s.shuffle, block, window))
+            return self._cache[1]
+
+
+class SampleBatches:
+    """Batches of ``batch_size`` samples of the epoch's order, rank ``rank``'s share (:mod:`fastio.order`),
+    each made by a :class:`fastio.producer.BatchProducer` in an :class:`fastio.epoch.EpochPass`.
+
+    Example::
+
+        batches = SampleBatches(source, orders, OrderSettings(), WorkerSettings(), AssemblySettings(8))
+        assert len(list(batches.iterate(0, 0))) == batches.num_batches(0)
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        orders: EpochOrders,
+        order: OrderSettings,
+        workers: WorkerSettings,
+        assembly: AssemblySettings,
+        progress: bool = False,
+    ) -> None:
+        self.source, self.orders, self.order = source, orders, order
+        self.workers, self.assembly, self.progress = workers, assembly, progress
+
+    def num_batches(self, epoch: int) -> int:
+        n, world = self.source.num_samples, self.order.world_size
+        per_rank = n // world if self.order.drop_last else -(-n // world)
+        return num_batches(per_rank, self.assembly.batch_size, self.order.drop_last)
+
+    def iterate(self, epoch: int, start: int) -> EpochPass:
+        o = self.order
+        indices = rank_indices(self.orders(epoch), start, o.world_size, o.rank, o.drop_last)
+        return EpochPass(
+            self.source,
+            indices,
+            epoch,
+            start,
+            seed=o.seed,
+            drop_last=o.drop_last,
+            world_size=o.world_size,
+            workers=self.workers,
+            assembly=self.assembly,
+            progress=self.progress,
+        )
+
+    def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            **self.order.identity(),
+            "num_samples": self.source.num_samples,
+            "epoch": epoch,
+            "start": start,
+            "batches_yielded": yielded,
+            "batch_size": self.assembly.batch_size,
+            "world_size": self.order.world_size,
+            "rank": self.order.rank,
+        }
+
+    def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
+        """Where ``state`` left the epoch's order; another world size or batch size splits the remainder.
+        The seed, shuffle settings and dataset size must match, else ``ValueError``."""
+        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
+        n = self.source.num_samples
+        for key, mine in (*self.order.identity().items(), ("num_samples", n)):
+            if state[key] != mine:
+                raise ValueError(
+                    f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
+                    "the epoch order would differ"
+                )
+        old_per_rank = len(rank_indices(np.arange(n), state["start"], state["world_size"], 0, False))
+        consumed = min(state["batches_yielded"] * state["batch_size"], old_per_rank)
+        return int(state["epoch"]), advance(state["start"], state["world_size"], consumed, n)

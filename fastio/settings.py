@@ -1,0 +1,156 @@
+"""The settings a :class:`fastio.StreamLoader` groups its keyword arguments into, each handed whole to the
+part that uses it: which samples each rank reads in which order (:class:`OrderSettings`, for
+:mod:`fastio.order`), who makes batches and how far ahead (:class:`WorkerSettings`, for
+:mod:`fastio.workers`), and how one batch is made (:class:`AssemblySettings`, for
+:mod:`fastio.producer` and :mod:`fastio.pack`). Checked once, when the loader is built.
+
+Example::
+
+    order = OrderSettings(seed=0, shuffle="shard", rank=0, world_size=2)
+    workers = WorkerSettings(num_workers=2, prefetch=2, mode="thread")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fastio.order import normalize_shuffle
+from fastio.stages import BatchStage
+
+__all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderSettings:
+    """Which samples each rank reads, in which order: the epoch's order (:func:`fastio.order.epoch_order`)
+    split across ranks.
+
+    Attributes:
+        seed: with the epoch, the only source of randomness.
+        shuffle: ``"none"``, ``"full"`` or ``"shard"`` (``True``/``False`` are turned into these).
+        shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
+        rank, world_size: this rank and the number of ranks.
+        drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
+
+    Example::
+
+        OrderSettings(seed=3, shuffle=True).shuffle == "full"
+    """
+
+    seed: int = 0
+    shuffle: bool | str = "none"
+    shuffle_block: int = 256
+    shuffle_window: int = 4
+    rank: int = 0
+    world_size: int = 1
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shuffle", normalize_shuffle(self.shuffle))
+        object.__setattr__(self, "seed", int(self.seed))
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
+            )
+
+    def identity(self) -> dict[str, Any]:
+        """What a state dict records so that a resume with another order is refused.
+
+        Example::
+
+            OrderSettings(seed=1).identity()["seed"] == 1
+        """
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_block": self.shuffle_block,
+            "shuffle_window": self.shuffle_window,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """Who makes batches and how far ahead (:mod:`fastio.workers`).
+
+    Attributes:
+        num_workers: workers ahead of the consumer (0: batches are made in the consumer's thread).
+        prefetch: extra batches in flight beyond ``num_workers``.
+        mode: ``"thread"`` or ``"process"`` (forked, batches handed over through slot files).
+        threads: threads per native gather (None: CPUs / max(1, num_workers), at most 8).
+        init_fn: ``init_fn(worker_id)``, run first in each worker (DataLoader's ``worker_init_fn``).
+
+    Example::
+
+        WorkerSettings(num_workers=2, prefetch=2, mode="process").slots == 4
+    """
+
+    num_workers: int = 0
+    prefetch: int = 2
+    mode: str = "thread"
+    threads: int | None = None
+    init_fn: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.mode not in ("thread", "process"):
+            raise ValueError(f"worker mode must be 'thread' or 'process', got {self.mode!r}")
+
+    @property
+    def slots(self) -> int:
+        """Batches in flight at once: ``num_workers + prefetch`` with workers, else the one being made."""
+        return self.num_workers + self.prefetch if self.num_workers else 1
+
+    @property
+    def processes(self) -> bool:
+        """True when batches are made in forked worker processes."""
+        return self.num_workers > 0 and self.mode == "process"
+
+
+@dataclasses.dataclass(frozen=True)
+class AssemblySettings:
+    """How one batch is made (:class:`fastio.producer.BatchProducer`; packed rows: :mod:`fastio.pack`).
+
+    Attributes:
+        batch_size: samples (packed: rows) per batch.
+        stages: :class:`fastio.stages.BatchStage` steps run on each gathered batch, in order.
+        transform, collate: the Python path's per-sample ``transform`` and ``collate``.
+        python_path: samples go through ``transform`` and ``collate`` (either given, or a per-sample
+            source).
+        pin: page-locked output buffers.
+        reuse_buffers: refill output buffers that nothing outside the loader still views.
+        device: copy batches there (CUDA: on a side stream), or None.
+
+    Example::
+
+        AssemblySettings(batch_size=256, pin=False)
+    """
+
+    batch_size: int = 1
+    stages: Sequence[BatchStage] = ()
+    transform: Callable[[Any], Any] | None = None
+    collate: Callable[[list[Any]], Any] | None = None
+    python_path: bool = False
+    pin: bool = False
+    reuse_buffers: bool = True
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        object.__setattr__(self, "batch_size", int(self.batch_size))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        for stage in self.stages:
+            if not isinstance(stage, BatchStage):
+                raise TypeError(
+                    f"stages: {type(stage).__name__} is not a fastio.stages.BatchStage "
+                    "(needs output_specs() and __call__(batch, out, ctx))"
+                )
