@@ -9,7 +9,7 @@ Cases, all in one run, every number samples/s over whole batches of ``--batch`` 
 * ``train``: (a) ``torch.utils.data.DataLoader`` over ``webdataset.WebDataset(urls).decode("pil")
   .to_tuple("jpg", "cls").map_tuple(train_transform, int)``, the transform written with Pillow as
   torchvision does it (RandomResizedCrop = crop + BILINEAR resize, random flip, to a uint8 tensor), with
-  ``num_workers`` 2 and 0; (b) ``fastio.StreamLoader`` with ``fastio.image.ImageStage`` (workers 2 and 0).
+  ``num_workers`` 2 and 0; (b) ``fastio.StreamLoader`` with ``fastio.ImageStage`` (workers 2 and 0).
   The ratio column of (b) is against (a) with 2 workers: the target is >= 2.
 * ``eval``: the same for Resize(256) + CenterCrop(224).
 * ``parts``: one thread per image, the pieces the stage was chosen from (decoders, resizers), and the stage
@@ -103,7 +103,7 @@ class _PillowTrainTransform:
     def __call__(self, img: Any) -> torch.Tensor:
         from PIL import Image
 
-        from fastio.image import DRAWS, random_resized_crop_box
+        from fastio.assembly.image import DRAWS, random_resized_crop_box
 
         width, height = img.size
         box = random_resized_crop_box(
@@ -122,7 +122,7 @@ class _PillowEvalTransform:
     def __call__(self, img: Any) -> torch.Tensor:
         from PIL import Image
 
-        from fastio.image import center_crop_box, resize_shorter_side
+        from fastio.assembly.image import center_crop_box, resize_shorter_side
 
         width, height = img.size
         rh, rw = resize_shorter_side(height, width, 256)
@@ -146,7 +146,7 @@ def _dataloader(pattern: str, train: bool, batch: int, workers: int) -> Iterable
 
 def _fastio(pattern: str, train: bool, batch: int, workers: int) -> Iterable[Any]:
     import fastio
-    from fastio.image import ImageStage
+    from fastio.assembly.image import ImageStage
 
     stage = ImageStage("jpg", size=SIZE, train=train)
     return fastio.StreamLoader(pattern, batch_size=batch, stages=[stage], num_workers=workers, seed=0)
@@ -198,9 +198,9 @@ def _parts(pattern: str, count: int) -> list[Row]:
     import webdataset as wds
     from PIL import Image
 
-    from fastio.image import ImageStage
+    from fastio.assembly.image import ImageStage
+    from fastio.assembly.stages import StageContext
     from fastio.paths import expand_pattern
-    from fastio.stages import StageContext
 
     samples = wds.WebDataset(expand_pattern(pattern)[0], shardshuffle=False, empty_check=False)
     encoded = [sample["jpg"] for _, sample in zip(range(count), samples, strict=False)]

@@ -281,8 +281,8 @@ def _interleaved_token_rates(
 
 def _bench_packing(pack_dir: Path, args: argparse.Namespace, notes: list[str]) -> list[Row]:
     import fastio
+    from fastio.assembly.pack import Pack
     from fastio.format.shards.reader import ShardSet
-    from fastio.pack import Pack
 
     seq_len, batch, epochs = PACK_SEQ_LEN, args.pack_batch, max(args.epochs, 7)
     payloads = []

@@ -15,7 +15,10 @@ Built in: :class:`ImageStage` (decode + RandomResizedCrop/flip or centre crop in
 """
 
 from fastio._native import backend
-from fastio.collate import collate_samples
+from fastio.assembly.collate import collate_samples
+from fastio.assembly.image import ImageStage
+from fastio.assembly.pack import Pack
+from fastio.assembly.stages import BatchStage, StageContext
 from fastio.errors import (
     CorruptShardError,
     EmptySourceError,
@@ -29,12 +32,9 @@ from fastio.format.shards.schema import Field
 from fastio.format.shards.writer import ShardWriter
 from fastio.format.tar.decode import decode_default
 from fastio.format.tar.index import TarShardSet, index_tar
-from fastio.image import ImageStage
 from fastio.loader import StreamLoader
-from fastio.pack import Pack
 from fastio.registry import register_format, register_scheme
 from fastio.sources import Source
-from fastio.stages import BatchStage, StageContext
 from fastio.workers import WorkerInfo, worker_info
 
 __all__ = [

@@ -1,9 +1,9 @@
 """What a :class:`fastio.StreamLoader`'s batches are, chosen once when it is built: :class:`SampleBatches`
 (batches of the source's samples in the epoch's rank-split order, each made by
-:class:`fastio.producer.BatchProducer`: gather, stages, ``transform``/``collate``, copy to the device) or,
-with ``pack=``, :class:`fastio.pack.TokenPacker` (fixed-length rows packed from a token field). Both meet
-:class:`Batches`: how many batches an epoch has, a pass over (the rest of) an epoch, and the state dict that
-resumes one. The loader holds one and never asks which.
+:class:`fastio.assembly.producer.BatchProducer`: gather, stages, ``transform``/``collate``, copy to the
+device) or, with ``pack=``, :class:`fastio.assembly.pack.TokenPacker` (fixed-length rows packed from a token
+field). Both meet :class:`Batches`: how many batches an epoch has, a pass over (the rest of) an epoch, and
+the state dict that resumes one. The loader holds one and never asks which.
 
 Example::
 
@@ -82,7 +82,7 @@ class EpochOrders:
 
 class SampleBatches:
     """Batches of ``batch_size`` samples of the epoch's order, rank ``rank``'s share (:mod:`fastio.order`),
-    each made by a :class:`fastio.producer.BatchProducer` in an :class:`fastio.epoch.EpochPass`.
+    each made by a :class:`fastio.assembly.producer.BatchProducer` in an :class:`fastio.epoch.EpochPass`.
 
     Example::
 

@@ -1,6 +1,6 @@
 """One epoch pass of :class:`fastio.StreamLoader`: the source prepared for the pass's reads, a
-:class:`fastio.producer.BatchProducer` run by worker threads, worker processes or the consumer, batches
-handed over in order (waiting on their copy to the device), and the progress bar.
+:class:`fastio.assembly.producer.BatchProducer` run by worker threads, worker processes or the consumer,
+batches handed over in order (waiting on their copy to the device), and the progress bar.
 
 Example::
 
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from fastio._native import default_threads
+from fastio.assembly.producer import BatchProducer
 from fastio.order import num_batches
-from fastio.producer import BatchProducer
 from fastio.settings import AssemblySettings, WorkerSettings
 from fastio.sources import ReadPlan, Source, shard_read_order
 from fastio.structure import map_tensors

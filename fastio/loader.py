@@ -14,7 +14,7 @@ How a batch is made:
    write tensors into shared slot files in a temp dir (:mod:`fastio.workers`): nothing is pickled but a
    small description, and nothing depends on the size of ``/dev/shm``.
 4. With ``transform``/``collate``, or a ``Dataset`` source, samples go through the Python path: per-sample
-   ``transform``, then ``collate`` (default: :func:`fastio.collate.collate_samples`, which gives what
+   ``transform``, then ``collate`` (default: :func:`fastio.assembly.collate.collate_samples`, which gives what
    ``default_collate`` gives, with lists for ragged fields) in the worker.
 5. With ``device=`` (CUDA), the pinned batch is copied on a side stream; the consumer's stream waits on an
    event, so the copy overlaps the previous step's compute (with worker processes the consumer copies).
@@ -26,10 +26,10 @@ without ``.clone()`` (the loader then fills fresh memory instead). ``reuse_buffe
 every batch.
 
 Randomness in ``transform``: before each sample's call, torch's CPU generator, ``random`` and ``numpy.random``
-are seeded from ``(seed, epoch, sample index)`` (:mod:`fastio.seeding`), so augmentations differ across
-samples and epochs, do not depend on ``num_workers`` and repeat exactly on resume; with ``num_workers=0`` the
-consumer's own generator states are put back after each batch. Worker threads share the global generators
-with the training thread, so there they are not reseeded: seed your own from
+are seeded from ``(seed, epoch, sample index)`` (:mod:`fastio.assembly.seeding`), so augmentations differ
+across samples and epochs, do not depend on ``num_workers`` and repeat exactly on resume; with
+``num_workers=0`` the consumer's own generator states are put back after each batch. Worker threads share
+the global generators with the training thread, so there they are not reseeded: seed your own from
 ``fastio.worker_info().sample_seed``.
 
 Resume: ``state_dict()`` says how far the epoch went; ``load_state_dict()`` takes effect at the next
@@ -58,13 +58,13 @@ from typing import Any
 
 import torch
 
+from fastio.assembly.collate import collate_samples
+from fastio.assembly.pack import Pack, TokenPacker
+from fastio.assembly.stages import BatchStage
 from fastio.batches import Batches, EpochOrders, SampleBatches
-from fastio.collate import collate_samples
-from fastio.pack import Pack, TokenPacker
 from fastio.registry import OpenOptions, open_source
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import StageTimes
-from fastio.stages import BatchStage
 from fastio.workers.batch_pass import BatchPass
 
 __all__ = ["StreamLoader", "collate_samples"]
@@ -120,10 +120,10 @@ class StreamLoader:
             :mod:`fastio.workers`) or ``"auto"``: processes when Python code runs per sample (``transform``,
             ``collate`` or a Dataset source), threads otherwise.
         shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
-        stages: :class:`fastio.stages.BatchStage` steps run on each gathered batch, in order, before
+        stages: :class:`fastio.assembly.stages.BatchStage` steps run on each gathered batch, in order, before
             ``transform`` (the image pipeline is one): they write into reused fixed-shape buffers.
         pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token
-            field (shard directories), with document boundaries; see :mod:`fastio.pack`.
+            field (shard directories), with document boundaries; see :mod:`fastio.assembly.pack`.
         cache_dir, cache_limit: sources that bring shards local (remote stores, compressed tars): where
             they keep them and the most bytes kept (``"50GB"`` or an int).
         storage_options: keyword arguments of the storage client (fsspec's ``storage_options``).

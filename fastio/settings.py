@@ -2,7 +2,7 @@
 part that uses it: which samples each rank reads in which order (:class:`OrderSettings`, for
 :mod:`fastio.order`), who makes batches and how far ahead (:class:`WorkerSettings`, for
 :mod:`fastio.workers`), and how one batch is made (:class:`AssemblySettings`, for
-:mod:`fastio.producer` and :mod:`fastio.pack`). Checked once, when the loader is built.
+:mod:`fastio.assembly.producer` and :mod:`fastio.assembly.pack`). Checked once, when the loader is built.
 
 Example::
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from fastio.assembly.stages import BatchStage
 from fastio.order import normalize_shuffle
-from fastio.stages import BatchStage
 
 __all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings"]
 
@@ -117,11 +117,11 @@ class WorkerSettings:
 
 @dataclasses.dataclass(frozen=True)
 class AssemblySettings:
-    """How one batch is made (:class:`fastio.producer.BatchProducer`; packed rows: :mod:`fastio.pack`).
+    """How one batch is made (:mod:`fastio.assembly`: the producer of sample batches, or packed rows).
 
     Attributes:
         batch_size: samples (packed: rows) per batch.
-        stages: :class:`fastio.stages.BatchStage` steps run on each gathered batch, in order.
+        stages: :class:`fastio.assembly.stages.BatchStage` steps run on each gathered batch, in order.
         transform, collate: the Python path's per-sample ``transform`` and ``collate``.
         python_path: samples go through ``transform`` and ``collate`` (either given, or a per-sample
             source).
@@ -151,6 +151,6 @@ class AssemblySettings:
         for stage in self.stages:
             if not isinstance(stage, BatchStage):
                 raise TypeError(
-                    f"stages: {type(stage).__name__} is not a fastio.stages.BatchStage "
+                    f"stages: {type(stage).__name__} is not a fastio.assembly.stages.BatchStage "
                     "(needs output_specs() and __call__(batch, out, ctx))"
                 )

@@ -222,7 +222,8 @@ class Source(Protocol):
 @dataclasses.dataclass(frozen=True)
 class TokenDocuments:
     """Where every sample's token array of one field lies, for ``StreamLoader(pack=...)``
-    (:mod:`fastio.pack`): a source that can be packed offers ``token_documents(field) -> TokenDocuments``.
+    (:mod:`fastio.assembly.pack`): a source that can be packed offers
+    ``token_documents(field) -> TokenDocuments``.
 
     Attributes:
         shard, src, tokens: per sample (document): its shard (int32, an index into ``table.files``), the byte

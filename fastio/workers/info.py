@@ -24,9 +24,9 @@ class WorkerInfo:
         seed: the loader's seed.
         epoch: the epoch being made.
         sample_seed: inside a ``transform`` call, the current sample's 64-bit seed
-            (:func:`fastio.seeding.sample_seeds` of ``(seed, epoch, sample index)``, ``STREAM_TRANSFORM``);
-            None elsewhere. Seed your own generator from it where the global ones are shared (worker
-            threads): ``torch.Generator().manual_seed(info.sample_seed)``.
+            (:func:`fastio.assembly.seeding.sample_seeds` of ``(seed, epoch, sample index)``,
+            ``STREAM_TRANSFORM``); None elsewhere. Seed your own generator from it where the global ones
+            are shared (worker threads): ``torch.Generator().manual_seed(info.sample_seed)``.
     """
 
     id: int

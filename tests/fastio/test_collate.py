@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import default_collate
 
 import fastio
-from fastio.collate import collate_samples
+from fastio.assembly.collate import collate_samples
 
 Pair = collections.namedtuple("Pair", "left right")
 

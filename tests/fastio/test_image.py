@@ -16,16 +16,16 @@ import webdataset as wds
 from PIL import Image
 
 import fastio
-from fastio.errors import MissingFieldError
-from fastio.image import (
+from fastio.assembly.image import (
     DRAWS,
     ImageStage,
     _reference_image,
     normalize,
     random_resized_crop_box,
 )
-from fastio.seeding import STREAM_IMAGE, sample_uniforms
-from fastio.stages import StageContext
+from fastio.assembly.seeding import STREAM_IMAGE, sample_uniforms
+from fastio.assembly.stages import StageContext
+from fastio.errors import MissingFieldError
 
 
 def _rng(case: object) -> np.random.Generator:
@@ -253,7 +253,7 @@ def test_each_calling_thread_gets_its_own_decode_threads():
 
 
 def test_decode_threads_run_torch_ops_alone_and_leave_the_caller_as_it_was():
-    from fastio.image import _omp_set_num_threads
+    from fastio.assembly.image import _omp_set_num_threads
 
     if _omp_set_num_threads() is None:
         pytest.skip("torch does not run its CPU ops on GNU OpenMP here")

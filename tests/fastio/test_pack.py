@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import fastio
+from fastio.assembly.pack import Pack
 from fastio.order import epoch_order
-from fastio.pack import Pack
 
 NUM_DOCS = 117
 SHARD_DOCS = 13
@@ -360,7 +360,7 @@ def test_stats_count_tokens(corpus):
 
 @pytest.mark.parametrize("workers", [0, 3])
 def test_rows_planned_in_small_chunks_match_reference(corpus, monkeypatch, workers):
-    from fastio.pack import _PackProducer
+    from fastio.assembly.pack import _PackProducer
 
     monkeypatch.setattr(_PackProducer, "_CHUNK_ROWS", 7)  # 2 batches of 3 per chunk: most batches cross none
     monkeypatch.setattr(_PackProducer, "_KEEP_CHUNKS", 1)  # workers ahead evict chunks others still need

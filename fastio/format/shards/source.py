@@ -92,7 +92,7 @@ class ShardSource(Source):
                     self._all_verified = bool(self._verified.all())
 
     def token_documents(self, field_name: str) -> TokenDocuments:
-        """The documents of a 1-D variable-length integer field, for ``pack=`` (:mod:`fastio.pack`).
+        """The documents of a 1-D variable-length integer field, for ``pack=`` (:mod:`fastio.assembly.pack`).
 
         Example::
 

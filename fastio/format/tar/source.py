@@ -205,8 +205,8 @@ class TarSource(Source):
         )
 
     def token_documents(self, field_name: str) -> TokenDocuments:
-        """The documents of a ``.npy`` member of 1-D integer arrays, for ``pack=`` (:mod:`fastio.pack`):
-        each member's header is parsed once.
+        """The documents of a ``.npy`` member of 1-D integer arrays, for ``pack=``
+        (:mod:`fastio.assembly.pack`): each member's header is parsed once.
 
         Example::
 

@@ -1,6 +1,6 @@
-"""The row plan of token packing (:mod:`fastio.pack`, steps 3 and 5): which ``(document, offset, length)``
-runs, copied where, make each fixed-length row of a rank's token stream, computed with numpy from the
-documents' lengths alone.
+"""The row plan of token packing (:mod:`fastio.assembly.pack`, steps 3 and 5): which ``(document, offset,
+length)`` runs, copied where, make each fixed-length row of a rank's token stream, computed with numpy from
+the documents' lengths alone.
 
 Example::
 

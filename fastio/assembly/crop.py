@@ -1,12 +1,12 @@
 """torchvision's crop geometry, as plain functions of an image's size and given uniforms: what
-:class:`fastio.image.ImageStage` crops, and what its tests hold it to.
+:class:`fastio.assembly.image.ImageStage` crops, and what its tests hold it to.
 
 * :func:`random_resized_crop_box`: ``RandomResizedCrop.get_params`` (training);
 * :func:`resize_shorter_side` and :func:`center_crop_box`: ``Resize(shorter)`` + ``CenterCrop`` (evaluation).
 
 Example::
 
-    from fastio.crop import center_crop_box, resize_shorter_side
+    from fastio.assembly.crop import center_crop_box, resize_shorter_side
 
     box = center_crop_box(*resize_shorter_side(300, 400, 256), 224, 224)
 """

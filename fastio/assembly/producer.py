@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio.collate import collate_samples
-from fastio.seeding import (
+from fastio.assembly.collate import collate_samples
+from fastio.assembly.seeding import (
     STREAM_COLLATE,
     STREAM_FETCH,
     STREAM_TRANSFORM,
@@ -28,9 +28,9 @@ from fastio.seeding import (
     sample_seeds,
     seed_global_rngs,
 )
+from fastio.assembly.stages import StageContext
 from fastio.settings import AssemblySettings
 from fastio.sources import BatchBuffers, BufferPool, Source, StageTimes
-from fastio.stages import StageContext
 from fastio.structure import map_tensors
 from fastio.workers.info import WorkerInfo, set_worker_info, worker_info
 
@@ -45,7 +45,7 @@ class BatchProducer:
     """Makes batch ``job`` of one epoch pass; called by worker threads, worker processes or the consumer.
 
     ``mode`` says where it runs: ``"main"`` (the consumer's thread, ``num_workers=0``), ``"thread"`` or
-    ``"process"``. Randomness of the user's Python code (see :mod:`fastio.seeding`):
+    ``"process"``. Randomness of the user's Python code (see :mod:`fastio.assembly.seeding`):
 
     1. Before each sample's ``transform``, torch's default CPU generator, ``random`` and ``numpy.random`` are
        seeded from ``sample_seeds(seed, epoch, sample index, STREAM_TRANSFORM)``; before a Dataset's

@@ -56,8 +56,8 @@ import torch
 
 from fastio._gather import gather_ranges
 from fastio._native import default_threads
+from fastio.assembly.pack_rows import EpochPlan, RowRuns, plan_rows
 from fastio.errors import EmptySourceError
-from fastio.pack_rows import EpochPlan, RowRuns, plan_rows
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import BufferPool, ReadPlan, StageTimes, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers.batch_pass import BatchPass
@@ -71,7 +71,7 @@ _STATE_VERSION = 1
 
 @dataclasses.dataclass(frozen=True)
 class Pack:
-    """How :class:`fastio.StreamLoader` packs a variable-length token field (see :mod:`fastio.pack`).
+    """How :class:`fastio.StreamLoader` packs a variable-length token field (see :mod:`fastio.assembly.pack`).
 
     Args:
         field: a 1-D variable-length integer array field

@@ -6,21 +6,22 @@ image field, per sample and in GIL-free threads:
 1. read the image's size from its header (libjpeg-turbo through simplejpeg for JPEG, Pillow otherwise);
 2. pick the crop: torchvision's ``RandomResizedCrop`` geometry for training (10 attempts of an area scale
    and a log-uniform aspect ratio, then the whole-image centre crop clamped to the ratio range), or
-   torchvision's ``Resize(eval_resize)`` + ``CenterCrop(size)`` for evaluation (:mod:`fastio.crop`);
+   torchvision's ``Resize(eval_resize)`` + ``CenterCrop(size)`` for evaluation (:mod:`fastio.assembly.crop`);
 3. decode, at 1/2, 1/4 or 1/8 size in the DCT domain when the crop at that size still covers the output
    (only these power-of-two factors: libjpeg-turbo's other factors decode slower than the full image);
 4. resize the crop with antialiased bilinear filtering (torch's uint8 kernel, which follows Pillow's
    ``BILINEAR`` resampling and runs about twice as fast), flip, and write the result straight into the
    loader's output buffer, NHWC or NCHW.
 
-Every random draw comes from :func:`fastio.seeding.sample_uniforms` with ``STREAM_IMAGE``, so a sample's
-crop and flip depend only on ``(seed, epoch, sample index)``, never on ``num_workers`` or resume points.
+Every random draw comes from :func:`fastio.assembly.seeding.sample_uniforms` with ``STREAM_IMAGE``, so a
+sample's crop and flip depend only on ``(seed, epoch, sample index)``, never on ``num_workers`` or resume
+points.
 :func:`normalize` turns the uint8 batch into normalized floats on whatever device it has been moved to.
 
 Example::
 
     import fastio
-    from fastio.image import ImageStage, normalize
+    from fastio.assembly.image import ImageStage, normalize
 
     stage = ImageStage("jpg", size=224, train=True)
     loader = fastio.StreamLoader("imgs-{000000..000003}.tar", batch_size=64, stages=[stage], num_workers=2)
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio.crop import (
+from fastio.assembly.crop import (
     CROP_ATTEMPTS,
     DRAWS_PER_ATTEMPT,
     CropBox,
@@ -51,9 +52,9 @@ from fastio.crop import (
     random_resized_crop_box,
     resize_shorter_side,
 )
+from fastio.assembly.seeding import STREAM_IMAGE, sample_uniforms
+from fastio.assembly.stages import StageContext, input_field
 from fastio.errors import CorruptShardError, SchemaMismatchError
-from fastio.seeding import STREAM_IMAGE, sample_uniforms
-from fastio.stages import StageContext, input_field
 
 __all__ = [
     "DRAWS",
@@ -70,7 +71,7 @@ __all__ = [
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-DRAWS = CROP_ATTEMPTS * DRAWS_PER_ATTEMPT + 1  # the crop's (fastio.crop), and one for the flip
+DRAWS = CROP_ATTEMPTS * DRAWS_PER_ATTEMPT + 1  # the crop's (fastio.assembly.crop), and one for the flip
 _DCT_FACTORS = (8, 4, 2)  # libjpeg-turbo's fast reduced decodes (1/8, 1/4, 1/2)
 _JPEG_MAGIC = b"\xff\xd8"
 
@@ -335,7 +336,7 @@ def _require_decoders() -> None:
         import simplejpeg  # noqa: F401
     except ImportError as exc:
         raise ImportError(
-            'fastio.image.ImageStage needs Pillow and simplejpeg: pip install "fastcomm[image]" '
+            'fastio.assembly.image.ImageStage needs Pillow and simplejpeg: pip install "fastcomm[image]" '
             f"(or pip install Pillow simplejpeg); {exc}"
         ) from exc
 

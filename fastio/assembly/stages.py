@@ -11,7 +11,7 @@ The contract (:class:`BatchStage`):
    allocates ``[batch_size, *shape]`` buffers for them beside the source's own.
 2. ``__call__(batch, out, ctx)`` fills ``out[name][:B]`` for every output, and returns the batch (the
    same dict, changed: consumed inputs replaced or removed, outputs added).
-3. Every random draw comes from :mod:`fastio.seeding` with ``(ctx.seed, ctx.epoch, ctx.sample_ids)``:
+3. Every random draw comes from :mod:`fastio.assembly.seeding` with ``(ctx.seed, ctx.epoch, ctx.sample_ids)``:
    the same sample in the same epoch gets the same draws for any ``num_workers``, world size or resume.
 
 Example::
