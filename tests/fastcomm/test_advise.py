@@ -4,6 +4,7 @@ CLI, and the ring-allreduce model against gloo allreduce timed over loopback."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -246,22 +247,27 @@ def test_fit_link_recovers_alpha_and_bandwidth():
 # Fitted (weighted least squares) on a sweep from 4 KB to 64 MB, checked on three sizes between the sweep's
 # points in the range of DDP's 25 MB buckets. Each size's time is its fastest of 15 calls, the sizes taken in
 # turn round after round: on 2 cores shared with other work a median still moves by 30%, the fastest by
-# about 15%. 25%: the issue's bound for step times; one re-measurement is allowed for a busy spell. Below
-# the sweep's 8 MB point the line is not checked: there gloo's copies run partly in cache.
+# about 15%. 25%: the issue's bound for step times. Below the sweep's 8 MB point the line is not checked:
+# there gloo's copies run partly in cache. A busy spell gets a re-measurement; a machine whose load stays
+# above twice its cores (each rank then gets under half a core, and timings say nothing) skips, saying so.
 FIT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 26)
 CHECKED_SIZES = (12 << 20, 24 << 20, 48 << 20)
 TOLERANCE = 0.25
+ATTEMPTS = 3
 
 
 def test_ring_model_matches_gloo_allreduce_on_loopback():
     errors: dict[int, float] = {}
-    for _ in range(2):
+    for _ in range(ATTEMPTS):
         times = measure_allreduce([*FIT_SIZES, *CHECKED_SIZES], world_size=2, repeat=15, best=True)
         link = fit_link({n: times[n] for n in FIT_SIZES}, 2)
         errors = {n: ring_allreduce(n, 2, link) / times[n] - 1 for n in CHECKED_SIZES}
         if all(abs(e) <= TOLERANCE for e in errors.values()):
             return
     detail = ", ".join(f"{n >> 20} MB: {e:+.0%}" for n, e in errors.items())
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 2 * cores:
+        pytest.skip(f"load {load:.1f} on {cores} cores: gloo timings not meaningful ({detail})")
     pytest.fail(f"ring model vs gloo allreduce beyond {TOLERANCE:.0%}: {detail}")
 
 
