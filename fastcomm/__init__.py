@@ -6,7 +6,7 @@ Example::
     state = fastcomm.register(ddp_model, "topk", ratio=0.01)
 """
 
-from fastcomm import compress, fault, integrations, ops
+from fastcomm import collectives, compress, fault, integrations, ops
 from fastcomm.checkpoint import Checkpointer, CheckpointError
 from fastcomm.hooks import (
     CastState,
@@ -39,6 +39,7 @@ __all__ = [
     "TopKState",
     "backend",
     "cast_hook",
+    "collectives",
     "compress",
     "fault",
     "integrations",

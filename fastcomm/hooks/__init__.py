@@ -28,10 +28,10 @@ Example::
     print(state.stats())
 """
 
+from fastcomm.collectives.errors import PeerCollectiveError
 from fastcomm.hooks._base import HookState
 from fastcomm.hooks._compression import CompressionState
 from fastcomm.hooks._defaults import default_state
-from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
 from fastcomm.hooks.powersgd import PowerSGDState, powersgd_hook

@@ -15,12 +15,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fastcomm.collectives._layout import completed
+from fastcomm.collectives._threads import then
+from fastcomm.collectives.errors import collective_value
+from fastcomm.compress.protocol import all_finite
 from fastcomm.hooks._accounting import COUNTERS, StepAccounting
-from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._options import OptionTypeError
 from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_counters
-from fastcomm.hooks._threads import then
-from fastcomm.hooks._util import BucketKey, all_finite, completed, ring_bytes
+from fastcomm.hooks._util import BucketKey, ring_bytes
 
 __all__ = ["HookState"]
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fastcomm.hooks._util import BucketKey
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "KeyedBuffers"]
 
 T = TypeVar("T")
 
@@ -48,6 +48,10 @@ class BufferPool:
         like = torch.empty(0, dtype=torch.uint8, device=device)
         return lambda name, numel: self.tensor(key, name, like, numel)
 
+    def keyed(self, key: BucketKey) -> KeyedBuffers:
+        """Bucket ``key``'s buffers as a collective asks for them (:class:`~fastcomm.collectives.Buffers`)."""
+        return KeyedBuffers(self, key)
+
     def object(self, key: BucketKey, name: str, make: Callable[[], T], fits: Callable[[T], bool]) -> T:
         """Bucket ``key``'s object ``name`` (a decode accumulator, say): kept while ``fits`` it, else new."""
         found = self._objects.get((key, name))
@@ -62,3 +66,13 @@ class BufferPool:
             # another layout's buffers meanwhile, which a comprehension over the dict itself trips on
             for stale in [k for k in list(table) if k[0] == key]:
                 del table[stale]
+
+
+class KeyedBuffers:
+    """One bucket's buffers of a :class:`BufferPool`: ``tensor(name, like, numel)``, as collectives ask."""
+
+    def __init__(self, pool: BufferPool, key: BucketKey) -> None:
+        self.pool, self.key = pool, key
+
+    def tensor(self, name: str, like: Tensor, numel: int) -> Tensor:
+        return self.pool.tensor(self.key, name, like, numel)

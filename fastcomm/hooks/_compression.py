@@ -15,18 +15,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
+from fastcomm.collectives._threads import then
+from fastcomm.collectives.errors import collective_value
+from fastcomm.collectives.gather import gather_row
 from fastcomm.hooks._base import HookState
 from fastcomm.hooks._defaults import resolve_state
-from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._exchange import SecondPhase
 from fastcomm.hooks._groups import check_node_size
 from fastcomm.hooks._options import require_bool, require_int
 from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_buckets, merge_counters
 from fastcomm.hooks._shards import check_hierarchical_options, fold_shards
 from fastcomm.hooks._store import BucketEntry, BucketStore, ResumePart
-from fastcomm.hooks._threads import then
 from fastcomm.hooks._util import BucketKey, ring_bytes, world_of
-from fastcomm.hooks._wire import DEFAULT_CHUNK_BYTES, all_gather_rows
 from fastcomm.hooks.hierarchical import Hierarchy
 
 __all__ = ["BucketCall", "CompressionState", "gather_payloads", "run_compressed"]
@@ -383,16 +384,14 @@ def gather_payloads(
         The ``(W, len(row))`` rows (a buffer kept per bucket; row ``i`` from rank ``i``) and the future
         that completes once every chunk arrived (a failed chunk fails it).
     """
-    state, key, flat, world_size = call.state, call.key, call.flat, call.world_size
-    buffers = state.store.buffers
-    gathered = buffers.tensor(key, "gathered", row, world_size * row.numel()).view(world_size, -1)
-    future = all_gather_rows(
-        gathered,
+    state, flat, world_size = call.state, call.flat, call.world_size
+    gathered = gather_row(
         row,
+        world_size=world_size,
         group=state.process_group,
         chunk_bytes=state.wire_chunk_bytes,
-        scratch=buffers.scratch(key, flat.device),
+        buffers=state.store.buffers.keyed(call.key),
     )
     dense = ring_bytes(flat.numel(), flat.element_size(), world_size)
-    state.accounting.count((world_size - 1) * row.numel(), dense, seconds, compressed=True)
-    return gathered, future
+    state.accounting.count(gathered.sent_bytes, dense, seconds, compressed=True)
+    return gathered.rows, gathered.future

@@ -5,12 +5,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.collectives._layout import Timer
+from fastcomm.collectives._threads import then
+from fastcomm.collectives.errors import collective_value
+from fastcomm.compress.protocol import all_finite
 from fastcomm.hooks._base import HookState
 from fastcomm.hooks._defaults import resolve_state
-from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._options import OptionTypeError
-from fastcomm.hooks._threads import then
-from fastcomm.hooks._util import Timer, all_finite, ring_bytes, world_of
+from fastcomm.hooks._util import ring_bytes, world_of
 
 __all__ = ["CastState", "cast_hook"]
 

@@ -16,14 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.collectives._layout import Timer
+from fastcomm.collectives._threads import then
+from fastcomm.collectives.errors import collective_value
+from fastcomm.collectives.gather import compress_row, decode_mean
+from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.hooks._compression import BucketCall, gather_payloads, run_compressed
-from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._reshard import same_value
 from fastcomm.hooks._rounds import allreduce_rounds
-from fastcomm.hooks._threads import then
-from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_allreduce
-from fastcomm.hooks._util import Timer
+from fastcomm.hooks._twophase import TwoPhaseState, two_phase_allreduce
 
 __all__ = ["CompressorState", "compressor_hook"]
 
@@ -128,16 +130,14 @@ def _compressor_bucket(call: BucketCall) -> torch.futures.Future[Tensor]:
 def _all_gather_allreduce(call: BucketCall, compressor: Compressor) -> torch.futures.Future[Tensor]:
     """Step 3 of :func:`compressor_hook`."""
     state, key, entry, flat, world_size = call.state, call.key, call.entry, call.flat, call.world_size
-    store, numel = state.store, flat.numel()
+    store = state.store
     timer = Timer()
     with timer:
         residual = current = None
         if state.error_feedback:
             current = store.current(entry, "residual", flat)
             residual = store.spare(key, "residual", current)
-        uint8 = torch.empty(0, dtype=torch.uint8, device=flat.device)
-        row = store.buffers.tensor(key, "row", uint8, compressor.wire_bytes(numel, flat.dtype))
-        compressor.compress_into(row, flat, residual, current, 0)
+        row = compress_row(compressor, flat, residual, current, store.buffers.keyed(key))
         if residual is not None:
             store.stage(key, "residual", residual)
     gathered, future = gather_payloads(call, row, timer.seconds)
@@ -147,9 +147,7 @@ def _all_gather_allreduce(call: BucketCall, compressor: Compressor) -> torch.fut
         collective_value(arrived, "compressor_hook", bucket_index)
         decode_timer = Timer()
         with decode_timer:
-            state.accounting.note_output(compressor.payload_finite(gathered, numel, flat.dtype))
-            for source in range(world_size):
-                compressor.decompress_into(flat, gathered[source], numel, source > 0, world_size)
+            state.accounting.note_output(decode_mean(compressor, gathered, flat, world_size))
         state.accounting.add_seconds(decode_timer.seconds)
         return flat
 

@@ -51,14 +51,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.collectives._layout import all_gather_flat
+from fastcomm.collectives._threads import then, when_done
+from fastcomm.collectives.errors import PeerCollectiveError
 from fastcomm.hooks._accounting import NodeTraffic, ShardAccounting
-from fastcomm.hooks._errors import PeerCollectiveError
 from fastcomm.hooks._exchange import FlatCall, FlatState, PhasePayload, SecondPhase
 from fastcomm.hooks._groups import NodeGroups, node_groups, resolve_node_size
 from fastcomm.hooks._shards import check_hierarchical_options, fold_shards, shard_numel
 from fastcomm.hooks._store import BucketStore
-from fastcomm.hooks._threads import then, when_done
-from fastcomm.hooks._util import BucketKey, all_gather_flat
+from fastcomm.hooks._util import BucketKey
 
 __all__ = ["Hierarchy", "check_hierarchical_options", "fold_shards", "shard_numel"]
 

@@ -31,11 +31,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from fastcomm.hooks._errors import collective_value
+from fastcomm.collectives._layout import completed
+from fastcomm.collectives._threads import then
+from fastcomm.collectives.errors import collective_value
 from fastcomm.hooks._names import HOOKS, HookName
 from fastcomm.hooks._reshard import describe, keep_if_same_world
-from fastcomm.hooks._threads import then
-from fastcomm.hooks._util import completed, ring_bytes
+from fastcomm.hooks._util import ring_bytes
 from fastcomm.optim import CompressedAdam, precondition_
 
 __all__ = ["CompressedAdamState", "compressed_adam_hook", "register_optimizer"]

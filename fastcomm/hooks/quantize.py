@@ -8,10 +8,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm import reference
+from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.quantize import QuantCompressor
 from fastcomm.hooks._compression import run_compressed
 from fastcomm.hooks._options import require_bool, require_int
-from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_bucket
+from fastcomm.hooks._twophase import TwoPhaseState, two_phase_bucket
 
 __all__ = ["QuantState", "quantize_hook"]
 

@@ -7,11 +7,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.collectives._layout import block_unit, segment_layout
+from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.sign import SignCompressor
 from fastcomm.hooks._compression import run_compressed
 from fastcomm.hooks._options import require_int
-from fastcomm.hooks._twophase import TwoPhaseLayout, TwoPhaseState, two_phase_bucket
-from fastcomm.hooks._util import block_unit, segment_layout
+from fastcomm.hooks._twophase import TwoPhaseState, two_phase_bucket
 
 __all__ = ["SignState", "sign_hook", "sign_layout"]
 

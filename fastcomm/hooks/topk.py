@@ -11,12 +11,14 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fastcomm import ops
+from fastcomm.collectives._layout import Timer
+from fastcomm.collectives._threads import then
+from fastcomm.collectives.errors import collective_value
+from fastcomm.compress.protocol import all_finite
 from fastcomm.compress.topk import TopKCompressor
 from fastcomm.hooks._compression import BucketCall, CompressionState, gather_payloads, run_compressed
-from fastcomm.hooks._errors import collective_value
 from fastcomm.hooks._options import is_real, require_real
-from fastcomm.hooks._threads import then
-from fastcomm.hooks._util import BucketKey, Timer, all_finite
+from fastcomm.hooks._util import BucketKey
 
 __all__ = ["TopKState", "topk_hook"]
 

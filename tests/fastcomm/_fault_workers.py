@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fastcomm
-from fastcomm.hooks import _twophase
+from fastcomm.collectives import two_phase as _twophase
 
 # Ranks are forked by a forkserver that imported torch, fastcomm and what DDP's constructor imports
 # (torch._dynamo: 5-10 s) once: a rank then starts in milliseconds, where a spawned one imports for seconds.

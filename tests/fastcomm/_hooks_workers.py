@@ -348,7 +348,7 @@ def _check_lane_fallback(rank: int) -> None:
     """No second process group to be had: a warning, and phase 2 from the next hook call, same results."""
     import pytest
 
-    from fastcomm.hooks import _lane
+    from fastcomm.collectives import _lane
 
     def refuse(parent: dist.ProcessGroup) -> None:
         raise RuntimeError("no group today")

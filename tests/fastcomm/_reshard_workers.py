@@ -21,8 +21,8 @@ from _hooks_workers import batch_for, make_mlp
 from torch import nn
 
 import fastcomm
+from fastcomm.collectives._lane import lane_for
 from fastcomm.compress import QuantCompressor, TopKCompressor
-from fastcomm.hooks._lane import lane_for
 from fastcomm.hooks.momentum import CompressedAdamState
 
 DIMS = (13, 37, 29, 5)  # parameters of 481, 37, 1073, 29, 145 and 5 elements

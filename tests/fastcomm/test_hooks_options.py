@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _fault_workers as faults  # noqa: E402
 
 import fastcomm  # noqa: E402
+from fastcomm.collectives._layout import piece_ranges  # noqa: E402
 from fastcomm.hooks import sign  # noqa: E402
-from fastcomm.hooks._twophase import piece_ranges  # noqa: E402
 
 TopK, Quant, Sign, Cast = fastcomm.TopKState, fastcomm.QuantState, fastcomm.SignState, fastcomm.CastState
 

@@ -1,4 +1,4 @@
-"""hooks._threads: callbacks are counted until their future drops them, and exit waits for that."""
+"""collectives._threads: callbacks are counted until their future drops them, and exit waits for that."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from fastcomm.hooks import _threads
+from fastcomm.collectives import _threads
 
 
 def _complete_on_a_thread(future: torch.futures.Future, value: torch.Tensor) -> threading.Thread:

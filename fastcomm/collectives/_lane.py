@@ -1,10 +1,10 @@
-"""The phase-2 lane of the two-phase hooks: a thread and a second process group per user process group.
+"""The phase-2 lane: a thread and a second process group per user process group.
 
-With ``overlap_phase2=True`` (CPU buckets) a lane finishes two-phase buckets in the order their hook calls
-submitted them, each piece as soon as its phase 1 arrives, and issues phase 2 on a second process group
-over the same ranks that nothing else uses. Each group then sees one thread issue collectives in bucket
-order, the same on every rank. Phase 2 of the first bucket no longer waits for the second bucket's hook
-call (on a 1 Gbit/s link that idle gap was ~55 ms of a 0.35 s step).
+An exchange of two dependent collectives (two-phase, two allreduces) issues its first on the caller's
+group and thread; the lane issues the second as soon as the first arrives, on a second process group over
+the same ranks that nothing else uses, in the order the exchanges were submitted. Each group then sees one
+thread issue collectives in one order, the same on every rank, and no second collective waits for the
+caller's next call (in the DDP hooks, on a 1 Gbit/s link that idle gap was ~55 ms of a 0.35 s step).
 """
 
 from __future__ import annotations
@@ -13,13 +13,33 @@ import threading
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from fastcomm.hooks._threads import OrderedWorker
+from fastcomm.collectives._threads import OrderedWorker
 
-__all__ = ["Lane", "lane_for", "timeout_of"]
+__all__ = ["Lane", "SecondCollective", "finish_on_lane", "lane_for", "timeout_of"]
+
+
+class SecondCollective(Protocol):
+    """An exchange whose first collective is in flight; :meth:`finish` issues its second."""
+
+    future: torch.futures.Future
+
+    def finish(self, group: dist.ProcessGroup | None = None) -> None:
+        """Wait for the first collective, then issue the second over ``group`` (default: the first's)."""
+        ...
+
+
+def finish_on_lane(pending: SecondCollective, group: dist.ProcessGroup) -> None:
+    """``pending.finish`` on a lane's thread and group; a failure reaches the waiter through the future."""
+    try:
+        pending.finish(group)
+    except Exception as error:  # noqa: BLE001 - handed to whoever waits on the exchange
+        if not pending.future.done():
+            pending.future.set_exception(error)
 
 
 class Lane:
@@ -60,8 +80,6 @@ def timeout_of(group: dist.ProcessGroup) -> timedelta | None:
     except (AttributeError, RuntimeError):
         return None
 
-
-_timeout_of = timeout_of  # the name fastcomm/hooks/_groups.py imported first
 
 # process group -> its lane, or None where none could be made. The entry keeps the group alive until exit
 # (destroy_process_group shuts both groups down). A version holding groups weakly, ending a lane's thread

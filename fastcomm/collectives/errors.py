@@ -1,6 +1,7 @@
-"""The error a hook raises when a collective with the other ranks fails, and the helper that raises it.
+"""The error raised when a collective with the other ranks fails, and the helper that raises it.
 
-A hook returns a future; DDP waits on it at the end of backward. A callback chained with ``then`` must read
+Compressed collectives (:mod:`fastcomm.collectives`) and the DDP hooks built on them raise it. A hook
+returns a future; DDP waits on it at the end of backward. A callback chained with ``then`` must read
 its input with ``value()``: that is what re-raises a failed collective (gloo's "Connection closed by peer",
 "Timed out waiting ...") in the callback, which then fails the hook's future, so the backward that waited on
 it raises instead of training on with stale buffers.
@@ -20,11 +21,11 @@ __all__ = ["PeerCollectiveError", "collective_value"]
 
 
 class PeerCollectiveError(RuntimeError):
-    """A collective of a fastcomm hook failed: a peer died, was stopped past the timeout, or the link dropped.
+    """A fastcomm collective failed: a peer died, was stopped past the timeout, or the link dropped.
 
     Args:
-        where: the state and collective that failed, e.g. ``"TopKState all-gather"``.
-        bucket: the DDP bucket index.
+        where: the state (or function) and collective that failed, e.g. ``"TopKState all-gather"``.
+        bucket: the DDP bucket index, or ``None`` outside a hook (:mod:`fastcomm.collectives`).
         reason: the original error (also chained as ``__cause__`` where raised with ``from``).
 
     Example::
@@ -36,19 +37,19 @@ class PeerCollectiveError(RuntimeError):
                 ...  # restart from the last checkpoint
     """
 
-    def __init__(self, where: str, bucket: int, reason: BaseException) -> None:
+    def __init__(self, where: str, bucket: int | None, reason: BaseException) -> None:
         self.where, self.bucket, self.reason = where, bucket, reason
+        on = "" if bucket is None else f" on bucket {bucket}"
         super().__init__(
             f"fastcomm {where}: a collective with the other ranks failed (a peer died, was stopped past the "
-            f"process group's timeout, or the network dropped) on bucket {bucket}: "
-            f"{type(reason).__name__}: {reason}"
+            f"process group's timeout, or the network dropped){on}: {type(reason).__name__}: {reason}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.where, self.bucket, self.reason)
 
 
-def collective_value(future: torch.futures.Future, where: str, bucket: int) -> Any:
+def collective_value(future: torch.futures.Future, where: str, bucket: int | None) -> Any:
     """``future.value()``, a failure raised as :class:`PeerCollectiveError` chained to the original error.
 
     Example::

@@ -1,0 +1,110 @@
+"""fastcomm.collectives on 2 and 4 gloo ranks, each case against a plain simulation, bit for bit.
+
+The ranks run every case of ``_collectives_workers.cases`` in one process group per world size (a module
+fixture); each case is its own test here. The arguments' checks run on a 1-rank group in this process.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastcomm
+from fastcomm.compress import PowerSGDCompressor, QuantCompressor, TopKCompressor
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _collectives_workers as workers  # noqa: E402
+import _hooks_workers  # noqa: E402
+
+WORLDS = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """World size -> case -> per-rank outcome ("ok" or the traceback)."""
+    found = {}
+    for world in WORLDS:
+        workdir = tmp_path_factory.mktemp(f"collectives{world}")
+        _hooks_workers.spawn(workdir, world, workers.run_all, str(workdir), timeout_s=240)
+        per_rank = [json.loads((workdir / f"results_{r}.json").read_text()) for r in range(world)]
+        found[world] = {key: [ranks[key] for ranks in per_rank] for key in per_rank[0]}
+    return found
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", sorted(workers.cases(2)))
+def test_collective_matches_the_simulation(outcomes, world, case):
+    failures = [text for text in outcomes[world][case] if text != "ok"]
+    assert not failures, failures[0]
+
+
+def test_every_case_ran(outcomes):
+    for world in WORLDS:
+        assert sorted(outcomes[world]) == sorted(workers.cases(world))
+
+
+# ---------------------------------------------------------------------------- argument checks (1 rank)
+def test_reduce_scatter_refuses_a_non_blockwise_compressor(one_rank):
+    with pytest.raises(TypeError, match="blockwise"):
+        fastcomm.collectives.reduce_scatter(torch.empty(8), torch.randn(8), TopKCompressor(k=2))
+
+
+def test_reduce_scatter_checks_the_sizes(one_rank):
+    with pytest.raises(ValueError, match="shards"):
+        fastcomm.collectives.reduce_scatter(torch.empty(7), torch.randn(8), QuantCompressor(bits=8))
+
+
+def test_all_gather_checks_the_sizes(one_rank):
+    with pytest.raises(ValueError, match="inputs"):
+        fastcomm.collectives.all_gather(torch.empty(9), torch.randn(8), QuantCompressor(bits=8))
+
+
+def test_all_reduce_refuses_a_non_contiguous_tensor(one_rank):
+    with pytest.raises(ValueError, match="contiguous"):
+        fastcomm.collectives.all_reduce(torch.randn(8, 8).t(), QuantCompressor(bits=8))
+
+
+def test_all_reduce_refuses_an_integer_tensor(one_rank):
+    with pytest.raises(TypeError, match="floating-point"):
+        fastcomm.collectives.all_reduce(torch.arange(8), QuantCompressor(bits=8))
+
+
+def test_all_reduce_refuses_another_reduce_op(one_rank):
+    with pytest.raises(ValueError, match="ReduceOp"):
+        fastcomm.collectives.all_reduce(torch.randn(8), QuantCompressor(bits=8), op=dist.ReduceOp.MAX)
+
+
+def test_all_reduce_refuses_what_is_not_a_compressor(one_rank):
+    with pytest.raises(TypeError, match="Compressor"):
+        fastcomm.collectives.all_reduce(torch.randn(8), object())
+
+
+def test_a_residual_serves_one_size(one_rank):
+    residual = fastcomm.collectives.Residual()
+    fastcomm.collectives.all_reduce(torch.randn(64), QuantCompressor(bits=8), residual=residual)
+    with pytest.raises(ValueError, match="one Residual per tensor"):
+        fastcomm.collectives.all_reduce(torch.randn(65), QuantCompressor(bits=8), residual=residual)
+
+
+def test_one_rank_all_reduce_keeps_what_compression_dropped(one_rank):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    residual = fastcomm.collectives.Residual()
+    tensor = x.clone()
+    fastcomm.collectives.all_reduce(
+        tensor, QuantCompressor(bits=4, block=32, stochastic=False), residual=residual
+    )
+    assert not torch.equal(tensor, x)  # 4-bit codes are lossy
+    owed = residual.worker + residual.server[:1000]  # one rank: its segment is the whole tensor
+    torch.testing.assert_close(tensor + owed, x, rtol=0, atol=1e-5)
+
+
+def test_residual_state_dict_round_trips(one_rank):
+    residual = fastcomm.collectives.Residual()
+    fastcomm.collectives.all_reduce(torch.randn(100), PowerSGDCompressor(rank=1), residual=residual,
+                                    shapes=[torch.Size([10, 10])])  # fmt: skip
+    again = fastcomm.collectives.Residual()
+    again.load_state_dict(residual.state_dict())
+    assert torch.equal(again.worker, residual.worker)
