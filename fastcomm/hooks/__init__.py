@@ -36,7 +36,7 @@ from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
 from fastcomm.hooks.powersgd import PowerSGDState, powersgd_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
-from fastcomm.hooks.registry import HOOKS, HookName, Registered, add_compressor, register
+from fastcomm.hooks.registry import HOOKS, HookName, Registered, add_compressor, compressor_of, register
 from fastcomm.hooks.sign import SignState, sign_hook
 from fastcomm.hooks.topk import TopKState, topk_hook
 
@@ -56,6 +56,7 @@ __all__ = [
     "add_compressor",
     "cast_hook",
     "compressor_hook",
+    "compressor_of",
     "default_state",
     "powersgd_hook",
     "quantize_hook",

@@ -17,7 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fastcomm.compress.cast import CastCompressor
+from fastcomm.compress.powersgd import PowerSGDCompressor
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
+from fastcomm.compress.quantize import QuantCompressor
+from fastcomm.compress.sign import SignCompressor
 from fastcomm.hooks._base import HookState
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
@@ -26,7 +29,7 @@ from fastcomm.hooks.quantize import QuantState, quantize_hook
 from fastcomm.hooks.sign import SignState, sign_hook
 from fastcomm.hooks.topk import TopKState, topk_hook
 
-__all__ = ["HOOKS", "HookName", "Registered", "add_compressor", "build_state", "hook_of"]
+__all__ = ["HOOKS", "HookName", "Registered", "add_compressor", "build_state", "compressor_of", "hook_of"]
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 CompressorFactory = Callable[..., Compressor | AllreduceCompressor]
@@ -53,6 +56,8 @@ class Registered:
     state: type[HookState]
     hook: Hook
     compressor: CompressorFactory | None = None
+    # a built-in hook's exchange as a compressor of flat tensors (fastcomm.collectives), from its options
+    flat: CompressorFactory | None = None
 
     def build(self, name: str, options: dict[str, Any]) -> HookState:
         """The state for ``register(ddp, name, **options)``; a bad option: ``TypeError`` naming ``name``."""
@@ -77,12 +82,28 @@ class Registered:
         return CompressorState(compressor, **state_options)
 
 
+def _quantize(bits: int = 8, block: int = 256, stochastic: bool = True) -> QuantCompressor:
+    return QuantCompressor(bits, block, stochastic)
+
+
+def _sign(chunk: int = 2048) -> SignCompressor:
+    return SignCompressor(chunk)
+
+
+def _cast(dtype: torch.dtype = torch.bfloat16) -> CastCompressor:
+    return CastCompressor(dtype)
+
+
+def _powersgd(rank: int = 4, warm_start: bool = True, orthogonalization: str = "qr") -> PowerSGDCompressor:
+    return PowerSGDCompressor(rank, warm_start, orthogonalization)
+
+
 HOOKS: dict[str, Registered] = {
     HookName.TOPK.value: Registered(TopKState, topk_hook),
-    HookName.QUANTIZE.value: Registered(QuantState, quantize_hook),
-    HookName.SIGN.value: Registered(SignState, sign_hook),
-    HookName.CAST.value: Registered(CastState, cast_hook),
-    HookName.POWERSGD.value: Registered(PowerSGDState, powersgd_hook),
+    HookName.QUANTIZE.value: Registered(QuantState, quantize_hook, flat=_quantize),
+    HookName.SIGN.value: Registered(SignState, sign_hook, flat=_sign),
+    HookName.CAST.value: Registered(CastState, cast_hook, flat=_cast),
+    HookName.POWERSGD.value: Registered(PowerSGDState, powersgd_hook, flat=_powersgd),
     # cast_hook's bf16/fp16 as a compressor: error feedback, node_size
     "cast16": Registered(CompressorState, compressor_hook, CastCompressor),
 }
@@ -124,6 +145,37 @@ def build_state(name: str, options: dict[str, Any]) -> tuple[HookState, Hook]:
         known = ", ".join(repr(n) for n in HOOKS)
         raise ValueError(f"unknown hook {name!r}; known hooks: {known}")
     return registered.build(key, options), registered.hook
+
+
+def compressor_of(name: str | HookName, options: dict[str, Any]) -> Compressor | AllreduceCompressor:
+    """The compressor of flat tensors that ``name`` stands for (for :mod:`fastcomm.collectives` users).
+
+    A built-in hook gives its exchange's compressor from its compression options (``"quantize"``:
+    ``bits``, ``block``, ``stochastic``; ``"sign"``: ``chunk``; ``"cast"``: ``dtype``; ``"powersgd"``:
+    ``rank``, ``warm_start``, ``orthogonalization``); a compressor row, its factory's.
+
+    Raises:
+        ValueError: ``name`` is in no row, or is ``"topk"`` (its k is a fraction of a bucket).
+        TypeError: an option the compressor does not take, naming ``name``.
+
+    Example::
+
+        compressor = fastcomm.hooks.compressor_of("quantize", {"bits": 4})
+    """
+    key = name.value if isinstance(name, HookName) else name
+    registered = HOOKS.get(key) if isinstance(key, str) else None
+    if registered is None:
+        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(repr(n) for n in HOOKS)}")
+    factory = registered.compressor or registered.flat
+    if factory is None:
+        raise ValueError(
+            f"{key!r} has no compressor of flat tensors (top-k keeps a fraction of each bucket): pass "
+            f"fastcomm.compress.TopKCompressor(k=...) itself"
+        )
+    try:
+        return factory(**options)
+    except TypeError as error:
+        raise TypeError(f"compressor {key!r}: {error}") from error
 
 
 def hook_of(state: HookState) -> Hook:

@@ -12,12 +12,29 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from fastcomm.hooks._base import HookState
-from fastcomm.hooks._names import HOOKS, HookName, Registered, add_compressor, build_state, hook_of
+from fastcomm.hooks._names import (
+    HOOKS,
+    HookName,
+    Registered,
+    add_compressor,
+    build_state,
+    compressor_of,
+    hook_of,
+)
 from fastcomm.hooks._registered import refuse_second_hook
 from fastcomm.hooks.momentum import register_optimizer
 from fastcomm.optim import CompressedAdam
 
-__all__ = ["HOOKS", "HookName", "Registered", "add_compressor", "build_state", "hook_of", "register"]
+__all__ = [
+    "HOOKS",
+    "HookName",
+    "Registered",
+    "add_compressor",
+    "build_state",
+    "compressor_of",
+    "hook_of",
+    "register",
+]
 
 
 def register(

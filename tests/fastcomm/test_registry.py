@@ -80,3 +80,27 @@ def test_a_powersgd_checkpoint_saved_as_a_compressor_state_loads_into_powersgd_s
     assert merged["type"] == "PowerSGDState" and merged["options"]["rank"] == 2
     with pytest.raises(ValueError, match="CompressorState"):
         PowerSGDState().load_state_dict(CompressorState(CastCompressor()).state_dict())
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "expected"),
+    [
+        ("quantize", {"bits": 4}, "QuantCompressor(bits=4"),
+        ("sign", {"chunk": 64}, "SignCompressor(chunk=64"),
+        ("cast", {}, "CastCompressor(dtype=torch.bfloat16"),
+        ("powersgd", {"rank": 2}, "PowerSGDCompressor(rank=2"),
+        ("cast16", {"dtype": torch.float16}, "CastCompressor(dtype=torch.float16"),
+    ],
+)
+def test_compressor_of_gives_the_named_exchange(name, options, expected):
+    assert repr(fastcomm.hooks.compressor_of(name, options)).startswith(expected)
+
+
+def test_compressor_of_topk_says_what_to_use():
+    with pytest.raises(ValueError, match="TopKCompressor"):
+        fastcomm.hooks.compressor_of("topk", {})
+
+
+def test_compressor_of_an_unknown_option_names_the_compressor():
+    with pytest.raises(TypeError, match="'quantize'"):
+        fastcomm.hooks.compressor_of("quantize", {"ratio": 0.1})
