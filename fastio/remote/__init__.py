@@ -10,8 +10,9 @@ cached files through its own local source.
   :mod:`fastio.remote.room`: how a reservation waits for room, and the errors of a full cache.
 * :mod:`fastio.remote.working_set`: what a pass keeps pinned at once, checked against ``cache_limit``.
 * :mod:`fastio.remote.progress`: a pass's progress, shared with its worker processes.
-* :mod:`fastio.remote.base`: :class:`RemoteSource` (the cache, the holds, the memoized local sources, the
-  reads); :mod:`fastio.remote.prefetch`: the pass (its plan and the prefetcher thread).
+* :mod:`fastio.remote.shard`: one shard (:class:`Shard`) and how its bytes come into the cache.
+* :mod:`fastio.remote.base`: :class:`RemoteSource` (the pass's plan, the cache, the holds, the memoized
+  local sources, the reads); :mod:`fastio.remote.prefetch`: the prefetcher thread of a pass.
 
 How a pass runs:
 
@@ -48,7 +49,7 @@ Example::
                                  cache_dir="/tmp/fastio-cache", cache_limit="50GB")
 """
 
-from fastio.remote.base import RemoteSource, Shard
+from fastio.remote.base import RemoteSource
 from fastio.remote.cache import CacheFullError, CacheStalledError, ShardCache, parse_size
 from fastio.remote.fetch import (
     RemoteAccessError,
@@ -57,6 +58,7 @@ from fastio.remote.fetch import (
     RemoteReadError,
     RetryPolicy,
 )
+from fastio.remote.shard import Shard
 
 __all__ = [
     "CacheFullError",

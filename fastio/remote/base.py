@@ -1,9 +1,9 @@
 """What every remote source shares (:class:`RemoteSource`): the node-local cache, the shards brought into it
-and held there, the progress counts, and the memoized local sources batches are read through. How a pass
-runs is :mod:`fastio.remote`'s docstring; the pass itself (planning, the prefetcher) is
-:mod:`fastio.remote.prefetch`. A format's remote source (``fastio/format/<name>/remote.py``) subclasses it
-and says what its shards are, how a cached shard is opened, and the local source that reads them; this
-module knows no format.
+and held there, the progress counts, the plan of each pass, and the memoized local sources batches are read
+through. How a pass runs is :mod:`fastio.remote`'s docstring; its prefetcher thread is
+:class:`fastio.remote.prefetch.Prefetcher`, built with what it needs. A format's remote source
+(``fastio/format/<name>/remote.py``) subclasses it and says what its shards are, how a cached shard is
+opened, and the local source that reads them; this module knows no format.
 
 Example::
 
@@ -15,8 +15,6 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import hashlib
 import os
 import threading
 import time
@@ -24,60 +22,23 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
-from fastio.errors import CorruptShardError, FastIOError
 from fastio.remote.cache import ShardCache
-from fastio.remote.fetch import (
-    RangeReader,
-    RemoteError,
-    RetryPolicy,
-    download,
-    redact,
-)
-from fastio.remote.prefetch import POLL_S, PassPrefetch
+from fastio.remote.fetch import RetryPolicy, redact
+from fastio.remote.prefetch import POLL_S, Prefetcher
 from fastio.remote.progress import COUNTERS, SharedProgress
 from fastio.remote.room import RoomWatch
+from fastio.remote.shard import Shard, write_shard
 from fastio.remote.working_set import check_batch, check_pass
 from fastio.sources.base import ReadPlan, Source, StageTimes
 from fastio.sources.buffers import BatchBuffers
 
-__all__ = ["RemoteSource", "Shard", "cache_for", "cache_key"]
+__all__ = ["RemoteSource", "cache_for"]
 
 _MEMO = 8  # local sources kept for recent shard sets
-
-
-@dataclasses.dataclass
-class Shard:
-    """One shard: where it is, what the cache calls it, and its sizes (``local_size``: bytes of the cached
-    file, None until known for a shard stored encoded; ``index_bytes``: what is cached beside it and evicted
-    with it, a tar's index).
-
-    ``unpack``: None when the cached file is the remote object's bytes; else ``unpack(raw, out) -> bytes
-    written``, which turns the remote stream into the cached file (a compressed tar's decompression, given
-    by its format), ``encoding`` naming what it undoes in errors (``"gzip"``)."""
-
-    url: str
-    key: str
-    remote_size: int
-    local_size: int | None
-    num_samples: int = 0
-    index_bytes: int = 0
-    encoding: str | None = None
-    unpack: Callable[[IO[bytes], IO[bytes]], int] | None = None
-
-    @property
-    def footprint(self) -> int:
-        """Bytes the shard takes in the cache."""
-        return (self.local_size or self.remote_size) + self.index_bytes
-
-
-def cache_key(url: str, name: str) -> str:
-    """``<digest of the shard's folder URL>/<name>``: one folder per remote folder, without credentials."""
-    folder = redact(url).rsplit("/", 1)[0]
-    return f"{hashlib.sha256(folder.encode()).hexdigest()[:16]}/{name}"
 
 
 _SOURCES: weakref.WeakSet[RemoteSource] = weakref.WeakSet()
@@ -103,9 +64,10 @@ class _Entry:
         self.delta[list(shards)] = starts - cumulative[list(shards)]
 
 
-class RemoteSource(PassPrefetch, Source):
-    """What the remote sources share: the cache, the prefetcher, the progress counts, the memoized local
-    sources (see the module docstring). Subclasses say how a cached shard is opened and read.
+class RemoteSource(Source):
+    """What the remote sources share: the cache, the pass (:meth:`prepare`, its
+    :class:`fastio.remote.prefetch.Prefetcher`), the progress counts, the memoized local sources (see the
+    module docstring). Subclasses say how a cached shard is opened and read.
 
     Args:
         shards: the shards in storage order (filled by the subclass).
@@ -142,14 +104,11 @@ class RemoteSource(PassPrefetch, Source):
         self._opened: dict[int, tuple[Any, int]] = {}  # shard -> (opened, inode of the cached file)
         self._holds: dict[int, int] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: dict[int, concurrent.futures.Future[None]] = {}
         self._failed: dict[int, BaseException] = {}  # downloads of this pass that failed for good
-        self._prefetcher: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._prefetcher: Prefetcher | None = None
         self._progress: SharedProgress | None = None
-        self._expected: np.ndarray | None = None
-        self._order_pos: np.ndarray | None = None
-        self._prefetch_held: set[int] = set()
+        self._expected: np.ndarray | None = None  # samples each shard serves this pass (None: unknown)
+        self._order_pos: np.ndarray | None = None  # each shard's place in the pass's read order
         self._full: Any = None  # one local source over every shard, once the whole set is cached and kept
         self._plan = ReadPlan()
         _SOURCES.add(self)
@@ -175,36 +134,70 @@ class RemoteSource(PassPrefetch, Source):
     def _after_download(self, shard: int, path: Path) -> None:
         """Work once a shard is in the cache (a tar's sidecar beside it); default: none."""
 
+    # -- the pass ------------------------------------------------------------------------------------------
+    def prepare(self, shard_order: np.ndarray, epoch: int, indices: np.ndarray | None = None) -> None:
+        """Plan the pass (see the module docstring): count what each shard serves, check the working set,
+        start a :class:`fastio.remote.prefetch.Prefetcher` (none once the whole set is cached and kept).
+
+        Example::
+
+            source.prepare(np.array([2, 0, 1]), epoch=0, indices=np.arange(source.num_samples))
+        """
+        self._stop_prefetch()
+        self._drop_idle(lambda shards: True)  # the last pass's: their pins would hold shards not read soon
+        order = np.asarray(shard_order, dtype=np.int64)
+        expected = None
+        if indices is not None:
+            shard_of = np.searchsorted(self.cumulative, np.asarray(indices), side="right") - 1
+            expected = np.bincount(shard_of, minlength=len(self.shards)).astype(np.float64)
+            self._check_working_set(shard_of)
+        for info in self.shards:
+            self.cache.unmark_read(info.key)
+        self._progress, self._expected = SharedProgress(len(self.shards)), expected
+        position = np.full(len(self.shards), len(order), dtype=np.int64)
+        position[order] = np.arange(len(order))
+        self._order_pos = position
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.download_threads, thread_name_prefix="fastio-download"
+            )
+        self._failed = {}
+        if self._full is None and self._keep_mapped() and all(map(self._cached, range(len(self.shards)))):
+            self._full = self._whole_set()
+        if self._full is not None:
+            return  # every shard is cached and mapped: nothing to download, batches read the whole set
+        self._prefetcher = Prefetcher(
+            self.shards, self.cache, order, self._progress, expected, ahead=self.ahead, pool=self._pool,
+            failed=self._failed, hold=self._hold, release=self._release, fill=self._fill, let_go=self._let_go,
+        )  # fmt: skip
+        self._prefetcher.start()
+
+    def _stop_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
+
+    def _cached(self, shard: int) -> bool:
+        info = self.shards[shard]
+        return info.local_size is not None and self.cache.has(info.key, info.local_size)
+
+    def _whole_set(self) -> _Entry:
+        """The local source over every shard (each held for the source's life): what a local loader reads,
+        so a cached epoch costs what a local one does."""
+        entry = self._entry(tuple(range(len(self.shards))))  # holds every shard while the entry lives
+        with self._lock:
+            entry.refs += 1  # never idle: it is not dropped from the memo
+        return entry
+
     # -- bringing shards in --------------------------------------------------------------------------------
     def _write(self, shard: int, part: Path) -> None:
-        """Download shard ``shard`` into ``part`` (unpacking it on the way when it is stored encoded)."""
-        info = self.shards[shard]
-        progress = self._progress
+        write_shard(self.shards[shard], part, self.retry, self.storage_options, self._progress)
 
-        def counted(n: int) -> None:
-            if progress is not None:
-                progress.add("downloaded_bytes", n)
-
-        def retried(attempt: int, cause: str) -> None:
-            if progress is not None:
-                progress.add("retries", 1)
-
-        if info.unpack is None:
-            download(info.url, part, info.remote_size, self.retry, self.storage_options, counted, retried)
-        else:
-            raw = RangeReader(info.url, info.remote_size, self.retry, self.storage_options, counted, retried)
-            with raw, open(part, "r+b" if part.exists() else "wb") as out:
-                try:
-                    written = info.unpack(raw, out)
-                except (RemoteError, FastIOError, ImportError):
-                    raise
-                except Exception as exc:  # the unpacker's own errors (gzip: OSError/EOFError, ZstdError)
-                    raise CorruptShardError(
-                        redact(info.url), "compressed stream", f"a whole {info.encoding} stream", repr(exc)
-                    ) from None
-                out.truncate(written)
-        if progress is not None:
-            progress.add("downloads", 1)
+    def _fill(self, shard: int, job: Any) -> None:
+        """Download a reserved shard into its cache entry, checked, with its after-download work."""
+        self._write(shard, job.part)
+        job.finish(lambda part: self._check_download(shard, part))
+        self._after_download(shard, self.cache.path(self.shards[shard].key))
 
     def _materialize(self, shard: int, watch: RoomWatch | None = None) -> Path:
         """Shard ``shard`` in the cache (the caller holds it), downloading it here if no process has."""
@@ -260,7 +253,8 @@ class RemoteSource(PassPrefetch, Source):
         try:
             watch = self.cache.watch(info.key)
             self._await_turn(shard, watch)
-            future = self._inflight.get(shard) if self._owner() else None
+            prefetcher = self._prefetcher if self._owner() else None
+            future = prefetcher.inflight.get(shard) if prefetcher is not None else None
             if future is not None:
                 future.result()
             return self._materialize(shard, watch)
@@ -304,9 +298,8 @@ class RemoteSource(PassPrefetch, Source):
         """In a forked worker: no prefetcher, no pool, no pins (the cache dropped the inherited ones)."""
         self._lock = threading.Lock()
         self._memo = OrderedDict()
-        self._opened, self._holds, self._inflight, self._failed = {}, {}, {}, {}
-        self._pool, self._prefetcher, self._prefetch_held = None, None, set()
-        self._stop = threading.Event()
+        self._opened, self._holds, self._failed = {}, {}, {}
+        self._pool, self._prefetcher = None, None  # the parent's: its thread and its pins stay there
         if self._progress is not None:
             self._progress.lock = threading.Lock()
 
@@ -388,7 +381,7 @@ class RemoteSource(PassPrefetch, Source):
                 entry.refs -= 1
         if progress is not None:
             progress.add_consumed(shards, counts.astype(np.float64), front)
-            done = self._finished(progress, shards)
+            done = progress.finished(self._expected, shards)
             if not self._owner():  # the planning process's prefetcher marks its own
                 for shard in shards[done[shards]].tolist():
                     self.cache.mark_read(self.shards[shard].key)
@@ -434,10 +427,11 @@ class RemoteSource(PassPrefetch, Source):
         with self._lock:
             idle = [k for k, e in self._memo.items() if e.refs == 0]
         if idle:
-            done = self._finished(progress, np.unique(np.concatenate([np.array(k, np.int64) for k in idle])))
+            shards = np.unique(np.concatenate([np.array(k, np.int64) for k in idle]))
+            done = progress.finished(self._expected, shards)
             self._drop_idle(lambda k: bool(done[list(k)].any()))
-        if self._owner():
-            self._sweep(progress)
+        if self._owner() and self._prefetcher is not None:
+            self._prefetcher.sweep()
 
     def _drop_idle(self, stale: Callable[[tuple[int, ...]], bool]) -> None:
         """Forget the idle local sources whose shard tuple is ``stale(shards)``, and their pins."""

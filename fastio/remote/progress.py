@@ -79,6 +79,18 @@ class SharedProgress:
         with self.lock:
             self.counters[row, COUNTERS.index(counter)] += value
 
+    def finished(self, expected: np.ndarray | None, shards: np.ndarray | None = None) -> np.ndarray:
+        """Which shards have had all the samples ``expected`` of them (per shard) served this pass (of
+        ``shards`` only, when given: the others read False); none when ``expected`` is unknown."""
+        done = np.zeros(self.consumed.shape[1], dtype=bool)
+        if expected is None:
+            return done
+        if shards is None:
+            done[:] = (expected > 0) & (self.consumed.sum(axis=0) >= expected)
+        else:
+            done[shards] = (expected[shards] > 0) & (self.consumed[:, shards].sum(axis=0) >= expected[shards])
+        return done
+
     def totals(self) -> dict[str, float]:
         sums = self.counters.sum(axis=0)
         return {name: float(v) for name, v in zip(COUNTERS, sums, strict=True)}

@@ -22,12 +22,13 @@ from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.shards.schema import schema_from_json
 from fastio.format.shards.source import ShardSource, fixed_specs_of
-from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
+from fastio.remote.base import RemoteSource, cache_for
 from fastio.remote.fetch import (
     RetryPolicy,
     read_bytes,
     redact,
 )
+from fastio.remote.shard import Shard, cache_key
 
 __all__ = ["RemoteShardSource", "open_remote_shards"]
 

@@ -37,7 +37,7 @@ from fastio.format.tar.compression import compression_of, decompress, decompress
 from fastio.format.tar.decode import npy_layout
 from fastio.format.tar.index import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
 from fastio.format.tar.source import NpySpec, TarLayout, TarSource, decide_layout
-from fastio.remote.base import RemoteSource, Shard, cache_for, cache_key
+from fastio.remote.base import RemoteSource, cache_for
 from fastio.remote.fetch import (
     RemoteNotFoundError,
     RetryPolicy,
@@ -47,6 +47,7 @@ from fastio.remote.fetch import (
     remote_size,
     with_retries,
 )
+from fastio.remote.shard import Shard, cache_key
 
 __all__ = ["RemoteTarSource", "open_remote_tars"]
 
