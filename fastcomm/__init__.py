@@ -8,6 +8,7 @@ Example::
 
 from fastcomm import collectives, compress, fault, integrations, ops
 from fastcomm.checkpoint import Checkpointer, CheckpointError
+from fastcomm.diloco import DiLoCo
 from fastcomm.hooks import (
     CastState,
     HookName,
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "CompressedAdam",
+    "DiLoCo",
     "HookName",
     "PeerCollectiveError",
     "PowerSGDState",

@@ -1,0 +1,280 @@
+"""DiLoCo and streaming DiLoCo: ranks train apart for ``sync_every`` steps, then average pseudo-gradients.
+
+DiLoCo (Douillard et al., 2023): every rank takes ``H`` inner optimizer steps on its own data with no
+communication; then the ranks average the pseudo-gradient ``global weights - local weights`` and an outer
+SGD with Nesterov momentum applies it to the global weights, which are copied back into the model.
+Streaming DiLoCo (Douillard et al., 2025) cuts the parameters into ``F`` fragments synced on a staggered
+schedule (one every ``H / F`` steps), overlaps each fragment's exchange with the next inner steps and
+applies it up to one fragment period later, and sends low-bit pseudo-gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastcomm.collectives import Residual
+from fastcomm.compress.protocol import AllreduceCompressor, Compressor
+from fastcomm.diloco.fragments import Exchange, Fragment, split_parameters, wire_bytes
+from fastcomm.hooks import compressor_of
+
+__all__ = ["DiLoCo"]
+
+_FORMAT = 1
+
+
+class DiLoCo:
+    """The outer loop of DiLoCo around any inner optimizer: call :meth:`step` where ``optimizer.step()`` was.
+
+    Why an optimizer wrapper (not a context manager): the outer step is a step that happens after some inner
+    steps, so it belongs where the training loop already steps; the loop keeps its shape (``zero_grad``,
+    ``backward``, ``step``), the inner optimizer and its LR schedule stay the user's, and a checkpoint
+    names it like any optimizer.
+
+    Each call of :meth:`step` (or :meth:`after_inner_step`, after an inner step taken by the caller):
+
+    1. Counts one inner step ``s`` (steps count from 1, on every rank alike).
+    2. Applies each exchange due at ``s``: waits for its all-reduce (the ranks' mean pseudo-gradient
+       ``delta``), then the outer Nesterov SGD on the fragment's global weights (fp32)::
+
+           momentum = outer_momentum * momentum + delta
+           global  -= outer_lr * (delta + outer_momentum * momentum)      # nesterov=False: momentum
+
+       and writes them into the model. An exchange applied ``d`` steps after it was issued keeps the
+       ``d`` local steps taken meanwhile: ``local = global + (local now - local at the send)`` (with
+       ``d = 0``, ``local = global``).
+    3. Issues the exchange of every fragment ``f`` whose turn it is (``s % sync_every ==
+       (f + 1) * sync_every / fragments % sync_every``): the pseudo-gradient ``global - local`` is averaged
+       by :func:`fastcomm.collectives.all_reduce` through the compressor with error feedback (one
+       :class:`~fastcomm.collectives.Residual` per fragment, kept across syncs), or by a plain fp32
+       ``dist.all_reduce`` (``compressor=None``); it is applied ``delay`` steps later (0: at once).
+
+    No DDP wrapper: each rank trains on its own data between syncs. Give each rank a disjoint stream, e.g.
+    ``fastio.StreamLoader(path, rank=rank, world_size=world, ...)``, which splits every epoch's order
+    over the ranks. The models must start equal on every rank (seed them alike): the first global weights
+    are the model's weights when this is built. With AMP, the sync is on weights, not gradients: step the
+    inner optimizer through the ``GradScaler`` and call :meth:`after_inner_step` every iteration, also when
+    the scaler skipped the step (the ranks must meet at the same syncs).
+
+    A checkpoint (:meth:`state_dict`) waits for the exchanges in flight and saves their means, so it never
+    holds one in flight: restored at the same world size, a run continues bit for bit, mid-interval too.
+
+    Args:
+        model: the module whose parameters (those that require grad) are synced.
+        inner_optimizer: the optimizer of those parameters (AdamW in the paper); its state is never reset.
+        sync_every: ``H``, inner steps between two syncs of a fragment.
+        outer_lr: the outer SGD's learning rate (0.7 in the paper; 1.0 with ``outer_momentum=0`` is plain
+            averaging).
+        outer_momentum: the outer momentum (0.9 in the paper; see docs/diloco.md for short runs).
+        nesterov: Nesterov momentum (the paper's) or heavy ball.
+        compressor: ``None`` or ``"none"`` (plain fp32 all-reduce), a name of
+            :func:`fastcomm.hooks.compressor_of` (``"quantize"``, ``"sign"``, ``"cast"``, one you added), or a
+            compressor instance.
+        fragments: ``F``, how many fragments are synced in turn (streaming DiLoCo); divides ``sync_every``.
+        delay: steps between the issue of an exchange and its application, ``0 <= delay <= sync_every``
+            (default: 0 with one fragment, ``sync_every / fragments`` with several: overlapped).
+        process_group: the group of the replicas (default: the default group).
+        chunk_bytes: the compressed all-reduce's piece size (default: the collectives' own).
+        **compressor_options: options of the named compressor (``bits=4``, ``block=...``).
+
+    Example::
+
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        outer = fastcomm.DiLoCo(model, inner, sync_every=50, outer_lr=0.7, outer_momentum=0.9,
+                                compressor="quantize", bits=4)
+        for batch in loader:                        # this rank's own batches
+            inner.zero_grad()
+            model(batch).backward()
+            outer.step()                            # inner.step(); every 50 steps, the sync
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        compressor: str | Compressor | AllreduceCompressor | None = None,
+        fragments: int = 1,
+        delay: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        chunk_bytes: int | None = None,
+        **compressor_options: Any,
+    ) -> None:
+        for name, value in (("sync_every", sync_every), ("fragments", fragments)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if sync_every % fragments:
+            raise ValueError(f"fragments ({fragments}) must divide sync_every ({sync_every})")
+        period = sync_every // fragments
+        delay = (0 if fragments == 1 else period) if delay is None else delay
+        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= sync_every:
+            raise ValueError(f"delay must be an int in [0, sync_every={sync_every}], got {delay!r}")
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no parameter that requires grad")
+        held = {id(p) for group in inner_optimizer.param_groups for p in group["params"]}
+        missing = sum(id(p) not in held for p in params)
+        if missing:
+            raise ValueError(f"{missing} of the model's {len(params)} parameters are not in inner_optimizer")
+        if compressor is None or compressor == "none":
+            if compressor_options:
+                raise TypeError(f"compressor None takes no options, got {sorted(compressor_options)}")
+            self.compressor: Compressor | AllreduceCompressor | None = None
+        elif isinstance(compressor, str):
+            self.compressor = compressor_of(compressor, compressor_options)
+        else:
+            self.compressor = compressor
+        self.inner = inner_optimizer
+        self.sync_every, self.delay = sync_every, delay
+        self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
+        self.process_group, self.chunk_bytes = process_group, chunk_bytes
+        self.fragments = [
+            Fragment.of(index, group, (index + 1) * period % sync_every)
+            for index, group in enumerate(split_parameters(params, fragments))
+        ]
+        self.inner_steps = 0
+        self.in_flight: list[Exchange] = []
+        self.syncs = 0
+        self.bytes_sent = 0
+        self.blocked_s = 0.0
+
+    # -------------------------------------------------------------------------------------------- loop
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups."""
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """``inner_optimizer.step(closure)``, then :meth:`after_inner_step`; returns the closure's loss."""
+        loss = self.inner.step() if closure is None else self.inner.step(closure)
+        self.after_inner_step()
+        return loss
+
+    def after_inner_step(self) -> None:
+        """Count one inner step, apply the exchanges due now, and issue the fragments whose turn it is.
+
+        Every rank calls it once per iteration (also when a ``GradScaler`` skipped the inner step).
+        """
+        self.inner_steps += 1
+        step = self.inner_steps
+        for exchange in [e for e in self.in_flight if e.due <= step]:
+            self.in_flight.remove(exchange)
+            self._apply(exchange)
+        world = dist.get_world_size(self.process_group)
+        for fragment in self.fragments:
+            if step % self.sync_every != fragment.offset:
+                continue
+            exchange = Exchange.start(fragment, step=step, due=step + self.delay, compressor=self.compressor,
+                                      group=self.process_group, chunk_bytes=self.chunk_bytes)  # fmt: skip
+            self.bytes_sent += wire_bytes(self.compressor, fragment.numel, world)
+            if self.delay == 0:
+                self._apply(exchange)
+            else:
+                self.in_flight.append(exchange)
+
+    def finish(self) -> None:
+        """Wait for every exchange in flight and apply it now (before evaluating or saving the model)."""
+        while self.in_flight:
+            self._apply(self.in_flight.pop(0))
+
+    def _apply(self, exchange: Exchange) -> None:
+        exchange.settle()
+        self.blocked_s += exchange.blocked_s
+        fragment = self.fragments[exchange.fragment]
+        delta = exchange.mean
+        momentum = fragment.momentum.mul_(self.outer_momentum).add_(delta)
+        update = delta.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
+        fragment.global_weights.add_(update, alpha=-self.outer_lr)
+        if exchange.sent_local is None:
+            fragment.write_local(fragment.global_weights)
+        else:
+            fragment.write_local(fragment.global_weights + (fragment.local_weights() - exchange.sent_local))
+        self.syncs += 1
+
+    def stats(self) -> dict[str, float]:
+        """Inner steps, syncs applied, bytes this rank sent (payload estimate) and seconds spent waiting.
+
+        Example::
+
+            print(outer.stats()["bytes_sent"] / outer.stats()["inner_steps"], "bytes per step")
+        """
+        return {"inner_steps": self.inner_steps, "syncs": self.syncs, "bytes_sent": self.bytes_sent,
+                "blocked_s": self.blocked_s}
+
+    # ---------------------------------------------------------------------------------------- checkpoint
+    def _config(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "delay": self.delay,
+                "numels": [fragment.numel for fragment in self.fragments]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step counter, each fragment's global weights, outer momentum and residual, and the exchanges
+        in flight, waited for (their means). The inner optimizer's state is the inner optimizer's own.
+
+        Example::
+
+            torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
+                        "outer": outer.state_dict()}, path)
+        """
+        return {
+            "format": _FORMAT, "config": self._config(), "inner_steps": self.inner_steps,
+            "syncs": self.syncs, "bytes_sent": self.bytes_sent,
+            "fragments": [{"global_weights": f.global_weights.clone(), "momentum": f.momentum.clone(),
+                           "residual": {k: None if v is None else v.clone()
+                                        for k, v in f.residual.state_dict().items()}}
+                          for f in self.fragments],
+            "in_flight": [exchange.state_dict() for exchange in self.in_flight],
+        }  # fmt: skip
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (``ValueError`` if it is of another configuration)."""
+        if state_dict.get("format") != _FORMAT or state_dict.get("config") != self._config():
+            raise ValueError(f"DiLoCo state of another configuration: saved {state_dict.get('config')}, "
+                             f"this one {self._config()}")
+        for fragment in self.in_flight:
+            fragment.settle()
+        for fragment, saved in zip(self.fragments, state_dict["fragments"], strict=True):
+            fragment.global_weights.copy_(saved["global_weights"])
+            fragment.momentum.copy_(saved["momentum"])
+            fragment.residual = Residual()
+            fragment.residual.load_state_dict(saved["residual"])
+        self.in_flight = [Exchange.from_state_dict(e) for e in state_dict["in_flight"]]
+        self.inner_steps, self.syncs = int(state_dict["inner_steps"]), int(state_dict["syncs"])
+        self.bytes_sent = int(state_dict["bytes_sent"])
+
+    @classmethod
+    def merge_state_dicts(
+        cls, states: Sequence[Mapping[str, Any]], world_size: int, rank: int
+    ) -> tuple[dict[str, Any], str]:
+        """One state for a restart at another world size (used by :class:`fastcomm.Checkpointer`).
+
+        The global weights, momentum, step and the exchanges' means are the same on every old rank: rank
+        0's are kept (with its local weights at a send, as the checkpointer keeps rank 0's model). The
+        residuals are per rank and cut for the old world size: they start empty.
+
+        Example::
+
+            state, why = DiLoCo.merge_state_dicts(old_states, world_size=4, rank=0)
+        """
+        merged = copy.deepcopy(dict(states[0]))
+        for fragment in merged["fragments"]:
+            fragment["residual"] = Residual().state_dict()
+        why = (f"rank 0's global weights, momentum and step (the same on all {len(states)} old ranks); the "
+               f"error-feedback residuals start empty at world size {world_size}")
+        return merged, why
