@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastio.errors import CorruptShardError
+
 __all__ = ["MappedFile", "MappedTable"]
 
 
@@ -71,8 +73,6 @@ class MappedFile:
 
 
 def _truncated_error(file: MappedFile, actual: int, detail: str = "") -> Exception:
-    from fastio.errors import CorruptShardError
-
     return CorruptShardError(
         file.path,
         "file size",

@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from fastio import _native
+from fastio.errors import CorruptShardError
 
 __all__ = ["TarScan", "scan_tar"]
 
@@ -49,8 +50,6 @@ def scan_tar(path: str) -> TarScan:
 
         scan = scan_tar("data/shard-000000.tar")
     """
-    from fastio.errors import CorruptShardError
-
     try:
         if _native._C is not None:
             names, offsets, sizes, problem = _native._C.scan_tar(str(path))
