@@ -26,6 +26,7 @@ Run::
 
     python -m benchmarks.bench_advisor                       # all networks (root for the shaped ones)
     python -m benchmarks.bench_advisor --networks loopback   # no root needed, about 2 minutes
+    python -m benchmarks.bench_advisor --networks loopback --name bench_advisor_16cores   # another machine
 """
 
 from __future__ import annotations
@@ -174,12 +175,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds per configuration")
+    parser.add_argument(
+        "--name", default="bench_advisor", help="the results' file name (another machine's run keeps its own)"
+    )
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the output folder's JSON")
     args = parser.parse_args(argv)
     if args.replot:
-        plot(
-            json.loads((output_dir() / "bench_advisor.json").read_text()), output_dir() / "bench_advisor.png"
-        )
+        plot(json.loads((output_dir() / f"{args.name}.json").read_text()), output_dir() / f"{args.name}.png")
         return "replotted"
     networks = [n for n in args.networks.split(",") if n]
     unknown = sorted(set(networks) - set(NETWORKS))
@@ -245,8 +247,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         rows += _rows(network, outcomes, kwargs, args.steps)
         progress(f"[bench_advisor] {network} done in {time.perf_counter() - started:.0f} s")
     notes += _summary(rows) + _off_notes(rows)
-    table = write_results("bench_advisor", rows, notes=notes, plot_metric="step_time")
-    plot(json.loads((output_dir() / "bench_advisor.json").read_text()), output_dir() / "bench_advisor.png")
+    table = write_results(args.name, rows, notes=notes, plot_metric="step_time")
+    plot(json.loads((output_dir() / f"{args.name}.json").read_text()), output_dir() / f"{args.name}.png")
     return table
 
 
