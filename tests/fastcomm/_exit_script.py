@@ -1,16 +1,19 @@
 """A user's short training script with a fastcomm hook, run many times, counting the runs that exit non-zero.
 
-    python tests/fastcomm/_exit_script.py METHOD RUNS
+    python tests/fastcomm/_exit_script.py METHOD[,METHOD...] RUNS [CONCURRENT]
 
 Each run forks two ranks from this process (torch imported once, so a run costs its training and its exit,
 not an import). Each rank trains a few steps, calls ``dist.destroy_process_group()`` and leaves through a
 normal interpreter exit, with its model, hook state and optimizer still referenced from module globals as in
-a script written at top level: no ``os._exit``, no ``gc.collect()``. Prints ``failed K of RUNS`` and one
-line per failed rank (its signal or exit code and its last output), and exits 0.
+a script written at top level: no ``os._exit``, no ``gc.collect()``. RUNS runs of every METHOD, up to
+CONCURRENT (default 4) runs at a time: a run mostly waits (rendezvous, collectives, the exit wait), and each
+run has its own ranks, port and logs. Prints one line per failed rank (its signal or exit code and its last
+output), then ``METHOD: failed K of RUNS`` for each method, and exits 0.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -18,6 +21,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo  # noqa: F401 - DDP imports it at construction: once here, not in every run's ranks
@@ -59,10 +63,15 @@ def train(method: str, rank: int, port: int) -> None:
     KEEP.extend((ddp, state, optimizer))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: set[int]) -> int:
+    """A free local port that no run of this process was given before (runs overlap)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            taken.add(port)
+            return port
 
 
 def describe(status: int) -> str:
@@ -71,12 +80,30 @@ def describe(status: int) -> str:
     return f"exit code {os.WEXITSTATUS(status)}"
 
 
-def run_once(method: str, logs: str) -> tuple[int, list[str]] | None:
-    """Fork the two ranks of one run. In the parent: (failed ranks, their lines); in a rank: ``None``."""
-    port = free_port()
-    pids = {}
+def last_lines(log: str) -> str:
+    """The rank's last two lines of output, without the leak report nanobind prints at every exit."""
+    with open(log, errors="replace") as f:
+        own = [line for line in f.read().strip().splitlines() if "nanobind" not in line and line[:3] != " - "]
+    return " | ".join(own[-2:])
+
+
+@dataclass
+class Run:
+    method: str
+    index: int
+    deadline: float
+    logs: list[str] = field(default_factory=list)  # by rank
+    pids: list[int] = field(default_factory=list)  # by rank
+    failures: list[str] = field(default_factory=list)
+    exited: int = 0
+
+
+def start(method: str, index: int, logs: str, taken: set[int]) -> Run | None:
+    """Fork the two ranks of one run. In the parent: the run; in a rank: ``None``."""
+    port = free_port(taken)
+    run = Run(method, index, time.monotonic() + RUN_TIMEOUT_S)
     for rank in range(2):
-        log = os.path.join(logs, f"rank{rank}.log")
+        log = os.path.join(logs, f"{method}-{index}-rank{rank}.log")
         pid = os.fork()
         if pid == 0:
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -88,40 +115,58 @@ def run_once(method: str, logs: str) -> tuple[int, list[str]] | None:
                 print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
                 os._exit(1)
             return None  # the rank leaves main() and this interpreter exits as a script's does
-        pids[pid] = (rank, log)
-    failures = []
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while pids:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            if time.monotonic() > deadline:
-                for stuck in pids:
-                    os.kill(stuck, signal.SIGKILL)
-            time.sleep(0.01)
-            continue
-        rank, log = pids.pop(pid)
-        if status != 0:
-            with open(log, errors="replace") as f:
-                tail = " | ".join(f.read().strip().splitlines()[-2:])
-            failures.append(f"rank {rank}: {describe(status)}: {tail}")
-    return len(failures), failures
+        run.logs.append(log)
+        run.pids.append(pid)
+    return run
 
 
 def main() -> int:
-    method, runs = sys.argv[1], int(sys.argv[2])
-    if method not in METHODS:
-        raise SystemExit(f"method must be one of {METHODS}, got {method!r}")
-    failed, lines = 0, []
+    methods, runs = sys.argv[1].split(","), int(sys.argv[2])
+    concurrent = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    unknown = [method for method in methods if method not in METHODS]
+    if unknown:
+        raise SystemExit(f"methods must be among {METHODS}, got {unknown}")
+    # Every rank is forked from this process, whose heap holds torch: without this, each rank's exit
+    # collects, and so copies on write, that whole heap (seconds of CPU per run that a script that was
+    # not forked does not pay). The rank's own objects (model, hook state, futures) are still collected.
+    gc.freeze()
+    # one intra-op thread per rank, as torchrun sets for several ranks on one machine (OMP_NUM_THREADS=1)
+    torch.set_num_threads(1)
+    todo = [(method, index) for index in range(runs) for method in methods]
+    active: list[Run] = []
+    running: dict[int, tuple[Run, int]] = {}  # rank pid -> (its run, its rank)
+    failed = dict.fromkeys(methods, 0)
+    lines: list[str] = []
+    taken: set[int] = set()
     logs = tempfile.mkdtemp()  # not a context manager: a rank returning from here must not remove it
-    for _ in range(runs):
-        outcome = run_once(method, logs)
-        if outcome is None:
-            return 0
-        failed += outcome[0] > 0
-        lines += outcome[1]
+    while todo or running:
+        while todo and len(active) < concurrent:
+            run = start(*todo.pop(0), logs, taken)
+            if run is None:
+                return 0
+            active.append(run)
+            running.update((pid, (run, rank)) for rank, pid in enumerate(run.pids))
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            for stuck, (run, _) in running.items():
+                if time.monotonic() > run.deadline:
+                    os.kill(stuck, signal.SIGKILL)
+            time.sleep(0.01)
+            continue
+        run, rank = running.pop(pid)
+        run.exited += 1
+        if status != 0:
+            run.failures.append(
+                f"{run.method} run {run.index} rank {rank}: {describe(status)}: {last_lines(run.logs[rank])}"
+            )
+        if run.exited == len(run.pids):
+            active.remove(run)
+            failed[run.method] += bool(run.failures)
+            lines += run.failures
     shutil.rmtree(logs)
-    print("\n".join(lines))
-    print(f"failed {failed} of {runs}", flush=True)
+    gc.unfreeze()  # this process was not forked: its own exit collects its heap as usual
+    lines += [f"{method}: failed {failed[method]} of {runs}" for method in methods]
+    print("\n".join(lines), flush=True)
     return 0
 
 
