@@ -288,6 +288,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ]
     if not points:
         return
+    cpus = payload.get("machine", {}).get("cpus", "?")
     fig, ax = plt.subplots(figsize=(7.5, 6.5))
     top = max(max(r["value"], r["extra"]["predicted_s"]) for r in points) * 1.3
     low = min(min(r["value"], r["extra"]["predicted_s"]) for r in points) / 1.3
@@ -326,7 +327,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.set_ylim(low, top)
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("predicted step time (s), fastcomm.advise")
-    ax.set_title("advisor vs measurement: 25.2M-parameter MLP, gloo ranks on 2 CPU cores", fontsize=10)
+    ax.set_title(f"advisor vs measurement: 25.2M-parameter MLP, gloo ranks on {cpus} CPU cores", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(color="#dddddd", linewidth=0.6, which="both")
     fig.tight_layout()
