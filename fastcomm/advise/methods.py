@@ -51,9 +51,11 @@ class Method:
         hook: the :func:`fastcomm.register` name, ``None`` for no hook (dense allreduce).
         options: the register options.
         exchange: ``"allreduce"``, ``"two_phase"``, ``"all_gather"`` or ``"powersgd"``.
-        hierarchical: whether fastcomm runs it two-level (``node_size``); ``None`` gives the reason it
-            does not in ``flat_only``.
-        flat_only: why there is no two-level form, when there is none.
+        flat_only: why fastcomm has no two-level (``node_size``) form of it, when it has none.
+
+    Example::
+
+        Method("quant2", "quantize", {"bits": 2}, "two_phase")   # a row advise.predict(methods=...) prices
     """
 
     name: str
@@ -118,7 +120,7 @@ def _segment(numel: int, ranks: int, block: int) -> int:
 def _codec_passes(method: Method) -> tuple[str, str]:
     """The (compress, decode) kernels of a two-phase method."""
     if method.hook == "quantize":
-        bits = method.options.get("bits", 8)
+        bits = 8 if method.options.get("bits", 8) == 8 else 4  # 2-bit: 4-bit's rates (bench_kernels: alike)
         return f"quantize{bits}", f"dequantize{bits}"
     if method.hook == "sign":
         return "sign_compress", "sign_decompress"
