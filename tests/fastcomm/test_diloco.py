@@ -1,0 +1,153 @@
+"""fastcomm.DiLoCo: the outer loop against a plain simulation (2 and 4 gloo ranks, fp32 and 4-bit with error
+feedback, one fragment and streaming), bit-identical resume through fastcomm.Checkpointer in fresh
+processes, a dead peer at a sync, and the arguments' checks.
+
+The simulation cases run in one process group per world size (a module fixture); each is its own test here.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import fastcomm
+from fastcomm.diloco.fragments import split_parameters
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _diloco_workers as workers  # noqa: E402
+import _hooks_workers  # noqa: E402
+
+WORLDS = (2, 4)
+FAULT_TIMEOUT_S = 5.0  # the replicas' group timeout
+FAULT_LIMIT_S = 60.0  # process start-up, the fault, the report, on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """World size -> case -> per-rank outcome ("ok" or the traceback)."""
+    found = {}
+    for world in WORLDS:
+        workdir = tmp_path_factory.mktemp(f"diloco{world}")
+        _hooks_workers.spawn(workdir, world, workers.run_all, str(workdir), timeout_s=240)
+        per_rank = [json.loads((workdir / f"results_{r}.json").read_text()) for r in range(world)]
+        found[world] = {key: [ranks[key] for ranks in per_rank] for key in per_rank[0]}
+    return found
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", sorted(workers.cases(2)))
+def test_diloco_matches_the_simulation(outcomes, world, case):
+    failures = [text for text in outcomes[world][case] if text != "ok"]
+    assert not failures, failures[0]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """The final weights of an uninterrupted run and of one restored mid-interval in fresh processes."""
+    workdir = tmp_path_factory.mktemp("diloco_resume")
+    _hooks_workers.spawn(workdir, 2, workers.resume_worker, str(workdir), "whole", timeout_s=180)
+    _hooks_workers.spawn(workdir, 2, workers.resume_worker, str(workdir), "resumed", timeout_s=180)
+    return workdir
+
+
+@pytest.mark.parametrize("rank", (0, 1))
+@pytest.mark.parametrize("config", sorted(workers.RESUME_CONFIGS))
+def test_resume_mid_interval_is_bit_identical(resumed, config, rank):
+    whole = torch.load(resumed / f"{config}-whole-{rank}.pt", weights_only=False)
+    again = torch.load(resumed / f"{config}-resumed-{rank}.pt", weights_only=False)
+    for key, value in whole["model"].items():
+        assert torch.equal(value, again["model"][key]), key
+    for saved, restored in zip(whole["outer"]["fragments"], again["outer"]["fragments"], strict=True):
+        assert torch.equal(saved["global_weights"], restored["global_weights"])
+        assert torch.equal(saved["momentum"], restored["momentum"])
+    start = workers._mlp().state_dict()
+    assert any(not torch.equal(start[k], v) for k, v in whole["model"].items()), "nothing trained"
+
+
+def _run_fault(workdir: Path, compressor: str) -> dict:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_hooks_workers._entry, daemon=True,
+                         args=(rank, 2, str(workdir), workers.fault_worker,
+                               (str(workdir), compressor, FAULT_TIMEOUT_S)))
+             for rank in range(2)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + FAULT_LIMIT_S
+    try:
+        while procs[0].is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+    errors = [path.read_text() for path in sorted(workdir.glob("error_*.txt"))]
+    assert not errors, "a rank failed before the fault:\n" + "\n".join(errors)
+    report = workdir / "survivor.json"
+    assert report.exists(), f"the survivor neither raised nor finished within {FAULT_LIMIT_S} s (hang)"
+    return json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("compressor", ("fp32", "q4"))
+def test_a_dead_peer_at_a_sync_raises_peer_collective_error(tmp_path, compressor):
+    report = _run_fault(tmp_path, compressor)
+    assert report["step"] == workers.FAULT_SYNC_STEP, report
+    assert report["type"] == "PeerCollectiveError", report
+    assert "a collective with the other ranks failed" in report["message"], report
+
+
+# ---------------------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("fragments", (1, 2, 3, 5))
+def test_fragments_cover_the_parameters_in_order_and_balance(fragments):
+    params = [nn.Parameter(torch.empty(n)) for n in (301, 7, 55, 1000, 3, 3, 640, 17)]
+    groups = split_parameters(params, fragments)
+    assert [p for g in groups for p in g] == params
+    assert all(groups)
+    sizes = [sum(p.numel() for p in g) for g in groups]
+    largest = max(p.numel() for p in params)
+    assert max(sizes) - min(sizes) <= largest + sum(sizes) // fragments, sizes
+
+
+def _outer(**options):
+    model = nn.Linear(5, 3)
+    return fastcomm.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"sync_every": 0}, "sync_every"),
+        ({"sync_every": 10, "fragments": 3}, "divide"),
+        ({"sync_every": 10, "fragments": 2, "delay": 11}, "delay"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+        ({"outer_lr": 0.0}, "outer_lr"),
+        ({"fragments": 3, "sync_every": 6}, "at most the number of parameters"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(options, match):
+    with pytest.raises(ValueError, match=match):
+        _outer(**options)
+
+
+def test_an_optimizer_of_other_parameters_is_refused():
+    model = nn.Linear(5, 3)
+    with pytest.raises(ValueError, match="not in inner_optimizer"):
+        fastcomm.DiLoCo(model, torch.optim.SGD(nn.Linear(5, 3).parameters(), lr=0.1))
+
+
+def test_a_named_compressor_takes_its_options():
+    outer = _outer(compressor="quantize", bits=4, block=64)
+    assert (outer.compressor.bits, outer.compressor.block) == (4, 64)
+    with pytest.raises(TypeError, match="quantize"):
+        _outer(compressor="quantize", nonsense=1)
+
+
+def test_a_state_of_another_configuration_is_refused():
+    state = _outer(sync_every=10).state_dict()
+    with pytest.raises(ValueError, match="another configuration"):
+        _outer(sync_every=20).load_state_dict(state)
