@@ -1,0 +1,179 @@
+""":func:`compress`: one call that compresses an FSDP2 model's gradient reduction; the state it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
+from fastcomm.compress.protocol import Compressor
+from fastcomm.fsdp.all_gather import QuantizedAllGather
+from fastcomm.fsdp.reduce_scatter import CompressedReduceScatter
+from fastcomm.fsdp.replicate import CompressedReplicaAllReduce
+from fastcomm.hooks import compressor_of
+
+__all__ = ["FSDPCompression", "compress"]
+
+
+@dataclass
+class FSDPCompression:
+    """What :func:`compress` installed, by FSDP module name (``""``: the root): stats and checkpoints.
+
+    Attributes:
+        reductions: one compressed reduction per FSDP module (its parameter group's reduce-scatter, or
+            with ``replicate_group`` its cross-replica all-reduce).
+        gathers: the quantized weight all-gathers (empty unless ``quantized_all_gather=True``).
+
+    Example::
+
+        compression = fastcomm.fsdp.compress(model, "quantize", bits=8)
+        ...
+        print(compression.stats()["compression_ratio"])
+    """
+
+    reductions: dict[str, CompressedReduceScatter | CompressedReplicaAllReduce]
+    gathers: dict[str, QuantizedAllGather]
+
+    def stats(self) -> dict[str, Any]:
+        """Steps (gradient syncs), bytes sent vs dense, the ratio, the residual's bytes on this rank.
+
+        ``sent_bytes`` / ``dense_bytes`` count the compressed collective only (with ``replicate_group``:
+        the cross-replica all-reduce; the in-node reduce-scatter stays dense). ``gather_*``: the weight
+        all-gathers.
+        """
+        reductions = list(self.reductions.values())
+        sent = sum(r.traffic.sent_bytes for r in reductions)
+        dense = sum(r.traffic.dense_bytes for r in reductions)
+        gather_sent = sum(g.traffic.sent_bytes for g in self.gathers.values())
+        gather_dense = sum(g.traffic.dense_bytes for g in self.gathers.values())
+        return {
+            "steps": max((r.traffic.calls for r in reductions), default=0),
+            "sent_bytes": sent,
+            "dense_bytes": dense,
+            "compression_ratio": dense / sent if sent else 1.0,
+            "residual_bytes": sum(r.residual_bytes() for r in reductions),
+            "gather_sent_bytes": gather_sent,
+            "gather_dense_bytes": gather_dense,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each reduction's step counter, traffic and residual (this rank's: save one per rank)."""
+        return {
+            "reductions": {name: r.state_dict() for name, r in self.reductions.items()},
+            "gathers": {name: g.traffic.state_dict() for name, g in self.gathers.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; ``ValueError`` if the FSDP modules differ."""
+        saved = state_dict["reductions"]
+        if sorted(saved) != sorted(self.reductions) or sorted(state_dict["gathers"]) != sorted(self.gathers):
+            raise ValueError(
+                f"the saved compression state is of FSDP modules {sorted(saved)} (gathers "
+                f"{sorted(state_dict['gathers'])}), this model has {sorted(self.reductions)} (gathers "
+                f"{sorted(self.gathers)})"
+            )
+        for name, reduction in self.reductions.items():
+            reduction.load_state_dict(saved[name])
+        for name, gather in self.gathers.items():
+            gather.traffic.load_state_dict(state_dict["gathers"][name])
+
+
+def _fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
+    modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    if not modules:
+        raise TypeError(
+            f"fastcomm.fsdp.compress needs a model with torch.distributed.fsdp.fully_shard applied, got "
+            f"{type(model).__name__} without it"
+        )
+    return modules
+
+
+def _check_mesh(model: nn.Module, replicate_group: dist.ProcessGroup | None) -> None:
+    meshes = {p.device_mesh.ndim for p in model.parameters() if isinstance(p, DTensor)}
+    if replicate_group is not None and max(meshes, default=1) > 1:
+        raise ValueError(
+            "replicate_group= compresses the cross-replica hop of a model sharded on the shard mesh only: "
+            "fully_shard(model, mesh=mesh['shard']), not the 2-D mesh (FSDP would all-reduce it densely too)"
+        )
+
+
+def compress(
+    model: nn.Module,
+    compressor: str | Compressor = "quantize",
+    *,
+    error_feedback: bool = True,
+    residual_dtype: torch.dtype | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
+    quantized_all_gather: bool = False,
+    seed: int = 0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    **options: Any,
+) -> FSDPCompression:
+    """Compress the gradient reduction of every FSDP module of ``model`` (after ``fully_shard``).
+
+    1. Resolve ``compressor``: a name (``"quantize"``, ``"sign"``, ``"cast"``, or one added with
+       :func:`fastcomm.hooks.add_compressor`) built from ``options``, or a compressor instance.
+    2. For each FSDP module (blocks and root): without ``replicate_group``, its reduce-scatter becomes
+       :class:`CompressedReduceScatter` (``set_custom_reduce_scatter``); with it (HSDP), the reduce-scatter
+       stays dense and :class:`CompressedReplicaAllReduce` averages the shard over the replicas
+       (``set_all_reduce_hook``).
+    3. With ``quantized_all_gather``, its parameter all-gather becomes :class:`QuantizedAllGather`.
+
+    Memory: error feedback keeps, per rank, a residual of each group's whole flat gradient (4 bytes per
+    model parameter in fp32, 2 with ``residual_dtype=torch.bfloat16``); with ``replicate_group`` one of
+    the shard only (``4 / shard ranks`` bytes per parameter).
+
+    Args:
+        model: a module with ``fully_shard`` applied (to it, and maybe to its blocks first).
+        compressor: the compressor's name or instance (blockwise without ``replicate_group``).
+        error_feedback: add what compression left out to the next step's gradient.
+        residual_dtype: keep the residual in this dtype between steps (``None``: the reduce dtype's).
+        replicate_group: HSDP: the replicate process group (the model sharded on ``mesh["shard"]``).
+        quantized_all_gather: send weights for unshard as 8-bit codes (ZeRO++ qwZ; off by default).
+        seed: base seed of stochastic rounding.
+        chunk_bytes: payload bytes per piece of a collective.
+        **options: the named compressor's options (``bits``, ``block``, ``stochastic``; ``chunk``; ...).
+
+    Returns:
+        The :class:`FSDPCompression`, for ``stats()`` and ``state_dict()``.
+
+    Example::
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        compression = fastcomm.fsdp.compress(model, "quantize", bits=8, stochastic=False)
+    """
+    if isinstance(compressor, str):
+        built = compressor_of(compressor, options)
+    elif options:
+        raise TypeError(f"options {sorted(options)} go with a compressor's name, not with an instance")
+    else:
+        built = compressor
+    if not isinstance(built, Compressor):
+        raise TypeError(f"fastcomm.fsdp needs a fastcomm.compress.Compressor, {compressor!r} is not one")
+    modules = _fsdp_modules(model)
+    _check_mesh(model, replicate_group)
+    reductions: dict[str, CompressedReduceScatter | CompressedReplicaAllReduce] = {}
+    gathers: dict[str, QuantizedAllGather] = {}
+    for index, (name, module) in enumerate(modules):
+        settings = {"error_feedback": error_feedback, "residual_dtype": residual_dtype, "seed": seed,
+                    "index": index, "chunk_bytes": chunk_bytes}  # fmt: skip
+        if replicate_group is None:
+            reduce_scatter = CompressedReduceScatter(built, **settings)
+            module.set_custom_reduce_scatter(reduce_scatter)
+            reductions[name] = reduce_scatter
+        else:
+            all_reduce = CompressedReplicaAllReduce(built, replicate_group, **settings)
+            module.set_all_reduce_hook(all_reduce)
+            reductions[name] = all_reduce
+        if quantized_all_gather:
+            gathers[name] = QuantizedAllGather(chunk_bytes=chunk_bytes)
+            module.set_custom_all_gather(gathers[name])
+    return FSDPCompression(reductions, gathers)
