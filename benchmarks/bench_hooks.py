@@ -161,8 +161,8 @@ def _node_reduce_hook(
     """Each rank's 1/L shard of the bucket summed onto it over the node's group (node_reduce: a bound).
 
     Each shard sent to its owner, which adds the node's copies and divides by L, as
-    :mod:`fastcomm.hooks.hierarchical` does over gloo (its fastest in-node reduction there); the bucket's
-    other shards are left as they are (no gather, nothing across nodes).
+    :mod:`fastcomm.hooks.hierarchical` does over gloo (its fastest in-node reduction there); the
+    bucket's other shards are left as they are (no gather, nothing across nodes).
     """
     buffer, size = bucket.buffer(), dist.get_world_size(group)
     local = dist.get_rank() % size  # the node's ranks are consecutive (_node_group)

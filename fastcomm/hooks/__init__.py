@@ -29,11 +29,11 @@ Example::
 """
 
 from fastcomm.collectives.errors import PeerCollectiveError
-from fastcomm.hooks._base import HookState
-from fastcomm.hooks._compression import CompressionState
-from fastcomm.hooks._defaults import default_state
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
+from fastcomm.hooks.engine.compression import CompressionState
+from fastcomm.hooks.engine.defaults import default_state
+from fastcomm.hooks.engine.state import HookState
 from fastcomm.hooks.powersgd import PowerSGDState, powersgd_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
 from fastcomm.hooks.registry import HOOKS, HookName, Registered, add_compressor, compressor_of, register

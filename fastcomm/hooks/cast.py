@@ -9,10 +9,10 @@ from fastcomm.collectives._layout import Timer
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import all_finite
-from fastcomm.hooks._base import HookState
-from fastcomm.hooks._defaults import resolve_state
-from fastcomm.hooks._options import OptionTypeError
-from fastcomm.hooks._util import ring_bytes, world_of
+from fastcomm.hooks.engine.defaults import resolve_state
+from fastcomm.hooks.engine.options import OptionTypeError
+from fastcomm.hooks.engine.state import HookState
+from fastcomm.hooks.engine.util import ring_bytes, world_of
 
 __all__ = ["CastState", "cast_hook"]
 

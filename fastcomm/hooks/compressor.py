@@ -5,7 +5,7 @@ A compressor registered by name (a row of ``fastcomm.hooks.HOOKS`` naming its fa
 :class:`CompressorState`: a blockwise compressor (``block > 0``) through the two-phase allreduce, any
 other by one all-gather of every rank's payload, decoded and averaged on every rank; an
 :class:`~fastcomm.compress.AllreduceCompressor` (PowerSGD) by its two allreduces
-(:mod:`fastcomm.hooks._rounds`).
+(:mod:`fastcomm.hooks.engine.rounds`).
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
@@ -22,10 +22,10 @@ from fastcomm.collectives.errors import collective_value
 from fastcomm.collectives.gather import compress_row, decode_mean
 from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
-from fastcomm.hooks._compression import BucketCall, gather_payloads, run_compressed
-from fastcomm.hooks._reshard import same_value
-from fastcomm.hooks._rounds import allreduce_rounds
-from fastcomm.hooks._twophase import TwoPhaseState, two_phase_allreduce
+from fastcomm.hooks.engine.compression import BucketCall, gather_payloads, run_compressed
+from fastcomm.hooks.engine.reshard import same_value
+from fastcomm.hooks.engine.rounds import allreduce_rounds
+from fastcomm.hooks.engine.twophase import TwoPhaseState, two_phase_allreduce
 
 __all__ = ["CompressorState", "compressor_hook"]
 
@@ -36,7 +36,7 @@ class CompressorState(TwoPhaseState):
     Args:
         compressor: any :class:`~fastcomm.compress.Compressor` or
             :class:`~fastcomm.compress.AllreduceCompressor`.
-        **options: the :class:`~fastcomm.hooks._twophase.TwoPhaseState` options (``error_feedback``,
+        **options: the :class:`~fastcomm.hooks.engine.twophase.TwoPhaseState` options (``error_feedback``,
             ``start_iter``, ``min_compress_numel``, ``wire_chunk_bytes``, ``overlap_phase2``,
             ``process_group``).
 
@@ -95,8 +95,9 @@ def compressor_hook(state: CompressorState, bucket: dist.GradBucket) -> torch.fu
 
     1. Dense allreduce instead before ``start_iter`` or for buckets under ``min_compress_numel``; the
        gradient as is when the world size is 1.
-    2. An :class:`~fastcomm.compress.AllreduceCompressor`: its two allreduces (:mod:`fastcomm.hooks._rounds`).
-       Blockwise compressors: the two-phase allreduce (:mod:`fastcomm.hooks._twophase`), residuals on
+    2. An :class:`~fastcomm.compress.AllreduceCompressor`: its two allreduces
+       (:mod:`fastcomm.hooks.engine.rounds`).
+       Blockwise compressors: the two-phase allreduce (:mod:`fastcomm.hooks.engine.twophase`), residuals on
        both phases.
     3. Others: compress ``grad + residual`` (new residual staged), all-gather every rank's payload, decode
        them in rank order into the bucket (the first overwrites, the others add, each divided by ``W``).

@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel
 from fastcomm.collectives._layout import completed
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.errors import collective_value
-from fastcomm.hooks._names import HOOKS, HookName
-from fastcomm.hooks._reshard import describe, keep_if_same_world
-from fastcomm.hooks._util import ring_bytes
+from fastcomm.hooks.engine.names import HOOKS, HookName
+from fastcomm.hooks.engine.reshard import describe, keep_if_same_world
+from fastcomm.hooks.engine.util import ring_bytes
 from fastcomm.optim import CompressedAdam, precondition_
 
 __all__ = ["CompressedAdamState", "compressed_adam_hook", "register_optimizer"]
@@ -232,7 +232,7 @@ class CompressedAdamState:
            ``merge_state_dicts``: their residuals (of preconditioned momentum after warm-up, of gradients
            during it) are re-partitioned, every new rank owing the mean over old ranks of what each still
            owed, so the mean over ranks of the momentum still owed is unchanged
-           (:meth:`~fastcomm.hooks._compression.CompressionState.merge_state_dicts`).
+           (:meth:`~fastcomm.hooks.engine.compression.CompressionState.merge_state_dicts`).
         3. The loss scale and the warm-up counters: old rank 0's (the scale is the same on every rank).
 
         The optimizer's momentum and frozen variance are the same on every rank (each adopts the mean the

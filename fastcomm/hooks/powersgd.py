@@ -2,7 +2,7 @@
 
 The algorithm is :class:`~fastcomm.compress.PowerSGDCompressor`'s; the exchange (two allreduces per
 bucket, the second issued from the phase-2 lane or the next hook call, never from a callback) is
-:mod:`fastcomm.hooks._rounds`'; residuals and warm-start ``Q``'s live in the bucket store, so bucket
+:mod:`fastcomm.hooks.engine.rounds`'; residuals and warm-start ``Q``'s live in the bucket store, so bucket
 rebuilds, GradScaler's skipped steps and ``state_dict()`` resumes work as for every other hook.
 ``fastcomm.register(ddp, "powersgd", rank=4)`` builds a :class:`PowerSGDState` and registers this hook.
 """
@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm.compress.powersgd import PowerSGDCompressor
-from fastcomm.hooks._compression import run_compressed
-from fastcomm.hooks._rounds import allreduce_rounds_bucket
-from fastcomm.hooks._twophase import TwoPhaseState
 from fastcomm.hooks.compressor import CompressorState
+from fastcomm.hooks.engine.compression import run_compressed
+from fastcomm.hooks.engine.rounds import allreduce_rounds_bucket
+from fastcomm.hooks.engine.twophase import TwoPhaseState
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
 
@@ -32,7 +32,7 @@ class PowerSGDState(CompressorState):
         warm_start: start each step's power iteration from the last step's ``Q``.
         orthogonalization: ``"qr"`` (``torch.linalg.qr``, measured 3x faster on CPU at rank 4) or
             ``"gram_schmidt"``.
-        **options: the :class:`~fastcomm.hooks._twophase.TwoPhaseState` options: ``error_feedback``,
+        **options: the :class:`~fastcomm.hooks.engine.twophase.TwoPhaseState` options: ``error_feedback``,
             ``start_iter`` (dense allreduce for the first steps), ``min_compress_numel`` (buckets and
             parameters with fewer elements go dense), ``overlap_phase2`` (the second allreduce from the
             phase-2 thread on a second process group; ``False``: from the next hook call),

@@ -10,9 +10,9 @@ from torch import Tensor
 from fastcomm import reference
 from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.quantize import QuantCompressor
-from fastcomm.hooks._compression import run_compressed
-from fastcomm.hooks._options import require_bool, require_int
-from fastcomm.hooks._twophase import TwoPhaseState, two_phase_bucket
+from fastcomm.hooks.engine.compression import run_compressed
+from fastcomm.hooks.engine.options import require_bool, require_int
+from fastcomm.hooks.engine.twophase import TwoPhaseState, two_phase_bucket
 
 __all__ = ["QuantState", "quantize_hook"]
 
@@ -32,7 +32,7 @@ class QuantState(TwoPhaseState):
         start_iter: dense allreduce for the first ``start_iter`` steps.
         **options: keyword-only, as for every two-phase hook: ``min_compress_numel`` (buckets with fewer
             elements go dense), ``wire_chunk_bytes``, ``overlap_phase2`` (see
-            :class:`~fastcomm.hooks._twophase.TwoPhaseState`) and ``process_group``.
+            :class:`~fastcomm.hooks.engine.twophase.TwoPhaseState`) and ``process_group``.
 
     Example::
 

@@ -1,6 +1,6 @@
 """:func:`register`: one call that builds a state and registers its hook on a DDP model.
 
-The names it knows are one table, :data:`HOOKS` (``fastcomm.hooks._names``), re-exported here with
+The names it knows are one table, :data:`HOOKS` (``fastcomm.hooks.engine.names``), re-exported here with
 :class:`HookName` and :func:`add_compressor`.
 """
 
@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fastcomm.hooks._base import HookState
-from fastcomm.hooks._names import (
+from fastcomm.hooks.engine.names import (
     HOOKS,
     HookName,
     Registered,
@@ -21,7 +20,8 @@ from fastcomm.hooks._names import (
     compressor_of,
     hook_of,
 )
-from fastcomm.hooks._registered import refuse_second_hook
+from fastcomm.hooks.engine.registered import refuse_second_hook
+from fastcomm.hooks.engine.state import HookState
 from fastcomm.hooks.momentum import register_optimizer
 from fastcomm.optim import CompressedAdam
 

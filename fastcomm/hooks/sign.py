@@ -10,9 +10,9 @@ from torch import Tensor
 from fastcomm.collectives._layout import block_unit, segment_layout
 from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.sign import SignCompressor
-from fastcomm.hooks._compression import run_compressed
-from fastcomm.hooks._options import require_int
-from fastcomm.hooks._twophase import TwoPhaseState, two_phase_bucket
+from fastcomm.hooks.engine.compression import run_compressed
+from fastcomm.hooks.engine.options import require_int
+from fastcomm.hooks.engine.twophase import TwoPhaseState, two_phase_bucket
 
 __all__ = ["SignState", "sign_hook", "sign_layout"]
 
@@ -32,7 +32,7 @@ class SignState(TwoPhaseState):
         start_iter: dense allreduce for the first ``start_iter`` steps (1-bit Adam's warmup stage).
         **options: keyword-only, as for every two-phase hook: ``min_compress_numel`` (buckets with fewer
             elements go dense), ``wire_chunk_bytes``, ``overlap_phase2`` (see
-            :class:`~fastcomm.hooks._twophase.TwoPhaseState`) and ``process_group``.
+            :class:`~fastcomm.hooks.engine.twophase.TwoPhaseState`) and ``process_group``.
 
     Example::
 

@@ -16,9 +16,9 @@ from fastcomm.collectives._threads import then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import all_finite
 from fastcomm.compress.topk import TopKCompressor
-from fastcomm.hooks._compression import BucketCall, CompressionState, gather_payloads, run_compressed
-from fastcomm.hooks._options import is_real, require_real
-from fastcomm.hooks._util import BucketKey
+from fastcomm.hooks.engine.compression import BucketCall, CompressionState, gather_payloads, run_compressed
+from fastcomm.hooks.engine.options import is_real, require_real
+from fastcomm.hooks.engine.util import BucketKey
 
 __all__ = ["TopKState", "topk_hook"]
 
@@ -73,7 +73,7 @@ class TopKState(CompressionState):
         start_iter: dense allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
         wire_chunk_bytes: bytes per peer of each chunk a collective is split into (see
-            :class:`~fastcomm.hooks._compression.CompressionState`).
+            :class:`~fastcomm.hooks.engine.compression.CompressionState`).
         process_group: the group to reduce over; ``None`` for the default group.
         (``error_feedback`` and the options after it are keyword-only.)
 

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fastcomm.hooks._registered import known_hooks, refuse_second_hook
+from fastcomm.hooks.engine.registered import known_hooks, refuse_second_hook
 
 __all__ = ["comm_hook_state", "find_ddp", "refuse_second_hook", "registered_comm_hooks"]
 

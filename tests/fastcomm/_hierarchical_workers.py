@@ -35,8 +35,8 @@ from torch import nn
 import fastcomm
 from fastcomm.compress import QuantCompressor
 from fastcomm.compress.cast import CastCompressor
-from fastcomm.hooks import _groups
-from fastcomm.hooks.hierarchical import shard_numel
+from fastcomm.hooks.hierarchical import groups as _groups
+from fastcomm.hooks.hierarchical.hierarchy import shard_numel
 
 NODE_SIZE = 2
 BUCKET_SIZES = [(1,), (7,), (300,), (2000, 1001), (5003,)]

@@ -14,7 +14,7 @@ from _hooks_workers import FakeBucket, assert_same_on_all_ranks, grad_for, run_h
 from torch import nn
 
 import fastcomm
-from fastcomm.hooks._util import seed_for
+from fastcomm.hooks.engine.util import seed_for
 from fastcomm.hooks.powersgd import PowerSGDState, powersgd_hook
 
 # parameter shapes per bucket: matrices that compress, a bias, a 3-d tensor (viewed 6 x 20), a matrix

@@ -2,7 +2,7 @@
 
 A value of the wrong type that passes a range check (``bits=8.0``, ``chunk=True``) would otherwise be
 accepted and fail later inside backward with an error that names neither. Type errors are
-``TypeError`` and ``ValueError`` at once (``fastcomm.hooks._options.OptionTypeError``), so code catching
+``TypeError`` and ``ValueError`` at once (``fastcomm.hooks.engine.options.OptionTypeError``), so code catching
 the documented ``ValueError`` keeps working.
 """
 

@@ -285,6 +285,6 @@ class _PlainOptions:
 
 
 def test_options_without_eq_compare_by_attributes():
-    same_value = fastcomm.hooks._reshard.same_value
+    same_value = fastcomm.hooks.engine.reshard.same_value
     assert same_value({"compressor": _PlainOptions(4)}, {"compressor": _PlainOptions(4)})
     assert not same_value({"compressor": _PlainOptions(4)}, {"compressor": _PlainOptions(8)})

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastcomm.hooks._buffers import BufferPool
-from fastcomm.hooks._util import BucketKey
+from fastcomm.hooks.engine.buffers import BufferPool
+from fastcomm.hooks.engine.util import BucketKey
 
 __all__ = ["BucketEntry", "BucketStore", "ResumePart"]
 
@@ -339,7 +339,7 @@ class BucketStore:
 
         The ``layout`` becomes the restored layout that the first iteration is reduced as
         (:meth:`resume_parts`). ``"layout": []`` means none: the first iteration reduces DDP's buckets as
-        they come (a state merged for another world size, :mod:`fastcomm.hooks._reshard`, whose old
+        they come (a state merged for another world size, :mod:`fastcomm.hooks.engine.reshard`, whose old
         layout's segments and budgets belong to the old ranks). A dict without a ``layout`` key (an older
         checkpoint) restores its entries' layout.
         """

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from fastcomm.hooks._util import BucketKey
+from fastcomm.hooks.engine.util import BucketKey
 
 __all__ = ["BufferPool", "KeyedBuffers"]
 

@@ -19,16 +19,16 @@ from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.collectives.gather import gather_row
-from fastcomm.hooks._base import HookState
-from fastcomm.hooks._defaults import resolve_state
-from fastcomm.hooks._exchange import SecondPhase
-from fastcomm.hooks._groups import check_node_size
-from fastcomm.hooks._options import require_bool, require_int
-from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_buckets, merge_counters
-from fastcomm.hooks._shards import check_hierarchical_options, fold_shards
-from fastcomm.hooks._store import BucketEntry, BucketStore, ResumePart
-from fastcomm.hooks._util import BucketKey, ring_bytes, world_of
-from fastcomm.hooks.hierarchical import Hierarchy
+from fastcomm.hooks.engine.defaults import resolve_state
+from fastcomm.hooks.engine.options import require_bool, require_int
+from fastcomm.hooks.engine.reshard import describe, keep_if_same_world, merge_buckets, merge_counters
+from fastcomm.hooks.engine.state import HookState
+from fastcomm.hooks.engine.store import BucketEntry, BucketStore, ResumePart
+from fastcomm.hooks.engine.util import BucketKey, ring_bytes, world_of
+from fastcomm.hooks.hierarchical.groups import check_node_size
+from fastcomm.hooks.hierarchical.hierarchy import Hierarchy
+from fastcomm.hooks.hierarchical.protocols import SecondPhase
+from fastcomm.hooks.hierarchical.shards import check_hierarchical_options, fold_shards
 
 __all__ = ["BucketCall", "CompressionState", "gather_payloads", "run_compressed"]
 
@@ -37,7 +37,7 @@ class CompressionState(HookState):
     """Options and per-bucket state shared by the compressing hooks (top-k, quantized, sign, compressors).
 
     The bucket tensors (residuals, velocity) live in :attr:`store`, a
-    :class:`~fastcomm.hooks._store.BucketStore`; hooks reach them through its methods only.
+    :class:`~fastcomm.hooks.engine.store.BucketStore`; hooks reach them through its methods only.
 
     Args:
         error_feedback: keep what compression dropped, per bucket, and add it to the next gradient.
@@ -46,7 +46,7 @@ class CompressionState(HookState):
         wire_chunk_bytes: each collective is issued as back-to-back chunks of about this many bytes per
             peer (at most 64 chunks): gloo keeps a TCP link busy only with several transfers in flight (on
             a 1 Gbit/s link one 8 MB all-to-all moved 61 MB/s each way, 16 chunks 115 MB/s).
-        node_size: ranks per node for hierarchical compression (:mod:`fastcomm.hooks.hierarchical`):
+        node_size: ranks per node for hierarchical compression (:mod:`fastcomm.hooks.hierarchical.hierarchy`):
             dense inside each node, compressed only between nodes. ``None``: ``LOCAL_WORLD_SIZE`` when it
             divides the world size into at least two nodes, else flat; ``1``: flat.
         process_group: the group to reduce over; ``None`` for the default group.
@@ -293,8 +293,8 @@ def run_compressed(
     2. World size 1: a completed future holding the gradient as is. This and every dense result of step 4
        go through :meth:`CompressionState.dense_result` (top-k's momentum).
     3. The first iteration after ``load_state_dict``, a bucket made of whole buckets of the checkpoint's
-       layout (:meth:`~fastcomm.hooks._store.BucketStore.resume_parts`): each part is gathered, reduced by
-       steps 4-5 as the checkpointed bucket was, and scattered back.
+       layout (:meth:`~fastcomm.hooks.engine.store.BucketStore.resume_parts`): each part is gathered,
+       reduced by steps 4-5 as the checkpointed bucket was, and scattered back.
     4. Before ``start_iter`` or below ``min_compress_numel``: a dense allreduce (with what the bucket's
        parameters still owe, after a rebuild; a last bucket also issues a pending phase 2).
     5. Otherwise ``compress(call)``.

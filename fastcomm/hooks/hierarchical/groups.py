@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fastcomm.collectives._lane import timeout_of
 from fastcomm.collectives._threads import OrderedWorker
-from fastcomm.hooks._options import require_int
+from fastcomm.hooks.engine.options import require_int
 
 __all__ = ["NodeGroups", "OrderedWorker", "check_node_size", "node_groups", "resolve_node_size"]
 
@@ -89,7 +89,7 @@ class NodeGroups:
         local_rank: this rank's place in its node, its rank in the node groups; it owns shard
             ``local_rank`` of every bucket.
         gloo: the node groups are gloo's (whose reduces and broadcasts beat its reduce-scatter and
-            all-gather: :mod:`fastcomm.hooks.hierarchical`).
+            all-gather: :mod:`fastcomm.hooks.hierarchical.hierarchy`).
     """
 
     node_size: int

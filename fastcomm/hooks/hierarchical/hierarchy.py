@@ -23,7 +23,7 @@ per rank: send and receive plus the sum 20-22 ms (15 ms of CPU); one ``reduce`` 
 of CPU); an ``all_reduce`` 30-34 ms; ``reduce_scatter_tensor`` 67-84 ms. With 4 ranks on 2 cores the CPU
 time is the step time. Other backends (NCCL) use ``reduce_scatter_tensor`` and ``all_gather_into_tensor``.
 
-Collective order (:mod:`fastcomm.hooks._groups`): step 1 is issued by the hook call, on the node's
+Collective order (:mod:`fastcomm.hooks.hierarchical.groups`): step 1 is issued by the hook call, on the node's
 reduce group. Step 2 runs on the cross-node thread, bucket after bucket: it waits for the bucket's step 1
 and issues the flat exchange (a two-phase hook's phase 2 goes to a phase-2 thread on a second cross-node
 group, as the flat hooks' lane does; with ``overlap_phase2=False`` the next bucket's call finishes it,
@@ -54,12 +54,12 @@ from torch import Tensor
 from fastcomm.collectives._layout import all_gather_flat
 from fastcomm.collectives._threads import then, when_done
 from fastcomm.collectives.errors import PeerCollectiveError
-from fastcomm.hooks._accounting import NodeTraffic, ShardAccounting
-from fastcomm.hooks._exchange import FlatCall, FlatState, PhasePayload, SecondPhase
-from fastcomm.hooks._groups import NodeGroups, node_groups, resolve_node_size
-from fastcomm.hooks._shards import check_hierarchical_options, fold_shards, shard_numel
-from fastcomm.hooks._store import BucketStore
-from fastcomm.hooks._util import BucketKey
+from fastcomm.hooks.engine.accounting import NodeTraffic, ShardAccounting
+from fastcomm.hooks.engine.store import BucketStore
+from fastcomm.hooks.engine.util import BucketKey
+from fastcomm.hooks.hierarchical.groups import NodeGroups, node_groups, resolve_node_size
+from fastcomm.hooks.hierarchical.protocols import FlatCall, FlatState, PhasePayload, SecondPhase
+from fastcomm.hooks.hierarchical.shards import check_hierarchical_options, fold_shards, shard_numel
 
 __all__ = ["Hierarchy", "check_hierarchical_options", "fold_shards", "shard_numel"]
 
@@ -93,7 +93,7 @@ class _Phase2Deferral:
 
 
 class Hierarchy:
-    """The hierarchical part of a :class:`~fastcomm.hooks._compression.CompressionState`.
+    """The hierarchical part of a :class:`~fastcomm.hooks.engine.compression.CompressionState`.
 
     Holds the shard exchange's bucket store (residuals per shard), the node traffic counters, and, once
     resolved, the node groups and the inner state that runs the flat exchange over the cross-node group.

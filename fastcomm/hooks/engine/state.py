@@ -19,10 +19,10 @@ from fastcomm.collectives._layout import completed
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import all_finite
-from fastcomm.hooks._accounting import COUNTERS, StepAccounting
-from fastcomm.hooks._options import OptionTypeError
-from fastcomm.hooks._reshard import describe, keep_if_same_world, merge_counters
-from fastcomm.hooks._util import BucketKey, ring_bytes
+from fastcomm.hooks.engine.accounting import COUNTERS, StepAccounting
+from fastcomm.hooks.engine.options import OptionTypeError
+from fastcomm.hooks.engine.reshard import describe, keep_if_same_world, merge_counters
+from fastcomm.hooks.engine.util import BucketKey, ring_bytes
 
 __all__ = ["HookState"]
 
@@ -229,7 +229,7 @@ class HookState:
         per-rank tensors (:class:`~fastcomm.CastState`): the merged state is old rank 0's type, options and
         counters (steps and skipped steps agree on every rank; traffic counters are rank 0's). Subclasses
         with per-rank tensors extend it (:meth:`CompressionState.merge_state_dicts`); the rule per kind
-        of state is in :mod:`fastcomm.hooks._reshard`.
+        of state is in :mod:`fastcomm.hooks.engine.reshard`.
 
         1. Check that ``states`` are all of this class, with one set of options, at one step.
         2. Same world size (``len(states) == world_size``): ``states[rank]`` itself, unchanged, so the

@@ -8,11 +8,11 @@ classmethods build it with the helpers here. The rule, per kind of state:
    bit-identical.
 2. **Error-feedback residuals** (top-k, sign, quantize, any compressor; two-phase hooks' phase-2 residual
    of this rank's segment folded into the phase-1 residual times the old world size, as
-   :meth:`~fastcomm.hooks._store.BucketStore.residual_of` and a bucket rebuild fold it): re-partitioned.
+   :meth:`~fastcomm.hooks.engine.store.BucketStore.residual_of` and a bucket rebuild fold it): re-partitioned.
    Every new rank owes the mean over old ranks of what each old rank still owed, so the mean over ranks of
    what is still owed (the error-feedback invariant of
-   :meth:`~fastcomm.hooks._compression.CompressionState.residual_of`) is unchanged: no gradient is lost and
-   none is sent twice.
+   :meth:`~fastcomm.hooks.engine.compression.CompressionState.residual_of`) is unchanged: no gradient is
+   lost and none is sent twice.
 3. **DGC momentum velocity** (top-k with ``momentum > 0``): the mean over old ranks, the velocity of the
    mean gradient, which is what the ranks' velocities contribute to the reduced gradient on average. Any
    other bucket-layout tensor likewise: PowerSGD's warm-start ``Q``'s are the same on every rank (the
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastcomm.hooks._accounting import COUNTERS
-from fastcomm.hooks._store import SEGMENT_TENSOR, BucketEntry
+from fastcomm.hooks.engine.accounting import COUNTERS
+from fastcomm.hooks.engine.store import SEGMENT_TENSOR, BucketEntry
 
 __all__ = [
     "BucketMerge",
@@ -177,7 +177,7 @@ def merge_buckets(
     Steps 2-4 of the module docstring, per bucket entry (the old ranks hold the same entries: DDP gives
     every rank the same layouts):
 
-    1. ``residual``: the mean over old ranks of :meth:`~fastcomm.hooks._store.BucketEntry.owed` (the
+    1. ``residual``: the mean over old ranks of :meth:`~fastcomm.hooks.engine.store.BucketEntry.owed` (the
        phase-1 residual with the segment residual folded in), in fp32, cast to old rank 0's dtype.
     2. Every other bucket-layout tensor (``velocity``, ``compressor_state``): the mean over old ranks.
     3. The segment tensor is gone (folded in step 1); ``segment_start`` is 0 and ``world_size`` the new one.

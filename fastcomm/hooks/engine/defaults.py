@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fastcomm.hooks._base import HookState
+from fastcomm.hooks.engine.state import HookState
 
 __all__ = ["default_state", "resolve_state"]
 

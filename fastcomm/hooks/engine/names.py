@@ -21,9 +21,9 @@ from fastcomm.compress.powersgd import PowerSGDCompressor
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.compress.quantize import QuantCompressor
 from fastcomm.compress.sign import SignCompressor
-from fastcomm.hooks._base import HookState
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
+from fastcomm.hooks.engine.state import HookState
 from fastcomm.hooks.powersgd import PowerSGDState, powersgd_hook
 from fastcomm.hooks.quantize import QuantState, quantize_hook
 from fastcomm.hooks.sign import SignState, sign_hook

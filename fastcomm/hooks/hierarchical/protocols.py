@@ -1,6 +1,6 @@
 """What the hierarchical exchange uses of the flat one it wraps, as protocols.
 
-:mod:`fastcomm.hooks._compression` gives every compressing state a
+:mod:`fastcomm.hooks.engine.compression` gives every compressing state a
 :class:`~fastcomm.hooks.hierarchical.Hierarchy`, and the hierarchy drives an inner flat state of the same
 class over the cross-node group. The hierarchy sees that state, its bucket calls, its deferred second
 phases and its phase-2 payloads only through these protocols, so it depends on no hook module.
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.hooks._accounting import StepAccounting
-from fastcomm.hooks._store import BucketEntry, BucketStore
-from fastcomm.hooks._util import BucketKey
+from fastcomm.hooks.engine.accounting import StepAccounting
+from fastcomm.hooks.engine.store import BucketEntry, BucketStore
+from fastcomm.hooks.engine.util import BucketKey
 
 __all__ = ["FlatCall", "FlatState", "PhasePayload", "SecondPhase"]
 
@@ -24,7 +24,7 @@ __all__ = ["FlatCall", "FlatState", "PhasePayload", "SecondPhase"]
 class SecondPhase(Protocol):
     """A bucket whose first collective is in flight; :meth:`finish` issues its second (any exchange).
 
-    :func:`~fastcomm.hooks._twophase.schedule_second_phase` decides where ``finish`` runs (the lane, the
+    :func:`~fastcomm.hooks.engine.twophase.schedule_second_phase` decides where ``finish`` runs (the lane, the
     next hook call, or now); ``future`` completes with the bucket's result once the second collective's
     data is decoded.
     """
@@ -37,7 +37,7 @@ class SecondPhase(Protocol):
 
 
 class PhasePayload(Protocol):
-    """One bucket's all-gathered phase-2 payloads (:class:`~fastcomm.hooks._twophase.Phase2Payload`)."""
+    """One bucket's all-gathered phase-2 payloads (:class:`~fastcomm.hooks.engine.twophase.Phase2Payload`)."""
 
     @property
     def gathered(self) -> Tensor:
@@ -50,7 +50,7 @@ class PhasePayload(Protocol):
 
 
 class FlatState(Protocol):
-    """A :class:`~fastcomm.hooks._compression.CompressionState` as the hierarchy uses it."""
+    """A :class:`~fastcomm.hooks.engine.compression.CompressionState` as the hierarchy uses it."""
 
     node_size: int | None
     process_group: dist.ProcessGroup | None
@@ -72,7 +72,7 @@ class FlatState(Protocol):
 
 
 class FlatCall(Protocol):
-    """A :class:`~fastcomm.hooks._compression.BucketCall` as the hierarchy uses it (a dataclass)."""
+    """A :class:`~fastcomm.hooks.engine.compression.BucketCall` as the hierarchy uses it (a dataclass)."""
 
     state: FlatState
     key: BucketKey

@@ -3,7 +3,7 @@
 The exchange is :mod:`fastcomm.collectives.rounds`. Per bucket this module forms ``x`` = gradient +
 residual (fp32) with the residual and the compressor's state staged in the bucket store, seeds the
 first round the same on every rank, counts the traffic, and lets
-:func:`~fastcomm.hooks._twophase.schedule_second_phase` decide where the second allreduce is issued (the
+:func:`~fastcomm.hooks.engine.twophase.schedule_second_phase` decide where the second allreduce is issued (the
 phase-2 lane, the next hook call, or now for the last bucket), exactly as the two-phase hooks' phase 2.
 """
 
@@ -15,9 +15,9 @@ from torch import Tensor
 from fastcomm.collectives import rounds as exchange
 from fastcomm.collectives.rounds import Rounds
 from fastcomm.compress.protocol import AllreduceCompressor
-from fastcomm.hooks._compression import BucketCall
-from fastcomm.hooks._twophase import schedule_second_phase
-from fastcomm.hooks._util import ring_bytes, seed_for
+from fastcomm.hooks.engine.compression import BucketCall
+from fastcomm.hooks.engine.twophase import schedule_second_phase
+from fastcomm.hooks.engine.util import ring_bytes, seed_for
 
 __all__ = ["allreduce_rounds", "allreduce_rounds_bucket", "start_rounds"]
 

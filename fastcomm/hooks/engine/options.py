@@ -13,7 +13,7 @@ Example::
     >>> require_int("block", 256.0, minimum=1)
     Traceback (most recent call last):
     ...
-    fastcomm.hooks._options.OptionTypeError: block must be an int, got 256.0 (float)
+    fastcomm.hooks.engine.options.OptionTypeError: block must be an int, got 256.0 (float)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The exchange itself (phase 1: compressed all-to-all of segments; phase 2: average, re-compress,
 all-gather, in pieces) is :mod:`fastcomm.collectives.two_phase`. This module gives it a bucket's staged
-residuals (:class:`~fastcomm.hooks._store.BucketStore`), its per-bucket buffers and seeds, counts its
+residuals (:class:`~fastcomm.hooks.engine.store.BucketStore`), its per-bucket buffers and seeds, counts its
 traffic, and decides where phase 2 is issued.
 
 Collective order is fixed on every rank. Phase 1 of each bucket is issued by its hook call, on the state's
@@ -32,10 +32,10 @@ from fastcomm.collectives import two_phase as exchange
 from fastcomm.collectives._lane import finish_on_lane, lane_for
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.two_phase import Phase1, TwoPhaseLayout
-from fastcomm.hooks._compression import BucketCall, CompressionState
-from fastcomm.hooks._exchange import SecondPhase
-from fastcomm.hooks._options import require_bool
-from fastcomm.hooks._util import BucketKey, seed_for
+from fastcomm.hooks.engine.compression import BucketCall, CompressionState
+from fastcomm.hooks.engine.options import require_bool
+from fastcomm.hooks.engine.util import BucketKey, seed_for
+from fastcomm.hooks.hierarchical.protocols import SecondPhase
 
 __all__ = [
     "TwoPhaseBucket",

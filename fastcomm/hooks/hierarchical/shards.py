@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from fastcomm.compress.protocol import AllreduceCompressor
-from fastcomm.hooks._exchange import FlatState
-from fastcomm.hooks._store import BucketEntry
+from fastcomm.hooks.engine.store import BucketEntry
+from fastcomm.hooks.hierarchical.protocols import FlatState
 
 __all__ = ["check_hierarchical_options", "fold_shards", "shard_numel"]
 
@@ -53,7 +53,7 @@ def check_hierarchical_options(state: FlatState, node_size: int | None) -> None:
 def fold_shards(state_dict: dict[str, Any], old_rank: int) -> dict[str, Any]:
     """``state_dict`` with its shards' owed amounts moved into its bucket entries' ``residual`` tensors.
 
-    For :meth:`~fastcomm.hooks._compression.CompressionState.merge_state_dicts` at another world size:
+    For :meth:`~fastcomm.hooks.engine.compression.CompressionState.merge_state_dicts` at another world size:
     old rank ``old_rank`` owes, per bucket layout, ``L`` times its shard's owed amount (phase-2 residual
     folded in) on its shard of the bucket, in the bucket's layout, which the merge re-partitions like any
     residual. A state without hierarchical keys is returned as is.
