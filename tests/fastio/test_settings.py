@@ -34,8 +34,11 @@ def test_a_stage_that_is_not_one_is_refused():
         AssemblySettings(stages=[object()])
 
 
-@pytest.mark.parametrize("workers, mode, slots, processes", [(0, "thread", 1, False), (3, "process", 5, True)],
-                         ids=["main", "processes"])  # fmt: skip
+@pytest.mark.parametrize(
+    "workers, mode, slots, processes",
+    [(0, "thread", 1, False), (3, "process", 5, True)],
+    ids=["main", "processes"],
+)
 def test_worker_settings_say_what_is_in_flight(workers, mode, slots, processes):
     settings = WorkerSettings(num_workers=workers, prefetch=2, mode=mode)
     assert (settings.slots, settings.processes) == (slots, processes)
