@@ -26,7 +26,7 @@ def test_node_sum_is_in_local_rank_order_whoever_owns_the_shard():
     """Over gloo each owner sums the node's copies itself: every owner must add them in rank order."""
     import torch
 
-    from fastcomm.hooks.hierarchical.hierarchy import _sum_in_rank_order
+    from fastcomm.hooks.hierarchical.reduction import sum_in_rank_order as _sum_in_rank_order
 
     generator = torch.Generator().manual_seed(7)
     for node_size in (2, 3, 4):

@@ -108,7 +108,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
-    tree = ast.parse("def f():\n    from . import util\n    from fastcomm.hooks.engine.util import BucketKey\n")
+    source = "def f():\n    from . import util\n    from fastcomm.hooks.engine.util import BucketKey\n"
+    tree = ast.parse(source)
     nodes = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert _imported(nodes[0], "fastcomm.hooks.engine.store", False)[0] == "fastcomm.hooks.engine.util"
     graph = import_graph()

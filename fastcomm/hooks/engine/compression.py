@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.collectives._lane import SecondCollective
 from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.errors import collective_value
@@ -27,7 +28,7 @@ from fastcomm.hooks.engine.store import BucketEntry, BucketStore, ResumePart
 from fastcomm.hooks.engine.util import BucketKey, ring_bytes, world_of
 from fastcomm.hooks.hierarchical.groups import check_node_size
 from fastcomm.hooks.hierarchical.hierarchy import Hierarchy
-from fastcomm.hooks.hierarchical.protocols import SecondPhase
+from fastcomm.hooks.hierarchical.protocols import InnerParts
 from fastcomm.hooks.hierarchical.shards import check_hierarchical_options, fold_shards
 
 __all__ = ["BucketCall", "CompressionState", "gather_payloads", "run_compressed"]
@@ -50,6 +51,8 @@ class CompressionState(HookState):
             dense inside each node, compressed only between nodes. ``None``: ``LOCAL_WORLD_SIZE`` when it
             divides the world size into at least two nodes, else flat; ``1``: flat.
         process_group: the group to reduce over; ``None`` for the default group.
+        parts: for a hierarchy's inner state only
+            (:class:`~fastcomm.hooks.hierarchical.protocols.InnerParts`).
 
     Example::
 
@@ -68,7 +71,9 @@ class CompressionState(HookState):
         wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         node_size: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        parts: InnerParts | None = None,
     ) -> None:
+        self._parts = parts
         self.error_feedback = require_bool("error_feedback", error_feedback)
         self.start_iter = require_int("start_iter", start_iter, minimum=0)
         self.min_compress_numel = require_int("min_compress_numel", min_compress_numel, minimum=0)
@@ -79,10 +84,13 @@ class CompressionState(HookState):
 
     def _reset_internal(self) -> None:
         super()._reset_internal()
-        self.store = BucketStore()
+        parts = self._parts
+        self.store = BucketStore() if parts is None else parts.store
+        if parts is not None:
+            self.accounting = parts.accounting
         self.hierarchy = Hierarchy()
         # a two-phase bucket whose phase 1 is in flight; its phase 2 is issued by the next hook call
-        self._pending: SecondPhase | None = None
+        self._pending: SecondCollective | None = None
 
     def _end_iteration(self, finite: bool) -> None:
         self.store.end_iteration(finite)
@@ -126,9 +134,15 @@ class CompressionState(HookState):
         """Whether a bucket of ``numel`` elements is compressed at the current step."""
         return self.accounting.steps >= self.start_iter and numel >= max(1, self.min_compress_numel)
 
-    def defer(self, pending: SecondPhase) -> None:
-        """Leave ``pending``'s second phase to the next hook call (or the next iteration's bucket 0)."""
-        self._pending = pending
+    def defer(self, pending: SecondCollective) -> None:
+        """Leave ``pending``'s second phase to the next hook call (or the next iteration's bucket 0).
+
+        A hierarchy's inner state hands it to its node groups' phase-2 thread instead (``parts.defer``).
+        """
+        if self._parts is not None and self._parts.defer is not None:
+            self._parts.defer(pending)
+        else:
+            self._pending = pending
 
     def flush_pending(self) -> None:
         """Issue the phase 2 of the two-phase bucket whose phase 1 is in flight, if any."""

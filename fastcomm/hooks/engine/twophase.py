@@ -29,13 +29,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm.collectives import two_phase as exchange
-from fastcomm.collectives._lane import finish_on_lane, lane_for
+from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_for
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.two_phase import Phase1, TwoPhaseLayout
 from fastcomm.hooks.engine.compression import BucketCall, CompressionState
 from fastcomm.hooks.engine.options import require_bool
 from fastcomm.hooks.engine.util import BucketKey, seed_for
-from fastcomm.hooks.hierarchical.protocols import SecondPhase
 
 __all__ = [
     "TwoPhaseBucket",
@@ -68,9 +67,10 @@ class TwoPhaseState(CompressionState):
 
     def __init__(self, *, overlap_phase2: bool = True, **options: Any) -> None:
         self.overlap_phase2 = require_bool("overlap_phase2", overlap_phase2)
-        # bucket key -> its last phase 2's gathered payloads, kept only where this dict is given (the
-        # inner state of a hierarchy, whose in-node gather sends them instead of the decoded bucket)
-        self.payloads: dict[BucketKey, exchange.Phase2Payload] | None = None
+        # bucket key -> its last phase 2's gathered payloads, kept by the inner state of a hierarchy (made
+        # with parts), whose in-node gather sends them instead of the decoded bucket
+        kept = options.get("parts") is not None
+        self.payloads: dict[BucketKey, exchange.Phase2Payload] | None = {} if kept else None
         super().__init__(**options)
 
     def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
@@ -188,7 +188,9 @@ def two_phase_allreduce(call: BucketCall, layout: TwoPhaseLayout) -> torch.futur
     return schedule_second_phase(call, lambda: start_phase1(call, layout))
 
 
-def schedule_second_phase(call: BucketCall, start: Callable[[], SecondPhase]) -> torch.futures.Future[Tensor]:
+def schedule_second_phase(
+    call: BucketCall, start: Callable[[], SecondCollective]
+) -> torch.futures.Future[Tensor]:
     """Issue a bucket's first collective (``start()``, now) and schedule its second; return DDP's future.
 
     Steps 3-4 of :func:`two_phase_allreduce`, for any exchange of two dependent collectives: the bucket

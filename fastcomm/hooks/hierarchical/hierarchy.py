@@ -43,7 +43,6 @@ shapes its low-rank factors are built from.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -51,45 +50,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._layout import all_gather_flat
-from fastcomm.collectives._threads import then, when_done
-from fastcomm.collectives.errors import PeerCollectiveError
+from fastcomm.collectives._threads import then
 from fastcomm.hooks.engine.accounting import NodeTraffic, ShardAccounting
 from fastcomm.hooks.engine.store import BucketStore
 from fastcomm.hooks.engine.util import BucketKey
 from fastcomm.hooks.hierarchical.groups import NodeGroups, node_groups, resolve_node_size
-from fastcomm.hooks.hierarchical.protocols import FlatCall, FlatState, PhasePayload, SecondPhase
+from fastcomm.hooks.hierarchical.protocols import FlatCall, FlatState, InnerParts
+from fastcomm.hooks.hierarchical.reduction import ShardReduction, phase2_thread
 from fastcomm.hooks.hierarchical.shards import check_hierarchical_options, fold_shards, shard_numel
 
 __all__ = ["Hierarchy", "check_hierarchical_options", "fold_shards", "shard_numel"]
 
 # reduce_scatter_tensor was renamed reduce_scatter_single; use whichever this torch has, without a warning
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _Phase2Deferral:
-    """The inner state's ``defer``: a two-phase bucket's phase 2 goes to the phase-2 thread and group.
-
-    The cross-node thread issues every phase 1 (and the last bucket's phase 2) on the cross-node group;
-    the phase-2 thread finishes the other buckets in the order they were deferred, on the phase-2 group,
-    each as soon as its phase 1 arrives. One thread per group, bucket order: the same on every rank.
-    """
-
-    def __init__(self, groups: NodeGroups) -> None:
-        self._groups = groups
-
-    def __call__(self, pending: SecondPhase) -> None:
-        group = self._groups.phase2_group
-
-        def finish() -> None:
-            try:
-                pending.finish(group)
-            except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
-                future = getattr(pending, "future", None)
-                if future is not None and not future.done():
-                    future.set_exception(error)
-
-        self._groups.phase2_worker.submit(finish)
 
 
 class Hierarchy:
@@ -140,207 +113,67 @@ class Hierarchy:
         return self.groups is not None
 
     def _inner_state(self, state: FlatState) -> FlatState:
-        """A state of the same class and options that runs the flat exchange over the cross-node group."""
+        """A state of the same class and options that runs the flat exchange over the cross-node group.
+
+        It is built with what it shares with this hierarchy (:class:`InnerParts`): the shard store, the
+        shard accounting, and (two-phase states overlapping phase 2) the node groups' phase-2 thread and
+        group for its deferred second phases. No phase-2 lane: over a subgroup it needs a
+        local-synchronization group, which hangs when group histories differ.
+        """
         if self._inner is None:
-            assert self.groups is not None
-            options = {**state.options(), "node_size": 1, "process_group": self.groups.cross_group}
-            if "overlap_phase2" in options:
-                # no phase-2 lane (over a subgroup it needs a local-synchronization group, which hangs
-                # when group histories differ): the deferred phase 2 goes to the groups' own phase-2
-                # thread and group instead (_Phase2Deferral)
+            groups = self.groups
+            assert groups is not None
+            options = {**state.options(), "node_size": 1, "process_group": groups.cross_group}
+            defer = None
+            if options.get("overlap_phase2", False):
                 options["overlap_phase2"] = False
-            inner = type(state)(**options)
-            if hasattr(inner, "payloads"):
-                inner.payloads = {}  # a two-phase exchange keeps its payloads for the in-node gather
-            inner.store = self.store
-            inner.accounting = ShardAccounting(state.accounting, self.traffic)  # type: ignore[assignment]
-            if state.options().get("overlap_phase2", False):
-                inner.defer = _Phase2Deferral(self.groups)  # type: ignore[method-assign]
-            self._inner = inner
+                defer = phase2_thread(groups)
+            parts = InnerParts(self.store, ShardAccounting(state.accounting, self.traffic), defer)
+            self._inner = type(state)(**options, parts=parts)
         return self._inner
 
     # -------------------------------------------------------------------------------------- reducing
     def reduce(
         self, call: FlatCall, compress: Callable[[Any], torch.futures.Future[Tensor]]
     ) -> torch.futures.Future[Tensor]:
-        """Steps 1-3 of the module docstring for one bucket; the future DDP waits on."""
+        """Steps 1-3 of the module docstring for one bucket; the future DDP waits on.
+
+        Step 1 is issued here (:meth:`ShardReduction.reduce_in_node`); step 2 runs on the cross-node
+        thread (:meth:`ShardReduction.exchange_across_nodes`), step 3 on the gather thread
+        (:meth:`ShardReduction.gather_in_node`), each handing any failure to the returned future.
+        """
         groups = self.groups
         assert groups is not None
-        state, flat, key = call.state, call.flat, call.key
-        node_size, numel = groups.node_size, flat.numel()
-        shard_size = shard_numel(numel, node_size)
-        total = shard_size * node_size
-        inner = self._inner_state(state)
-        shard_key = self._shard_key(key, call.entry.numels)
+        shard_size = shard_numel(call.flat.numel(), groups.node_size)
+        shard_key = self._shard_key(call.key, call.entry.numels)
+        inner = self._inner_state(call.state)
+        reduction = ShardReduction(
+            groups, self.store, self.traffic, call, compress, inner, shard_key, shard_size
+        )
+        reduction.reduce_in_node(self._bucket_with_owed(call, shard_key))
+        groups.cross_worker.submit(reduction.exchange_across_nodes)
+        return then(reduction.done, _value)
+
+    def _bucket_with_owed(self, call: FlatCall, shard_key: BucketKey) -> Tensor:
+        """The bucket plus what its parameters still owe (a rebuild, a merge), zero padded to ``L`` shards."""
+        groups = self.groups
+        assert groups is not None
+        state, flat = call.state, call.flat
         owed = None
         if state.error_feedback:
-            owed = self._owed(key, call.entry.numels)
+            owed = self._owed(call.key, call.entry.numels)
             # residuals in the bucket layout: merged from another world size (fold_shards), or flat ones
-            merged = state.store.take_owed(key, call.entry.numels, call.world_size)
+            merged = state.store.take_owed(call.key, call.entry.numels, call.world_size)
             if merged is not None:
                 owed = merged.float() if owed is None else owed + merged.float()
         source = flat if owed is None else flat + owed.to(device=flat.device, dtype=flat.dtype)
+        numel, total = flat.numel(), shard_numel(flat.numel(), groups.node_size) * groups.node_size
         if numel != total:
             padded = self.store.buffers.tensor(shard_key, "padded", flat, total)
             padded[:numel].copy_(source)
             padded[numel:].zero_()
             source = padded
-        local, elem = groups.local_rank, flat.element_size()
-        # fp16's sum of L gradients can overflow where their mean does not: divide first there (a pass
-        # over the bucket); wider types divide the shard after the sum (half the elements at L = 2)
-        divide_first = flat.dtype == torch.float16
-        if divide_first:
-            source.div_(node_size)
-        received = None
-        if groups.gloo:
-            # gloo: each shard sent straight to its owner, which sums the node's copies (see the docstring)
-            shard = source[local * shard_size : (local + 1) * shard_size]
-            received = self.store.buffers.tensor(
-                shard_key, "node_received", flat, (node_size - 1) * shard_size
-            ).view(node_size - 1, shard_size)
-            works = []
-            for r, (piece, owner) in enumerate(_node_shards(source, shard_size, groups)):
-                if r != local:
-                    copy = received[_row_of(r, local)]
-                    works.append(dist.irecv(copy, src=owner, group=groups.reduce_group))
-                    works.append(dist.isend(piece, dst=owner, group=groups.reduce_group))
-        else:
-            shard = self.store.buffers.tensor(shard_key, "shard", flat, shard_size)
-            works = [_reduce_scatter_flat(shard, source, group=groups.reduce_group, async_op=True)]
-        self.traffic.add(intra_node_bytes=(node_size - 1) * shard_size * elem)
-        done: torch.futures.Future[Tensor] = torch.futures.Future()
-        where = f"{type(state).__name__} hierarchical", call.bucket_index
-
-        def cross() -> None:
-            try:
-                if call.bucket_index == 0:
-                    inner.flush_pending()  # a last bucket DDP did not mark
-                try:
-                    for work in works:  # all of them: the gather writes into the other shards
-                        work.wait()
-                except Exception as error:
-                    raise PeerCollectiveError(f"{where[0]} node reduction", where[1], error) from error
-                if received is not None:
-                    _sum_in_rank_order(shard, received, local)
-                if not divide_first:
-                    shard.div_(node_size)
-                entry = inner.store.entry(shard_key, (shard_size,), groups.nodes)
-                shard_call = dataclasses.replace(
-                    call,
-                    state=inner,
-                    key=shard_key,
-                    entry=entry,
-                    flat=shard,
-                    world_size=groups.nodes,
-                    rank=groups.node,
-                )
-                reduced = compress(shard_call)
-            except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
-                done.set_exception(error)
-                return
-            groups.gather_worker.submit(lambda: gather(reduced))
-
-        def gather(reduced: torch.futures.Future[Tensor]) -> None:
-            # every shard lands in the bucket: the others' decoded from their payloads where the exchange
-            # kept them (two-phase compressors), else sent dense through `source` (whose sums are spent)
-            try:
-                mine = reduced.wait().reshape(-1)
-                payloads = getattr(inner, "payloads", None)
-                payload = None if payloads is None else payloads.pop(shard_key, None)
-                if payload is None:
-                    works, finish = self._gather_dense(source, mine, shard_size, flat, elem)
-                else:
-                    works, finish = self._gather_payloads(shard_key, payload, mine, shard_size, flat)
-            except Exception as error:  # noqa: BLE001 - handed to whoever waits on the bucket
-                done.set_exception(error)
-                return
-
-            def place(arrived: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
-                try:
-                    for piece in arrived.value():
-                        piece.value()
-                except Exception as error:  # noqa: BLE001 - reaches DDP's wait
-                    failure = PeerCollectiveError(f"{where[0]} node gather", where[1], error)
-                    failure.__cause__ = error
-                    done.set_exception(failure)
-                    return
-                try:
-                    finish()
-                except Exception as error:  # noqa: BLE001 - reaches DDP's wait
-                    done.set_exception(error)
-                    return
-                done.set_result(flat)
-
-            when_done(torch.futures.collect_all([w.get_future() for w in works]), place)
-
-        groups.cross_worker.submit(cross)
-        return then(done, _value)
-
-    def _gather_dense(
-        self, source: Tensor, mine: Tensor, shard_size: int, flat: Tensor, elem: int
-    ) -> tuple[list[dist.Work], Callable[[], None]]:
-        """Step 3 with the decoded shards: each into ``source``, then ``source`` into the bucket."""
-        groups = self.groups
-        assert groups is not None
-        local = groups.local_rank
-        if groups.gloo:
-            own = source[local * shard_size : (local + 1) * shard_size]
-            if mine.data_ptr() != own.data_ptr():
-                own.copy_(mine)
-            # one broadcast per shard: faster than gloo's all-gather (measured)
-            works = [
-                dist.broadcast(piece, src=owner, group=groups.gather_group, async_op=True)
-                for piece, owner in _node_shards(source, shard_size, groups)
-            ]
-        else:
-            works = [all_gather_flat(source, mine.contiguous(), group=groups.gather_group, async_op=True)]
-        self.traffic.add(intra_node_bytes=(groups.node_size - 1) * shard_size * elem)
-
-        def finish() -> None:
-            if source.data_ptr() != flat.data_ptr():
-                flat.copy_(source[: flat.numel()])
-
-        return works, finish
-
-    def _gather_payloads(
-        self, shard_key: BucketKey, payload: PhasePayload, mine: Tensor, shard_size: int, flat: Tensor
-    ) -> tuple[list[dist.Work], Callable[[], None]]:
-        """Step 3 with the compressed shards: every local rank's phase-2 payloads, decoded here.
-
-        Each rank decodes its partners' payloads as their own exchanges did, so every rank of the node
-        holds the same bits, for ``1/ratio`` of the dense shards' bytes inside the node.
-        """
-        groups = self.groups
-        assert groups is not None
-        local, node_size, numel = groups.local_rank, groups.node_size, flat.numel()
-        sent = payload.gathered
-        rows = self.store.buffers.tensor(shard_key, "node_payloads", sent, node_size * sent.numel())
-        rows = rows.view(node_size, sent.numel())
-        if groups.gloo:
-            first = groups.node * node_size
-            works = [
-                dist.broadcast(sent if r == local else rows[r], src=first + r, group=groups.gather_group,
-                               async_op=True)
-                for r in range(node_size)
-            ]  # fmt: skip
-        else:
-            works = [all_gather_flat(rows.view(-1), sent, group=groups.gather_group, async_op=True)]
-        self.traffic.add(intra_node_bytes=(node_size - 1) * sent.numel())
-        assert self._inner is not None
-        accounting = self._inner.accounting
-
-        def finish() -> None:
-            for r in range(node_size):
-                lo, hi = r * shard_size, min((r + 1) * shard_size, numel)
-                if lo >= hi:
-                    continue
-                if r == local:
-                    if mine.data_ptr() != flat[lo:hi].data_ptr():
-                        flat[lo:hi].copy_(mine[: hi - lo])
-                    continue
-                accounting.note_output(payload.decode_into(flat[lo:hi], rows[r]))
-
-        return works, finish
+        return source
 
     def _shard_key(self, key: BucketKey, numels: tuple[int, ...]) -> BucketKey:
         """The shard store key of bucket layout ``key`` (a new layout takes over the old ones first)."""
@@ -452,38 +285,6 @@ class Hierarchy:
         if self.groups is None:
             return {}
         return dict(self.traffic.counters)
-
-
-def _row_of(rank: int, local: int) -> int:
-    """The row of local rank ``rank``'s copy in local rank ``local``'s received copies (its own has none)."""
-    return rank if rank < local else rank - 1
-
-
-def _sum_in_rank_order(shard: Tensor, received: Tensor, local: int) -> None:
-    """``shard`` (local rank ``local``'s own copy) becomes the sum of every local rank's, in rank order.
-
-    ``received`` holds the other local ranks' copies, in rank order (row :func:`_row_of`), so every node
-    sums in the same order (fp32 addition does not associate: the order is what makes the result
-    independent of who owns it).
-    """
-    others = received.shape[0]
-    if others == 1:  # two terms: a + b is b + a, bit for bit
-        shard.add_(received[0])
-        return
-    if local == 0:
-        for row in range(others):
-            shard.add_(received[row])
-        return
-    total = received[0]  # local rank 0's copy
-    for r in range(1, others + 1):
-        total.add_(shard if r == local else received[_row_of(r, local)])
-    shard.copy_(total)
-
-
-def _node_shards(source: Tensor, shard_size: int, groups: NodeGroups) -> list[tuple[Tensor, int]]:
-    """Each local rank's shard of ``source`` (a view) with that rank's global rank, in local-rank order."""
-    first = groups.node * groups.node_size
-    return [(source[r * shard_size : (r + 1) * shard_size], first + r) for r in range(groups.node_size)]
 
 
 def _value(future: torch.futures.Future[Tensor]) -> Tensor:

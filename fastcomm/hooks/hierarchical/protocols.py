@@ -1,52 +1,44 @@
-"""What the hierarchical exchange uses of the flat one it wraps, as protocols.
+"""What the hierarchical exchange uses of the flat one it wraps, and what it gives the flat one.
 
 :mod:`fastcomm.hooks.engine.compression` gives every compressing state a
 :class:`~fastcomm.hooks.hierarchical.Hierarchy`, and the hierarchy drives an inner flat state of the same
-class over the cross-node group. The hierarchy sees that state, its bucket calls, its deferred second
-phases and its phase-2 payloads only through these protocols, so it depends on no hook module.
+class over the cross-node group, built with :class:`InnerParts` (the shard store, the shard accounting,
+where a deferred second phase goes). The hierarchy sees that state and its bucket calls only through
+these protocols, so it depends on no hook module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.hooks.engine.accounting import StepAccounting
+from fastcomm.collectives._lane import SecondCollective
+from fastcomm.hooks.engine.accounting import ShardAccounting, StepAccounting
 from fastcomm.hooks.engine.store import BucketEntry, BucketStore
 from fastcomm.hooks.engine.util import BucketKey
 
-__all__ = ["FlatCall", "FlatState", "PhasePayload", "SecondPhase"]
+__all__ = ["FlatCall", "FlatState", "InnerParts"]
 
 
-class SecondPhase(Protocol):
-    """A bucket whose first collective is in flight; :meth:`finish` issues its second (any exchange).
+@dataclass(frozen=True)
+class InnerParts:
+    """What a hierarchy hands the flat state it builds (``type(state)(**options, parts=parts)``).
 
-    :func:`~fastcomm.hooks.engine.twophase.schedule_second_phase` decides where ``finish`` runs (the lane, the
-    next hook call, or now); ``future`` completes with the bucket's result once the second collective's
-    data is decoded.
+    Attributes:
+        store: the shard store: the inner state's residuals live there, per shard layout.
+        accounting: counts the inner exchange's traffic into the outer state's step and the node counters.
+        defer: where the inner state's deferred second phases go (the groups' phase-2 thread), or
+            ``None`` to finish them in the next hook call. An inner two-phase state also keeps each
+            bucket's phase-2 payloads (``payloads``) for the in-node gather.
     """
 
-    future: torch.futures.Future[Tensor]
-
-    def finish(self, group: dist.ProcessGroup | None = None) -> None:
-        """Wait for the first collective, then issue the second over ``group`` (default: the state's)."""
-        ...
-
-
-class PhasePayload(Protocol):
-    """One bucket's all-gathered phase-2 payloads (:class:`~fastcomm.hooks.engine.twophase.Phase2Payload`)."""
-
-    @property
-    def gathered(self) -> Tensor:
-        """The phase-2 all-gather buffer (uint8), the same bytes on every rank of the exchange."""
-        ...
-
-    def decode_into(self, out: Tensor, gathered: Tensor) -> bool:
-        """Decode ``gathered``, payloads laid out as these, into ``out``; whether they are finite."""
-        ...
+    store: BucketStore
+    accounting: ShardAccounting
+    defer: Callable[[SecondCollective], None] | None = None
 
 
 class FlatState(Protocol):
@@ -56,14 +48,10 @@ class FlatState(Protocol):
     process_group: dist.ProcessGroup | None
     error_feedback: bool
     store: BucketStore
-    accounting: StepAccounting
+    accounting: StepAccounting | ShardAccounting
 
     def options(self) -> dict[str, Any]:
         """The constructor options; ``type(state)(**options)`` builds a state like it."""
-        ...
-
-    def defer(self, pending: SecondPhase) -> None:
-        """Leave ``pending``'s second phase to a later hook call."""
         ...
 
     def flush_pending(self) -> None:
