@@ -1,9 +1,9 @@
 """The contract every batch source of a :class:`fastio.StreamLoader` meets: :class:`Source`.
 
 A source turns global sample indices into one batch. The loader knows nothing else about it: it never
-checks a source's type, only reads what this protocol declares. A new source (a shard format, a remote
-store) is one file with a class that subclasses :class:`Source` (for its defaults) plus one line in
-:mod:`fastio.registry`.
+checks a source's type, only reads what this protocol declares. A new source is a class that subclasses
+:class:`Source` (for its defaults) plus one row in :mod:`fastio.registry`; a built-in shard format keeps
+its reader, source and remote source together in its folder under :mod:`fastio.format`.
 
 Lifecycle, as the loader drives it:
 
