@@ -124,7 +124,7 @@ def _rows(
     flat_times = {r.backend: r.value for r in rows}
     for row in rows:
         flat = flat_times.get(row.backend.removesuffix("_hier")) if row.backend.endswith("_hier") else None
-        if flat and row.value == row.value:
+        if flat and flat == flat and row.value == row.value:  # NaN: a crashed run
             row.extra["measured_vs_flat"] = round(flat / row.value, 2)
     return rows
 
