@@ -8,19 +8,24 @@ opened, and the local source that reads them; this module knows no format.
 Example::
 
     class MySource(RemoteSource):
-        def _open_shard(self, shard, path): ...
-        def _local_source(self, shards, opened): ...
+        def __init__(self, url):
+            super().__init__(url, ShardCache("/tmp/fastio-cache"), RetryPolicy(), {}, 4, 8)
+            self.shards = [Shard(url, cache_key(url, "part-0"), 4096, 4096, num_samples=16)]
+            self.shards_ready()
+        def open_shard(self, shard, path): ...
+        def local_source(self, shards, opened): ...
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +72,16 @@ class _Entry:
 class RemoteSource(Source):
     """What the remote sources share: the cache, the pass (:meth:`prepare`, its
     :class:`fastio.remote.prefetch.Prefetcher`), the progress counts, the memoized local sources (see the
-    module docstring). Subclasses say how a cached shard is opened and read.
+    module docstring). A format's remote source subclasses it:
+
+    1. Its constructor calls ``super().__init__(...)``, fills ``self.shards`` (:class:`Shard`, storage
+       order; :meth:`cached` brings one in when its sample count needs its bytes) and calls
+       :meth:`shards_ready`.
+    2. It provides :meth:`open_shard` and :meth:`local_source` (how cached files are read: the format's own
+       local source), :meth:`fixed_specs`, and where it needs them :meth:`check_download`,
+       :meth:`after_download` and :meth:`resident_bytes`.
 
     Args:
-        shards: the shards in storage order (filled by the subclass).
         name: what errors and progress bars call the source.
         cache: the node-local cache.
         retry: the retry policy of every remote read.
@@ -82,7 +93,7 @@ class RemoteSource(Source):
     requires_shard_order = True
     per_sample = False
 
-    def _init_remote(
+    def __init__(
         self,
         name: str,
         cache: ShardCache,
@@ -113,25 +124,41 @@ class RemoteSource(Source):
         self._plan = ReadPlan()
         _SOURCES.add(self)
 
-    def _finish_init(self) -> None:
+    def shards_ready(self) -> None:
+        """Called by the subclass once ``self.shards`` holds every shard with its sample count."""
         self.shard_sizes = [s.num_samples for s in self.shards]
         self.num_samples = int(sum(self.shard_sizes))
         self.cumulative = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self._progress = SharedProgress(len(self.shards))
 
+    @contextlib.contextmanager
+    def cached(self, shard: int) -> Iterator[Path]:
+        """Shard ``shard``'s cached file, downloaded here if no process has, pinned while the block runs.
+
+        Example::
+
+            with source.cached(0) as path:
+                index = load_tar_index(path)
+        """
+        self._hold(shard)
+        try:
+            yield self._materialize(shard)
+        finally:
+            self._release(shard)
+
     # -- what subclasses provide ---------------------------------------------------------------------------
-    def _open_shard(self, shard: int, path: Path) -> Any:
+    def open_shard(self, shard: int, path: Path) -> Any:
         """The opened cached shard (a reader, an index and its mapping)."""
         raise NotImplementedError
 
-    def _local_source(self, shards: tuple[int, ...], opened: list[Any]) -> Any:
+    def local_source(self, shards: tuple[int, ...], opened: list[Any]) -> Any:
         """A local source over the opened ``shards`` (their samples back to back, in that order)."""
         raise NotImplementedError
 
-    def _check_download(self, shard: int, part: Path) -> None:
+    def check_download(self, shard: int, part: Path) -> None:
         """Refuse downloaded bytes that are not the shard (a header, a checksum); default: none."""
 
-    def _after_download(self, shard: int, path: Path) -> None:
+    def after_download(self, shard: int, path: Path) -> None:
         """Work once a shard is in the cache (a tar's sidecar beside it); default: none."""
 
     # -- the pass ------------------------------------------------------------------------------------------
@@ -196,8 +223,8 @@ class RemoteSource(Source):
     def _fill(self, shard: int, job: Any) -> None:
         """Download a reserved shard into its cache entry, checked, with its after-download work."""
         self._write(shard, job.part)
-        job.finish(lambda part: self._check_download(shard, part))
-        self._after_download(shard, self.cache.path(self.shards[shard].key))
+        job.finish(lambda part: self.check_download(shard, part))
+        self.after_download(shard, self.cache.path(self.shards[shard].key))
 
     def _materialize(self, shard: int, watch: RoomWatch | None = None) -> Path:
         """Shard ``shard`` in the cache (the caller holds it), downloading it here if no process has."""
@@ -216,8 +243,8 @@ class RemoteSource(Source):
                 self._failed[shard] = exc  # before the lock goes: a fetch waiting on it must see this
                 job.abort()
                 raise
-            job.finish(lambda part: self._check_download(shard, part))
-            self._after_download(shard, self.cache.path(info.key))
+            job.finish(lambda part: self.check_download(shard, part))
+            self.after_download(shard, self.cache.path(info.key))
         return self.cache.path(info.key)
 
     def _hold(self, shard: int) -> None:
@@ -321,11 +348,11 @@ class RemoteSource(Source):
                 with self._lock:
                     kept = self._opened.get(shard)
                 if kept is None or kept[1] != inode:  # none, or a mapping of a file evicted since
-                    kept = (self._open_shard(shard, path), inode)
+                    kept = (self.open_shard(shard, path), inode)
                     with self._lock:
                         self._opened[shard] = kept
                 opened.append(kept[0])
-            entry = _Entry(shards, self._local_source(shards, opened), self.cumulative)
+            entry = _Entry(shards, self.local_source(shards, opened), self.cumulative)
         except BaseException:
             for shard in shards:
                 self._release(shard)
@@ -402,7 +429,7 @@ class RemoteSource(Source):
         """Raise :class:`CacheFullError` before the pass when ``cache_limit`` cannot hold what the pass keeps
         pinned at once: it would otherwise stall on its own pins."""
         footprints = np.array([s.footprint for s in self.shards], dtype=np.int64)
-        resident = self._resident_bytes()
+        resident = self.resident_bytes()
         check_pass(self.cache.directory, self.cache.limit, shard_of, footprints, self._plan, resident)
 
     def _check_fits(self, shards: np.ndarray) -> None:
@@ -412,7 +439,7 @@ class RemoteSource(Source):
             footprints = [self.shards[s].footprint for s in shards.tolist()]
             check_batch(self.cache.directory, self.cache.limit, footprints)
 
-    def _resident_bytes(self) -> int:
+    def resident_bytes(self) -> int:
         """Bytes the source keeps in the cache that no eviction frees; default: none."""
         return 0
 

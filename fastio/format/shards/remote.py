@@ -66,7 +66,7 @@ class RemoteShardSource(RemoteSource):
         ahead: int = 8,
     ) -> None:
         root = url.rstrip("/")
-        self._init_remote(
+        super().__init__(
             root, cache_for(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
             download_threads, ahead,
         )  # fmt: skip
@@ -107,12 +107,12 @@ class RemoteShardSource(RemoteSource):
                 Shard(shard_url, cache_key(shard_url, name), size, size, entry["num_samples"])
             )
             self._checksums.append({k: entry[k] for k in ("crc32", "sha256") if k in entry})
-        self._finish_init()
+        self.shards_ready()
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return fixed_specs_of(self.schema)
 
-    def _check_download(self, shard: int, part: Path) -> None:
+    def check_download(self, shard: int, part: Path) -> None:
         wanted = self._checksums[shard]
         if wanted:
             crc, sha = 0, hashlib.sha256()
@@ -133,7 +133,7 @@ class RemoteShardSource(RemoteSource):
                 )
         ShardReader(part, verify=False)  # the header, sizes and sections: a wrong file never gets its name
 
-    def _open_shard(self, shard: int, path: Path) -> ShardReader:
+    def open_shard(self, shard: int, path: Path) -> ShardReader:
         reader = ShardReader(path, verify=self.verify)
         info = self.shards[shard]
         if reader.num_samples != info.num_samples:
@@ -146,7 +146,7 @@ class RemoteShardSource(RemoteSource):
                 raise SchemaMismatchError(info.url, name, f"{field.describe()} (index.json)", found)
         return reader
 
-    def _local_source(self, shards: tuple[int, ...], opened: list[ShardReader]) -> ShardSource:
+    def local_source(self, shards: tuple[int, ...], opened: list[ShardReader]) -> ShardSource:
         return ShardSource(ShardSet.from_readers(self.name, self.schema, opened))
 
 

@@ -125,7 +125,7 @@ class RemoteTarSource(RemoteSource):
         if not listed:
             raise RemoteNotFoundError(str(urls), "the pattern names no shard")
         name = listed[0] if len(listed) == 1 else f"{listed[0]} (+{len(listed) - 1})"
-        self._init_remote(
+        super().__init__(
             name, cache_for(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
             download_threads, ahead,
         )  # fmt: skip
@@ -147,13 +147,13 @@ class RemoteTarSource(RemoteSource):
             info.local_size, info.num_samples = meta.tar_size, meta.num_samples
             info.index_bytes = meta.index_bytes
         self._layout = self._plan_layout(metas)
-        self._finish_init()
+        self.shards_ready()
 
     # -- opening -------------------------------------------------------------------------------------------
     def _meta_path(self, shard: int) -> Path:
         return Path(f"{self.cache.path(self.shards[shard].key)}.meta.json")
 
-    def _resident_bytes(self) -> int:
+    def resident_bytes(self) -> int:
         """The metas: kept for good, so that the next run opens without downloading."""
         paths = [self._meta_path(s) for s in range(len(self.shards))]
         return sum(p.stat().st_size for p in paths if p.exists())
@@ -175,16 +175,12 @@ class RemoteTarSource(RemoteSource):
             if sidecar is not None:
                 meta = self._meta_from_sidecar(shard, sidecar)
         if meta is None:  # download (and decompress) the shard now and index it
-            self._hold(shard)
-            try:
-                info.local_size = None if info.encoding else info.remote_size
-                path = self._materialize(shard)
+            info.local_size = None if info.encoding else info.remote_size
+            with self.cached(shard) as path:
                 index = load_tar_index(path, strict=self.tar_strict)
                 index_path = Path(f"{path}{INDEX_SUFFIX}")
                 index_bytes = index_path.stat().st_size if index_path.exists() else 0
                 meta = _meta_of(index, path.stat().st_size, info.remote_size, index_bytes)
-            finally:
-                self._release(shard)
         meta_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(json.dumps(dataclasses.asdict(meta)))
@@ -205,7 +201,7 @@ class RemoteTarSource(RemoteSource):
         self._sidecars[shard] = sidecar
         return _meta_of(index, info.remote_size, info.remote_size, len(sidecar))
 
-    def _after_download(self, shard: int, path: Path) -> None:
+    def after_download(self, shard: int, path: Path) -> None:
         """Put the remote sidecar beside the cached tar with the tar's mtime set to what the sidecar recorded,
         so the tar is not re-scanned (:func:`fastio.format.tar.index.load_tar_index` still checks its
         fingerprint of the bytes and rebuilds on any mismatch)."""
@@ -260,16 +256,12 @@ class RemoteTarSource(RemoteSource):
 
             first = with_retries(head, url, self.retry)
         else:
-            self._hold(shard)
-            try:
-                path = self._materialize(shard)
+            with self.cached(shard) as path:
                 index = load_tar_index(path, strict=self.tar_strict)
                 offset = int(index.offsets[0, index.fields.index(field)])
                 with open(path, "rb") as fh:
                     fh.seek(offset)
                     first = fh.read(head_len)
-            finally:
-                self._release(shard)
         dtype, shape, fortran, header = npy_layout(first, size, info.url, f"{field} of the first sample")
         if fortran or dtype.hasobject or not dtype.isnative:
             return None
@@ -279,7 +271,7 @@ class RemoteTarSource(RemoteSource):
         return self._layout.fixed_specs()
 
     # -- reading -------------------------------------------------------------------------------------------
-    def _open_shard(self, shard: int, path: Path) -> tuple[TarIndex, MappedFile]:
+    def open_shard(self, shard: int, path: Path) -> tuple[TarIndex, MappedFile]:
         index = load_tar_index(path, strict=self.tar_strict)
         info = self.shards[shard]
         if index.num_samples != info.num_samples:
@@ -288,7 +280,7 @@ class RemoteTarSource(RemoteSource):
             )
         return index, MappedFile(path)
 
-    def _local_source(self, shards: tuple[int, ...], opened: list[tuple[TarIndex, MappedFile]]) -> TarSource:
+    def local_source(self, shards: tuple[int, ...], opened: list[tuple[TarIndex, MappedFile]]) -> TarSource:
         paths = [str(self.cache.path(self.shards[s].key)) for s in shards]
         subset = TarShardSet.from_parts(paths, [o[0] for o in opened], [o[1] for o in opened])
         return TarSource(subset, decode=self.decode, layout=self._layout)
