@@ -34,6 +34,7 @@ __all__ = [
     "completed",
     "piece_ranges",
     "piece_seed",
+    "profiled",
     "scratch_of",
     "segment_layout",
 ]
@@ -136,6 +137,15 @@ def chunk_edges(length: int, chunk_bytes: int, max_chunks: int = MAX_CHUNKS) -> 
 def piece_seed(base: int, index: int) -> int:
     """The stochastic-rounding seed of piece ``index`` of an exchange seeded ``base``."""
     return (base ^ (index * 0x9E3779B97F4A7C15)) % (2**62)
+
+
+def profiled(name: str, bucket: int | None, what: str) -> torch.profiler.record_function:
+    """A ``torch.profiler`` range for one step of an exchange: ``fastcomm <name> <what> [bucket <i>]``.
+
+    A trace then shows compression, transfer and decode per bucket and phase (free when not profiling).
+    """
+    suffix = "" if bucket is None else f" bucket {bucket}"
+    return torch.profiler.record_function(f"fastcomm {name} {what}{suffix}")
 
 
 def completed(tensor: Tensor) -> torch.futures.Future[Tensor]:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from fastcomm.collectives import gather, rounds, two_phase
 from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_for
-from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES, FreshBuffers, block_unit
+from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES, FreshBuffers, block_unit, segment_layout
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
@@ -314,7 +314,7 @@ def reduce_scatter(
         )
     shard = out.numel()
     unit = block_unit(compressor.block)
-    layout = two_phase.TwoPhaseLayout(compressor, -(-max(shard, 1) // unit) * unit, unit)
+    layout = two_phase.TwoPhaseLayout(compressor, segment_layout(shard, 1, unit), unit)
     if residual is not None:
         residual.settle()
     worker = None if residual is None else residual.take("worker", flat, flat.numel())

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._layout import Buffers, Timer, completed
+from fastcomm.collectives._layout import Buffers, Timer, completed, profiled
 from fastcomm.collectives._threads import then, when_done
 from fastcomm.collectives.errors import PeerCollectiveError, collective_value
 from fastcomm.compress.protocol import AllreduceCompressor, all_finite
@@ -71,7 +71,7 @@ class Rounds:
             self.work.wait()
         except Exception as error:
             raise PeerCollectiveError(where.format("first"), self.bucket, error) from error
-        with timer:
+        with timer, profiled(self.name, self.bucket, "second round"):
             fp32 = torch.empty(0, dtype=torch.float32, device=out.device)
             second = self.buffers.tensor("second", fp32, plan.second_numel)
             if plan.second_numel:
@@ -90,7 +90,7 @@ class Rounds:
         def decode(done: torch.futures.Future) -> Tensor:
             collective_value(done, where.format("second"), self.bucket)
             decode_timer = Timer()
-            with decode_timer:
+            with decode_timer, profiled(self.name, self.bucket, "decode"):
                 finite = all_finite(first) and all_finite(second)
                 compressor.finish(plan, out, self.residual, self.state_out, first, second, world_size)
             if self.on_decoded is not None:
@@ -141,7 +141,7 @@ def start_rounds(
     """
     timer = Timer()
     state_in, state_out = state
-    with timer:
+    with timer, profiled(name, bucket, "first round"):
         fp32 = torch.empty(0, dtype=torch.float32, device=x.device)
         first = buffers.tensor("first", fp32, plan.first_numel)
         if fused is not None:

@@ -37,6 +37,7 @@ from fastcomm.collectives._layout import (
     block_unit,
     piece_ranges,
     piece_seed,
+    profiled,
     scratch_of,
     segment_layout,
 )
@@ -194,7 +195,7 @@ def start_phase1(
     stride = segment if stride is None else stride
     numel = x.numel()
     timer = Timer()
-    with timer:
+    with timer, profiled(name, bucket, "phase-1 compress and send"):
         row_bytes = compressor.wire_bytes(segment, x.dtype)
         ranges = piece_ranges(segment, layout.unit, row_bytes, chunk_bytes)
         uint8 = torch.empty(0, dtype=torch.uint8, device=x.device)
@@ -352,7 +353,7 @@ def start_phase2(
     for index, piece in enumerate(phase1.pieces):
         start, stop, width = piece.start, piece.stop, piece.received.shape[1]
         phase1.wait_piece(piece)
-        with timer:
+        with timer, profiled(phase1.name, phase1.bucket, f"phase-2 reduce and compress piece {index}"):
             part = mean[start:stop]
             reduce_piece(phase1, piece, part, mean=True)
             piece_row = row[offset : offset + width]
@@ -369,7 +370,8 @@ def start_phase2(
             except Exception as error:  # a group already broken raises at once
                 raise phase1.failure("phase-2 all-gather", error) from error
         rows = piece_out.view(world_size, width)
-        decoded.append(then(future, _decoder(compressor, rows, out, segment, start, stop)))
+        label = (phase1.name, phase1.bucket, f"phase-2 decode piece {index}")
+        decoded.append(then(future, _decoder(compressor, rows, out, segment, start, stop, label)))
         placed.append((start, stop, offset, width))
         sent_bytes += 2 * (world_size - 1) * width
         offset += width
@@ -394,14 +396,20 @@ def start_phase2(
 
 
 def _decoder(
-    compressor: Compressor, rows: Tensor, out: Tensor, segment: int, start: int, stop: int
+    compressor: Compressor,
+    rows: Tensor,
+    out: Tensor,
+    segment: int,
+    start: int,
+    stop: int,
+    label: tuple[str, int | None, str],
 ) -> Callable[[torch.futures.Future], tuple[bool, float]]:
     """The callback that decodes one gathered piece into ``out``: (finite, seconds it took)."""
 
     def decode(arrived: torch.futures.Future) -> tuple[bool, float]:
         arrived.value()  # raises the all-gather's error, which completion reports
         timer = Timer()
-        with timer:
+        with timer, profiled(*label):
             finite = compressor.payload_finite(rows, stop - start, out.dtype)
             decode_rows(compressor, rows, out, segment, start, stop)
         return finite, timer.seconds

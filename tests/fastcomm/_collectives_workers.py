@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
+import fastcomm
 from fastcomm import collectives
 from fastcomm.compress import PowerSGDCompressor, QuantCompressor, SignCompressor, TopKCompressor
 
@@ -242,6 +244,25 @@ def _powersgd_case(rank: int, world: int, ef: bool, async_op: bool) -> None:
     checks.raise_any()
 
 
+def _hook_diagnosis_case(rank: int, world: int) -> None:
+    """A DDP model under the sign hook: stats() report bytes, a link rate and the communication shown."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    ddp = DistributedDataParallel(model)
+    state = fastcomm.register(ddp, "sign", min_compress_numel=0)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        ddp(torch.randn(32, 64, generator=gen)).square().mean().backward()
+    stats = state.stats()
+    checks = Mismatches()
+    for key in ("step_seconds", "comm_window_seconds", "link_bytes_per_second", "bytes_sent"):
+        if not stats[key] > 0:
+            checks.found.append(f"{key} = {stats[key]}")
+    if not 0.0 <= stats["comm_share"] <= 1.0:
+        checks.found.append(f"comm_share = {stats['comm_share']}")
+    checks.raise_any()
+
+
 def cases(world: int) -> dict[str, Callable[[int], None]]:
     """Case id -> the check each rank runs."""
     table: dict[str, Callable[[int], None]] = {}
@@ -269,6 +290,7 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
         for async_op in (False, True):
             key = f"all_reduce-powersgd-{'ef' if ef else 'noef'}-{'async' if async_op else 'sync'}"
             table[key] = lambda r, a=(ef, async_op): _powersgd_case(r, world, *a)
+    table["hook-diagnosis"] = lambda r: _hook_diagnosis_case(r, world)
     return table
 
 

@@ -9,9 +9,10 @@ collective: such an iteration is a skipped step (GradScaler skips it), any other
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
-__all__ = ["COUNTERS", "NodeTraffic", "ShardAccounting", "StepAccounting"]
+__all__ = ["COUNTERS", "NodeTraffic", "ShardAccounting", "StepAccounting", "StepTimes"]
 
 # the counters a checkpoint keeps, with their types
 COUNTERS: dict[str, type] = {
@@ -23,6 +24,57 @@ COUNTERS: dict[str, type] = {
     "compressed_buckets": int,
     "dense_buckets": int,
 }
+
+
+class StepTimes:
+    """Where a step's time goes, measured in place: the iteration period and the communication it shows.
+
+    Per iteration (bucket 0's hook call to the next one's), from the clock of this rank's hook calls and
+    results, not from assumptions:
+
+    * ``step_seconds``: the time between two iterations' first hook calls (forward, backward, optimizer).
+    * ``exposed_comm_seconds``: from the last bucket's hook call (its gradient is the backward's last) to
+      the last bucket result's decode: what the optimizer step waits for after the backward.
+    * ``comm_window_seconds``: from the first hook call to the last result: the backward's communication.
+    * ``link_bytes_per_second``: the bytes this rank sent in those windows over their length (a lower
+      bound of the link's rate: the window also holds compression and backward compute).
+
+    The timed iterations are the ones with at least one result; counts start at construction.
+    """
+
+    def __init__(self) -> None:
+        self.first_call = self.last_call = self.last_done = self.last_open = None
+        self.bytes = 0
+        self.totals = {"timed_steps": 0, "periods": 0, "step": 0.0, "exposed": 0.0, "window": 0.0, "bytes": 0}
+
+    def open(self, now: float) -> None:
+        if self.last_open is not None:
+            self.totals["periods"] += 1
+            self.totals["step"] += now - self.last_open
+        self.last_open = self.first_call = self.last_call = now
+        self.last_done, self.bytes = None, 0
+
+    def close(self) -> None:
+        if self.first_call is None or self.last_done is None or self.last_call is None:
+            return
+        self.totals["timed_steps"] += 1
+        self.totals["exposed"] += max(0.0, self.last_done - self.last_call)
+        self.totals["window"] += max(0.0, self.last_done - self.first_call)
+        self.totals["bytes"] += self.bytes
+        self.first_call = None
+
+    def stats(self) -> dict[str, float]:
+        totals = self.totals
+        timed, periods = max(1, totals["timed_steps"]), totals["periods"]
+        step = totals["step"] / periods if periods else 0.0
+        exposed = totals["exposed"] / timed
+        return {
+            "step_seconds": step,
+            "exposed_comm_seconds": exposed,
+            "comm_share": min(1.0, exposed / step) if step > 0 else 0.0,
+            "comm_window_seconds": totals["window"] / timed,
+            "link_bytes_per_second": totals["bytes"] / totals["window"] if totals["window"] > 0 else 0.0,
+        }
 
 
 class StepAccounting:
@@ -46,6 +98,7 @@ class StepAccounting:
         self.iterations_seen = 0
         self._open = False
         self._nonfinite = False
+        self.times = StepTimes()
 
     @property
     def steps(self) -> int:
@@ -59,6 +112,8 @@ class StepAccounting:
 
     def open_iteration(self) -> None:
         """Start an iteration (the previous one must be closed)."""
+        with self._lock:
+            self.times.open(time.perf_counter())
         self._open = True
         self._nonfinite = False
         self.iterations_seen += 1
@@ -70,12 +125,20 @@ class StepAccounting:
         finite = not self._nonfinite
         with self._lock:
             self._counters["steps" if finite else "skipped_steps"] += 1
+            self.times.close()
         self._open = False
         self._nonfinite = False
         return finite
 
+    def note_call(self) -> None:
+        """A hook call of the open iteration began (its bucket's gradient is ready)."""
+        with self._lock:
+            self.times.last_call = time.perf_counter()
+
     def note_output(self, finite: bool) -> None:
-        """Record whether a bucket's (rank-identical) result was finite."""
+        """Record whether a bucket's (rank-identical) result was finite, and when it was ready."""
+        with self._lock:
+            self.times.last_done = time.perf_counter()
         if not finite:
             self._nonfinite = True
 
@@ -83,6 +146,7 @@ class StepAccounting:
         """Add one hook call's traffic, its dense equivalent and its compression time."""
         with self._lock:
             self._counters["bytes_sent"] += bytes_sent
+            self.times.bytes += bytes_sent
             self._counters["dense_bytes"] += dense_bytes
             self._counters["compress_seconds"] += seconds
             self._counters["compressed_buckets" if compressed else "dense_buckets"] += 1
@@ -93,9 +157,11 @@ class StepAccounting:
             self._counters["compress_seconds"] += seconds
 
     def stats(self) -> dict[str, float | int]:
-        """The counters and ``compression_ratio``: ``dense_bytes / bytes_sent`` (1.0 if nothing was sent)."""
+        """The counters, ``compression_ratio`` (``dense_bytes / bytes_sent``, 1.0 if nothing was sent) and
+        :class:`StepTimes`' figures."""
         with self._lock:
-            counters = dict(self._counters)
+            counters: dict[str, float | int] = dict(self._counters)
+            counters.update(self.times.stats())
         sent = counters["bytes_sent"]
         counters["compression_ratio"] = counters["dense_bytes"] / sent if sent else 1.0
         ordered = {name: counters[name] for name in ("steps", "skipped_steps", "bytes_sent", "dense_bytes")}

@@ -7,6 +7,7 @@ remembers the parameters it serves; handing it to a second model is an error.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ from fastcomm.hooks.engine.reshard import describe, keep_if_same_world, merge_co
 from fastcomm.hooks.engine.util import BucketKey, ring_bytes
 
 __all__ = ["HookState"]
+
+_log = logging.getLogger("fastcomm.hooks")
 
 
 class HookState:
@@ -52,6 +55,7 @@ class HookState:
                 f"({type(process_group).__name__})"
             )
         self.process_group = process_group
+        self._log_every = 0
         self._reset_internal()
 
     def _reset_internal(self) -> None:
@@ -125,6 +129,8 @@ class HookState:
         if bucket.index() == 0:
             self._finish_iteration()
             self.accounting.open_iteration()
+        else:
+            self.accounting.note_call()
         return self._bucket_key(bucket)
 
     def _finish_iteration(self) -> None:
@@ -132,6 +138,9 @@ class HookState:
         finite = self.accounting.close_iteration()
         if finite is not None:
             self._end_iteration(finite)
+            every = self._log_every
+            if every and (self.accounting.iterations_seen % every == 0):
+                _log.info("%s", self.summary())
 
     def _end_iteration(self, finite: bool) -> None:
         """An iteration closed: a step (``finite``) or a skipped one. Subclasses commit or drop here."""
@@ -160,6 +169,35 @@ class HookState:
         return completed(buffer)
 
     # ------------------------------------------------------------------------------------------- public
+    def log_every(self, iterations: int) -> None:
+        """Log :meth:`summary` at INFO on the ``fastcomm.hooks`` logger every ``iterations`` (0: never).
+
+        Example::
+
+            logging.basicConfig(level=logging.INFO)
+            state.log_every(100)
+        """
+        if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 0:
+            raise ValueError(f"iterations must be a non-negative int, got {iterations!r}")
+        self._log_every = iterations
+
+    def summary(self) -> str:
+        """One line: the step time, the communication it shows and its share, the bytes sent, the link rate.
+
+        Example::
+
+            print(state.summary())  # "SignState step 200: 412.0 ms/step, communication shown 35.1 ms ..."
+        """
+        stats = self.accounting.stats()
+        iterations = max(1, int(stats["steps"]) + int(stats["skipped_steps"]))
+        return (
+            f"{type(self).__name__} step {stats['steps']}: {stats['step_seconds'] * 1e3:.1f} ms/step, "
+            f"communication shown {stats['exposed_comm_seconds'] * 1e3:.1f} ms ({stats['comm_share']:.0%}), "
+            f"{stats['bytes_sent'] / iterations / 1e6:.2f} MB sent/step "
+            f"({stats['compression_ratio']:.1f}x less than dense), "
+            f"link {stats['link_bytes_per_second'] / 1e6:.1f} MB/s"
+        )
+
     @property
     def steps(self) -> int:
         """Optimizer steps really taken (iterations whose reduced gradients were all finite)."""
@@ -176,7 +214,10 @@ class HookState:
             ``2(W-1)/W``), ``dense_bytes`` (what a ring allreduce of the same buckets in their own dtype
             would have sent), ``compression_ratio`` (``dense_bytes / bytes_sent``, 1.0 when nothing was
             sent), ``compress_seconds`` (time in compression and decompression, not in collectives),
-            ``compressed_buckets`` and ``dense_buckets`` (hook calls of each kind).
+            ``compressed_buckets`` and ``dense_buckets`` (hook calls of each kind); where the step's
+            time goes, measured on this rank (:class:`~fastcomm.hooks.engine.accounting.StepTimes`):
+            ``step_seconds``, ``exposed_comm_seconds`` (what the optimizer waits for after the backward),
+            ``comm_share`` (their ratio), ``comm_window_seconds`` and ``link_bytes_per_second``.
 
         Example::
 
