@@ -1,0 +1,36 @@
+"""fastcomm.fsdp's HSDP mode on 4 gloo ranks (2 replicas x 2 shards): the in-node reduce-scatter dense, the
+cross-replica all-reduce of the shard compressed, within its bound, wired into .grad, the replicas bit-equal.
+
+The ranks run every case of ``_fsdp_hsdp_workers.cases`` in one process group; each case is its own test.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _fsdp_hsdp_workers as workers  # noqa: E402
+import _hooks_workers  # noqa: E402
+
+WORLD = workers.REPLICAS * workers.SHARDS
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Case -> per-rank outcome ("ok" or the traceback)."""
+    workdir = tmp_path_factory.mktemp("hsdp")
+    _hooks_workers.spawn(workdir, WORLD, workers.run_all, str(workdir), timeout_s=300)
+    per_rank = [json.loads((workdir / f"results_{r}.json").read_text()) for r in range(WORLD)]
+    return {key: [ranks[key] for ranks in per_rank] for key in per_rank[0]}
+
+
+@pytest.mark.parametrize("case", sorted(workers.cases(WORLD)))
+def test_hsdp_case(outcomes, case):
+    failures = [text for text in outcomes[case] if text != "ok"]
+    assert not failures, failures[0]
+
+
+def test_every_case_ran(outcomes):
+    assert sorted(outcomes) == sorted(workers.cases(WORLD))
