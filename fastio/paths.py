@@ -16,7 +16,11 @@ from pathlib import Path
 
 from fastio.errors import EmptySourceError
 
-__all__ = ["default_cache_dir", "expand_pattern"]
+__all__ = ["LOCAL_COPIES", "default_cache_dir", "expand_pattern"]
+
+# The folder of a cache directory that holds local files made usable (compressed tars decompressed), kept
+# apart from the remote shard cache's entries so that its limit and eviction never count or touch them.
+LOCAL_COPIES = "local"
 
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fastio.errors import CorruptShardError
-from fastio.paths import default_cache_dir
+from fastio.paths import LOCAL_COPIES, default_cache_dir
 from fastio.remote.room import CacheFullError, CacheStalledError, RoomWatch, alive, part_owner
 
 __all__ = [
@@ -279,6 +279,14 @@ class ShardCache:
         self._pins = {}  # their descriptors were closed with every other lock descriptor
 
     # -- space -------------------------------------------------------------------------------------------
+    def _walk(self) -> Iterator[tuple[str, list[str]]]:
+        """``(folder, file names)`` of the cache's own tree: not :data:`fastio.paths.LOCAL_COPIES`, the
+        local copies other parts of fastio keep in the same directory."""
+        for root, dirs, files in os.walk(self.directory):
+            if root == str(self.directory):
+                dirs[:] = [d for d in dirs if d != LOCAL_COPIES]
+            yield root, files
+
     def usage(self) -> int:
         """Bytes in the cache now: entries, their sidecars and downloads in progress (at their full size,
         reserved up front). What ``cache_limit`` bounds.
@@ -288,7 +296,7 @@ class ShardCache:
             assert cache.usage() <= cache.limit + largest_shard
         """
         total = 0
-        for root, _, files in os.walk(self.directory):
+        for root, files in self._walk():
             for name in files:
                 if name.endswith(_LOCK_SUFFIXES) or name == _GLOBAL_LOCK:
                     continue
@@ -299,7 +307,7 @@ class ShardCache:
     def _entries(self) -> list[tuple[float, Path, Path]]:
         """``(recency, data path, pin path)`` of every complete entry, oldest (or read) first."""
         found = []
-        for root, _, files in os.walk(self.directory):
+        for root, files in self._walk():
             names = set(files)
             for name in files:
                 if not name.endswith(".pin") or name[: -len(".pin")] not in names:
@@ -436,7 +444,7 @@ class ShardCache:
             ShardCache("/tmp/c").clear_stale_parts()
         """
         removed = 0
-        for root, _, files in os.walk(self.directory):
+        for root, files in self._walk():
             for name in files:
                 if part_owner(name) is None or alive(part_owner(name)):
                     continue

@@ -24,7 +24,7 @@ from fastio.format.tar.compressed import open_compressed_tars
 from fastio.format.tar.compression import COMPRESSED_SUFFIXES, decompress, is_compressed_tar
 from fastio.format.tar.remote import RemoteTarSource
 from fastio.registry import OpenOptions, open_source
-from fastio.remote import RetryPolicy
+from fastio.remote import RetryPolicy, ShardCache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _http_server import HttpServer  # noqa: E402
@@ -232,3 +232,11 @@ def test_a_local_compressed_tar_is_decompressed_again_only_when_it_changes(tmp_p
     _write_tar(path, _members(4, 6), "w:gz")
     again = open_compressed_tars(str(path), options)
     assert again.num_samples == 6
+
+
+def test_local_copies_are_not_the_remote_cache_s_entries(tmp_path):
+    path = _write_tar(tmp_path / "s.tgz", _members(5, 7), "w:gz")
+    cache = tmp_path / "cache"
+    open_compressed_tars(str(path), OpenOptions(cache_dir=str(cache)))
+    assert any(cache.rglob("*.tar"))
+    assert ShardCache(cache).usage() == 0  # neither counted against a cache_limit nor evicted

@@ -3,7 +3,8 @@ once, streaming, into a local directory, then indexed and read as a plain tar by
 :class:`~fastio.format.tar.source.TarSource`. No remote code runs (:mod:`fastio.remote` is for URLs).
 
 1. The copy of ``<folder>/shard-000.tgz`` is ``<cache_dir>/local/<digest of the folder>/shard-000.tar``
-   (``cache_dir``: ``OpenOptions.cache_dir``, else :func:`fastio.paths.default_cache_dir`), beside a
+   (``cache_dir``: ``OpenOptions.cache_dir``, else :func:`fastio.paths.default_cache_dir`; ``local/`` is
+   :data:`fastio.paths.LOCAL_COPIES`, which the remote cache neither counts nor evicts), beside a
    ``.source.json`` that records the compressed file's size and mtime: a later open with the same file
    reuses the copy, a changed file is decompressed again.
 2. The copy is written to a temporary file and renamed into place, so a cut or corrupt stream (which raises
@@ -30,7 +31,7 @@ from fastio.errors import CorruptShardError, FastIOError
 from fastio.format.tar.compression import compression_of, decompress, decompressed_name
 from fastio.format.tar.index import TarShardSet
 from fastio.format.tar.source import TarSource
-from fastio.paths import default_cache_dir, expand_pattern
+from fastio.paths import LOCAL_COPIES, default_cache_dir, expand_pattern
 
 __all__ = ["decompressed_copy", "open_compressed_tars"]
 
@@ -53,7 +54,7 @@ def decompressed_copy(path: str, directory: str | os.PathLike[str]) -> Path:
         raise ValueError(f"{path}: not a compressed tar (expected a name ending in a compressed tar suffix)")
     folder = os.path.dirname(os.path.abspath(path))
     digest = hashlib.sha256(folder.encode()).hexdigest()[:16]
-    target = Path(directory) / "local" / digest / decompressed_name(path)
+    target = Path(directory) / LOCAL_COPIES / digest / decompressed_name(path)
     stamp_path = target.with_name(target.name + ".source.json")
     stamp = _stamp(path)
     try:
