@@ -79,6 +79,9 @@ LOSS_METHODS = (
     "sgd",
     "sgd_clip",
     "dgc",
+    "diloco",
+    "diloco_q4",
+    "streaming_q4",
 )
 REFERENCE = {"sgd": "none", "sgd_clip": "sgd", "dgc": "sgd"}
 LOSS_ONLY = {"sgd_clip": "a loss reference (top-k at ratio 1.0 sends twice the dense bytes): not timed"}
@@ -189,12 +192,17 @@ def _launch(
 
 @dataclasses.dataclass(frozen=True)
 class _Phase:
-    """Steps ``first..last`` of the loss run, timed in a run with ``options`` added."""
+    """Steps ``first..last`` of the loss run, timed in a run with ``options`` added.
+
+    ``period``: 0, the step time is the median of the timed steps; else the timed steps are whole periods
+    of that many steps (DiLoCo's syncs) and the step time is their mean.
+    """
 
     name: str
     first: int
     last: int
     options: tuple[tuple[str, Any], ...] = ()
+    period: int = 0
 
 
 def _phases(train_lm: Any, method: str, steps: int) -> list[_Phase]:
@@ -210,6 +218,8 @@ def _phases(train_lm: Any, method: str, steps: int) -> list[_Phase]:
             _Phase("sparsity warm-up", 1, warmup),
             _Phase("top-k", warmup + 1, steps, (("warmup_steps", 0),)),
         ]
+    if train_lm.METHODS[method].optimizer == "diloco":
+        return [_Phase("all", 1, steps, period=int(options["sync_every"]))]
     return [_Phase("all", 1, steps)]
 
 
@@ -239,7 +249,8 @@ def _time_phase(
     A crashed run is run once more (gloo now and then aborts a rank at process exit, after its steps:
     "terminate called without an active exception"); the second run's numbers are the row's, and the
     first run's status is returned for the notes."""
-    n = settings.warmup + settings.timed
+    timed_steps = -(-settings.timed // phase.period) * phase.period if phase.period else settings.timed
+    n = settings.warmup + timed_steps
     args = [
         "--hook",
         method,
@@ -266,9 +277,10 @@ def _time_phase(
     if run.status != "ok" or run.result is None:
         return None, run.status, crashed
     timed = slice(settings.warmup, None)
+    steps_taken = run.result["step_seconds"][timed]
     return (
         {
-            "seconds_per_step": _median(run.result["step_seconds"][timed]),
+            "seconds_per_step": sum(steps_taken) / len(steps_taken) if phase.period else _median(steps_taken),
             "backward_s": _median(run.result["backward_seconds"][timed]),
             "opt_step_s": _median(run.result["optimizer_seconds"][timed]),
         },

@@ -322,15 +322,25 @@ class Method:
     """One training method: the optimizer, the communication hook and their default options.
 
     ``optimizer`` is ``"adamw"``, ``"sgd"`` (momentum 0.9), ``"sgd_nomomentum"`` (for a hook that applies
-    the momentum itself) or ``"compressed_adam"`` (``fastcomm.CompressedAdam``, which registers its own
-    hook). ``hook`` is a :func:`fastcomm.register` name, ``"torch_fp16"``, ``"noop"`` or None (dense
-    allreduce). ``options`` go to ``fastcomm.register`` (or ``CompressedAdam``); ``--opt k=v`` overrides.
+    the momentum itself), ``"compressed_adam"`` (``fastcomm.CompressedAdam``, which registers its own
+    hook) or ``"diloco"`` (AdamW inner steps in ``fastcomm.DiLoCo``, no DDP: ``options`` are DiLoCo's).
+    ``hook`` is a :func:`fastcomm.register` name, ``"torch_fp16"``, ``"noop"`` or None (dense allreduce).
+    ``options`` go to ``fastcomm.register`` (or ``CompressedAdam``); ``--opt k=v`` overrides.
     """
 
     description: str
     optimizer: str = "adamw"
     hook: str | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_Q4 = {"compressor": "quantize", "bits": 4}
+
+
+def _diloco(**options: Any) -> dict[str, Any]:
+    """DiLoCo's options: sync every 10 steps, outer Nesterov lr 0.7 and momentum 0.5 (short runs from
+    scratch; the paper's 0.9 overshoots here, see docs/diloco.md), fp32, unless ``options`` say otherwise."""
+    return {"sync_every": 10, "outer_lr": 0.7, "outer_momentum": 0.5, "compressor": "none", **options}
 
 
 METHODS: dict[str, Method] = {
@@ -365,10 +375,29 @@ METHODS: dict[str, Method] = {
                        options={"ratio": 1.0, "momentum": 0.9, "momentum_masking": False, "warmup_steps": 0,
                                 "clip_norm": 1.0}),
     "fp16": Method("torch fp16_compress_hook, AdamW", hook="torch_fp16"),
+    "diloco": Method("fastcomm.DiLoCo H=10, fp32 pseudo-gradients, outer Nesterov lr 0.7 momentum 0.5, "
+                     "AdamW inner", optimizer="diloco", options=_diloco()),
+    "diloco_q4": Method("fastcomm.DiLoCo H=10, 4-bit pseudo-gradients with error feedback, outer Nesterov "
+                        "lr 0.7 momentum 0.5, AdamW inner", optimizer="diloco", options=_diloco(**_Q4)),
+    "diloco_h25": Method("fastcomm.DiLoCo H=25, fp32, outer Nesterov lr 0.7 momentum 0.5, AdamW inner",
+                         optimizer="diloco", options=_diloco(sync_every=25)),
+    "diloco_q4_h25": Method("fastcomm.DiLoCo H=25, 4-bit pseudo-gradients with error feedback, outer "
+                            "Nesterov lr 0.7 momentum 0.5, AdamW inner", optimizer="diloco",
+                            options=_diloco(sync_every=25, **_Q4)),
+    "diloco_m09": Method("fastcomm.DiLoCo H=10, fp32, outer Nesterov lr 0.7 momentum 0.9 (the paper's), "
+                         "AdamW inner", optimizer="diloco", options=_diloco(outer_momentum=0.9)),
+    "diloco_avg": Method("fastcomm.DiLoCo H=10, fp32, plain averaging (outer lr 1, no momentum), AdamW inner",
+                         optimizer="diloco", options=_diloco(outer_lr=1.0, outer_momentum=0.0)),
+    "diloco_lr1": Method("fastcomm.DiLoCo H=10, fp32, outer Nesterov lr 1.0 momentum 0.5, AdamW inner",
+                         optimizer="diloco", options=_diloco(outer_lr=1.0)),
+    "streaming_q4": Method("fastcomm.DiLoCo streaming: H=10 in 5 fragments (one every 2 steps, applied 2 "
+                           "steps late), 4-bit pseudo-gradients with error feedback, outer lr 0.7 "
+                           "momentum 0.5",
+                           optimizer="diloco", options=_diloco(fragments=5, **_Q4)),
     "noop": Method("no communication at all (the compute floor; ranks train apart, for timing only)",
                    hook="noop"),
 }
-BASE_LR = {"adamw": 2e-3, "compressed_adam": 2e-3, "sgd": 0.1, "sgd_nomomentum": 0.1}
+BASE_LR = {"adamw": 2e-3, "compressed_adam": 2e-3, "diloco": 2e-3, "sgd": 0.1, "sgd_nomomentum": 0.1}
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
 
@@ -619,8 +648,15 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
     np.random.seed(config.seed)
     model = GPT(config.model)
     parameters = sum(p.numel() for p in model.parameters())
-    ddp = DistributedDataParallel(model)
-    optimizer, hook_state = _build_method(config.method, ddp, lr, options)
+    outer: fastcomm.DiLoCo | None = None
+    if method.optimizer == "diloco":  # no DDP: each rank trains on its own batches between syncs
+        net: nn.Module = model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        outer = fastcomm.DiLoCo(model, optimizer, **options)
+        hook_state: Any = outer
+    else:
+        net = DistributedDataParallel(model)
+        optimizer, hook_state = _build_method(config.method, net, lr, options)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: _lr_factor(step, config.warmup_steps, schedule_steps)
     )
@@ -634,7 +670,7 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
     val_losses: list[float] = []
     ckpt = None
     if config.checkpoint_every or config.resume is not None:
-        objects = {"model": ddp.module, "optimizer": optimizer, "scheduler": scheduler,
+        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                    "loader": train_loader}
         if hook_state is not None:
             objects["hook"] = hook_state
@@ -667,11 +703,13 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
         samples.write(step, train_loader.epoch, batch["index"])
         tokens = batch["tokens"][:, : context + 1].long()
         optimizer.zero_grad(set_to_none=True)
-        loss = ddp(tokens[:, :-1], tokens[:, 1:])
+        loss = net(tokens[:, :-1], tokens[:, 1:])
         backward_begin = time.perf_counter()
         loss.backward()
         optimizer_begin = time.perf_counter()
-        optimizer.step()
+        (optimizer if outer is None else outer).step()
+        if outer is not None and step == config.steps:
+            outer.finish()  # the exchanges still in flight, before the last evaluation
         optimizer_end = time.perf_counter()
         lrs.append(scheduler.get_last_lr()[0])
         scheduler.step()
@@ -689,7 +727,7 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
             window_start = time.perf_counter()
         if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
             val_steps.append(step)
-            val_losses.append(_val_loss(ddp.module, val_loader, config.val_rows))
+            val_losses.append(_val_loss(model, val_loader, config.val_rows))
             say(f"[train_lm] step {step} val loss {val_losses[-1]:.4f}")
             window_start = time.perf_counter()
         if ckpt is not None and ckpt.maybe_save(step, {"val_steps": val_steps, "val_losses": val_losses}):
@@ -697,7 +735,7 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
             window_start = time.perf_counter()
 
     if config.final_state is not None and rank == 0:
-        torch.save({"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(), "step": last},
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": last},
                    config.final_state)
     # One collective for the per-step numbers: the mean training loss and the slowest rank's time.
     losses = torch.tensor(train_losses, dtype=torch.float64)
