@@ -13,10 +13,11 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fastio.errors import EmptySourceError
 
-__all__ = ["LOCAL_COPIES", "default_cache_dir", "expand_pattern"]
+__all__ = ["LOCAL_COPIES", "default_cache_dir", "expand_pattern", "is_path_list"]
 
 # The folder of a cache directory that holds local files made usable (compressed tars decompressed), kept
 # apart from the remote shard cache's entries so that its limit and eviction never count or touch them.
@@ -54,6 +55,16 @@ def expand_pattern(pattern: str | Sequence[str]) -> list[str]:
             raise EmptySourceError(f"{pattern}: the pattern matches no file")
         return found
     return [pattern]
+
+
+def is_path_list(target: Any) -> bool:
+    """True for a non-empty list of strings (paths, patterns or URLs): what a list of shards is.
+
+    Example::
+
+        assert is_path_list(["a.tar", "b.tar"]) and not is_path_list([])
+    """
+    return isinstance(target, list) and bool(target) and all(isinstance(t, str) for t in target)
 
 
 def default_cache_dir() -> Path:

@@ -50,12 +50,14 @@ import dataclasses
 import importlib
 import os
 import re
-import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastio.errors import EmptySourceError
-from fastio.format.tar.compression import COMPRESSED_SUFFIXES, compression_of, is_compressed_tar
+from fastio.format.shards import is_shard_directory, is_shard_directory_url
+from fastio.format.tar import is_tar, is_tar_url
+from fastio.format.tar.compression import COMPRESSED_SUFFIXES, is_compressed_tar
+from fastio.paths import is_path_list
 from fastio.sources.base import Source, missing_members
 
 __all__ = [
@@ -129,53 +131,12 @@ def _is_path(target: Any) -> bool:
     return isinstance(target, str)
 
 
-def _is_path_list(target: Any) -> bool:
-    return isinstance(target, list) and bool(target) and all(isinstance(t, str) for t in target)
-
-
 def _is_source(target: Any) -> bool:
     return not isinstance(target, (str, list)) and not missing_members(target)
 
 
-def _is_directory(target: Any) -> bool:
-    return _is_path(target) and os.path.isdir(target)
-
-
-def _is_tar(target: Any) -> bool:
-    if _is_path_list(target):
-        return True
-    return _is_path(target) and (target.endswith(".tar") or any(c in target for c in "*?[{"))
-
-
-def _url_path(url: str) -> str:
-    return url.split("?", 1)[0]  # "?" starts a URL's query: it is no wildcard there
-
-
-def _is_tar_url(target: Any) -> bool:
-    if _is_path_list(target):
-        return True
-    return _is_path(target) and (
-        _url_path(target).endswith(".tar") or any(c in _url_path(target) for c in "*[{")
-    )
-
-
-def _is_compressed_tar_url(target: Any) -> bool:
-    if _is_path_list(target):
-        return all(compression_of(t) is not None for t in target)
-    return _is_path(target) and compression_of(target) is not None
-
-
-def _is_directory_url(target: Any) -> bool:
-    """A URL whose last part names no file (``s3://bucket/train``, ``https://host/train/``), nor a pattern."""
-    if not _is_path(target):
-        return False
-    path = urllib.parse.urlsplit(target).path
-    last = path.rstrip("/").rsplit("/", 1)[-1]
-    return not any(c in path for c in "*[{") and (path.endswith("/") or "." not in last)
-
-
 def _is_object(target: Any) -> bool:
-    return not _is_path(target) and not _is_path_list(target)
+    return not _is_path(target) and not is_path_list(target)
 
 
 def _open_itself(target: Any, options: OpenOptions) -> Source:
@@ -190,15 +151,16 @@ def _open_file_url(target: Any, options: OpenOptions) -> Source:
 _SHARDS, _TAR = "fastio.format.shards.", "fastio.format.tar."
 _SHARD_DIRECTORY = "a fastio shard directory"
 _COMPRESSED = f"WebDataset {'/'.join(COMPRESSED_SUFFIXES)} shards"
-# One row per format; compressed tars are matched by name only (format.tar.compression imports no fsspec).
+# One row per format; its matchers live with it and import only the standard library, so matching a target
+# never imports a reader, fastio.remote or fsspec.
 _BUILTIN_FORMATS = (
     Format("source", _is_source, _open_itself),
-    Format("fastio-shards", _is_directory, _SHARDS + "source:open_shard_directory", _SHARD_DIRECTORY,
-           _is_directory_url, _SHARDS + "remote:open_remote_shards"),
+    Format("fastio-shards", is_shard_directory, _SHARDS + "source:open_shard_directory", _SHARD_DIRECTORY,
+           is_shard_directory_url, _SHARDS + "remote:open_remote_shards"),
     Format("compressed-tar", is_compressed_tar, _TAR + "compressed:open_compressed_tars", _COMPRESSED,
-           _is_compressed_tar_url, _TAR + "remote:open_remote_tars"),
-    Format("webdataset-tar", _is_tar, _TAR + "source:open_tar_shards", "WebDataset .tar shards",
-           _is_tar_url, _TAR + "remote:open_remote_tars"),
+           is_compressed_tar, _TAR + "remote:open_remote_tars"),
+    Format("webdataset-tar", is_tar, _TAR + "source:open_tar_shards", "WebDataset .tar shards",
+           is_tar_url, _TAR + "remote:open_remote_tars"),
     Format("dataset", _is_object, "fastio.sources.dataset:open_dataset"),
 )  # fmt: skip
 _formats: list[Format] = []  # registered by users; consulted before the built-ins
@@ -313,7 +275,7 @@ def url_scheme(target: Any) -> str | None:
     if isinstance(target, str):
         match = _SCHEME.match(target)
         return match.group(1).lower() if match else None
-    if not _is_path_list(target):
+    if not is_path_list(target):
         return None
     found = {url_scheme(t) for t in target}
     if len(found) > 1:
@@ -342,7 +304,7 @@ def _normalize(target: Any) -> Any:
 
 
 def _shown(target: Any) -> str:
-    if _is_path_list(target):
+    if is_path_list(target):
         return f"{target[0]} (+{len(target) - 1})"
     return target if isinstance(target, str) else type(target).__name__
 
@@ -350,7 +312,7 @@ def _shown(target: Any) -> str:
 def _refuse_empty_directory(target: Any, row: Format) -> None:
     """A format that takes an empty directory would open a source of nothing (or fail inside its opener
     on nothing to read): say so by the directory's name first."""
-    if _is_directory(target) and not os.listdir(target):
+    if is_shard_directory(target) and not os.listdir(target):
         what = f" ({row.description})" if row.description else ""
         raise EmptySourceError(
             f"{target}: empty directory; format {row.name!r}{what} matched it, but there is nothing to read: "

@@ -38,6 +38,7 @@ from fastio.sources.base import ReadPlan
 
 __all__ = ["WorkingSet", "check_batch", "check_pass", "working_set"]
 
+
 @dataclasses.dataclass(frozen=True)
 class WorkingSet:
     """The pass's pinned bytes at their worst: ``needed`` is the smallest ``cache_limit`` that never waits on

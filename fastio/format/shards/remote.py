@@ -103,9 +103,7 @@ class RemoteShardSource(RemoteSource):
                 )
             shard_url = f"{root}/{name}"
             size = entry["file_nbytes"]
-            self.shards.append(
-                Shard(shard_url, cache_key(shard_url, name), size, size, entry["num_samples"])
-            )
+            self.shards.append(Shard(shard_url, cache_key(shard_url, name), size, size, entry["num_samples"]))
             self._checksums.append({k: entry[k] for k in ("crc32", "sha256") if k in entry})
         self.shards_ready()
 

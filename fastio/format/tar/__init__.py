@@ -17,3 +17,40 @@
 
 Its rows in :mod:`fastio.registry` are ``"compressed-tar"`` and ``"webdataset-tar"``.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastio.paths import is_path_list
+
+__all__ = ["is_tar", "is_tar_url"]
+
+
+def is_tar(target: Any) -> bool:
+    """The registry's match of local tar shards: a ``.tar`` path, a glob or brace pattern, or a list of
+    paths (compressed ones are matched first, by :func:`fastio.format.tar.compression.is_compressed_tar`).
+
+    Example::
+
+        assert is_tar("data/shard-{000..009}.tar") and is_tar(["a.tar", "b.tar"])
+    """
+    if is_path_list(target):
+        return True
+    return isinstance(target, str) and (target.endswith(".tar") or any(c in target for c in "*?[{"))
+
+
+def is_tar_url(target: Any) -> bool:
+    """The registry's match of tar shards at URLs: a ``.tar`` URL (its query aside), a brace pattern or glob
+    (``?`` starts a URL's query: it is no wildcard there), or a list of URLs.
+
+    Example::
+
+        assert is_tar_url("https://host/shard-{000..009}.tar?v=2")
+    """
+    if is_path_list(target):
+        return True
+    if not isinstance(target, str):
+        return False
+    path = target.split("?", 1)[0]
+    return path.endswith(".tar") or any(c in path for c in "*[{")
