@@ -73,15 +73,22 @@ def _loss_runs(train_lm: Any, jobs: Sequence[tuple[str, conv._Settings]], parall
 
 
 def _speed(train_lm: Any, methods: Sequence[str], links: Sequence[str], settings: conv._Settings) -> dict:
-    """``{link: {method: mean seconds per step}}`` plus ``{"loopback": {"noop": ...}}``; a failure: None."""
-    found: dict[str, dict[str, float | None]] = {}
+    """``{link: {method: {"s_per_step", "blocked_per_step"}}}`` plus ``{"loopback": {"noop": ...}}``: the
+    mean step time and the seconds per step rank 0 waited for DiLoCo's syncs; a failed run: None."""
+    found: dict[str, dict[str, dict[str, float] | None]] = {}
 
-    def time_on(link: netlab.Link | None, name: str, method: str, port: int) -> float | None:
+    def time_on(link: netlab.Link | None, name: str, method: str, port: int) -> dict[str, float] | None:
         phase = conv._phases(train_lm, method, settings.steps)[-1]
-        measured, status, _ = conv._time_phase(method, phase, link, settings, f"time-{name}-{method}", port)
+        tag = f"time-{name}-{method}"
+        measured, status, crashed = conv._time_phase(method, phase, link, settings, tag, port)
         shown = f"{measured['seconds_per_step']:.3f} s/step" if measured else status
         progress(f"[{NAME}] {name} {method}: {shown}")
-        return None if measured is None else float(measured["seconds_per_step"])
+        if measured is None:
+            return None
+        result = json.loads((settings.work / f"{tag}{'-again' if crashed else ''}.json").read_text())
+        stats = result.get("hook_stats") or {}
+        blocked = float(stats["blocked_s"]) / float(stats["inner_steps"]) if "blocked_s" in stats else 0.0
+        return {"s_per_step": float(measured["seconds_per_step"]), "blocked_per_step": blocked}
 
     found["loopback"] = {"noop": time_on(None, "loopback", "noop", conv._free_port())}
     for number, rate in enumerate(links):
@@ -112,7 +119,7 @@ def _summary(runs: dict[str, dict[str, Any]], speed: dict, steps: int) -> tuple[
     dense_loss = dense["val_losses"][-1] if isinstance(dense, dict) else None
     target = dense_loss * conv.TARGET_SLACK if dense_loss is not None else None
     links = [k for k in speed if k != "loopback"]
-    noop = speed.get("loopback", {}).get("noop")
+    noop = (speed.get("loopback", {}).get("noop") or {}).get("s_per_step")
     head = ["method", "options", "val loss", "vs dense", "bytes/step/rank", "fewer bytes", "wait/sync s",
             "steps to target", *(f"time to target {link}" for link in links), "compute-only limit"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -135,7 +142,7 @@ def _summary(runs: dict[str, dict[str, Any]], speed: dict, steps: int) -> tuple[
                  "-" if wait is None else f"{wait:.3f}",
                  "-" if reach is None else f"{reach:.0f}"]  # fmt: skip
         for link in links:
-            seconds = speed[link].get(method)
+            seconds = (speed[link].get(method) or {}).get("s_per_step")
             ttt = None if reach is None or seconds is None else reach * seconds
             cells.append("-" if ttt is None else f"{ttt:.0f} s")
             if ttt is not None:
@@ -148,8 +155,15 @@ def _summary(runs: dict[str, dict[str, Any]], speed: dict, steps: int) -> tuple[
         notes.append(f"{steps} steps: target = dense's final val loss {dense_loss:.4f} x "
                      f"{conv.TARGET_SLACK} = {target:.4f}")  # fmt: skip
     for link in links:
-        shown = ", ".join(f"{m} {s:.3f}" for m, s in speed[link].items() if s is not None)
-        notes.append(f"mean s/step on {link} (whole sync periods): {shown}")
+        timed = {m: t for m, t in speed[link].items() if t is not None}
+        shown = ", ".join(f"{m} {t['s_per_step']:.3f} (waiting {t['blocked_per_step']:.3f})"
+                          for m, t in timed.items())  # fmt: skip
+        notes.append(f"mean s/step on {link} over whole sync periods (of it, rank 0 waiting for syncs): "
+                     f"{shown}")  # fmt: skip
+        if timed.get("diloco_q4", {}).get("blocked_per_step") and "streaming_q4" in timed:
+            hidden = 1.0 - timed["streaming_q4"]["blocked_per_step"] / timed["diloco_q4"]["blocked_per_step"]
+            notes.append(f"{link}: streaming_q4 (5 fragments, 2 steps late) hides {100 * hidden:.0f}% "
+                         "of diloco_q4's wait for the same bytes")
     if noop is not None:
         notes.append(f"no-communication step (noop, loopback): {noop:.3f} s")
     return rows, "\n".join(lines), notes
@@ -190,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--speed-methods", default=",".join(SPEED_METHODS))
     parser.add_argument("--timed-steps", type=int, default=20, help="whole sync periods, at least this many")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--speed-only", action="store_true", help="the speed runs into --work-dir, then stop")
+    parser.add_argument("--reuse-speed", action="store_true", help="the speed runs kept in --work-dir")
     parser.add_argument("--loss-only", action="store_true",
                         help="train the loss runs into --work-dir and stop (e.g. on a machine of more cores; "
                              "assemble later with the same --work-dir)")
@@ -201,6 +217,19 @@ def main(argv: Sequence[str] | None = None) -> str:
     work.mkdir(parents=True, exist_ok=True)
     paths = train_lm.prepare_data(train_lm.default_data_dir())
     settings = conv._Settings(args.steps, 2, args.timed_steps, paths.train.parent, work, reuse=True)
+    speed_file = work / "speed.json"
+    speed: dict = json.loads(speed_file.read_text()) if args.reuse_speed else {}
+    notes = []
+    reason = netlab.unavailable_reason()
+    if args.skip_speed:
+        notes.append("speed runs skipped (--skip-speed)")
+    elif reason:
+        notes.append(f"speed runs skipped: netlab unavailable ({reason})")
+    elif not speed:
+        speed = _speed(train_lm, args.speed_methods.split(","), args.links.split(","), settings)
+        speed_file.write_text(json.dumps(speed))
+    if args.speed_only:
+        return ""
     jobs = [(method, settings) for method in args.methods.split(",")]
     if args.long_steps:
         long_settings = conv._Settings(args.long_steps, 2, args.timed_steps, paths.train.parent, work, True)
@@ -209,15 +238,6 @@ def main(argv: Sequence[str] | None = None) -> str:
     runs, long_runs = found[args.steps], found.get(args.long_steps, {})
     if args.loss_only:
         return ""
-    speed: dict = {}
-    notes = []
-    reason = netlab.unavailable_reason()
-    if args.skip_speed:
-        notes.append("speed runs skipped (--skip-speed)")
-    elif reason:
-        notes.append(f"speed runs skipped: netlab unavailable ({reason})")
-    else:
-        speed = _speed(train_lm, args.speed_methods.split(","), args.links.split(","), settings)
     rows, table, more = _summary(runs, speed, args.steps)
     tables = [f"## {args.steps} steps\n\n{table}"]
     notes += more
