@@ -151,3 +151,20 @@ def test_a_state_of_another_configuration_is_refused():
     state = _outer(sync_every=10).state_dict()
     with pytest.raises(ValueError, match="another configuration"):
         _outer(sync_every=20).load_state_dict(state)
+
+
+def test_a_restart_at_another_world_size_keeps_the_global_state_and_empties_the_residuals():
+    states = []
+    for rank in range(3):
+        torch.manual_seed(0)  # replicas start equal
+        state = _outer(sync_every=10).state_dict()
+        state["fragments"][0]["global_weights"] += 1.5  # the same on every old rank
+        state["fragments"][0]["residual"]["worker"] = torch.full((18,), 0.25 * (rank + 1))
+        states.append(state)
+    merged, why = fastcomm.DiLoCo.merge_state_dicts(states, world_size=2, rank=1)
+    assert all(v is None for v in merged["fragments"][0]["residual"].values())
+    assert torch.equal(merged["fragments"][0]["global_weights"], states[0]["fragments"][0]["global_weights"])
+    assert "residuals start empty" in why
+    outer = _outer(sync_every=10)
+    outer.load_state_dict(merged)
+    assert torch.equal(outer.fragments[0].global_weights, states[0]["fragments"][0]["global_weights"])
