@@ -5,13 +5,16 @@ The question: can ``python -m fastcomm.advise`` be trusted where this machine ca
 25 Gbit/s)? It is checked here, where it can be: each prediction within 25% of the measurement.
 
 1. Measured: bench_hooks's own runs (:func:`benchmarks.bench_hooks._run_config`: the 25.2M-parameter MLP,
-   fresh gloo ranks with one thread each, the slower rank's median step) of dense allreduce, the no-op hook
-   and every fastcomm hook, on each network; on the two-node network flat (``node_size=1``) and two-level
-   (``node_size=2``) sign and 8-bit quantization.
+   fresh gloo ranks with one thread each, the slower rank's median step) of dense allreduce and every
+   fastcomm hook, on each network; on the two-node network flat (``node_size=1``) and two-level
+   (``node_size=2``) sign and 8-bit quantization. Each rank also holds a second copy of the model with the
+   no-op hook and times one step of it before each timed step (``paired_floor``): the compute floor under
+   the same load as the step beside it, on a machine whose load changes (other work on the same cores).
 2. Predicted: :func:`fastcomm.advise.predict` with what a user would give it, each measured separately
    and none fitted to a step time:
 
-   - ``step_compute``: the no-op hook's step on that network (forward, backward and optimizer, nothing sent);
+   - ``step_compute``: the floor timed beside the configuration's steps (forward, backward and optimizer,
+     nothing sent);
    - the link: ``1gbit`` and ``100mbit`` parsed as the CLI parses them (Ethernet payload rate); loopback is
      a :class:`~fastcomm.advise.Link` fitted to gloo allreduce timed between two local processes
      (:mod:`fastcomm.advise.calibrate`), which does not overlap compute (its copies run on the computing
@@ -61,8 +64,8 @@ _METHODS = {
     "sign_hier": ("sign", "two-level"),
     "quant8_hier": ("quant8", "two-level"),
 }
-_TWO_RANKS = [c for c in bench_hooks.CONFIGS if c.name == "noop" or c.name in _METHODS]
-_NODES = [c for c in bench_hooks.NODE_CONFIGS if c.name == "noop" or c.name in _METHODS]
+_TWO_RANKS = [c for c in bench_hooks.CONFIGS if c.name in _METHODS]
+_NODES = [c for c in bench_hooks.NODE_CONFIGS if c.name in _METHODS]
 _SHAPES = [
     shape
     for fan_in, fan_out in zip(bench_hooks.LAYERS[:-1], bench_hooks.LAYERS[1:], strict=True)
@@ -92,32 +95,35 @@ def _rows(
     predict_kwargs: dict[str, Any],
     timed_steps: int,
 ) -> list[Row]:
-    """One row per configuration: measured step, predicted step, error, and the prediction's parts."""
-    noop = outcomes.get("noop")
-    if noop is None or noop[0].status != "ok":
-        return []
-    compute = noop[0].step_seconds
-    predicted = {(p.method, p.schedule): p for p in predict(step_compute=compute, **predict_kwargs)}
-    rows = [Row(network, "noop", "step_time", compute, "s", extra={"note": "the advisor's step_compute"})]
+    """One row per configuration: measured step, the compute floor timed beside it, the prediction made
+    from that floor, the error, and the prediction's parts."""
+    rows = []
     for name, (outcome, load) in outcomes.items():
         if name not in _METHODS:
             continue
+        extra: dict[str, Any] = {"status": outcome.status, "load_1m": round(load, 1)}
+        floor = outcome.floor_seconds if outcome.status == "ok" else None
+        if floor is None:
+            rows.append(Row(network, name, "step_time", math.nan, "s", extra=extra))
+            continue
+        predicted = {(p.method, p.schedule): p for p in predict(step_compute=floor, **predict_kwargs)}
         guess = predicted[_METHODS[name]]
-        measured = outcome.step_seconds if outcome.status == "ok" else math.nan
-        extra: dict[str, Any] = {
-            "predicted_s": round(guess.step_s, 3) if guess.step_s else None,
-            "status": outcome.status,
-            "pred_compress_s": round(guess.codec_s, 3),
-            "pred_comm_shown_s": round(guess.exposed_s, 3),
-            "load_1m": round(load, 1),
-            "reason": guess.reason,
-        }
+        measured = outcome.step_seconds
+        assert guess.step_s is not None
+        error = guess.step_s / measured - 1
+        extra.update(
+            {
+                "floor_s": round(floor, 3),
+                "predicted_s": round(guess.step_s, 3),
+                "error": f"{error:+.0%}",
+                "within_25%": "yes" if abs(error) <= TOLERANCE else "NO",
+                "pred_compress_s": round(guess.codec_s, 3),
+                "pred_comm_shown_s": round(guess.exposed_s, 3),
+                "reason": guess.reason,
+            }
+        )
         if outcome.stats and "compress_seconds" in outcome.stats:
             extra["measured_compress_s"] = round(outcome.stats["compress_seconds"] / timed_steps, 3)
-        if guess.step_s and outcome.status == "ok":
-            error = guess.step_s / measured - 1
-            extra["error"] = f"{error:+.0%}"
-            extra["within_25%"] = "yes" if abs(error) <= TOLERANCE else "NO"
         if guess.vs_flat:
             extra["pred_vs_flat"] = round(guess.vs_flat, 2)
         rows.append(Row(network, name, "step_time", measured, "s", extra=extra))
@@ -135,14 +141,14 @@ def _off_notes(rows: Sequence[Row]) -> list[str]:
     for row in rows:
         if row.extra.get("within_25%") != "NO":
             continue
-        compute = next(r.value for r in rows if r.case == row.case and r.backend == "noop")
+        compute = row.extra["floor_s"]
         predicted_codec, measured_codec = row.extra["pred_compress_s"], row.extra.get("measured_compress_s")
         rest = row.value - compute - (measured_codec or 0.0)
         parts = f"predicted compression {predicted_codec:.3f} s"
         if measured_codec is not None:
             parts += f" (the hook counted {measured_codec:.3f} s)"
         parts += (
-            f", communication shown {row.extra['pred_comm_shown_s']:.3f} s (measured step - no-op - counted "
+            f", communication shown {row.extra['pred_comm_shown_s']:.3f} s (measured step - floor - counted "
             f"compression: {rest:.3f} s), load {row.extra['load_1m']}"
         )
         notes.append(
@@ -166,7 +172,9 @@ def _loopback_link(oversubscription: float) -> tuple[Link, str]:
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    return bench_hooks._Settings(warmup=args.warmup, steps=args.steps, timeout_s=args.timeout)
+    return bench_hooks._Settings(
+        warmup=args.warmup, steps=args.steps, timeout_s=args.timeout, paired_floor=True
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -196,8 +204,9 @@ def main(argv: Sequence[str] | None = None) -> str:
         f"kernel rates: measured here with 1 thread, e.g. quantize8 {rates.rates['quantize8'] / 1e9:.2f}, "
         f"sign_compress {rates.rates['sign_compress'] / 1e9:.2f} GB/s of fp32 input",
         loopback_note,
-        "advisor inputs: step_compute = the no-op row of the same network; links as the CLI parses them "
-        "(1gbit -> 119.5 MB/s of TCP payload), loopback fitted; nothing fitted to a step time",
+        "advisor inputs: step_compute = floor_s, the no-op step timed beside each step of the row (their "
+        "median); links as the CLI parses them (1gbit -> 119.5 MB/s of TCP payload), loopback fitted; "
+        "nothing fitted to a step time",
         f"error = predicted / measured - 1; within_25% marks |error| <= {TOLERANCE:.0%}",
     ]
     rows: list[Row] = []

@@ -48,6 +48,7 @@ import math
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -285,6 +286,41 @@ def _profile_step(step: Callable[[], None]) -> str:
     return str(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+def _floor_step(
+    cap: float | None, inputs: torch.Tensor, targets: torch.Tensor
+) -> Callable[[], None]:
+    """A step of a second DDP model, the same MLP with the no-op hook: the compute floor, for timing beside
+    each step of the configuration (``paired_floor``)."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_mlp(), **({"bucket_cap_mb": cap} if cap is not None else {}))
+    ddp.register_comm_hook(None, _noop_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+
+    return step
+
+
+def _paired_times(
+    step: Callable[[], None], floor_step: Callable[[], None], steps: int
+) -> tuple[float, float, float]:
+    """Median seconds of ``step`` and of ``floor_step``, timed in turn so that a machine's changing load hits
+    both alike, and CPU seconds per ``step`` (every thread of the rank)."""
+    times, floors, cpu = [], [], 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        floor_step()
+        floors.append(time.perf_counter() - start)
+        cpu_before, start = time.process_time(), time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        cpu += time.process_time() - cpu_before
+    return statistics.median(times), statistics.median(floors), cpu / steps
+
+
 def _rank_main(spec: dict[str, Any]) -> None:
     """Run one configuration on one rank and write its median step time and hook stats to ``spec['out']``."""
     torch.set_num_threads(1)
@@ -315,8 +351,11 @@ def _rank_main(spec: dict[str, Any]) -> None:
             torch.nn.functional.mse_loss(ddp(inputs), targets).backward()
             optimizer.step()
 
+        floor_step = _floor_step(cap, inputs, targets) if spec.get("paired_floor") else None
         for _ in range(spec["warmup"]):
             step()
+            if floor_step is not None:
+                floor_step()
         counted = spec.get("link_counted", False)  # every rank takes part in the barriers
         counter = spec.get("counter_path")  # the node link's tx counter, read by one rank per node
         if counted:
@@ -324,9 +363,13 @@ def _rank_main(spec: dict[str, Any]) -> None:
         if counter:
             link_before = int(Path(counter).read_text())
         before = _hook_stats(state)
-        cpu_before = time.process_time()  # every thread of this rank: DDP's, gloo's, the hook's workers
-        seconds = time_call(step, repeat=spec["steps"], warmup=0)
-        cpu_seconds = (time.process_time() - cpu_before) / spec["steps"]
+        floor_seconds = None
+        if floor_step is None:
+            cpu_before = time.process_time()  # every thread of this rank: DDP's, gloo's, the hook's workers
+            seconds = time_call(step, repeat=spec["steps"], warmup=0)
+            cpu_seconds = (time.process_time() - cpu_before) / spec["steps"]
+        else:
+            seconds, floor_seconds, cpu_seconds = _paired_times(step, floor_step, spec["steps"])
         stats = _stats_delta(before, _hook_stats(state))
         link_sent = None
         if counted:
@@ -339,7 +382,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
         gc.collect()  # free DDP's reference cycles before gloo is torn down, not during finalization
         dist.destroy_process_group()
     result = {"rank": rank, "step_seconds": seconds, "stats": stats, "profile": profile,
-              "link_sent": link_sent, "cpu_seconds": cpu_seconds}
+              "link_sent": link_sent, "cpu_seconds": cpu_seconds, "floor_seconds": floor_seconds}
     Path(spec["out"]).write_text(json.dumps(result, default=float))
 
 
@@ -393,6 +436,7 @@ class _Settings:
     steps: int
     timeout_s: float
     profile: bool = False
+    paired_floor: bool = False  # time the no-op hook's step beside each step (_paired_times)
 
 
 @dataclasses.dataclass
@@ -402,6 +446,7 @@ class _Outcome:
     stats: dict[str, float] | None = None
     link_bytes: float | None = None  # bytes over the node link during the timed steps, both directions
     cpu_seconds: float | None = None  # CPU time per timed step, summed over the ranks (all their threads)
+    floor_seconds: float | None = None  # the no-op step timed beside each step (paired_floor), slower rank's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,6 +515,7 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
                     "counter_path": place.counter_path,
                     "link_counted": any(other.counter_path for other in places),
                     "state_kwargs": {"node_size": config.node_size} if config.node_size else None,
+                    "paired_floor": settings.paired_floor,
                 }
                 pythonpath = os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))))
                 env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, **place.env)
@@ -517,8 +563,10 @@ def _run_config(config: Config, link: netlab.Link | None, port: int, settings: _
             print(f"[bench_hooks] {config.name}: rank 0 profile of one step\n{results[0]['profile']}",
                   file=sys.stderr, flush=True)
     counted = [r["link_sent"] for r in results if r.get("link_sent") is not None]
+    floors = [r["floor_seconds"] for r in results if r.get("floor_seconds") is not None]
     return _Outcome("ok", max(r["step_seconds"] for r in results), results[0]["stats"],
-                    float(sum(counted)) if counted else None, sum(r["cpu_seconds"] for r in results))
+                    float(sum(counted)) if counted else None, sum(r["cpu_seconds"] for r in results),
+                    max(floors) if floors else None)
 
 
 def _wire_bytes(config: Config, outcome: _Outcome, timed_steps: int) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,9 +15,9 @@ RATES = KernelRates(dict.fromkeys(KERNELS, 5e9), 1e8, "cpu", 1, "test")
 LOOPBACK = Link(1e-4, 1e9, overlaps_compute=False)
 
 
-def _outcome(seconds: float, compress: float | None = None) -> SimpleNamespace:
+def _outcome(seconds: float, compress: float | None = None, floor: float | None = 0.25) -> SimpleNamespace:
     stats = None if compress is None else {"compress_seconds": 4 * compress}
-    return SimpleNamespace(status="ok", step_seconds=seconds, stats=stats)
+    return SimpleNamespace(status="ok", step_seconds=seconds, stats=stats, floor_seconds=floor)
 
 
 def _rows(**measured: float):
@@ -28,28 +29,33 @@ def _rows(**measured: float):
 
 
 def test_each_row_has_the_prediction_beside_the_measurement():
-    rows = _rows(noop=0.25, allreduce=0.36, sign=0.30)
-    by_name = {r.backend: r for r in rows}
-    assert by_name["noop"].extra["note"] == "the advisor's step_compute"
-    sign = by_name["sign"]
+    rows = _rows(allreduce=0.36, sign=0.30)
+    sign = {r.backend: r for r in rows}["sign"]
+    assert sign.extra["floor_s"] == 0.25
     assert sign.value == 0.30 and sign.extra["predicted_s"] > 0.25
     assert sign.extra["error"].endswith("%") and sign.extra["within_25%"] in ("yes", "NO")
     assert sign.extra["measured_compress_s"] == 0.05
 
 
 def test_a_row_off_by_more_than_25_percent_gets_a_note_with_its_parts():
-    rows = _rows(noop=0.25, allreduce=0.36, quant8=2.0)
+    rows = _rows(allreduce=0.36, quant8=2.0)
     notes = bench_advisor._off_notes(rows)
     assert len(notes) == 1 and "loopback quant8" in notes[0] and "the hook counted 0.050 s" in notes[0]
     assert bench_advisor._summary(rows)[0].startswith("1 of 2 predictions within 25%")
 
 
-def test_no_rows_without_the_compute_floor():
-    assert _rows(allreduce=0.36) == []
+def test_a_run_without_a_floor_has_no_prediction():
+    kwargs = {"params": 25_182_208, "rates": RATES, "shapes": bench_advisor._SHAPES, "gpus": 2,
+              "gpus_per_node": 2, "link": LOOPBACK, "intra": LOOPBACK}
+    crashed = SimpleNamespace(status="crashed (rank 0 exit 1)", step_seconds=math.nan, stats=None,
+                              floor_seconds=None)
+    (row,) = bench_advisor._rows("loopback", {"sign": (crashed, 1.0)}, kwargs, timed_steps=4)
+    assert row.value != row.value and "predicted_s" not in row.extra
+    assert row.extra["status"].startswith("crashed")
 
 
 def test_plot_writes_a_png(tmp_path: Path):
-    rows = _rows(noop=0.25, allreduce=0.36, sign=0.30)
+    rows = _rows(allreduce=0.36, sign=0.30)
     payload = {"rows": [vars(r) for r in rows]}
     bench_advisor.plot(json.loads(json.dumps(payload)), tmp_path / "advisor.png")
     assert (tmp_path / "advisor.png").stat().st_size > 0
