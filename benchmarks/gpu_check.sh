@@ -4,8 +4,9 @@
 # Run from the repository root of a fresh copy of the tree on a machine with an NVIDIA GPU:
 #     bash benchmarks/gpu_check.sh
 # 1. Prints what the machine has (GPU, driver, nvcc, python, torch, triton), since it may reach no registry.
-# 2. Makes .venv if there is none: on top of the system torch (--system-site-packages) when that torch sees
-#    CUDA, otherwise with pip-installed torch==2.13.0 and triton==3.9.0.
+# 2. Uses the system python as it is when it is a virtual environment whose torch sees CUDA; else makes .venv
+#    if there is none: on top of the system torch (--system-site-packages) when that torch sees CUDA,
+#    otherwise with pip-installed torch==2.13.0 and triton==3.9.0.
 # 3. Builds fastcomm._C in place (the CUDA top-k kernel too when torch has CUDA and nvcc is found).
 # 4. Runs the op tests on CUDA tensors, then prints one table of op times against memcpy.
 # Every step runs under `timeout`, sized from one overall budget (GPU_CHECK_BUDGET_S, default 470 s).
@@ -52,7 +53,11 @@ except ImportError as exc:
 EOF
 
 step "virtual environment"
-if [[ -x $PY ]]; then
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if sys.prefix != sys.base_prefix and torch.cuda.is_available() else 1)" 2>/dev/null; then
+  # a venv made from a venv's python sees the base interpreter's packages, not the parent venv's
+  echo "the system python is a virtual environment whose torch sees CUDA: using it as it is"
+  PY=$(command -v "$PYTHON")
+elif [[ -x $PY ]]; then
   echo "using the existing .venv"
 elif "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "the system torch sees CUDA: .venv on top of it (--system-site-packages)"
