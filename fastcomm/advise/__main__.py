@@ -22,7 +22,10 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fastcomm.advise", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m fastcomm.advise",
+        description="The predicted step time per hook, flat and two-level, with the reason.",
+    )
     parser.add_argument("--params", type=float, required=True, help="fp32 parameters, e.g. 1.3e9")
     parser.add_argument("--gpus", type=int, required=True, help="ranks in all")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: --gpus)")
