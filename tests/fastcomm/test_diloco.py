@@ -168,3 +168,42 @@ def test_a_restart_at_another_world_size_keeps_the_global_state_and_empties_the_
     outer = _outer(sync_every=10)
     outer.load_state_dict(merged)
     assert torch.equal(outer.fragments[0].global_weights, states[0]["fragments"][0]["global_weights"])
+
+
+def test_a_grad_scaler_loop_counts_every_iteration_and_syncs_on_weights(one_rank):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 9), nn.Tanh(), nn.Linear(9, 4))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = fastcomm.DiLoCo(model, inner, sync_every=3, compressor="quantize", bits=4, block=32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126)  # the first steps overflow and are skipped
+    x = torch.randn(8, 16) + 0.5
+    start = [p.detach().clone() for p in model.parameters()]
+    for _ in range(9):
+        inner.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean() * 64  # about 2**4: scaled by 2**126, inf
+        scaler.scale(loss).backward()
+        scaler.step(inner)
+        scaler.update()
+        outer.after_inner_step()
+    assert outer.inner_steps == 9 and outer.syncs == 3
+    assert scaler.get_scale() < 2.0**126  # some inner steps were skipped, the syncs were not
+    assert any(not torch.equal(a, p) for a, p in zip(start, model.parameters(), strict=True))
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(local, outer.fragments[0].global_weights)  # 1 rank, right after a sync
+
+
+def test_low_precision_weights_keep_fp32_global_weights(one_rank):
+    torch.manual_seed(4)
+    model = nn.Linear(33, 7).to(torch.bfloat16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = fastcomm.DiLoCo(model, inner, sync_every=2, outer_lr=0.7, outer_momentum=0.5)
+    for _ in range(4):
+        inner.zero_grad()
+        model(torch.randn(5, 33, dtype=torch.bfloat16)).float().square().mean().backward()
+        outer.step()
+    global_weights = outer.fragments[0].global_weights
+    assert global_weights.dtype == torch.float32
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(local, global_weights.to(torch.bfloat16))
+    assert not torch.equal(global_weights.to(torch.bfloat16).float(), global_weights)  # kept finer than bf16
