@@ -20,6 +20,7 @@ from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
 from fastcomm.compress import QuantCompressor
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._traffic import Traffic
+from fastcomm.fsdp._wait import wait_named
 
 __all__ = ["QuantizedAllGather"]
 
@@ -61,6 +62,14 @@ class QuantizedAllGather:
             dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
             self.traffic.add(dense, dense)
             return
-        all_gather(output_tensor, input_tensor, self.compressor, group=group, chunk_bytes=self.chunk_bytes)
+        work = all_gather(
+            output_tensor,
+            input_tensor,
+            self.compressor,
+            group=group,
+            async_op=True,
+            chunk_bytes=self.chunk_bytes,
+        )
+        wait_named(work, "fastcomm.fsdp quantized weight all-gather")
         sent = (world_size - 1) * self.compressor.wire_bytes(input_tensor.numel(), input_tensor.dtype)
         self.traffic.add(sent, dense)

@@ -18,6 +18,7 @@ from fastcomm.collectives import reduce_scatter
 from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES, block_unit
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._reduction import Reduction
+from fastcomm.fsdp._wait import wait_named
 
 __all__ = ["CompressedReduceScatter"]
 
@@ -27,7 +28,8 @@ class CompressedReduceScatter(Reduction):
 
     1. Widen the residual (if kept narrow) and call :func:`fastcomm.collectives.reduce_scatter` with it,
        seeded by the step counter.
-    2. Keep the residual, count the bytes sent and the dense reduce-scatter's.
+    2. Wait for it; a failed exchange raises :class:`~fastcomm.PeerCollectiveError`.
+    3. Keep the residual, count the bytes sent and the dense reduce-scatter's.
 
     Args:
         compressor: a blockwise :class:`~fastcomm.compress.Compressor` (quantize, sign, cast, your own).
@@ -80,10 +82,11 @@ class CompressedReduceScatter(Reduction):
                 f"makes a PREMUL_SUM: leave it unset)"
             )
         residual = None if self.feedback is None else self.feedback.lend()
-        reduce_scatter(
+        work = reduce_scatter(
             output_tensor, input_tensor, self.compressor, residual=residual, op=op, group=group,
-            seed=self.step_seed(), chunk_bytes=self.chunk_bytes,
+            async_op=True, seed=self.step_seed(), chunk_bytes=self.chunk_bytes,
         )  # fmt: skip
+        wait_named(work, f"fastcomm.fsdp reduce-scatter of parameter group {self.index}")
         if self.feedback is not None:
             self.feedback.keep()
         world_size, shard = dist.get_world_size(group), output_tensor.numel()

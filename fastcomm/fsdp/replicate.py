@@ -18,6 +18,7 @@ from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
 from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._reduction import Reduction
+from fastcomm.fsdp._wait import wait_named
 
 __all__ = ["CompressedReplicaAllReduce"]
 
@@ -61,10 +62,11 @@ class CompressedReplicaAllReduce(Reduction):
     def __call__(self, reduce_output: Tensor) -> None:
         """Average ``reduce_output`` over the replicas, in place."""
         residual = None if self.feedback is None else self.feedback.lend()
-        all_reduce(
-            reduce_output, self.compressor, residual=residual, group=self.group, seed=self.step_seed(),
-            chunk_bytes=self.chunk_bytes,
+        work = all_reduce(
+            reduce_output, self.compressor, residual=residual, group=self.group, async_op=True,
+            seed=self.step_seed(), chunk_bytes=self.chunk_bytes,
         )  # fmt: skip
+        wait_named(work, f"fastcomm.fsdp cross-replica all-reduce of parameter group {self.index}")
         if self.feedback is not None:
             self.feedback.keep()
         replicas, numel, dtype = dist.get_world_size(self.group), reduce_output.numel(), reduce_output.dtype
