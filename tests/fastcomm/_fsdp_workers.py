@@ -249,10 +249,49 @@ TRAIN_CASES: dict[str, dict] = {
 }
 
 
+def quantized_all_gather_case(rank: int, world: int, nested: bool) -> None:
+    """The weights forward sees are 8-bit codes of the sharded ones (within half a step), which stay exact."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = build(mesh, nested=nested)
+    compression = fastcomm.fsdp.compress(
+        model, "quantize", bits=8, stochastic=False, quantized_all_gather=True
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    seen: dict[str, Tensor] = {}
+
+    def capture(module: nn.Module, args: object) -> None:
+        seen["weight"] = module.weight.detach().clone()
+
+    model.inp.register_forward_pre_hook(capture)
+    checks = Checks()
+    for step in range(STEPS):
+        master = {name: p.detach().full_tensor() for name, p in model.named_parameters()}
+        model(batch("qwz", step, rank)).square().mean().backward()
+        after = {name: p.detach().full_tensor() for name, p in model.named_parameters()}
+        exact = master["inp.weight"]
+        error = (seen["weight"] - exact).abs().max().item()
+        bound = max(t.abs().max().item() for t in master.values()) / 254
+        checks.that(
+            0 < error <= bound * 1.001, f"step {step}: unsharded weight error {error:.3g}, bound {bound:.3g}"
+        )
+        checks.that(
+            all(torch.equal(master[k], after[k]) for k in master), f"step {step}: the master weights moved"
+        )
+        optimizer.step()
+        optimizer.zero_grad()
+    stats = compression.stats()
+    sent, dense = stats["gather_sent_bytes"], stats["gather_dense_bytes"]
+    checks.that(0 < sent < dense / 3.5, f"weight all-gather sent {sent} of {dense} dense bytes")
+    checks.raise_any()
+
+
 def cases(world: int) -> dict[str, Callable[[int], None]]:
     table: dict[str, Callable[[int], None]] = {}
     for key, settings in TRAIN_CASES.items():
         table[key] = lambda r, k=key, s=settings: train_case(r, world, k, s)
+    for nested in (False, True):
+        key = f"quantized-all-gather{'-nested' if nested else ''}"
+        table[key] = lambda r, n=nested: quantized_all_gather_case(r, world, n)
     return table
 
 
