@@ -70,6 +70,9 @@ class Benchmark:
 #   each), then 9 speed runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 15
 #   methods x 500 steps (~1.5 h).
 # remote: 0.5 GB of each shard kind (1/2), one run per configuration (of 2): ~1/4 of its ~5 min.
+# fsdp: 3 launches of 2 ranks (~10 s of start each): 100 loss steps x 3 methods of a 39k-parameter MLP
+#   (~15 s), then 3 methods x 3 steps of a 6.3M-parameter MLP on loopback (~10 s) and on the 1 Gbit/s link
+#   (~0.3 s of traffic a dense step, ~15 s).
 SUITE = (
     Benchmark("bench_kernels", ("--numel", "5000000", "--repeat", "3"), (0.5, 0.5)),
     Benchmark(
@@ -98,6 +101,16 @@ SUITE = (
         (9.5, 6.3),
         "speed runs (shaped links)",
         ("--skip-speed",),
+    ),
+    Benchmark(
+        "bench_fsdp",
+        (
+            "--loss-steps", "100", "--loss-methods", "dense,q8,sign-ef", "--width", "1024", "--depth", "6",
+            "--warmup", "1", "--timed", "2",
+        ),
+        (1.2, 0.7),
+        "1gbit link",
+        ("--network", "loopback"),
     ),
     Benchmark(
         "bench_remote",

@@ -32,6 +32,10 @@ _SHORT = {
     "bench_convergence": [
         "--methods", "none,topk,cadam", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "6",
     ],
+    "bench_fsdp": [
+        "--loss-steps", "100", "--loss-methods", "dense,q8,sign-ef", "--width", "1024", "--depth", "6",
+        "--warmup", "1", "--timed", "2",
+    ],
     "bench_remote": ["--gigabytes", "0.5", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"],
 }
 
@@ -108,11 +112,13 @@ def test_without_root_netlab_parts_are_skipped_with_one_line_each(ran, monkeypat
         "bench_images": _SHORT["bench_images"],
         "bench_hooks": ["--quick", "--network", "loopback", "--configs", _HOOKS],
         "bench_convergence": [*_SHORT["bench_convergence"], "--skip-speed"],
+        "bench_fsdp": [*_SHORT["bench_fsdp"], "--network", "loopback"],
     }
     skips = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skip ")]
     assert skips == [
         f"skip bench_hooks netlab and nodes networks (1gbit links): {_NOT_ROOT}",
         f"skip bench_convergence speed runs (shaped links): {_NOT_ROOT}",
+        f"skip bench_fsdp 1gbit link: {_NOT_ROOT}",
         f"skip bench_remote entirely (HTTP behind a 1gbit link): {_NOT_ROOT}",
     ]
 
@@ -120,7 +126,8 @@ def test_without_root_netlab_parts_are_skipped_with_one_line_each(ran, monkeypat
 def test_missing_ip_or_tc_skips_the_same_parts_as_root(monkeypatch):
     _as(monkeypatch, uid=0, tools=False)
     steps = run_all.plan(run_all.SUITE, netlab.unavailable_reason())
-    assert [s.name for s in steps if s.skip] == ["bench_hooks", "bench_convergence", "bench_remote"]
+    skipped = ["bench_hooks", "bench_convergence", "bench_fsdp", "bench_remote"]
+    assert [s.name for s in steps if s.skip] == skipped
     assert all("`ip` command" in s.skip for s in steps if s.skip)
 
 
@@ -139,6 +146,7 @@ def test_full_without_root_passes_only_what_leaves_netlab_out(monkeypatch):
         "bench_images": [],
         "bench_hooks": ["--network", "loopback"],
         "bench_convergence": ["--skip-speed"],
+        "bench_fsdp": ["--network", "loopback"],
         "bench_remote": None,
     }
 
