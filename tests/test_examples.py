@@ -34,6 +34,7 @@ def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("hook", ["topk", "powersgd"])
 def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path: Path, hook: str) -> None:
     # Run A stops after step 6 as if killed; its last checkpoint is step 4. Run B resumes there and must

@@ -26,6 +26,8 @@ import torch
 
 import fastio
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_lm.py"
 BATCH = 16

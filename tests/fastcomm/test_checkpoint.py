@@ -216,16 +216,19 @@ def test_merge_optimizer_states_averages_only_what_differs() -> None:
         merge_optimizer_states([a, b])
 
 
+@pytest.mark.distributed
 def test_two_ranks_save_and_restore_bit_identically(tmp_path: Path) -> None:
     workers.spawn(tmp_path / "a", 2, ckpt_workers.save_worker, str(tmp_path / "ckpt"))
     workers.spawn(tmp_path / "b", 2, ckpt_workers.restore_same_world_worker, str(tmp_path / "ckpt"))
 
 
+@pytest.mark.distributed
 def test_restore_on_three_ranks_merges_per_object_and_reseeds(tmp_path: Path) -> None:
     workers.spawn(tmp_path / "a", 2, ckpt_workers.save_worker, str(tmp_path / "ckpt"))
     workers.spawn(tmp_path / "b", 3, ckpt_workers.restore_other_world_worker, str(tmp_path / "ckpt"))
 
 
+@pytest.mark.distributed
 def test_ranks_agree_to_fall_back_when_one_rank_file_is_corrupt(tmp_path: Path) -> None:
     workers.spawn(tmp_path / "a", 2, ckpt_workers.save_worker, str(tmp_path / "ckpt"))
     victim = tmp_path / "ckpt" / "step-000000004" / "rank1.pt"

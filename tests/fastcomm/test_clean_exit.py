@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 SCRIPT = Path(__file__).with_name("_exit_script.py")
 METHODS = ("topk", "sign", "quantize", "powersgd", "cadam")
 RUNS = 50

@@ -158,6 +158,7 @@ def test_register_rejects_a_plain_optimizer():
         fastcomm.register(_model(0), fastcomm.CompressedAdam(_model(0).parameters()))
 
 
+@pytest.mark.distributed
 def test_hook_momentum_equals_mean_gradient_momentum_with_and_without_no_sync(tmp_path):
     workers.spawn(tmp_path, 2, adam_workers.momentum_worker)
 
@@ -202,10 +203,12 @@ def test_resume_from_a_checkpoint_taken_one_step_after_a_resume_is_bit_identical
     assert diff == 0.0, f"{case}: weights differ by up to {diff:.3g}"
 
 
+@pytest.mark.distributed
 def test_grad_scaler_skip_leaves_weights_momentum_and_residuals(tmp_path):
     workers.spawn(tmp_path, 2, adam_workers.grad_scaler_worker)
 
 
+@pytest.mark.distributed
 def test_loss_goes_down_like_dense_adamw(tmp_path):
     workers.spawn(tmp_path, 2, adam_workers.convergence_worker, str(tmp_path))
     curves = json.loads((tmp_path / "curves.json").read_text())

@@ -104,5 +104,6 @@ def test_added_compressor_is_registered_by_name():
         fastcomm.hooks.add_compressor("half_in_process", SignCompressor)
 
 
+@pytest.mark.distributed
 def test_new_compressor_trains_through_register(tmp_path):
     workers.spawn(tmp_path, 2, _compressor_workers.registered_compressor_worker)

@@ -21,6 +21,7 @@ CASES = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 def test_clipping_momentum_and_masking_match_reference(tmp_path, name):
     workers.spawn(tmp_path, 2, dgc.clip_momentum_worker, CASES[name])
@@ -78,6 +79,7 @@ DGC_OPTIONS = {
 TRAIN_RUNS = {"dense_seed1": (1, None), "dense_seed2": (2, None), "dgc_seed1": (1, DGC_OPTIONS)}
 
 
+@pytest.mark.distributed
 def test_dgc_recipe_trains_like_dense_momentum_sgd(tmp_path):
     workers.spawn(tmp_path, 2, dgc.training_worker, TRAIN_RUNS, TRAIN_STEPS, TRAIN_LR, str(tmp_path))
     losses = json.loads((tmp_path / "losses.json").read_text())

@@ -5,8 +5,12 @@ checkpoints, GradScaler skips, half-precision models, no_sync with and without s
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 import _hooks_workers as workers  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_register_rebuild_and_checkpoint(tmp_path):

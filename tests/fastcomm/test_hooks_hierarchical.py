@@ -9,15 +9,19 @@ crossing nodes are about 1/L of flat; bad options raise ValueError.
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 import _hierarchical_workers as workers  # noqa: E402
 import _hooks_workers as harness  # noqa: E402
 
 
+@pytest.mark.distributed
 def test_two_level_mean_equals_the_simulation_and_cross_node_bytes_are_one_over_node_size(tmp_path):
     harness.spawn(tmp_path, 4, workers.simulation_worker, timeout_s=120)
 
 
+@pytest.mark.distributed
 def test_ddp_buckets_resume_and_bad_options(tmp_path):
     harness.spawn(tmp_path, 4, workers.ddp_worker, timeout_s=180)
 

@@ -53,6 +53,7 @@ def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t.float() for t in tensors]).mean(0)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("transition", TRANSITIONS)
 @pytest.mark.parametrize("case", CASES)
 def test_restart_at_another_world_size_keeps_the_mean_owed(elastic_run: Path, case: str, transition: str):
@@ -79,6 +80,7 @@ def test_restart_at_another_world_size_keeps_the_mean_owed(elastic_run: Path, ca
     assert owes_something or not old[0]["owed"], f"{case}: no old rank owed anything (the test tests nothing)"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_merged_state_keeps_nothing_of_the_old_group(elastic_run: Path, case: str):
     merged = _load(elastic_run / f"loaded_w3_{case}_1.pt")["merged"]
@@ -93,6 +95,7 @@ def test_merged_state_keeps_nothing_of_the_old_group(elastic_run: Path, case: st
             assert "server_residual" not in entry["tensors"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_same_world_size_gives_each_rank_its_own_state(elastic_run: Path, case: str):
     states = [_load(elastic_run / f"checkpoint_w2_{case}_{r}.pt")["comm"] for r in range(2)]

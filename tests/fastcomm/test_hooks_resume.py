@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _hooks_workers as workers  # noqa: E402
 import _resume_workers  # noqa: E402
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:

@@ -7,8 +7,12 @@ mismatch or a timeout (bounded by the harness), and any silent mix-up shows as r
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 import _hooks_workers as workers  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_collective_order_four_ranks(tmp_path):

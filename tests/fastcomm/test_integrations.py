@@ -51,12 +51,14 @@ def _compressed_every_step(stats: dict, steps: int = 3) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ Accelerate
+@pytest.mark.distributed
 def test_accelerate_runs_multi_cpu_over_gloo(accelerate_ranks):
     for rank in accelerate_ranks:
         assert rank["distributed_type"] == "DistributedType.MULTI_CPU"
         assert rank["backend"] == "gloo"
 
 
+@pytest.mark.distributed
 def test_accelerate_ddp_kwargs_comm_hook_registers_nothing(accelerate_ranks):
     for rank in accelerate_ranks:
         assert rank["kwargs_model_type"] == "DistributedDataParallel"
@@ -64,6 +66,7 @@ def test_accelerate_ddp_kwargs_comm_hook_registers_nothing(accelerate_ranks):
         assert rank["kwargs_state"] == "None"
 
 
+@pytest.mark.distributed
 def test_register_accelerate_compresses_and_names_the_ignored_kwargs(accelerate_ranks):
     for rank in accelerate_ranks:
         _compressed_every_step(rank["helper_stats"])
@@ -71,25 +74,30 @@ def test_register_accelerate_compresses_and_names_the_ignored_kwargs(accelerate_
         assert any("comm_hook=topk_hook) is ignored by Accelerate" in w for w in rank["helper_warnings"])
 
 
+@pytest.mark.distributed
 def test_register_on_the_prepared_model_compresses(accelerate_ranks):
     for rank in accelerate_ranks:
         _compressed_every_step(rank["register_stats"])
 
 
+@pytest.mark.distributed
 def test_register_accelerate_refuses_a_second_hook_naming_the_first(accelerate_ranks):
     for rank in accelerate_ranks:
         assert "already has a comm hook registered (topk_hook)" in rank["second_hook_error"]
 
 
+@pytest.mark.distributed
 def test_register_accelerate_refuses_an_unprepared_model_in_a_multi_process_run(accelerate_ranks):
     for rank in accelerate_ranks:
         assert "got Sequential in a 2-process run" in rank["unwrapped_error"]
 
 
+@pytest.mark.distributed
 def test_find_ddp_looks_through_torch_compile(accelerate_ranks):
     assert all(rank["found_under_compile"] for rank in accelerate_ranks)
 
 
+@pytest.mark.distributed
 def test_register_accelerate_refuses_a_one_process_accelerator_over_several_ranks(accelerate_ranks):
     # a plain Accelerator() on CPU under a 2-rank launch: one process, no DDP, each rank on its own
     for rank in accelerate_ranks:
@@ -112,6 +120,7 @@ def test_register_accelerate_one_process_warns_and_registers_nothing():
 
 
 # ------------------------------------------------------------------------------------------------- Lightning
+@pytest.mark.distributed
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_lightning_callback_compresses_every_step(lightning_ranks, package):
     pytest.importorskip(package)
@@ -119,6 +128,7 @@ def test_lightning_callback_compresses_every_step(lightning_ranks, package):
         _compressed_every_step(rank[package]["callback_stats"])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_lightning_callback_registers_again_on_a_second_fit(lightning_ranks, package):
     pytest.importorskip(package)
@@ -134,6 +144,7 @@ _CALLBACK_ERRORS = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 @pytest.mark.parametrize("case", sorted(_CALLBACK_ERRORS))
 def test_lightning_callback_refuses(lightning_ranks, package, case):
@@ -143,6 +154,7 @@ def test_lightning_callback_refuses(lightning_ranks, package, case):
         assert message in (rank[package][key] or "no error"), rank[package][key]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_ddp_strategy_comm_hook_registers_nothing_on_cpu(lightning_ranks, package):
     pytest.importorskip(package)

@@ -15,17 +15,20 @@ from fastcomm.compress.powersgd import PowerSGDCompressor, orthogonalize_  # noq
 from fastcomm.hooks.powersgd import PowerSGDState  # noqa: E402
 
 
+@pytest.mark.distributed
 def test_result_equals_simulation_of_all_ranks_at_2_ranks(tmp_path):
     variants = tuple(_powersgd_workers.SIM_VARIANTS)
     workers.spawn(tmp_path, 2, _powersgd_workers.simulation_worker, variants, timeout_s=120)
 
 
+@pytest.mark.distributed
 def test_result_equals_simulation_of_all_ranks_at_4_ranks(tmp_path):
     # 4 processes on a 2-core machine: the default path and the deferred second allreduce only
     variants = ("qr", "deferred")
     workers.spawn(tmp_path, 4, _powersgd_workers.simulation_worker, variants, timeout_s=120)
 
 
+@pytest.mark.distributed
 def test_ddp_default_one_and_fifty_buckets_keep_error_feedback_and_resume_bit_identical(tmp_path):
     # one process group for both checks: on a loaded 2-core machine starting the ranks costs ~10 s
     workers.spawn(tmp_path, 2, _powersgd_workers.ddp_worker, timeout_s=150)

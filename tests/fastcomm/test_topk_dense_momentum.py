@@ -11,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import _hooks_workers as workers  # noqa: E402
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_topk_momentum_applies_on_dense_steps(tmp_path, nesterov):
