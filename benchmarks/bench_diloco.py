@@ -45,8 +45,8 @@ __all__ = ["DILOCO_METHODS", "main"]
 
 NAME = "bench_diloco"
 DILOCO_METHODS = (
-    "diloco", "diloco_q4", "diloco_h25", "diloco_q4_h25", "diloco_avg", "diloco_m09", "diloco_lr1",
-    "streaming_q4",
+    "diloco", "diloco_q4", "diloco_q4_h15", "diloco_h25", "diloco_q4_h25", "diloco_avg", "diloco_m09",
+    "diloco_lr1", "streaming_q4",
 )  # fmt: skip
 SPEED_METHODS = ("none", "diloco", "diloco_q4", "streaming_q4")
 LINKS = ("57mbit", "10mbit")

@@ -384,6 +384,9 @@ METHODS: dict[str, Method] = {
     "diloco_q4_h25": Method("fastcomm.DiLoCo H=25, 4-bit pseudo-gradients with error feedback, outer "
                             "Nesterov lr 0.7 momentum 0.5, AdamW inner", optimizer="diloco",
                             options=_diloco(sync_every=25, **_Q4)),
+    "diloco_q4_h15": Method("fastcomm.DiLoCo H=15, 4-bit pseudo-gradients with error feedback, outer "
+                            "Nesterov lr 0.7 momentum 0.5, AdamW inner", optimizer="diloco",
+                            options=_diloco(sync_every=15, **_Q4)),
     "diloco_m09": Method("fastcomm.DiLoCo H=10, fp32, outer Nesterov lr 0.7 momentum 0.9 (the paper's), "
                          "AdamW inner", optimizer="diloco", options=_diloco(outer_momentum=0.9)),
     "diloco_avg": Method("fastcomm.DiLoCo H=10, fp32, plain averaging (outer lr 1, no momentum), AdamW inner",
