@@ -34,6 +34,7 @@ def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("hook", ["topk", "powersgd"])
 def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path: Path, hook: str) -> None:

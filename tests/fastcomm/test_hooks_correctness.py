@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _hooks_workers as workers  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_hooks_match_reference_simulation(tmp_path, world_size):

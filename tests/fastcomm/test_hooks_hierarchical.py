@@ -21,6 +21,7 @@ def test_two_level_mean_equals_the_simulation_and_cross_node_bytes_are_one_over_
     harness.spawn(tmp_path, 4, workers.simulation_worker, timeout_s=120)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_buckets_resume_and_bad_options(tmp_path):
     harness.spawn(tmp_path, 4, workers.ddp_worker, timeout_s=180)
