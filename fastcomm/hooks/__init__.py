@@ -29,6 +29,7 @@ Example::
 """
 
 from fastcomm.collectives.errors import PeerCollectiveError
+from fastcomm.hooks.auto import AutoState, auto_hook
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
 from fastcomm.hooks.engine.compression import CompressionState
@@ -42,6 +43,7 @@ from fastcomm.hooks.topk import TopKState, topk_hook
 
 __all__ = [
     "HOOKS",
+    "AutoState",
     "CastState",
     "CompressionState",
     "CompressorState",
@@ -54,6 +56,7 @@ __all__ = [
     "SignState",
     "TopKState",
     "add_compressor",
+    "auto_hook",
     "cast_hook",
     "compressor_hook",
     "compressor_of",

@@ -263,6 +263,57 @@ def _hook_diagnosis_case(rank: int, world: int) -> None:
     checks.raise_any()
 
 
+def _auto_switch_case(rank: int, world: int) -> None:
+    """Auto on a slow link chooses a compressor, on a fast one dense: ranks agree, and the switch pays."""
+    from fastcomm.advise.kernels import KernelRates
+    from fastcomm.advise.model import Link
+    from fastcomm.hooks import auto
+
+    names = ("copy", "quantize8", "quantize4", "dequantize8", "dequantize4", "sign_compress",
+             "sign_decompress", "topk_select", "powersgd_project", "powersgd_back_project", "powersgd_expand")
+    fixed = KernelRates(dict.fromkeys(names, 4e9), 1e9, "cpu", 1, "given")  # fmt: skip
+    measured, auto._local_rates = auto._local_rates, lambda: fixed
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+        ddp = DistributedDataParallel(model)
+        state = fastcomm.register(ddp, "auto", warmup_steps=1, recheck_every=3, min_compress_numel=0,
+                                  link=Link(1e-4, 1e6), overlap_phase2=False)  # fmt: skip
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(rank)
+        checks = Mismatches()
+        for step in range(7):
+            if step == 4:
+                state.link = Link(1e-6, 1e12)  # the next measurement finds a fast link
+            optimizer.zero_grad()
+            ddp(torch.randn(32, 64, generator=gen)).square().mean().backward()
+            optimizer.step()
+            choices = state.stats()["auto_choices"]
+            everyone = [None] * world
+            dist.all_gather_object(everyone, choices)
+            if any(other != choices for other in everyone):
+                checks.found.append(f"step {step}: ranks chose differently: {everyone}")
+            if step == 2 and set(choices.values()) == {"dense"}:
+                checks.found.append(f"step 2: a 1 MB/s link kept dense: {choices}")
+            if step == 2 and not any(bool(state.residual_of(p).abs().sum()) for p in model.parameters()):
+                checks.found.append("step 2: compression left nothing owed")
+        if set(state.stats()["auto_choices"].values()) != {"dense"}:
+            checks.found.append(f"a fast link kept compression: {state.stats()['auto_choices']}")
+        for p in model.parameters():  # the dense steps paid what compression owed
+            owed = state.residual_of(p)
+            if owed is not None and bool(owed.abs().sum()):
+                checks.found.append(f"still owed after dense steps: {owed.abs().sum().item()}")
+                break
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        if any(not torch.equal(other, flat) for other in everyone):
+            checks.found.append("the ranks' models differ")
+        checks.raise_any()
+    finally:
+        auto._local_rates = measured
+
+
 def cases(world: int) -> dict[str, Callable[[int], None]]:
     """Case id -> the check each rank runs."""
     table: dict[str, Callable[[int], None]] = {}
@@ -291,6 +342,7 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
             key = f"all_reduce-powersgd-{'ef' if ef else 'noef'}-{'async' if async_op else 'sync'}"
             table[key] = lambda r, a=(ef, async_op): _powersgd_case(r, world, *a)
     table["hook-diagnosis"] = lambda r: _hook_diagnosis_case(r, world)
+    table["auto-switch"] = lambda r: _auto_switch_case(r, world)
     return table
 
 

@@ -61,6 +61,9 @@ class CompressionState(HookState):
     """
 
     _OPTIONS = ("error_feedback", "start_iter", "min_compress_numel", "wire_chunk_bytes", "node_size")
+    # whether a bucket that goes dense also pays its phase-2 segment residual (a hook that switches a
+    # bucket between a two-phase exchange and dense: "auto")
+    dense_takes_segment = False
 
     def __init__(
         self,
@@ -351,7 +354,9 @@ def _one(
     world_size, rank, index = where
     numels = tuple(p.numel() for p in params)
     if not state.use_compression(buffer.numel()):
-        owed = state.store.take_owed(key, numels, world_size) if state.error_feedback else None
+        owed = None
+        if state.error_feedback:
+            owed = state.store.take_owed(key, numels, world_size, segment=state.dense_takes_segment)
         dense = buffer if owed is None else buffer + owed.to(buffer.dtype)
         future = state.dense_allreduce(dense, world_size, index)
         if last:

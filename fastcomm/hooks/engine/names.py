@@ -21,6 +21,7 @@ from fastcomm.compress.powersgd import PowerSGDCompressor
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.compress.quantize import QuantCompressor
 from fastcomm.compress.sign import SignCompressor
+from fastcomm.hooks.auto import AutoState, auto_hook
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
 from fastcomm.hooks.engine.state import HookState
@@ -43,6 +44,7 @@ class HookName(str, enum.Enum):
     SIGN = "sign"
     CAST = "cast"
     POWERSGD = "powersgd"
+    AUTO = "auto"
 
 
 # the options a compressor row's CompressorState takes; the others go to the compressor's factory
@@ -104,6 +106,7 @@ HOOKS: dict[str, Registered] = {
     HookName.SIGN.value: Registered(SignState, sign_hook, flat=_sign),
     HookName.CAST.value: Registered(CastState, cast_hook, flat=_cast),
     HookName.POWERSGD.value: Registered(PowerSGDState, powersgd_hook, flat=_powersgd),
+    HookName.AUTO.value: Registered(AutoState, auto_hook),
     # cast_hook's bf16/fp16 as a compressor: error feedback, node_size
     "cast16": Registered(CompressorState, compressor_hook, CastCompressor),
 }

@@ -276,18 +276,25 @@ class BucketStore:
                 if old is not None and old.data_ptr() != tensor.data_ptr():
                     self._spares[(key, name)] = old
 
-    def take_owed(self, key: BucketKey, numels: tuple[int, ...], world_size: int) -> Tensor | None:
+    def take_owed(
+        self, key: BucketKey, numels: tuple[int, ...], world_size: int, segment: bool = False
+    ) -> Tensor | None:
         """What a bucket's parameters still owe from compressed steps, staged as paid; ``None`` if nothing.
 
-        Only after a bucket rebuild put compressed parameters into a bucket that goes dense do such
-        residuals exist; they are sent with the dense allreduce instead of being stranded.
+        Such residuals exist after a bucket rebuild put compressed parameters into a bucket that goes
+        dense, or (``segment``) where a hook switches a bucket from a two-phase exchange to dense: then
+        the phase-2 segment residual is owed too (:meth:`BucketEntry.owed`). They are sent with the dense
+        allreduce instead of being stranded.
         """
         if not self.knows_any(key):
             return None
-        owed = self.entry(key, numels, world_size).tensors.get("residual")
+        entry = self.entry(key, numels, world_size)
+        owed = entry.owed() if segment else entry.tensors.get("residual")
         if owed is None or not bool(owed.any()):
             return None
-        self.stage(key, "residual", torch.zeros_like(owed))
+        for name in ("residual", SEGMENT_TENSOR) if segment else ("residual",):
+            if name in entry.tensors:
+                self.stage(key, name, torch.zeros_like(entry.tensors[name]))
         return owed
 
     def scale(self, factor: float) -> None:

@@ -1,0 +1,224 @@
+"""The "auto" hook: per bucket, the exchange a cost model says is fastest here, or plain allreduce.
+
+``fastcomm.register(ddp, "auto")`` runs dense allreduce for ``warmup_steps`` steps, then measures, from the
+hook call of bucket 0 (so every rank does it at the same point):
+
+1. The link: two timed allreduces of probe tensors (small and large) give its latency and bandwidth.
+2. Each candidate's compression and decoding on this device (:func:`fastcomm.advise.measure_rates` on a
+   small tensor).
+
+The slowest rank's figures are agreed on by one allreduce (MAX of times), so every rank makes the same
+choice. Each bucket size then gets the candidate of least predicted time (``fastcomm.advise``'s model of
+its collectives plus its compression), or dense allreduce unless a candidate is predicted at least
+``margin`` faster: auto must never be the reason a job got slower. The choice is made again every
+``recheck_every`` steps.
+
+All candidates go through one two-phase exchange with error feedback and one bucket store, segments of
+the same length (whole blocks of every candidate), so what a bucket owes under one method is owed under
+the next; a bucket that goes dense sends what it owes with its allreduce. By default only methods at loss
+parity under any optimizer are candidates: bf16 cast, 8-bit and 4-bit quantization (sign needs
+:class:`fastcomm.CompressedAdam`).
+"""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastcomm.advise.kernels import KernelRates, measure_rates
+from fastcomm.advise.methods import METHODS, Method, method_cost
+from fastcomm.advise.model import Link, Topology
+from fastcomm.collectives._layout import segment_layout
+from fastcomm.collectives.two_phase import TwoPhaseLayout
+from fastcomm.hooks.engine.compression import run_compressed
+from fastcomm.hooks.engine.options import require_int, require_real
+from fastcomm.hooks.engine.twophase import TwoPhaseState, two_phase_bucket
+
+__all__ = ["CANDIDATES", "AutoState", "auto_hook", "choose"]
+
+# candidate name -> the advisor's method (its exchange and compressor)
+CANDIDATES: dict[str, Method] = {
+    m.name: m for m in METHODS if m.name in ("cast16", "quant8", "quant4", "sign")
+}
+_DEFAULT = ("cast16", "quant8", "quant4")
+_PROBE_NUMELS = (1024, 1 << 20)
+
+
+def choose(numel: int, world_size: int, link: Link, rates: KernelRates, candidates: tuple[str, ...],
+           margin: float) -> str:  # fmt: skip
+    """The candidate predicted fastest for a bucket of ``numel`` fp32 gradients, or ``"dense"``.
+
+    A candidate is chosen only when its predicted time (collectives and compression) is below
+    ``(1 - margin)`` of a dense ring allreduce's.
+
+    Example::
+
+        choose(25_000_000, 2, Link(1e-4, 1.2e8), rates, ("quant8",), 0.05)   # "quant8" on a 1 Gbit link
+    """
+    topology = Topology(world_size, 1, inter=link, intra=link)
+
+    def seconds(method: Method) -> float:
+        cost = method_cost(method, topology, numel, 1, rates, [])
+        return sum(t.seconds for t in cost.transfers) + cost.codec_s
+
+    dense = seconds(METHODS[0])
+    best, best_s = "dense", dense * (1.0 - margin)
+    for name in candidates:
+        predicted = seconds(CANDIDATES[name])
+        if predicted < best_s:
+            best, best_s = name, predicted
+    return best
+
+
+class AutoState(TwoPhaseState):
+    """State of :func:`auto_hook`: the candidates, the measured link and rates, each bucket size's choice.
+
+    Args:
+        candidates: names of :data:`CANDIDATES` to choose among (besides dense allreduce).
+        warmup_steps: dense steps before the first measurement.
+        recheck_every: steps between measurements after the first.
+        margin: how much faster a candidate must be predicted than dense to be chosen.
+        link: a :class:`~fastcomm.advise.model.Link` to use instead of measuring one (tests, or a link
+            you know).
+        **options: the :class:`~fastcomm.hooks.engine.twophase.TwoPhaseState` options (``error_feedback``,
+            ``min_compress_numel``, ``wire_chunk_bytes``, ``overlap_phase2``, ``process_group``).
+
+    Example::
+
+        state = fastcomm.register(ddp, "auto")
+        ...
+        print(state.stats()["auto_choices"])   # {bucket numel: "quant8" or "dense", ...}
+    """
+
+    _OPTIONS = ("candidates", "warmup_steps", "recheck_every", "margin", "link", *TwoPhaseState._OPTIONS)
+    dense_takes_segment = True
+
+    def __init__(
+        self,
+        candidates: tuple[str, ...] = _DEFAULT,
+        warmup_steps: int = 3,
+        recheck_every: int = 500,
+        margin: float = 0.1,
+        link: Link | None = None,
+        **options: Any,
+    ) -> None:
+        unknown = [c for c in candidates if c not in CANDIDATES]
+        if isinstance(candidates, str) or unknown:
+            raise ValueError(f"candidates must be names among {sorted(CANDIDATES)}, got {candidates!r}")
+        self.candidates = tuple(candidates)
+        self.warmup_steps = require_int("warmup_steps", warmup_steps, minimum=0)
+        self.recheck_every = require_int("recheck_every", recheck_every, minimum=1)
+        self.margin = require_real("margin", margin)
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+        if link is not None and not isinstance(link, Link):
+            raise ValueError(f"link must be a fastcomm.advise.model.Link or None, got {link!r}")
+        self.link = link
+        # segments of whole blocks of every candidate: a switch keeps each rank's segment and its residual
+        self._unit = math.lcm(8, *(CANDIDATES[c].compressor().block for c in self.candidates))
+        super().__init__(**options)
+
+    def _reset_internal(self) -> None:
+        super()._reset_internal()
+        self.measured: tuple[Link, KernelRates] | None = None
+        self.choices: dict[int, str] = {}
+        self._measured_at = -1
+
+    def begin_bucket(self, bucket: dist.GradBucket) -> Any:
+        key = super().begin_bucket(bucket)
+        steps = self.accounting.steps
+        due = steps >= self.warmup_steps and (
+            self._measured_at < 0 or steps - self._measured_at >= self.recheck_every
+        )
+        if bucket.index() == 0 and due and dist.get_world_size(self.process_group) > 1:
+            self.measured = _agreed(
+                self.link or _probe_link(self.process_group), _local_rates(), self.process_group
+            )
+            self.choices = {}
+            self._measured_at = steps
+        return key
+
+    def choice(self, numel: int) -> str:
+        """The method of a bucket of ``numel`` elements at this step (``"dense"`` before the measurement)."""
+        if self.measured is None or not self.candidates:
+            return "dense"
+        if numel not in self.choices:
+            link, rates = self.measured
+            world_size = dist.get_world_size(self.process_group)
+            self.choices[numel] = choose(numel, world_size, link, rates, self.candidates, self.margin)
+        return self.choices[numel]
+
+    def use_compression(self, numel: int) -> bool:
+        return super().use_compression(numel) and self.choice(numel) != "dense"
+
+    def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
+        """The chosen candidate's compressor over segments of whole blocks of every candidate, so a switch
+        keeps each rank's segment and its phase-2 residual."""
+        compressor = CANDIDATES[self.choice(numel)].compressor()
+        return TwoPhaseLayout(compressor, segment_layout(numel, world_size, self._unit), self._unit)
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`HookState.stats`, ``auto_choices`` (bucket numel -> method) and the measured link."""
+        stats: dict[str, Any] = dict(super().stats())
+        stats["auto_choices"] = dict(self.choices)
+        if self.measured is not None:
+            stats["auto_link_latency_s"] = self.measured[0].alpha_s
+            stats["auto_link_bytes_per_second"] = self.measured[0].bandwidth_Bps
+        return stats
+
+
+def _probe_link(group: dist.ProcessGroup | None) -> Link:
+    """Latency and bandwidth from two timed ring allreduces (a small and a large probe), best of three."""
+    world_size = dist.get_world_size(group)
+    times = []
+    for numel in _PROBE_NUMELS:
+        probe = torch.ones(numel)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            dist.all_reduce(probe, group=group)
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
+    steps = 2 * (world_size - 1)
+    small_bytes, large_bytes = (4 * n * steps / world_size for n in _PROBE_NUMELS)
+    per_byte = max((times[1] - times[0]) / (large_bytes - small_bytes), 1e-12)
+    alpha = max(0.0, (times[0] - small_bytes * per_byte) / steps)
+    return Link(alpha, 1.0 / per_byte, name="measured")
+
+
+def _local_rates() -> KernelRates:
+    return measure_rates("cpu", numel=1 << 18, repeat=3)
+
+
+def _agreed(link: Link, rates: KernelRates, group: dist.ProcessGroup | None) -> tuple[Link, KernelRates]:
+    """The slowest rank's link and kernel figures (MAX of times over ranks): every rank chooses alike."""
+    keys = sorted(rates.rates)
+    times = torch.tensor(
+        [link.alpha_s, 1.0 / link.bandwidth_Bps, 1.0 / rates.sparse_entries_per_s]
+        + [1.0 / rates.rates[k] for k in keys],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    values = times.tolist()
+    agreed_link = Link(values[0], 1.0 / values[1], link.overlaps_compute, link.name)
+    agreed = KernelRates({k: 1.0 / v for k, v in zip(keys, values[3:], strict=True)}, 1.0 / values[2],
+                         rates.device, rates.threads, "measured, slowest rank")  # fmt: skip
+    return agreed_link, agreed
+
+
+def auto_hook(state: AutoState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP comm hook: each bucket through the method :class:`AutoState` chose for its size.
+
+    1. Dense allreduce during ``warmup_steps``, and for buckets whose choice is ``"dense"`` (with what the
+       bucket still owes from compressed steps, both phases' residuals).
+    2. Otherwise the two-phase exchange with the chosen compressor, error feedback on both phases.
+
+    Example::
+
+        state = fastcomm.register(ddp, "auto", recheck_every=200)
+    """
+    return run_compressed(state, bucket, AutoState, two_phase_bucket)

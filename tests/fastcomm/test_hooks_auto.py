@@ -1,0 +1,62 @@
+"""The "auto" hook: its choice by the cost model, its options, and (on 2 and 4 ranks, case ``auto-switch`` of
+``_collectives_workers.py``) switches that keep ranks in step and pay what a bucket owes."""
+
+import pytest
+import torch
+
+import fastcomm
+from fastcomm.advise.kernels import KernelRates
+from fastcomm.advise.model import Link
+from fastcomm.hooks.auto import AutoState, choose
+
+FAST_CODECS = KernelRates({k: 4e9 for k in (
+    "copy", "quantize8", "quantize4", "dequantize8", "dequantize4", "sign_compress", "sign_decompress",
+    "topk_select", "powersgd_project", "powersgd_back_project", "powersgd_expand",
+)}, 1e9, "cpu", 1, "given")  # fmt: skip
+CANDIDATES = ("cast16", "quant8", "quant4")
+
+
+def test_a_fast_link_keeps_dense():
+    assert choose(6_000_000, 2, Link(5e-6, 300e9), FAST_CODECS, CANDIDATES, 0.1) == "dense"
+
+
+def test_a_slow_link_takes_the_cheapest_on_the_wire():
+    assert choose(6_000_000, 2, Link(1e-4, 12e6), FAST_CODECS, CANDIDATES, 0.1) == "quant4"
+
+
+def test_slow_codecs_keep_dense_even_on_a_slow_link():
+    slow = FAST_CODECS.scaled(1e-4)
+    assert choose(6_000_000, 2, Link(1e-4, 12e6), slow, CANDIDATES, 0.1) == "dense"
+
+
+def test_no_candidate_within_the_margin_keeps_dense():
+    link = Link(1e-4, 1.2e8)
+    picked = choose(6_000_000, 2, link, FAST_CODECS, CANDIDATES, 0.0)
+    assert picked != "dense"
+    assert choose(6_000_000, 2, link, FAST_CODECS, (picked,), 0.99) == "dense"
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"candidates": ("quant3",)}, "candidates"),
+        ({"candidates": "quant8"}, "candidates"),
+        ({"margin": 1.0}, "margin"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"link": "1gbit"}, "link"),
+    ],
+)
+def test_auto_state_names_a_bad_option(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        AutoState(**options)
+
+
+def test_register_auto_trains_on_one_rank(small_ddp):
+    ddp = small_ddp()
+    state = fastcomm.register(ddp, "auto", warmup_steps=1)
+    assert isinstance(state, AutoState)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ddp(torch.randn(16, 8, generator=gen)).square().mean().backward()
+    stats = state.stats()
+    assert stats["steps"] == 3 and stats["auto_choices"] == {}  # one rank: nothing to measure or choose
