@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     speed: dict = json.loads(speed_file.read_text()) if args.reuse_speed else {}
     notes = []
     reason = netlab.unavailable_reason()
-    if args.skip_speed:
+    if args.skip_speed or args.loss_only:
         notes.append("speed runs skipped (--skip-speed)")
     elif reason:
         notes.append(f"speed runs skipped: netlab unavailable ({reason})")
