@@ -241,7 +241,10 @@ def _notes(loss: dict[str, Any], speeds: dict[str, dict[str, Any]]) -> list[str]
         if method in loss:
             gap = loss[method]["val_loss"] / dense - 1
             verdict = "meets" if gap <= target else "misses"
-            notes.append(f"{method} validation loss {gap:+.2%} vs dense: {verdict} the {target:.1%} target")
+            notes.append(
+                f"{method} validation loss {gap:+.2%} vs dense (lower is better): {verdict} the target of at "
+                f"most {target:.1%} above"
+            )
     for case, results in speeds.items():
         for method in ("q8", "q8-qwz"):
             if method in results:
