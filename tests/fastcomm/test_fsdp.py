@@ -7,6 +7,7 @@ its own test here. The arguments' checks run in this process.
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 
 import fastcomm.fsdp
 from fastcomm.compress import PowerSGDCompressor, TopKCompressor
+from fastcomm.fsdp._feedback import ErrorFeedback
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fsdp_workers as workers  # noqa: E402
@@ -68,3 +70,54 @@ def test_residual_dtype_needs_error_feedback():
 def test_options_go_with_a_name_only():
     with pytest.raises(TypeError, match="options"):
         fastcomm.fsdp.compress(nn.Linear(3, 5), fastcomm.compress.QuantCompressor(bits=8), bits=4)
+
+
+# ---------------------------------------------------------------------------- error feedback store (local)
+def _residual(case: str, numel: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, numel)).encode()))
+    return torch.randn(numel, generator=gen) * 3
+
+
+@pytest.mark.parametrize("numel", [1, 7, 1001])
+def test_a_bf16_residual_keeps_half_the_bytes_and_round_trips(numel):
+    feedback = ErrorFeedback(torch.bfloat16)
+    residual = feedback.lend()
+    residual.worker = _residual("bf16", numel)  # what an exchange leaves behind
+    feedback.keep()
+    assert residual.worker is None and feedback.nbytes() == 2 * numel
+    restored = ErrorFeedback(torch.bfloat16)
+    restored.load_state_dict(feedback.state_dict())
+    worker = restored.lend().worker
+    assert worker.dtype == torch.float32
+    assert torch.equal(worker, _residual("bf16", numel).to(torch.bfloat16).float())
+
+
+def test_a_full_precision_residual_is_lent_as_is():
+    feedback = ErrorFeedback()
+    residual = feedback.lend()
+    residual.worker = _residual("fp32", 13)
+    feedback.keep()
+    assert feedback.lend() is residual and feedback.nbytes() == 4 * 13
+    restored = ErrorFeedback()
+    restored.load_state_dict(feedback.state_dict())
+    assert torch.equal(restored.lend().worker, _residual("fp32", 13))
+
+
+def test_a_state_without_error_feedback_refuses_one_with_it():
+    with_ef = fastcomm.fsdp.CompressedReduceScatter(fastcomm.compress.QuantCompressor(bits=8))
+    without = fastcomm.fsdp.CompressedReduceScatter(
+        fastcomm.compress.QuantCompressor(bits=8), error_feedback=False
+    )
+    with pytest.raises(ValueError, match="error_feedback"):
+        without.load_state_dict(with_ef.state_dict())
+
+
+def test_the_step_seed_follows_the_restored_step_counter():
+    saved = fastcomm.fsdp.CompressedReduceScatter(fastcomm.compress.QuantCompressor(bits=8), seed=5, index=2)
+    saved.traffic.add(sent=10, dense=40)
+    restored = fastcomm.fsdp.CompressedReduceScatter(
+        fastcomm.compress.QuantCompressor(bits=8), seed=5, index=2
+    )
+    assert restored.step_seed() != saved.step_seed()
+    restored.load_state_dict(saved.state_dict())
+    assert restored.step_seed() == saved.step_seed() and restored.traffic == saved.traffic
