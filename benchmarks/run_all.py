@@ -72,7 +72,8 @@ class Benchmark:
 # remote: 0.5 GB of each shard kind (1/2), one run per configuration (of 2): ~1/4 of its ~5 min.
 # fsdp: 3 launches of 2 ranks (~10 s of start each): 100 loss steps x 3 methods of a 39k-parameter MLP
 #   (~15 s), then 3 methods x 3 steps of a 6.3M-parameter MLP on loopback (~10 s) and on the 1 Gbit/s link
-#   (~0.3 s of traffic a dense step, ~15 s).
+#   (~0.3 s of traffic a dense step, ~15 s). Measured: 177 s under a load of ~30 from other jobs, two
+#   thirds of it the 3 launches' start-up (20-27 s each there, 5-8 s on idle cores).
 SUITE = (
     Benchmark("bench_kernels", ("--numel", "5000000", "--repeat", "3"), (0.5, 0.5)),
     Benchmark(
