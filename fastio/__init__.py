@@ -26,6 +26,7 @@ from fastio.errors import (
     MissingFieldError,
     MissingIndexError,
     SchemaMismatchError,
+    WorkerTimeoutError,
 )
 from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.shards.schema import Field
@@ -56,6 +57,7 @@ __all__ = [
     "StreamLoader",
     "TarShardSet",
     "WorkerInfo",
+    "WorkerTimeoutError",
     "backend",
     "collate_samples",
     "decode_default",

@@ -142,6 +142,11 @@ class SampleBatches:
         The seed, shuffle settings and dataset size must match, else ``ValueError``."""
         if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
             raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
+        if state.get("order") == "sampler":
+            raise ValueError(
+                "state_dict comes from a loader whose order came from sampler=, batch_sampler= or "
+                "generator=; this loader uses fastio's own order (seed=, shuffle=)"
+            )
         n = self.source.num_samples
         for key, mine in (*self.order.identity().items(), ("num_samples", n)):
             if state[key] != mine:

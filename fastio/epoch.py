@@ -33,7 +33,8 @@ __all__ = ["EpochPass"]
 
 class EpochPass(BatchPass):
     """One pass over (the rest of) an epoch for this rank: ``indices`` are the samples it reads, from sample
-    ``start`` of the epoch's rank-split order on; what ``iter(StreamLoader)`` returns."""
+    ``start`` of the epoch's rank-split order on; what ``iter(StreamLoader)`` returns. With ``bounds`` (a
+    sampler's batches) batch ``j`` is ``indices[bounds[j]:bounds[j + 1]]``."""
 
     def __init__(
         self,
@@ -48,10 +49,14 @@ class EpochPass(BatchPass):
         workers: WorkerSettings,
         assembly: AssemblySettings,
         progress: bool = False,
+        bounds: np.ndarray | None = None,
     ) -> None:
         device = assembly.device
         self.source, self.epoch, self.start, self.device = source, epoch, start, device
-        self.begin_pass(num_batches(len(indices), assembly.batch_size, drop_last))
+        if bounds is None:
+            self.begin_pass(num_batches(len(indices), assembly.batch_size, drop_last))
+        else:
+            self.begin_pass(len(bounds) - 1)
         n, slots, processes = workers.num_workers, workers.slots, workers.processes
         source.plan_reads(ReadPlan(assembly.batch_size, slots, processes, world_size > 1))
         # Before any fetch and before worker processes fork: they inherit what prepare() set up.
@@ -67,6 +72,7 @@ class EpochPass(BatchPass):
             mode="process" if processes else "thread" if n else "main",
             num_workers=n,
             worker_init_fn=workers.init_fn,
+            bounds=bounds,
         )
         self.copy_in_consumer = processes and device is not None and device.type == "cuda"
         self.times = self.producer.times
@@ -74,10 +80,19 @@ class EpochPass(BatchPass):
         start_worker = self.producer.start_worker
         if processes:
             self.pipeline = ProcessPipeline(
-                self.producer, self.n_batches, n, slots, self.times, start_worker, assembly.reuse_buffers
+                self.producer,
+                self.n_batches,
+                n,
+                slots,
+                self.times,
+                start_worker,
+                assembly.reuse_buffers,
+                workers.timeout,
             )
         elif n:
-            self.pipeline = ThreadPipeline(self.producer, self.n_batches, n, slots, start_worker)
+            self.pipeline = ThreadPipeline(
+                self.producer, self.n_batches, n, slots, start_worker, workers.timeout
+            )
         self.bar = None
         if progress:
             try:

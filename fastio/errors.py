@@ -21,6 +21,7 @@ __all__ = [
     "MissingFieldError",
     "MissingIndexError",
     "SchemaMismatchError",
+    "WorkerTimeoutError",
 ]
 
 
@@ -111,4 +112,14 @@ class EmptySourceError(FastIOError, ValueError):
     Example::
 
         err = EmptySourceError("data/empty: empty directory")
+    """
+
+
+class WorkerTimeoutError(FastIOError, RuntimeError):
+    """A worker did not hand over a batch within the loader's ``timeout=`` seconds (DataLoader raises a
+    ``RuntimeError`` there: this is one). The loader's workers are stopped; nothing hangs.
+
+    Example::
+
+        err = WorkerTimeoutError("fastio: batch 3 not made within timeout=5.0 s")
     """

@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,7 +63,8 @@ from fastio.assembly.pack import Pack, TokenPacker
 from fastio.assembly.stages import BatchStage
 from fastio.batches import Batches, EpochOrders, SampleBatches
 from fastio.registry import OpenOptions, open_source
-from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
+from fastio.sampled import SamplerBatches, check_sampler_args, index_batches
+from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, dataloader_worker_args
 from fastio.sources import StageTimes
 from fastio.workers.batch_pass import BatchPass
 
@@ -146,9 +147,9 @@ class StreamLoader:
         shuffle: bool | str = False,
         seed: int = 0,
         num_workers: int = 0,
-        pin_memory: bool | None = None,
+        pin_memory: bool = False,
         drop_last: bool = False,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         transform: Callable[[Any], Any] | None = None,
         collate: Callable[[list[Any]], Any] | None = None,
         rank: int | None = None,
@@ -171,6 +172,13 @@ class StreamLoader:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        sampler: Iterable[int] | None = None,
+        batch_sampler: Iterable[list[int]] | None = None,
+        generator: torch.Generator | None = None,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        timeout: float = 0,
+        multiprocessing_context: Any = None,
     ) -> None:
         if collate_fn is not None:
             if collate is not None:
@@ -179,14 +187,23 @@ class StreamLoader:
         # 1. What is asked, checked once and grouped by the part that uses it (fastio.settings).
         if worker_mode not in ("auto", "thread", "process"):
             raise ValueError(f"worker_mode must be 'auto', 'thread' or 'process', got {worker_mode!r}")
+        if batch_size is None:
+            raise ValueError(
+                "batch_size=None (DataLoader's samples without batching) is not supported; "
+                "use batch_size=1 with collate_fn=lambda samples: samples[0]"
+            )
+        prefetch, worker_mode = dataloader_worker_args(
+            num_workers, prefetch, prefetch_factor, persistent_workers, multiprocessing_context, worker_mode
+        )
         assembly = AssemblySettings(batch_size, stages, transform, collate)
-        workers = WorkerSettings(num_workers, prefetch, "thread", threads, worker_init_fn)
+        workers = WorkerSettings(num_workers, prefetch, "thread", threads, worker_init_fn, float(timeout))
+        ranks_given = rank is not None or world_size is not None
         rank, world_size = _distributed_defaults(rank, world_size)
         order = OrderSettings(seed, shuffle, shuffle_block, shuffle_window, rank, world_size, drop_last)
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available")
-        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        pin = bool(pin_memory)
         # 2. The source, through the registry's tables (fastio.registry).
         options = OpenOptions(
             decode=decode,
@@ -203,6 +220,17 @@ class StreamLoader:
                 "nearly every sample would come from another shard, each fetched whole; use shuffle='shard' "
                 "(a shard-aware shuffle: shards, then blocks within a window of shards, then samples)"
             )
+        sampled = check_sampler_args(
+            shuffle=shuffle,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            generator=generator,
+            ranks_given=ranks_given,
+            packed=pack is not None,
+            source=self._source,
+        )
         python_path = transform is not None or collate is not None or self._source.per_sample
         if worker_mode == "auto":
             worker_mode = "process" if python_path else "thread"
@@ -214,11 +242,22 @@ class StreamLoader:
         # 3. How epochs are cut into batches, chosen once (fastio.batches): samples, or packed rows.
         orders = EpochOrders(self._source.shard_sizes, order)
         self.pack = pack
-        self._batches: Batches = (
-            SampleBatches(self._source, orders, order, workers, assembly, progress)
-            if pack is None
-            else TokenPacker(self._source, pack, orders, order=order, workers=workers, assembly=assembly)
-        )
+        self.sampler, self.batch_sampler, self.generator = sampler, batch_sampler, generator
+        self._batches: Batches
+        if sampled:
+            n = self._source.num_samples
+            index_sampler = index_batches(
+                n, batch_size, bool(shuffle), drop_last, sampler, batch_sampler, generator
+            )
+            self._batches = SamplerBatches(
+                self._source, index_sampler, generator, seed, workers, assembly, progress
+            )
+        elif pack is None:
+            self._batches = SampleBatches(self._source, orders, order, workers, assembly, progress)
+        else:
+            self._batches = TokenPacker(
+                self._source, pack, orders, order=order, workers=workers, assembly=assembly
+            )
         self.progress = progress
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()

@@ -21,7 +21,7 @@ import torch
 from fastio.assembly.stages import BatchStage
 from fastio.order import normalize_shuffle
 
-__all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings"]
+__all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,8 @@ class WorkerSettings:
         mode: ``"thread"`` or ``"process"`` (forked, batches handed over through slot files).
         threads: threads per native gather (None: CPUs / max(1, num_workers), at most 8).
         init_fn: ``init_fn(worker_id)``, run first in each worker (DataLoader's ``worker_init_fn``).
+        timeout: with workers, the most seconds the consumer waits for a batch before
+            :class:`fastio.errors.WorkerTimeoutError` (0: no limit), DataLoader's ``timeout``.
 
     Example::
 
@@ -93,8 +95,11 @@ class WorkerSettings:
     mode: str = "thread"
     threads: int | None = None
     init_fn: Callable[[int], None] | None = None
+    timeout: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.timeout < 0:
+            raise ValueError("timeout option should be non-negative")
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.prefetch < 1:
@@ -154,3 +159,67 @@ class AssemblySettings:
                     f"stages: {type(stage).__name__} is not a fastio.assembly.stages.BatchStage "
                     "(needs output_specs() and __call__(batch, out, ctx))"
                 )
+
+
+def dataloader_worker_args(
+    num_workers: int,
+    prefetch: int | None,
+    prefetch_factor: int | None,
+    persistent_workers: bool,
+    multiprocessing_context: Any,
+    worker_mode: str,
+) -> tuple[int, str]:
+    """DataLoader's worker arguments, checked with DataLoader's own messages where it has them, as fastio's
+    ``(prefetch, worker_mode)``.
+
+    1. ``prefetch_factor`` (batches in flight per worker) becomes ``prefetch``, the batches in flight beyond
+       ``num_workers``: ``max(1, (prefetch_factor - 1) * num_workers)``; only one of the two may be given.
+    2. ``multiprocessing_context`` must be ``"fork"`` (or a fork context): worker processes are forked, they
+       inherit the source and their slot files. It, like ``persistent_workers=True``, means worker
+       processes: ``worker_mode="auto"`` becomes ``"process"``, ``"thread"`` is refused.
+
+    Example::
+
+        dataloader_worker_args(2, None, 4, False, "fork", "auto") == (6, "process")
+    """
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ValueError(
+            "prefetch_factor option could only be specified in multiprocessing."
+            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+        )
+    if prefetch_factor is not None and prefetch_factor < 0:
+        raise ValueError("prefetch_factor option should be non-negative")
+    if prefetch_factor is not None and prefetch is not None:
+        raise ValueError(
+            "pass prefetch= (batches beyond num_workers) or DataLoader's prefetch_factor=, not both"
+        )
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers option needs num_workers > 0")
+    if prefetch_factor is not None:
+        prefetch = max(1, (prefetch_factor - 1) * num_workers)
+    processes_asked = [name for name, asked in (
+        ("multiprocessing_context", multiprocessing_context is not None),
+        ("persistent_workers=True", persistent_workers),
+    ) if asked]  # fmt: skip
+    if multiprocessing_context is not None:
+        if num_workers == 0:
+            raise ValueError(
+                "multiprocessing_context can only be used with multi-process loading (num_workers > 0), "
+                f"but got num_workers={num_workers}"
+            )
+        method = (
+            multiprocessing_context
+            if isinstance(multiprocessing_context, str)
+            else multiprocessing_context.get_start_method()
+        )
+        if method != "fork":
+            raise ValueError(
+                f"multiprocessing_context={method!r}: fastio's worker processes are forked (they inherit the "
+                "source and the slot files batches are handed over in); use 'fork', or "
+                "worker_mode='thread' for workers that need no new process"
+            )
+    if processes_asked and worker_mode == "thread":
+        raise ValueError(f"{processes_asked[0]} asks for worker processes, but worker_mode='thread'")
+    if processes_asked and worker_mode == "auto":
+        worker_mode = "process"
+    return (2 if prefetch is None else prefetch), worker_mode

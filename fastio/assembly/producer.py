@@ -58,6 +58,9 @@ class BatchProducer:
        (reseeding them would change the trainer's draws, and its draws would change the transforms');
        transforms that must reproduce seed their own generator from ``fastio.worker_info().sample_seed``.
 
+    ``bounds`` (a batch sampler's batches, :mod:`fastio.sampled`): batch ``j`` is
+    ``indices[bounds[j]:bounds[j + 1]]`` instead of the ``j``-th run of ``batch_size``.
+
     Holds no reference to the iterator, so an abandoned iterator is collected and stops its workers."""
 
     def __init__(
@@ -73,6 +76,7 @@ class BatchProducer:
         mode: str,
         num_workers: int,
         worker_init_fn: Callable[[int], None] | None,
+        bounds: np.ndarray | None = None,
     ):
         # In forked worker processes CUDA is off limits (no pinned buffers, no copies): the consumer copies.
         cuda_allowed = mode != "process"
@@ -82,7 +86,7 @@ class BatchProducer:
         self.transform, self.collate = assembly.transform, assembly.collate
         self.python_path = assembly.python_path
         self.worker_init_fn = worker_init_fn
-        self.indices, self.threads = indices, threads
+        self.indices, self.threads, self.bounds = indices, threads, bounds
         self.seed, self.epoch, self.stages = seed, epoch, assembly.stages
         self.times = StageTimes()
         self.specs = self.source.fixed_specs()
@@ -121,7 +125,10 @@ class BatchProducer:
             set_worker_info(previous)
 
     def _make(self, job: int) -> tuple[Any, int]:
-        indices = self.indices[job * self.batch_size : (job + 1) * self.batch_size]
+        if self.bounds is None:
+            indices = self.indices[job * self.batch_size : (job + 1) * self.batch_size]
+        else:  # a sampler's batches: batch ``job`` is ``indices[bounds[job]:bounds[job + 1]]``
+            indices = self.indices[self.bounds[job] : self.bounds[job + 1]]
         buffers = self.pool.acquire()
         try:
             if buffers.event is not None:

@@ -32,6 +32,7 @@ import pickle
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from fastio.errors import WorkerTimeoutError
 from fastio.sources import storage_refs
 from fastio.structure import map_structure
 
@@ -210,7 +212,8 @@ class ProcessPipeline:
 
     ``times`` (a :class:`fastio.sources.StageTimes`) receives each worker's per-batch stage times;
     ``worker_init(worker_id)``, when given, runs first in each process; ``reuse=False`` writes every batch
-    into a new file.
+    into a new file; ``timeout > 0``: :meth:`get` gives :class:`fastio.errors.WorkerTimeoutError` when a
+    batch takes longer than that many seconds.
 
     Example::
 
@@ -226,8 +229,10 @@ class ProcessPipeline:
         times: Any,
         worker_init: Callable[[int], None] | None = None,
         reuse: bool = True,
+        timeout: float = 0.0,
     ) -> None:
         self.n_batches, self.slots, self.times, self.reuse = n_batches, slots, times, reuse
+        self.timeout = timeout
         # One file more than batches in flight: the consumer still holds the last batch while asking for
         # the next, so the file refilled then is one it has dropped, and the fast path never makes files.
         self.slot_files = [_SlotFile.create() for _ in range(slots + 1)]
@@ -282,8 +287,14 @@ class ProcessPipeline:
         except ConnectionError:
             pass  # a worker is gone: reported below (a slot file that cannot be made raises here)
         live = list(self.conns)
+        deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         while job not in self.results:
-            ready = wait(live, timeout=1.0) if live else []
+            if deadline is not None and time.monotonic() >= deadline:
+                return False, WorkerTimeoutError(
+                    f"fastio: batch {job} not made within timeout={self.timeout} s"
+                )
+            poll = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            ready = wait(live, timeout=poll) if live else []
             for conn in ready:
                 try:
                     done, ok, payload = conn.recv()

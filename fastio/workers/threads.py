@@ -22,6 +22,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from fastio.errors import WorkerTimeoutError
+
 __all__ = ["ThreadPipeline"]
 
 _EXIT_WAIT_S = 10.0  # at interpreter exit, how long worker threads may take to finish their batch
@@ -46,7 +48,8 @@ def _stop_thread_pipelines() -> None:
 class ThreadPipeline:
     """Worker threads running ``produce(job)`` ahead of the consumer (see the module docstring).
 
-    ``worker_init(worker_id)``, when given, runs first in each thread.
+    ``worker_init(worker_id)``, when given, runs first in each thread. ``timeout > 0``: :meth:`get` gives
+    :class:`fastio.errors.WorkerTimeoutError` when a batch takes longer than that many seconds.
 
     Example::
 
@@ -61,8 +64,9 @@ class ThreadPipeline:
         num_workers: int,
         slots: int,
         worker_init: Callable[[int], None] | None = None,
+        timeout: float = 0.0,
     ) -> None:
-        self.produce, self.n_batches, self.slots = produce, n_batches, slots
+        self.produce, self.n_batches, self.slots, self.timeout = produce, n_batches, slots, timeout
         self.worker_init = worker_init
         self.cond = threading.Condition()
         self.next_job = 0
@@ -105,10 +109,15 @@ class ThreadPipeline:
         with self.cond:
             self.released = job  # the consumer moved past job - 1: another batch may start
             self.cond.notify_all()
+            deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
             while job not in self.results:
                 if not any(t.is_alive() for t in self.threads):
                     return False, RuntimeError(f"fastio: worker threads exited before batch {job}")
-                self.cond.wait(timeout=1.0)
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False, WorkerTimeoutError(
+                        f"fastio: batch {job} not made within timeout={self.timeout} s"
+                    )
+                self.cond.wait(timeout=1.0 if deadline is None else min(1.0, deadline - time.monotonic()))
             return self.results.pop(job)
 
     def stop(self) -> None:

@@ -1,0 +1,208 @@
+"""A :class:`fastio.StreamLoader`'s batches when DataLoader's ``sampler=``, ``batch_sampler=`` or
+``generator=`` is given: exactly the indices the (batch) sampler yields, in its batches, as
+``torch.utils.data.DataLoader`` would give them.
+
+1. :func:`check_sampler_args` applies DataLoader's own argument rules (and its messages), plus the ones that
+   follow from fastio's sources: a source read shard by shard, ``pack=`` and ``rank``/``world_size`` refuse
+   a sampler, saying what to use instead.
+2. :func:`index_batches` builds the batch sampler as DataLoader does: ``batch_sampler`` itself, else
+   ``BatchSampler(sampler, batch_size, drop_last)`` where ``sampler`` defaults to
+   ``RandomSampler(generator=generator)`` with ``shuffle=True`` and ``SequentialSampler`` otherwise.
+3. Each ``iter()`` first draws one int64 from ``generator`` (torch's global generator when None), as
+   DataLoader's iterator draws its base seed, then runs the batch sampler to its end: so the same generator
+   state (or ``torch.manual_seed``) gives DataLoader's order, and the generator is left as DataLoader leaves
+   it.
+4. Resume: :meth:`SamplerBatches.state_dict` counts the epoch's batches handed over; after
+   ``load_state_dict`` the next ``iter()`` runs the sampler again and skips that many batches. That is exact
+   only when the sampler repeats its order: a ``SequentialSampler``, a ``DistributedSampler`` after the
+   same ``set_epoch``, or a random sampler whose generator state the user restored first.
+
+Example::
+
+    batches = SamplerBatches(source, index_batches(len(ds), 8, False, False, sampler, None, None),
+                             None, 0, WorkerSettings(), AssemblySettings(8))
+    for batch in batches.iterate(epoch=0, start=0):
+        ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+from fastio.epoch import EpochPass
+from fastio.settings import AssemblySettings, WorkerSettings
+from fastio.sources import Source
+
+__all__ = ["SamplerBatches", "check_sampler_args", "index_batches"]
+
+_STATE_FORMAT = "fastio.StreamLoader"
+_STATE_VERSION = 1
+
+
+def check_sampler_args(
+    *,
+    shuffle: bool | str,
+    batch_size: int,
+    drop_last: bool,
+    sampler: Any,
+    batch_sampler: Any,
+    generator: torch.Generator | None,
+    ranks_given: bool,
+    packed: bool,
+    source: Source,
+) -> bool:
+    """DataLoader's checks of ``sampler``/``batch_sampler``/``shuffle`` and fastio's own; True when the
+    loader's batches come from a sampler (any of ``sampler``, ``batch_sampler``, ``generator`` given).
+
+    Example::
+
+        check_sampler_args(shuffle=False, batch_size=4, drop_last=False, sampler=None, batch_sampler=None,
+                           generator=None, ranks_given=False, packed=False, source=source)  # False
+    """
+    if sampler is not None and shuffle:
+        raise ValueError("sampler option is mutually exclusive with shuffle")
+    if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
+        raise ValueError(
+            "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last"
+        )
+    if sampler is None and batch_sampler is None and generator is None:
+        return False
+    asked = (
+        "sampler=" if sampler is not None else "batch_sampler=" if batch_sampler is not None else "generator="
+    )
+    if shuffle == "shard":
+        raise ValueError(
+            f"{asked} with shuffle='shard': the shard-aware shuffle is fastio's own order, drawn from seed=; "
+            "use shuffle=True with generator= (DataLoader's RandomSampler) or shuffle='shard' with seed="
+        )
+    if packed:
+        raise ValueError(
+            f"{asked} with pack=: packed rows are cut from fastio's own order of documents; "
+            "use shuffle= and seed= with pack="
+        )
+    if source.requires_shard_order:
+        raise ValueError(
+            f"{asked} on {source.name}, a source read shard by shard: a sampler's indices would fetch a "
+            "whole shard for nearly every sample; use shuffle='shard' with seed= (and rank=/world_size=)"
+        )
+    if ranks_given:
+        raise ValueError(
+            f"{asked} with rank=/world_size=: the sampler decides which indices this rank reads, as in "
+            "DataLoader; pass them to DistributedSampler(dataset, num_replicas=..., rank=...) instead"
+        )
+    return True
+
+
+def index_batches(
+    num_samples: int,
+    batch_size: int,
+    shuffle: bool,
+    drop_last: bool,
+    sampler: Iterable[int] | None,
+    batch_sampler: Iterable[list[int]] | None,
+    generator: torch.Generator | None,
+) -> Iterable[list[int]]:
+    """The batch sampler DataLoader would use for these arguments (see the module docstring, step 2).
+
+    Example::
+
+        list(index_batches(5, 2, False, False, None, None, None)) == [[0, 1], [2, 3], [4]]
+    """
+    if batch_sampler is not None:
+        return batch_sampler
+    if sampler is None:
+        indices = range(num_samples)
+        sampler = RandomSampler(indices, generator=generator) if shuffle else SequentialSampler(indices)
+    return BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+
+
+class SamplerBatches:
+    """Batches of exactly the indices a batch sampler yields (see the module docstring); a
+    :class:`fastio.batches.Batches`.
+
+    Example::
+
+        batches = SamplerBatches(source, BatchSampler(sampler, 8, False), None, 0, WorkerSettings(),
+                                 AssemblySettings(8))
+        assert len(list(batches.iterate(0, 0))) == batches.num_batches(0)
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        batch_sampler: Iterable[list[int]],
+        generator: torch.Generator | None,
+        seed: int,
+        workers: WorkerSettings,
+        assembly: AssemblySettings,
+        progress: bool = False,
+    ) -> None:
+        self.source, self.batch_sampler, self.generator, self.seed = source, batch_sampler, generator, seed
+        self.workers, self.assembly, self.progress = workers, assembly, progress
+
+    def num_batches(self, epoch: int) -> int:
+        if not hasattr(self.batch_sampler, "__len__"):
+            raise TypeError(f"len(): {type(self.batch_sampler).__name__} has no __len__")
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def iterate(self, epoch: int, start: int) -> EpochPass:
+        # DataLoader's iterator draws its base seed before the sampler's first draw: so must we.
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        batches = [[int(i) for i in batch] for batch in self.batch_sampler][start:]
+        sizes = [len(batch) for batch in batches]
+        bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+        indices = np.fromiter((i for batch in batches for i in batch), dtype=np.int64, count=int(bounds[-1]))
+        n = self.source.num_samples
+        if len(indices) and (indices.min() < 0 or indices.max() >= n):
+            bad = int(indices[(indices < 0) | (indices >= n)][0])
+            name = type(self.batch_sampler).__name__
+            raise IndexError(f"{name} gave index {bad}, outside the {n} samples of {self.source.name}")
+        assembly = self.assembly
+        if max(sizes, default=0) > assembly.batch_size:  # a batch sampler's batches size the buffers
+            assembly = dataclasses.replace(assembly, batch_size=max(sizes))
+        return EpochPass(
+            self.source,
+            indices,
+            epoch,
+            start,
+            seed=self.seed,
+            drop_last=False,
+            world_size=1,
+            workers=self.workers,
+            assembly=assembly,
+            progress=self.progress,
+            bounds=bounds,
+        )
+
+    def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            "order": "sampler",
+            "sampler": type(self.batch_sampler).__name__,
+            "num_samples": self.source.num_samples,
+            "epoch": epoch,
+            "batches_done": start + yielded,
+        }
+
+    def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
+        """``(epoch, batches to skip)``; a state of another kind of order or dataset size is refused."""
+        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
+        if state.get("order") != "sampler":
+            raise ValueError(
+                "state_dict comes from a loader with fastio's own order (seed=, shuffle=); this loader's "
+                "order comes from its sampler"
+            )
+        if state["num_samples"] != self.source.num_samples:
+            raise ValueError(
+                f"state_dict num_samples={state['num_samples']!r} but this loader has "
+                f"num_samples={self.source.num_samples!r}"
+            )
+        return int(state["epoch"]), int(state["batches_done"])
