@@ -30,6 +30,10 @@ import fastcomm
 from fastcomm import reference
 
 COLLECTIVE_TIMEOUT_S = 60
+# Ranks are forked by a forkserver that imported torch, fastcomm and what DDP's constructor imports
+# (torch._dynamo) once for the whole test session: a rank starts in milliseconds, where a spawned one imports
+# for seconds. The server is a fresh single-threaded process, so no thread of the test process is forked.
+PRELOAD = ["_hooks_workers", "torch._dynamo"]
 
 
 # ------------------------------------------------------------------------------------------------ harness
@@ -64,7 +68,8 @@ def spawn(workdir: Path, world_size: int, worker: Callable, *args: object, timeo
     ``timeout_s``, so a collective-order bug gives a failure, never a hang.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs
     procs = [
         ctx.Process(target=_entry, args=(rank, world_size, str(workdir), worker, args), daemon=True)
         for rank in range(world_size)
