@@ -25,6 +25,7 @@ from fastio.order import advance, epoch_order, num_batches, rank_indices
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import Source
 from fastio.workers.batch_pass import BatchPass
+from fastio.workers.processes import KeptProcesses
 
 __all__ = ["Batches", "EpochOrders", "SampleBatches"]
 
@@ -101,6 +102,7 @@ class SampleBatches:
     ) -> None:
         self.source, self.orders, self.order = source, orders, order
         self.workers, self.assembly, self.progress = workers, assembly, progress
+        self.kept = KeptProcesses() if workers.persistent else None
 
     def num_batches(self, epoch: int) -> int:
         n, world = self.source.num_samples, self.order.world_size
@@ -121,6 +123,7 @@ class SampleBatches:
             workers=self.workers,
             assembly=self.assembly,
             progress=self.progress,
+            kept=self.kept,
         )
 
     def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:

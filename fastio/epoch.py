@@ -25,7 +25,7 @@ from fastio.settings import AssemblySettings, WorkerSettings
 from fastio.sources import ReadPlan, Source, shard_read_order
 from fastio.structure import map_tensors
 from fastio.workers.batch_pass import BatchPass
-from fastio.workers.processes import ProcessPipeline
+from fastio.workers.processes import KeptProcesses, ProcessPipeline
 from fastio.workers.threads import ThreadPipeline
 
 __all__ = ["EpochPass"]
@@ -34,7 +34,8 @@ __all__ = ["EpochPass"]
 class EpochPass(BatchPass):
     """One pass over (the rest of) an epoch for this rank: ``indices`` are the samples it reads, from sample
     ``start`` of the epoch's rank-split order on; what ``iter(StreamLoader)`` returns. With ``bounds`` (a
-    sampler's batches) batch ``j`` is ``indices[bounds[j]:bounds[j + 1]]``."""
+    sampler's batches) batch ``j`` is ``indices[bounds[j]:bounds[j + 1]]``. With ``kept`` (persistent workers)
+    the worker processes of the last pass make this one's batches too, and are left running at its end."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class EpochPass(BatchPass):
         assembly: AssemblySettings,
         progress: bool = False,
         bounds: np.ndarray | None = None,
+        kept: KeptProcesses | None = None,
     ) -> None:
         device = assembly.device
         self.source, self.epoch, self.start, self.device = source, epoch, start, device
@@ -78,7 +80,10 @@ class EpochPass(BatchPass):
         self.times = self.producer.times
         self.pipeline: ThreadPipeline | ProcessPipeline | None = None
         start_worker = self.producer.start_worker
-        if processes:
+        self.kept = kept if processes else None
+        if self.kept is not None:
+            self.pipeline = self.kept.take((epoch, indices, bounds), self.n_batches, self.times)
+        if processes and self.pipeline is None:
             self.pipeline = ProcessPipeline(
                 self.producer,
                 self.n_batches,
@@ -89,7 +94,9 @@ class EpochPass(BatchPass):
                 assembly.reuse_buffers,
                 workers.timeout,
             )
-        elif n:
+            if self.kept is not None:
+                self.kept.keep(self.pipeline)
+        elif n and not processes:
             self.pipeline = ThreadPipeline(
                 self.producer, self.n_batches, n, slots, start_worker, workers.timeout
             )
@@ -127,6 +134,8 @@ class EpochPass(BatchPass):
 
     def close(self) -> None:
         finished = self.finished
+        if self.kept is not None and self.pipeline is self.kept.pipeline:
+            self.pipeline = None  # its processes serve the next pass (persistent_workers=True)
         super().close()
         if not finished and self.bar is not None:
             self.bar.close()

@@ -196,7 +196,9 @@ class StreamLoader:
             num_workers, prefetch, prefetch_factor, persistent_workers, multiprocessing_context, worker_mode
         )
         assembly = AssemblySettings(batch_size, stages, transform, collate)
-        workers = WorkerSettings(num_workers, prefetch, "thread", threads, worker_init_fn, float(timeout))
+        workers = WorkerSettings(
+            num_workers, prefetch, "thread", threads, worker_init_fn, float(timeout), persistent_workers
+        )
         ranks_given = rank is not None or world_size is not None
         rank, world_size = _distributed_defaults(rank, world_size)
         order = OrderSettings(seed, shuffle, shuffle_block, shuffle_window, rank, world_size, drop_last)
@@ -231,6 +233,12 @@ class StreamLoader:
             packed=pack is not None,
             source=self._source,
         )
+        if persistent_workers and not self._source.per_sample:
+            raise ValueError(
+                f"persistent_workers=True on {self._source.name}: kept worker processes serve map-style "
+                "Dataset sources; shard and tar sources gather in threads that cost nothing to start, so "
+                "drop persistent_workers (or pass the Dataset itself)"
+            )
         python_path = transform is not None or collate is not None or self._source.per_sample
         if worker_mode == "auto":
             worker_mode = "process" if python_path else "thread"

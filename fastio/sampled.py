@@ -38,6 +38,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from fastio.epoch import EpochPass
 from fastio.settings import AssemblySettings, WorkerSettings
 from fastio.sources import Source
+from fastio.workers.processes import KeptProcesses
 
 __all__ = ["SamplerBatches", "check_sampler_args", "index_batches"]
 
@@ -145,6 +146,8 @@ class SamplerBatches:
     ) -> None:
         self.source, self.batch_sampler, self.generator, self.seed = source, batch_sampler, generator, seed
         self.workers, self.assembly, self.progress = workers, assembly, progress
+        self.kept = KeptProcesses() if workers.persistent else None
+        self._base_seed_drawn = False
 
     def num_batches(self, epoch: int) -> int:
         if not hasattr(self.batch_sampler, "__len__"):
@@ -152,8 +155,11 @@ class SamplerBatches:
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
     def iterate(self, epoch: int, start: int) -> EpochPass:
-        # DataLoader's iterator draws its base seed before the sampler's first draw: so must we.
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        # DataLoader's iterator draws its base seed before the sampler's first draw (with persistent
+        # workers only when it is first made): so must we.
+        if self.kept is None or not self._base_seed_drawn:
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            self._base_seed_drawn = True
         batches = [[int(i) for i in batch] for batch in self.batch_sampler][start:]
         sizes = [len(batch) for batch in batches]
         bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
@@ -178,6 +184,7 @@ class SamplerBatches:
             assembly=assembly,
             progress=self.progress,
             bounds=bounds,
+            kept=self.kept,
         )
 
     def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:

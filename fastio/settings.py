@@ -84,6 +84,8 @@ class WorkerSettings:
         init_fn: ``init_fn(worker_id)``, run first in each worker (DataLoader's ``worker_init_fn``).
         timeout: with workers, the most seconds the consumer waits for a batch before
             :class:`fastio.errors.WorkerTimeoutError` (0: no limit), DataLoader's ``timeout``.
+        persistent: worker processes serve every epoch instead of closing at its end (DataLoader's
+            ``persistent_workers``).
 
     Example::
 
@@ -96,6 +98,7 @@ class WorkerSettings:
     threads: int | None = None
     init_fn: Callable[[int], None] | None = None
     timeout: float = 0.0
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.timeout < 0:

@@ -114,6 +114,14 @@ class BatchProducer:
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_id)
 
+    def retarget(self, update: tuple[int, np.ndarray, np.ndarray | None]) -> None:
+        """Make the batches of another pass, ``update = (epoch, indices, bounds)``: what a kept worker process
+        (``persistent_workers=True``) does between epochs."""
+        self.epoch, self.indices, self.bounds = update
+        info = worker_info()
+        if info is not None:
+            set_worker_info(WorkerInfo(info.id, info.num_workers, self.seed, self.epoch))
+
     def __call__(self, job: int) -> tuple[Any, int]:
         if self.mode != "main" or not self.python_path:  # no user code runs in the consumer's thread
             return self._make(job)

@@ -45,7 +45,7 @@ from fastio.errors import WorkerTimeoutError
 from fastio.sources import storage_refs
 from fastio.structure import map_structure
 
-__all__ = ["ProcessPipeline"]
+__all__ = ["KeptProcesses", "ProcessPipeline"]
 
 _ALIGN = 64
 _COPY_AT_MOST = 64 << 10  # tensors this small leave a slot as copies
@@ -157,6 +157,15 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+class _NextPass:
+    """Tells a kept worker process what the next pass is (``produce.retarget(update)``)."""
+
+    __slots__ = ("update",)
+
+    def __init__(self, update: Any) -> None:
+        self.update = update
+
+
 def _worker_main(
     produce: Callable[[int], Any],
     conn: Any,
@@ -184,6 +193,9 @@ def _worker_main(
             return
         if message is None:
             return
+        if isinstance(message, _NextPass):  # persistent workers: the same process serves the next pass
+            produce.retarget(message.update)  # type: ignore[attr-defined]
+            continue
         job, new_file = message
         if new_file:  # the consumer still holds this slot's last batch: write into the file it sends
             slots[job % len(slots)].close()
@@ -262,8 +274,37 @@ class ProcessPipeline:
             self.conns.append(parent)
             self.procs.append(proc)
         self.dispatched = 0
+        self.pending = [0] * num_workers  # per worker, batches sent and not yet answered
         self.results: dict[int, tuple[bool, Any]] = {}
         self.stopped = False
+
+    def next_pass(self, update: Any, n_batches: int, times: Any) -> bool:
+        """Serve another pass with the same processes (``persistent_workers=True``): the answers still due
+        from the last pass are drained, then every worker calls ``produce.retarget(update)``. False (and
+        nothing changed) when a worker is gone or, with a timeout, does not answer in time: build a new
+        pipeline then.
+
+        Example::
+
+            if not pipeline.next_pass((epoch, indices, None), n_batches, times):
+                pipeline.stop()
+        """
+        if self.stopped or not all(proc.is_alive() for proc in self.procs):
+            return False
+        wait_s = self.timeout if self.timeout > 0 else None
+        try:
+            for w, conn in enumerate(self.conns):
+                while self.pending[w]:
+                    if not conn.poll(wait_s):
+                        return False
+                    conn.recv()
+                    self.pending[w] -= 1
+            for conn in self.conns:
+                conn.send(_NextPass(update))
+        except (EOFError, OSError):
+            return False
+        self.n_batches, self.times, self.dispatched, self.results = n_batches, times, 0, {}
+        return True
 
     def _dispatch(self, job: int) -> None:
         k, w = job % len(self.slot_files), job % len(self.conns)
@@ -274,6 +315,7 @@ class ProcessPipeline:
             slot.close()  # kept views keep their mapping (and the file's blocks) alive on their own
         new_file = self.known[w][k] != self.generation[k]
         self.conns[w].send((job, new_file))
+        self.pending[w] += 1
         if new_file:
             send_handle(self.conns[w], self.slot_files[k].fd, self.procs[w].pid)
             self.known[w][k] = self.generation[k]
@@ -301,6 +343,7 @@ class ProcessPipeline:
                 except (EOFError, OSError):
                     live.remove(conn)
                     continue
+                self.pending[self.conns.index(conn)] -= 1
                 self.results[done] = (ok, payload)
             if job in self.results:
                 break
@@ -345,3 +388,32 @@ class ProcessPipeline:
                 pass
         for slot in self.slot_files:
             slot.close()
+
+
+class KeptProcesses:
+    """The worker processes a loader keeps from one pass to the next (``persistent_workers=True``, as in
+    DataLoader): :meth:`take` hands the kept pipeline to the next pass, or None when there is none yet or it
+    can serve no more (then the pass builds one and hands it to :meth:`keep`). Stops it when dropped.
+
+    Example::
+
+        pipeline = kept.take(update, n_batches, times) or kept.keep(ProcessPipeline(...))
+    """
+
+    def __init__(self) -> None:
+        self.pipeline: ProcessPipeline | None = None
+
+    def take(self, update: Any, n_batches: int, times: Any) -> ProcessPipeline | None:
+        pipeline = self.pipeline
+        if pipeline is not None and not pipeline.next_pass(update, n_batches, times):
+            pipeline.stop()
+            pipeline = self.pipeline = None
+        return pipeline
+
+    def keep(self, pipeline: ProcessPipeline) -> ProcessPipeline:
+        self.pipeline = pipeline
+        return pipeline
+
+    def __del__(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.stop()
