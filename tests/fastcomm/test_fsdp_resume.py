@@ -13,7 +13,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fsdp_resume_workers as workers  # noqa: E402
-import _hooks_workers  # noqa: E402
 
 TIMEOUT_S = 5.0  # the training group's collective timeout
 SLACK_S = 10.0  # detection beyond the timeout: a loaded 2-core machine
@@ -21,8 +20,8 @@ LIMIT_S = 180.0  # hard bound per case: process start-up (slow on a loaded machi
 
 
 def test_resume_is_bit_identical(tmp_path):
-    _hooks_workers.spawn(tmp_path, 2, workers.train_and_save, str(tmp_path), timeout_s=200)
-    _hooks_workers.spawn(tmp_path / "resumed", 2, workers.restore_and_compare, str(tmp_path), timeout_s=200)
+    workers.spawn_preloaded(tmp_path, 2, workers.train_and_save, str(tmp_path))
+    workers.spawn_preloaded(tmp_path / "resumed", 2, workers.restore_and_compare, str(tmp_path))
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
