@@ -210,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                         help="train the loss runs into --work-dir and stop (e.g. on a machine of more cores; "
                              "assemble later with the same --work-dir)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep (and reuse) each run's result")
+    parser.add_argument("--note", action="append", default=[], help="a line for the notes (the conditions)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     train_lm = conv.load_example()
@@ -246,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         rows += long_rows
         tables.append(f"## {args.long_steps} steps\n\n{long_table}")
         notes += long_notes
+    notes += args.note
     notes.append(f"benchmark wall time: {time.monotonic() - started:.0f} s")
     text = write_results(NAME, rows, notes=notes)
     out = output_dir()
