@@ -16,10 +16,8 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import _fsdp_workers as fsdp
 import _hooks_workers as workers
@@ -32,7 +30,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import fastcomm.fsdp
 
 STEPS, SAVE_AT = 6, 3
-PRELOAD = ["_fsdp_resume_workers", "torch.distributed.fsdp", "torch._dynamo"]
 FAULT_STEP, MAX_STEPS = 2, 30
 
 
@@ -127,7 +124,7 @@ def run_with_fault(workdir: Path, fault: str, timeout_s: float, limit_s: float) 
     workdir.mkdir(parents=True, exist_ok=True)
     # forked by a forkserver that imported torch, FSDP and this module once: a rank starts in milliseconds
     ctx = workers.mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    ctx.set_forkserver_preload(fsdp.PRELOAD)  # no effect once the server runs
     args = (str(workdir), fault, timeout_s)
     procs = [
         ctx.Process(target=workers._entry, args=(rank, 2, str(workdir), train_with_fault, args), daemon=True)
@@ -151,22 +148,3 @@ def run_with_fault(workdir: Path, fault: str, timeout_s: float, limit_s: float) 
     if not report_file.exists():
         raise AssertionError(f"the survivor neither raised nor finished within {limit_s} s (hang)")
     return json.loads(report_file.read_text())
-
-
-def spawn_preloaded(workdir: Path, world_size: int, worker: Callable, *args: object) -> None:
-    """:func:`_hooks_workers.spawn` (bounded, a failing rank's traceback raised) with forkserver ranks.
-
-    Each rank is a fresh process forked from the server, which holds imports only (no training state).
-    """
-    real = workers.mp.get_context
-
-    def forkserver(method: str | None = None) -> Any:
-        context = real("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        return context
-
-    workers.mp.get_context = forkserver
-    try:
-        workers.spawn(workdir, world_size, worker, *args, timeout_s=200)
-    finally:
-        workers.mp.get_context = real

@@ -23,7 +23,9 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import _hooks_workers as workers
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -36,6 +38,14 @@ from fastcomm.hooks import add_compressor
 
 STEPS = 3
 LR = 0.05
+# what the forkserver imports once; its ranks then start in milliseconds (see spawn_preloaded)
+PRELOAD = [
+    "_fsdp_workers",
+    "_fsdp_hsdp_workers",
+    "_fsdp_resume_workers",
+    "torch.distributed.fsdp",
+    "torch._dynamo",
+]
 
 
 class Block(nn.Module):
@@ -307,3 +317,22 @@ def run_all(rank: int, world: int, workdir: str) -> None:
             outcomes[key] = traceback.format_exc()
         dist.barrier()
     Path(workdir, f"results_{rank}.json").write_text(json.dumps(outcomes))
+
+
+def spawn_preloaded(workdir: Path, world_size: int, worker: Callable, *args: object) -> None:
+    """:func:`_hooks_workers.spawn` (bounded, a failing rank's traceback raised) with forkserver ranks.
+
+    Each rank is a fresh process forked from the server, which holds imports only (no training state).
+    """
+    real = workers.mp.get_context
+
+    def forkserver(method: str | None = None) -> Any:
+        context = real("forkserver")
+        context.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+        return context
+
+    workers.mp.get_context = forkserver
+    try:
+        workers.spawn(workdir, world_size, worker, *args, timeout_s=300)
+    finally:
+        workers.mp.get_context = real

@@ -20,7 +20,6 @@ from fastcomm.fsdp._feedback import ErrorFeedback
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fsdp_workers as workers  # noqa: E402
-import _hooks_workers  # noqa: E402
 
 WORLD = 2
 
@@ -29,7 +28,7 @@ WORLD = 2
 def outcomes(tmp_path_factory):
     """Case -> per-rank outcome ("ok" or the traceback)."""
     workdir = tmp_path_factory.mktemp("fsdp")
-    _hooks_workers.spawn(workdir, WORLD, workers.run_all, str(workdir), timeout_s=300)
+    workers.spawn_preloaded(workdir, WORLD, workers.run_all, str(workdir))
     per_rank = [json.loads((workdir / f"results_{r}.json").read_text()) for r in range(WORLD)]
     return {key: [ranks[key] for ranks in per_rank] for key in per_rank[0]}
 

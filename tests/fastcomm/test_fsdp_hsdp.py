@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fsdp_hsdp_workers as workers  # noqa: E402
-import _hooks_workers  # noqa: E402
+import _fsdp_workers as fsdp_workers  # noqa: E402
 
 WORLD = workers.REPLICAS * workers.SHARDS
 
@@ -21,7 +21,7 @@ WORLD = workers.REPLICAS * workers.SHARDS
 def outcomes(tmp_path_factory):
     """Case -> per-rank outcome ("ok" or the traceback)."""
     workdir = tmp_path_factory.mktemp("hsdp")
-    _hooks_workers.spawn(workdir, WORLD, workers.run_all, str(workdir), timeout_s=300)
+    fsdp_workers.spawn_preloaded(workdir, WORLD, workers.run_all, str(workdir))
     per_rank = [json.loads((workdir / f"results_{r}.json").read_text()) for r in range(WORLD)]
     return {key: [ranks[key] for ranks in per_rank] for key in per_rank[0]}
 

@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fsdp_resume_workers as workers  # noqa: E402
+import _fsdp_workers as fsdp_workers  # noqa: E402
 
 TIMEOUT_S = 5.0  # the training group's collective timeout
 SLACK_S = 10.0  # detection beyond the timeout: a loaded 2-core machine
@@ -20,8 +21,8 @@ LIMIT_S = 180.0  # hard bound per case: process start-up (slow on a loaded machi
 
 
 def test_resume_is_bit_identical(tmp_path):
-    workers.spawn_preloaded(tmp_path, 2, workers.train_and_save, str(tmp_path))
-    workers.spawn_preloaded(tmp_path / "resumed", 2, workers.restore_and_compare, str(tmp_path))
+    fsdp_workers.spawn_preloaded(tmp_path, 2, workers.train_and_save, str(tmp_path))
+    fsdp_workers.spawn_preloaded(tmp_path / "resumed", 2, workers.restore_and_compare, str(tmp_path))
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
