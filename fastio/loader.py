@@ -99,9 +99,9 @@ class StreamLoader:
             stores) refuse ``True``.
         seed: with the epoch, the only source of randomness.
         num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
-        pin_memory: page-locked output buffers; default: when CUDA is available.
+        pin_memory: page-locked output buffers (default False, as in DataLoader).
         drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
-        prefetch: extra batches in flight beyond ``num_workers``.
+        prefetch: extra batches in flight beyond ``num_workers`` (default 2).
         transform: ``transform(sample) -> sample`` per sample (switches to the Python path).
         collate: ``collate(samples) -> batch`` (switches to the Python path); ``collate_fn=`` is accepted
             too, as DataLoader names it.
@@ -128,6 +128,20 @@ class StreamLoader:
         cache_dir, cache_limit: sources that bring shards local (remote stores, compressed tars): where
             they keep them and the most bytes kept (``"50GB"`` or an int).
         storage_options: keyword arguments of the storage client (fsspec's ``storage_options``).
+        sampler, batch_sampler, generator: as in DataLoader (:mod:`fastio.sampled`): exactly the indices the
+            sampler yields, batched as DataLoader batches them, or the batch sampler's batches;
+            ``generator=`` with ``shuffle=True`` gives DataLoader's order for the same generator state.
+            DataLoader's checks apply (``sampler`` excludes ``shuffle``; ``batch_sampler`` excludes
+            ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last``); refused with ``shuffle="shard"``,
+            ``pack=``, ``rank=``/``world_size=`` and sources read shard by shard. Resume re-runs the sampler
+            and skips the batches handed over: exact only when the sampler repeats its order.
+        persistent_workers: map-style Dataset sources: the same worker processes serve every epoch (False:
+            they close at each epoch's end, as in DataLoader).
+        prefetch_factor: DataLoader's batches in flight per worker (instead of ``prefetch``).
+        timeout: with workers, seconds to wait for a batch before :class:`fastio.WorkerTimeoutError`
+            (0: no limit).
+        multiprocessing_context: ``"fork"`` or a fork context (worker processes are forked); others are
+            refused with ``ValueError``.
 
     Returns batches: for shard and tar sources a dict field -> tensor ``[B, ...]`` (fixed shapes) or list
     (variable ones; tar sources add ``"__key__"``); for Dataset sources what ``collate`` returns.
