@@ -9,8 +9,9 @@
    median step time over ``--timed`` steps after ``--warmup``, on loopback and, where
    :mod:`benchmarks.netlab` works (root, ``ip``, ``tc``), over a 1 Gbit/s tbf link between two namespaces.
    Target: 8-bit no slower than 1.1x dense on loopback, at least 2x faster on the 1 Gbit/s link.
-3. Memory and bytes: each method's error-feedback bytes per parameter on one rank and its compression
-   ratio of the reduce-scatter (``stats()``), from the loss runs.
+3. Correctness, memory and bytes, from the loss runs: the relative error of each method's first reduced
+   gradient against dense FSDP2's (same weights, same batches), its error-feedback bytes per parameter on
+   one rank and its compression ratio of the reduce-scatter (``stats()``).
 
 Every method of a part runs in one pair of rank processes (``--rank-spec``), one after the other.
 
@@ -96,6 +97,26 @@ def _shard(model: Any, mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
+_DENSE_FIRST_GRAD: dict[str, Any] = {}
+
+
+def _first_grad_error(model: Any, method: str) -> float:
+    """``||g - g_dense|| / ||g_dense||`` of the first step's reduced gradient (same weights and batches);
+    the dense run (first in the process) keeps its own."""
+    import torch
+    import torch.distributed as dist
+
+    grad = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+    if method == "dense":
+        _DENSE_FIRST_GRAD["grad"] = grad.clone()
+    dense = _DENSE_FIRST_GRAD.get("grad")
+    if dense is None:
+        return float("nan")
+    sums = torch.stack([(grad - dense).square().sum(), dense.square().sum()])
+    dist.all_reduce(sums)
+    return (sums[0] / sums[1]).sqrt().item()
+
+
 def _loss_run(method: str, steps: int, rank: int, mesh: Any) -> dict[str, Any]:
     import torch
 
@@ -109,11 +130,14 @@ def _loss_run(method: str, steps: int, rank: int, mesh: Any) -> dict[str, Any]:
     val_x = torch.randn(VAL, IN_DIM, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
         val_y = teacher(val_x)
+    grad_error = float("nan")
     for step in range(steps):
         x = torch.randn(BATCH, IN_DIM, generator=torch.Generator().manual_seed(step * 7 + rank))
         with torch.no_grad():
             y = teacher(x) + 0.05 * torch.randn(BATCH, OUT_DIM, generator=torch.Generator().manual_seed(step))
         torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            grad_error = _first_grad_error(model, method)
         optimizer.step()
         optimizer.zero_grad()
         if step % 50 == 0 and rank == 0:
@@ -124,6 +148,7 @@ def _loss_run(method: str, steps: int, rank: int, mesh: Any) -> dict[str, Any]:
     stats = compression.stats() if compression is not None else {}
     return {
         "val_loss": val,
+        "grad_rel_error": grad_error,
         "residual_bytes_per_param": stats.get("residual_bytes", 0) / params,
         "compression_ratio": stats.get("compression_ratio", 1.0),
         "params": params,
@@ -286,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         )  # fmt: skip
         for method, r in loss.items()
     ]
+    rows += [harness.Row("correctness", m, "first_grad_rel_error", r["grad_rel_error"], "relative L2")
+             for m, r in loss.items()]  # fmt: skip
     rows += [harness.Row("memory", m, "residual_bytes_per_param", r["residual_bytes_per_param"], "B/param")
              for m, r in loss.items()]  # fmt: skip
     rows += [harness.Row("traffic", m, "reduce_scatter_compression", r["compression_ratio"], "x")
