@@ -110,6 +110,8 @@ CONFIGS = (
     Config("sign", "fastcomm.sign_hook, SignState()", ("sign_hook", "SignState")),
     Config("powersgd_r4", f"fastcomm.powersgd_hook, PowerSGDState(rank={POWERSGD_RANK}), default buckets",
            ("powersgd_hook", "PowerSGDState")),
+    Config("auto", "fastcomm.register(ddp, 'auto'): measured after a warm-up step; q8, q4, cast or dense",
+           ("auto_hook", "AutoState")),
 )
 _FASTCOMM_CONFIGS = tuple(c.name for c in CONFIGS if c.fastcomm_names)
 
@@ -251,6 +253,7 @@ def _make_hook(
         "powersgd_r4": lambda **kw: (
             fastcomm.PowerSGDState(rank=POWERSGD_RANK, **kw), fastcomm.powersgd_hook
         ),
+        "auto": lambda **kw: (fastcomm.hooks.AutoState(warmup_steps=1, **kw), fastcomm.hooks.auto_hook),
     }
     return fastcomm_pairs[name.removesuffix("_hier")](**(state_kwargs or {}))
 
@@ -665,7 +668,20 @@ def _check_targets(network: str, rows: list[Row]) -> list[str]:
                 return value <= 1.5, f"{name} {times[name]:.3f} s / allreduce {dense:.3f} s = {value:.2f}x"
 
             notes.append(verdict(f"{name} at most 1.5x slower than allreduce", (name, "allreduce"), slower))
+
+        def auto_dense() -> tuple[bool, str]:
+            value = times["auto"] / times["allreduce"]
+            dense = times["allreduce"]
+            return value <= 1.03, f"auto {times['auto']:.3f} s / allreduce {dense:.3f} s = {value:.2f}x"
+
+        notes.append(verdict("auto <= 1.03x allreduce", ("auto", "allreduce"), auto_dense))
         return notes
+
+    def auto_best() -> tuple[bool, str]:
+        best = min(("bf16_cast", "quant8", "quant4"), key=lambda name: times[name])
+        value = times["auto"] / times[best]
+        detail = f"auto {times['auto']:.3f} s / best at parity {best} {times[best]:.3f} s = {value:.2f}x"
+        return value <= 1.05, detail
 
     def topk_floor() -> tuple[bool, str]:
         value = times["topk_0.01"] / times["noop"]
@@ -683,6 +699,8 @@ def _check_targets(network: str, rows: list[Row]) -> list[str]:
                 lambda: speedup("sign", "allreduce", 3.0)),
         verdict("powersgd_r4 >= 3x faster than allreduce", ("powersgd_r4", "allreduce"),
                 lambda: speedup("powersgd_r4", "allreduce", 3.0)),
+        verdict("auto within 5% of the best hook at loss parity", ("auto", "bf16_cast", "quant8", "quant4"),
+                auto_best),
     ]
 
 

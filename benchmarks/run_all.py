@@ -90,9 +90,9 @@ SUITE = (
         (
             "--quick", "--network", "both", "--configs",
             "allreduce,noop,torch_fp16,torch_powersgd_r4_1bucket,bf16_cast,topk_0.01,quant8,quant4,sign,"
-            "powersgd_r4",
+            "powersgd_r4,auto",
         ),
-        (4.3, 2.2),
+        (4.7, 2.4),
         "netlab and nodes networks (1gbit links)",
         ("--network", "loopback"),
     ),
