@@ -20,7 +20,7 @@ _NOT_ROOT = "netlab needs root to create network namespaces (run as root to get 
 _REPO = Path(__file__).resolve().parent.parent
 # every two-rank configuration but torch_powersgd_r4, which fails over gloo
 _HOOKS = "allreduce,noop,torch_fp16,torch_powersgd_r4_1bucket,bf16_cast,topk_0.01,quant8,quant4,sign,"
-_HOOKS += "powersgd_r4"
+_HOOKS += "powersgd_r4,auto"
 _SHORT = {
     "bench_kernels": ["--numel", "5000000", "--repeat", "3"],
     "bench_loader": [
