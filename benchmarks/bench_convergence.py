@@ -31,7 +31,7 @@ each method reach dense's loss, and how much sooner in wall time on a slow link?
 
 Run::
 
-    python -m benchmarks.bench_convergence    # everything: ~6,500 training steps, ~1.5 h on 2 idle cores
+    python -m benchmarks.bench_convergence    # everything: ~8,000 training steps, ~1.8 h on 2 idle cores
     python -m benchmarks.bench_convergence --steps 100 --methods none,q8,cadam --timed-steps 5
     python -m benchmarks.bench_convergence --work-dir /tmp/conv   # keep (and reuse) each run's result
     python -m benchmarks.bench_convergence --merge --methods powersgd   # add one method: ~15 min
