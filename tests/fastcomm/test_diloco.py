@@ -50,8 +50,8 @@ def test_diloco_matches_the_simulation(outcomes, world, case):
 def resumed(tmp_path_factory):
     """The final weights of an uninterrupted run and of one restored mid-interval in fresh processes."""
     workdir = tmp_path_factory.mktemp("diloco_resume")
-    _hooks_workers.spawn(workdir, 2, workers.resume_worker, str(workdir), "whole", timeout_s=180)
-    _hooks_workers.spawn(workdir, 2, workers.resume_worker, str(workdir), "resumed", timeout_s=180)
+    for phase in ("whole", "resumed"):  # each process group its own store
+        _hooks_workers.spawn(workdir / phase, 2, workers.resume_worker, str(workdir), phase, timeout_s=180)
     return workdir
 
 
