@@ -99,7 +99,8 @@ class StreamLoader:
             stores) refuse ``True``.
         seed: with the epoch, the only source of randomness.
         num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
-        pin_memory: page-locked output buffers (default False, as in DataLoader).
+        pin_memory: page-locked output buffers; default: False, as in DataLoader, but True with a CUDA
+            ``device=`` (its side-stream copy overlaps compute only from pinned memory).
         drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
         prefetch: extra batches in flight beyond ``num_workers`` (default 2).
         transform: ``transform(sample) -> sample`` per sample (switches to the Python path).
@@ -161,7 +162,7 @@ class StreamLoader:
         shuffle: bool | str = False,
         seed: int = 0,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
         drop_last: bool = False,
         prefetch: int | None = None,
         transform: Callable[[Any], Any] | None = None,
@@ -219,7 +220,9 @@ class StreamLoader:
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available")
-        pin = bool(pin_memory)
+        # DataLoader's default (no pinning), except where fastio's own device= copies need it to overlap.
+        cuda_device = device is not None and device.type == "cuda"
+        pin = cuda_device if pin_memory is None else bool(pin_memory)
         # 2. The source, through the registry's tables (fastio.registry).
         options = OpenOptions(
             decode=decode,
