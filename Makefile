@@ -8,6 +8,8 @@ TORCH_SPEC  ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.9.0
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
+DEPS        := numpy webdataset pybind11 ninja pytest matplotlib tqdm Pillow simplejpeg hypothesis
+DEPS_STAMP  := $(VENV)/.fastlib-deps
 STAMP       := $(VENV)/.fastlib-installed
 # The frameworks tests/fastcomm/test_integrations.py runs the hooks under. Installed with --no-deps (their own
 # pins would resolve a torch), with the pure-Python packages they need to import; the tests skip without them.
@@ -27,23 +29,29 @@ NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*
 $(PY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 
-$(STAMP): $(PY) $(NATIVE_SRC)
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PY) -c "import triton" 2>/dev/null || $(PIP) install "$(TRITON_SPEC)"
-	$(PIP) install numpy webdataset pybind11 ninja pytest matplotlib tqdm Pillow simplejpeg hypothesis
-	$(PIP) install --no-build-isolation -e .
-	touch $(STAMP)
+# Everything the build and the tests import, in one pip resolve (torch and triton only where not importable).
+$(DEPS_STAMP): $(PY)
+	$(PIP) install $$($(PY) -c "import torch" 2>/dev/null || echo '$(TORCH_SPEC)') \
+	    $$($(PY) -c "import triton" 2>/dev/null || echo '$(TRITON_SPEC)') $(DEPS)
+	touch $@
 
-$(INTEGRATIONS_STAMP): $(STAMP) Makefile
+# The native build; its dependencies are all in place, so pip resolves nothing (--no-deps).
+$(STAMP): $(DEPS_STAMP) $(NATIVE_SRC)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+# Needs no build: `make install` runs it beside the compiler (pip mostly waits on the index and the disk).
+$(INTEGRATIONS_STAMP): $(DEPS_STAMP) Makefile
 	$(PIP) install --no-deps $(INTEGRATIONS)
 	$(PIP) install $(REMOTE)
-	touch $(INTEGRATIONS_STAMP)
+	touch $@
 
-install: $(STAMP) $(INTEGRATIONS_STAMP)
+install:
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(INTEGRATIONS_STAMP)
 
 # The whole suite with the native kernels, then the op tests again on the pure-PyTorch fallback
 # (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build time).
-test: $(STAMP) $(INTEGRATIONS_STAMP)
+test: install
 	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20 tests
 
