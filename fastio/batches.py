@@ -27,10 +27,10 @@ from fastio.sources import Source
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.processes import KeptProcesses
 
-__all__ = ["Batches", "EpochOrders", "SampleBatches"]
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "Batches", "EpochOrders", "SampleBatches"]
 
-_STATE_FORMAT = "fastio.StreamLoader"
-_STATE_VERSION = 1
+STATE_FORMAT = "fastio.StreamLoader"  # a sample loader's state dict, whichever Batches made it
+STATE_VERSION = 1
 
 
 class Batches(Protocol):
@@ -128,8 +128,8 @@ class SampleBatches:
 
     def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:
         return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
             **self.order.identity(),
             "num_samples": self.source.num_samples,
             "epoch": epoch,
@@ -143,8 +143,8 @@ class SampleBatches:
     def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
         """Where ``state`` left the epoch's order; another world size or batch size splits the remainder.
         The seed, shuffle settings and dataset size must match, else ``ValueError``."""
-        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
-            raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
+        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a {STATE_FORMAT} v{STATE_VERSION} state dict")
         if state.get("order") == "sampler":
             raise ValueError(
                 "state_dict comes from a loader whose order came from sampler=, batch_sampler= or "

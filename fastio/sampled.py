@@ -35,15 +35,13 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from fastio.batches import STATE_FORMAT, STATE_VERSION
 from fastio.epoch import EpochPass
 from fastio.settings import AssemblySettings, WorkerSettings
 from fastio.sources import Source
 from fastio.workers.processes import KeptProcesses
 
 __all__ = ["SamplerBatches", "check_sampler_args", "index_batches"]
-
-_STATE_FORMAT = "fastio.StreamLoader"
-_STATE_VERSION = 1
 
 
 def check_sampler_args(
@@ -189,8 +187,8 @@ class SamplerBatches:
 
     def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:
         return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
             "order": "sampler",
             "sampler": type(self.batch_sampler).__name__,
             "num_samples": self.source.num_samples,
@@ -200,8 +198,8 @@ class SamplerBatches:
 
     def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
         """``(epoch, batches to skip)``; a state of another kind of order or dataset size is refused."""
-        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
-            raise ValueError(f"not a {_STATE_FORMAT} v{_STATE_VERSION} state dict")
+        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a {STATE_FORMAT} v{STATE_VERSION} state dict")
         if state.get("order") != "sampler":
             raise ValueError(
                 "state_dict comes from a loader with fastio's own order (seed=, shuffle=); this loader's "
