@@ -82,7 +82,9 @@ def _tar_fingerprint(path: str, offsets: np.ndarray) -> np.ndarray:
     first or last member, any change of name, size, mtime or order of the sampled members (a header holds all
     of them). It misses edits inside member data between the edges, which the index does not depend on.
     """
-    starts = np.sort(offsets[offsets >= 0].ravel())
+    starts = offsets[offsets >= 0].ravel()
+    if not (starts[1:] >= starts[:-1]).all():  # an index in archive order is sorted already
+        starts = np.sort(starts)
     picked = starts[np.linspace(0, len(starts) - 1, min(len(starts), _SAMPLED_HEADERS)).astype(np.int64)]
     crc = 0
     with open(path, "rb") as fh:
@@ -118,8 +120,9 @@ def _check_index(sidecar: str, tar_size: int, index: TarIndex) -> None:
             f"block-aligned member data in [512, {tar_size}) of the tar",
             f"{int(sizes[k])} bytes at {int(starts[k])}",
         )
-    order = np.argsort(starts, kind="stable")
-    starts, sizes = starts[order], sizes[order]
+    if not (starts[1:] >= starts[:-1]).all():  # an index in archive order (as index_tar writes) is sorted
+        order = np.argsort(starts, kind="stable")
+        starts, sizes = starts[order], sizes[order]
     padded_ends = starts + (sizes + 511) // 512 * 512
     overlap = starts[1:] < padded_ends[:-1] + 512
     if overlap.any():

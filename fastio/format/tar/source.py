@@ -194,8 +194,13 @@ class TarSource(Source):
         return dtype, shape, header
 
     def _decode_ints(self, field: str, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        files = self.table.files
         raw = read_ranges(self.table, self._shard_of, offsets, sizes)
+        try:
+            # decode_default's int(raw) without its per-sample dispatch: this runs once per sample at open.
+            return np.array([int(data) for data in raw], dtype=np.int64)
+        except (ValueError, OverflowError):
+            pass  # decode them one by one below, so the first bad member raises its named error
+        files = self.table.files
         return np.array(
             [
                 decode_default(field, data, path=files[s].path, member=f"{key}.{field}")
