@@ -70,9 +70,9 @@ class Benchmark:
 #   each), then 9 speed runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 15
 #   methods x 500 steps (~1.5 h).
 # remote: 0.5 GB of each shard kind (1/2), one run per configuration (of 2): ~1/4 of its ~5 min.
-# fsdp: 2 launches of 2 ranks (~7 s of start each on idle cores, 20-27 s under a load of ~30): 60 loss
-#   steps x 3 methods of a 39k-parameter MLP (~10 s), then 3 methods x 3 steps of a 6.3M-parameter MLP on
-#   the 1 Gbit/s link (~0.3 s of traffic a dense step, ~15 s), or on loopback without root.
+# fsdp: 2 launches of 2 ranks (~7 s of start each on idle cores, 20-27 s under a load of ~30): 40 loss
+#   steps x 2 methods of a 39k-parameter MLP, then 3 methods x 3 steps of a 6.3M-parameter MLP on the
+#   1 Gbit/s link (or loopback without root); measured 48 s at a load of ~10.
 SUITE = (
     Benchmark("bench_kernels", ("--numel", "5000000", "--repeat", "3"), (0.5, 0.5)),
     Benchmark(
@@ -105,7 +105,7 @@ SUITE = (
     Benchmark(
         "bench_fsdp",
         (
-            "--loss-steps", "60", "--loss-methods", "dense,q8,sign-ef", "--width", "1024", "--depth", "6",
+            "--loss-steps", "40", "--loss-methods", "dense,q8", "--width", "1024", "--depth", "6",
             "--warmup", "1", "--timed", "2", "--network", "1gbit",
         ),
         (0.8, 0.6),

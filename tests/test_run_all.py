@@ -33,7 +33,7 @@ _SHORT = {
         "--methods", "none,topk,cadam", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "6",
     ],
     "bench_fsdp": [
-        "--loss-steps", "60", "--loss-methods", "dense,q8,sign-ef", "--width", "1024", "--depth", "6",
+        "--loss-steps", "40", "--loss-methods", "dense,q8", "--width", "1024", "--depth", "6",
         "--warmup", "1", "--timed", "2", "--network", "1gbit",
     ],
     "bench_remote": ["--gigabytes", "0.5", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"],
