@@ -6,7 +6,7 @@ Example::
     state = fastcomm.register(ddp_model, "topk", ratio=0.01)
 """
 
-from fastcomm import collectives, compress, fault, integrations, ops
+from fastcomm import collectives, compress, fault, fsdp, integrations, ops
 from fastcomm.checkpoint import Checkpointer, CheckpointError
 from fastcomm.diloco import DiLoCo
 from fastcomm.hooks import (
@@ -44,6 +44,7 @@ __all__ = [
     "collectives",
     "compress",
     "fault",
+    "fsdp",
     "integrations",
     "ops",
     "powersgd_hook",

@@ -14,7 +14,7 @@ group over the same ranks, :mod:`._lane`) as soon as the first arrives, else fro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +24,7 @@ from torch import Tensor
 from fastcomm.collectives import gather, rounds, two_phase
 from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_for
 from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES, FreshBuffers, block_unit, segment_layout
-from fastcomm.collectives._threads import then
+from fastcomm.collectives._threads import when_done
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 
@@ -112,6 +112,33 @@ class CompressedWork:
         return self._future.done()
 
 
+def _then_return(done: torch.futures.Future, tensor: Tensor) -> Tensor:
+    done.value()  # raises the exchange's failure, a PeerCollectiveError
+    return tensor
+
+
+def _chain(
+    future: torch.futures.Future, fn: Callable[[torch.futures.Future], Tensor]
+) -> torch.futures.Future:
+    """``fn``'s result on ``future``'s completion, in a future whose failure keeps its exception's type.
+
+    (An exception raised in a ``then`` callback reaches ``wait()`` as a plain ``RuntimeError``; one set
+    on the future with ``set_exception`` keeps its type: :class:`PeerCollectiveError` stays one.)
+    """
+    result: torch.futures.Future = torch.futures.Future()
+
+    def settle(done: torch.futures.Future) -> None:
+        try:
+            value = fn(done)
+        except Exception as error:  # noqa: BLE001 - handed to whoever waits, with its type
+            result.set_exception(error)
+        else:
+            result.set_result(value)
+
+    when_done(future, settle)
+    return result
+
+
 def _check(tensor: Tensor, name: str, op: dist.ReduceOp | None = None) -> Tensor:
     if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
         raise TypeError(f"{name} must be a floating-point torch.Tensor, got {type(tensor).__name__}")
@@ -137,7 +164,7 @@ def _finish(
         def scaled(done: torch.futures.Future) -> Tensor:
             return collective_value(done, "fastcomm.collectives", None).mul_(world_size)
 
-        future = then(future, scaled)
+        future = _chain(future, scaled)
     if residual is not None:
         residual._pending = future
     if pending is not None and async_op and flat.device.type == "cpu":
@@ -232,7 +259,7 @@ def all_reduce(
             gather.decode_mean(compressor, gathered.rows, flat, world_size)
             return tensor
 
-        return _finish(then(gathered.future, decode), None, flat, op, async_op, residual, group)
+        return _finish(_chain(gathered.future, decode), None, flat, op, async_op, residual, group)
     layout = two_phase.TwoPhaseLayout.of_blocks(compressor, flat.numel(), world_size)
     phase1 = two_phase.start_phase1(
         flat, layout, residual_out=worker, residual_in=worker, group=group, chunk_bytes=chunk_bytes,
@@ -242,7 +269,8 @@ def all_reduce(
     if residual is not None:
         server = residual.take("server", torch.empty(0, device=flat.device), layout.segment)
     pending = _PhaseTwo(phase1, flat, server, rank, group, _seed(seed, rank, 2))
-    return _finish(then(phase1.future, lambda done: tensor), pending, flat, op, async_op, residual, group)
+    future = _chain(phase1.future, lambda done: _then_return(done, tensor))
+    return _finish(future, pending, flat, op, async_op, residual, group)
 
 
 @dataclass
@@ -326,11 +354,11 @@ def reduce_scatter(
     pieces = list(phase1.pieces)
 
     def decode(arrived: torch.futures.Future) -> Tensor:
-        for done in arrived.value():
-            try:
+        try:
+            for done in arrived.value():
                 done.value()
-            except Exception as error:
-                raise phase1.failure("all-to-all", error) from error
+        except Exception as error:
+            raise phase1.failure("all-to-all", error) from error
         for piece in pieces:
             if piece.start < shard:
                 two_phase.reduce_piece(phase1, piece, out[piece.start : min(piece.stop, shard)],
@@ -338,7 +366,7 @@ def reduce_scatter(
         return output
 
     futures = [piece.work.get_future() for piece in pieces]
-    future = then(torch.futures.collect_all(futures), decode)
+    future = _chain(torch.futures.collect_all(futures), decode)
     if residual is not None:
         residual._pending = future
     work = CompressedWork(future)
@@ -392,7 +420,7 @@ def all_gather(
         gather.decode_rows(compressor, gathered.rows, out.view(world_size, -1))
         return output
 
-    future = then(gathered.future, decode)
+    future = _chain(gathered.future, decode)
     if residual is not None:
         residual._pending = future
     work = CompressedWork(future)

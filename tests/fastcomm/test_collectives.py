@@ -108,3 +108,21 @@ def test_residual_state_dict_round_trips(one_rank):
     again = fastcomm.collectives.Residual()
     again.load_state_dict(residual.state_dict())
     assert torch.equal(again.worker, residual.worker)
+
+
+def test_a_failed_exchange_raises_peer_collective_error_with_its_type(one_rank, monkeypatch):
+    from fastcomm.collectives import gather
+
+    real, pending = gather.gather_row, []
+
+    def failing(row, **kwargs):
+        gathered = real(row, **kwargs)
+        gathered.future.wait()
+        pending.append(torch.futures.Future())
+        return gather.Gathered(gathered.rows, pending[-1], gathered.sent_bytes)
+
+    monkeypatch.setattr(gather, "gather_row", failing)
+    work = fastcomm.collectives.all_reduce(torch.randn(64), TopKCompressor(k=4), async_op=True)
+    pending[0].set_exception(RuntimeError("Connection closed by peer"))  # the all-gather fails
+    with pytest.raises(fastcomm.PeerCollectiveError, match="Connection closed by peer"):
+        work.wait()
