@@ -397,6 +397,9 @@ METHODS: dict[str, Method] = {
                            "steps late), 4-bit pseudo-gradients with error feedback, outer lr 0.7 "
                            "momentum 0.5",
                            optimizer="diloco", options=_diloco(fragments=5, **_Q4)),
+    "streaming_q4_mix": Method("streaming_q4 with the paper's merge of a late exchange: local = 0.5 local + "
+                               "0.5 global", optimizer="diloco",
+                               options=_diloco(fragments=5, mixing=0.5, **_Q4)),
     "noop": Method("no communication at all (the compute floor; ranks train apart, for timing only)",
                    hook="noop"),
 }

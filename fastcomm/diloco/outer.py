@@ -47,7 +47,8 @@ class DiLoCo:
 
        and writes them into the model. An exchange applied ``d`` steps after it was issued keeps the
        ``d`` local steps taken meanwhile: ``local = global + (local now - local at the send)`` (with
-       ``d = 0``, ``local = global``).
+       ``d = 0``, ``local = global``); with ``mixing=alpha``, the paper's merge
+       ``local = alpha * local now + (1 - alpha) * global`` instead.
     3. Issues the exchange of every fragment ``f`` whose turn it is (``s % sync_every ==
        (f + 1) * sync_every / fragments % sync_every``): the pseudo-gradient ``global - local`` is averaged
        by :func:`fastcomm.collectives.all_reduce` through the compressor with error feedback (one
@@ -78,6 +79,9 @@ class DiLoCo:
         fragments: ``F``, how many fragments are synced in turn (streaming DiLoCo); divides ``sync_every``.
         delay: steps between the issue of an exchange and its application, ``0 <= delay <= sync_every``
             (default: 0 with one fragment, ``sync_every / fragments`` with several: overlapped).
+        mixing: how an exchange applied late meets the local weights: ``None`` (default) keeps the local
+            steps taken meanwhile; ``alpha`` in ``[0, 1)``: ``alpha * local + (1 - alpha) * global``
+            (streaming DiLoCo's merge; 0.5 there).
         process_group: the group of the replicas (default: the default group).
         chunk_bytes: the compressed all-reduce's piece size (default: the collectives' own).
         **compressor_options: options of the named compressor (``bits=4``, ``block=...``).
@@ -105,6 +109,7 @@ class DiLoCo:
         compressor: str | Compressor | AllreduceCompressor | None = None,
         fragments: int = 1,
         delay: int | None = None,
+        mixing: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         chunk_bytes: int | None = None,
         **compressor_options: Any,
@@ -118,6 +123,8 @@ class DiLoCo:
         delay = (0 if fragments == 1 else period) if delay is None else delay
         if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= sync_every:
             raise ValueError(f"delay must be an int in [0, sync_every={sync_every}], got {delay!r}")
+        if mixing is not None and not 0 <= mixing < 1:
+            raise ValueError(f"mixing must be None or in [0, 1), got {mixing!r}")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
         if not 0 <= outer_momentum < 1:
@@ -138,7 +145,7 @@ class DiLoCo:
         else:
             self.compressor = compressor
         self.inner = inner_optimizer
-        self.sync_every, self.delay = sync_every, delay
+        self.sync_every, self.delay, self.mixing = sync_every, delay, mixing
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
         self.process_group, self.chunk_bytes = process_group, chunk_bytes
         self.fragments = [
@@ -204,6 +211,8 @@ class DiLoCo:
         fragment.global_weights.add_(update, alpha=-self.outer_lr)
         if exchange.sent_local is None:
             fragment.write_local(fragment.global_weights)
+        elif self.mixing is not None:
+            fragment.write_local(torch.lerp(fragment.global_weights, fragment.local_weights(), self.mixing))
         else:
             fragment.write_local(fragment.global_weights + (fragment.local_weights() - exchange.sent_local))
         self.syncs += 1

@@ -51,7 +51,7 @@ def gradient(case: object, step: int, rank: int, numel: int) -> torch.Tensor:
 
 def _simulate(
     case: object, world: int, numel: int, bounds: list[tuple[int, int]], offsets: list[int], *,
-    sync_every: int, delay: int, lr: float, momentum: float, compressor: str,
+    sync_every: int, delay: int, lr: float, momentum: float, compressor: str, mixing: float | None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Every rank's flat weights after ``STEPS`` steps of the simulated run."""
     start = torch.cat([p.detach().reshape(-1) for p in Params(case).parameters()])
@@ -67,7 +67,12 @@ def _simulate(
         moment[a:b].mul_(momentum).add_(mean)
         global_[a:b].add_(mean.add(moment[a:b], alpha=momentum), alpha=-lr)
         for r in range(world):
-            local[r][a:b] = global_[a:b] if sent is None else global_[a:b] + (local[r][a:b] - sent[r])
+            if sent is None:
+                local[r][a:b] = global_[a:b]
+            elif mixing is None:
+                local[r][a:b] = global_[a:b] + (local[r][a:b] - sent[r])
+            else:  # alpha * local + (1 - alpha) * global
+                local[r][a:b] = torch.lerp(global_[a:b], local[r][a:b], mixing)
 
     for step in range(1, STEPS + 1):
         for r in range(world):
@@ -88,15 +93,17 @@ def _simulate(
     return local
 
 
-def _simulation_case(rank: int, world: int, compressor: str, fragments: int, delay: int | None) -> None:
-    case = ("diloco", world, compressor, fragments, delay)
+def _simulation_case(
+    rank: int, world: int, compressor: str, fragments: int, delay: int | None, mixing: float | None = None
+) -> None:
+    case = ("diloco", world, compressor, fragments, delay, mixing)
     sync_every, lr, momentum = 6, 0.7, 0.5
     model = Params(case)
     params = list(model.parameters())
     inner = torch.optim.SGD(params, lr=INNER_LR, foreach=False)
     outer = fastcomm.DiLoCo(
         model, inner, sync_every=sync_every, outer_lr=lr, outer_momentum=momentum, fragments=fragments,
-        delay=delay, compressor=None if compressor == "fp32" else COMPRESSORS[compressor](),
+        delay=delay, mixing=mixing, compressor=None if compressor == "fp32" else COMPRESSORS[compressor](),
     )  # fmt: skip
     numel = sum(p.numel() for p in params)
     for step in range(1, STEPS + 1):
@@ -112,6 +119,7 @@ def _simulation_case(rank: int, world: int, compressor: str, fragments: int, del
     expected = _simulate(
         case, world, numel, bounds, [(i + 1) * period % sync_every for i in range(fragments)],
         sync_every=sync_every, delay=outer.delay, lr=lr, momentum=momentum, compressor=compressor,
+        mixing=mixing,
     )[rank]  # fmt: skip
     got = torch.cat([p.detach().reshape(-1) for p in params])
     checks = Mismatches()
@@ -128,9 +136,10 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
     """Case id -> the check each rank runs."""
     table: dict[str, Callable[[int], None]] = {}
     for compressor in ("fp32", "q4"):
-        for fragments, delay in ((1, None), (1, 2), (3, None), (3, 0)):
-            key = f"{compressor}-F{fragments}-delay{delay}"
-            table[key] = lambda r, a=(compressor, fragments, delay): _simulation_case(r, world, *a)
+        for fragments, delay, mixing in ((1, None, None), (1, 2, None), (3, None, None), (3, 0, None),
+                                         (3, None, 0.5)):  # fmt: skip
+            key = f"{compressor}-F{fragments}-delay{delay}" + ("" if mixing is None else f"-mixing{mixing}")
+            table[key] = lambda r, a=(compressor, fragments, delay, mixing): _simulation_case(r, world, *a)
     return table
 
 

@@ -126,6 +126,7 @@ def _outer(**options):
         ({"sync_every": 10, "fragments": 2, "delay": 11}, "delay"),
         ({"outer_momentum": 1.0}, "outer_momentum"),
         ({"outer_lr": 0.0}, "outer_lr"),
+        ({"mixing": 1.0}, "mixing"),
         ({"fragments": 3, "sync_every": 6}, "at most the number of parameters"),
     ],
 )
