@@ -67,8 +67,8 @@ class Benchmark:
 #   model build, 4 steps of 0.3-1 s); left out: torch_powersgd_r4, which fails over gloo (its one-bucket
 #   twin runs), and the nodes network (4 min, its own bench_hooks_nodes.*).
 # convergence: 3 methods x 300 steps on loopback at ~0.33 s/step + ~20 s of start and evaluation (~2.1 min
-#   each), then 9 speed runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 15
-#   methods x 500 steps (~1.5 h).
+#   each), then 9 speed runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 18
+#   methods x 500 steps (~1.8 h).
 # remote: 0.5 GB of each shard kind (1/2), one run per configuration (of 2): ~1/4 of its ~5 min.
 # fsdp: 2 launches of 2 ranks (~7 s of start each on idle cores, 20-27 s under a load of ~30): 40 loss
 #   steps x 2 methods of a 39k-parameter MLP, then 3 methods x 3 steps of a 6.3M-parameter MLP on the
@@ -97,7 +97,7 @@ SUITE = (
     ),
     Benchmark(
         "bench_convergence",
-        ("--methods", "none,topk,cadam", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "6"),
+        ("--methods", "none,cadam,diloco_q4", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "6"),
         (9.5, 6.3),
         "speed runs (shaped links)",
         ("--skip-speed",),

@@ -30,7 +30,7 @@ _SHORT = {
     "bench_images": ["--quick"],
     "bench_hooks": ["--quick", "--network", "both", "--configs", _HOOKS],
     "bench_convergence": [
-        "--methods", "none,topk,cadam", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "6",
+        "--methods", "none,cadam,diloco_q4", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "6",
     ],
     "bench_fsdp": [
         "--loss-steps", "40", "--loss-methods", "dense,q8", "--width", "1024", "--depth", "6",
