@@ -1,10 +1,10 @@
-"""Waiting for a compressed collective: a failure on the wire raises :class:`~fastcomm.PeerCollectiveError`.
+"""Waiting for a compressed collective: a failure on the wire raises :class:`~fastcomm.PeerCollectiveError`
+naming the FSDP comm and its parameter group.
 
-A collective of :mod:`fastcomm.collectives` finishes in a future's callback; torch re-raises a callback's
-error as a plain ``RuntimeError`` (the type does not cross the future). FSDP calls its comms from autograd,
-where a plain error would read as a bug of the model: so the FSDP comms issue their collective with
-``async_op=True`` (argument errors raise there, as they are) and wait here, where whatever fails is the
-exchange with the other ranks.
+FSDP calls its comms from autograd, where an error must say which exchange failed: so the FSDP comms issue
+their collective with ``async_op=True`` (argument errors raise there, as they are) and wait here, where
+whatever fails is the exchange with the other ranks. The collective's own :class:`PeerCollectiveError`
+(or a plain ``RuntimeError`` from the wire) is raised again under the comm's name, with the original cause.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def wait_named(work: CompressedWork | None, where: str) -> None:
         return
     try:
         work.wait()
-    except PeerCollectiveError:
-        raise
+    except PeerCollectiveError as error:
+        raise PeerCollectiveError(where, None, error.reason) from error
     except RuntimeError as error:
         raise PeerCollectiveError(where, None, error) from error
