@@ -367,13 +367,7 @@ def reduce_scatter(
 
     futures = [piece.work.get_future() for piece in pieces]
     future = _chain(torch.futures.collect_all(futures), decode)
-    if residual is not None:
-        residual._pending = future
-    work = CompressedWork(future)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _finish(future, None, out, dist.ReduceOp.AVG, async_op, residual, group)  # op applied in decode
 
 
 def all_gather(
@@ -420,11 +414,4 @@ def all_gather(
         gather.decode_rows(compressor, gathered.rows, out.view(world_size, -1))
         return output
 
-    future = _chain(gathered.future, decode)
-    if residual is not None:
-        residual._pending = future
-    work = CompressedWork(future)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _finish(_chain(gathered.future, decode), None, out, dist.ReduceOp.AVG, async_op, residual, group)
