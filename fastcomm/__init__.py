@@ -10,6 +10,7 @@ from fastcomm import collectives, compress, fault, fsdp, integrations, ops
 from fastcomm.checkpoint import Checkpointer, CheckpointError
 from fastcomm.diloco import DiLoCo
 from fastcomm.hooks import (
+    AutoState,
     CastState,
     HookName,
     PeerCollectiveError,
@@ -17,6 +18,7 @@ from fastcomm.hooks import (
     QuantState,
     SignState,
     TopKState,
+    auto_hook,
     cast_hook,
     powersgd_hook,
     quantize_hook,
@@ -28,6 +30,7 @@ from fastcomm.ops import backend
 from fastcomm.optim import CompressedAdam
 
 __all__ = [
+    "AutoState",
     "CastState",
     "CheckpointError",
     "Checkpointer",
@@ -39,6 +42,7 @@ __all__ = [
     "QuantState",
     "SignState",
     "TopKState",
+    "auto_hook",
     "backend",
     "cast_hook",
     "collectives",

@@ -91,7 +91,8 @@ class AutoState(TwoPhaseState):
 
         state = fastcomm.register(ddp, "auto")
         ...
-        print(state.stats()["auto_choices"])   # {bucket numel: "quant8" or "dense", ...}
+        print(state.choices)                   # {bucket numel: "quant8" or "dense", ...}
+        print(state.stats()["auto_quant8_buckets"])
     """
 
     _OPTIONS = ("candidates", "warmup_steps", "recheck_every", "margin", "link", *TwoPhaseState._OPTIONS)
@@ -161,10 +162,12 @@ class AutoState(TwoPhaseState):
         compressor = CANDIDATES[self.choice(numel)].compressor()
         return TwoPhaseLayout(compressor, segment_layout(numel, world_size, self._unit), self._unit)
 
-    def stats(self) -> dict[str, Any]:
-        """:meth:`HookState.stats`, ``auto_choices`` (bucket numel -> method) and the measured link."""
-        stats: dict[str, Any] = dict(super().stats())
-        stats["auto_choices"] = dict(self.choices)
+    def stats(self) -> dict[str, float | int]:
+        """:meth:`HookState.stats`, how many bucket sizes each method got (``auto_<method>_buckets``, the
+        sizes themselves in :attr:`choices`) and the measured link (``auto_link_*``), all numbers."""
+        stats = dict(super().stats())
+        for method in ("dense", *self.candidates):
+            stats[f"auto_{method}_buckets"] = sum(1 for chosen in self.choices.values() if chosen == method)
         if self.measured is not None:
             stats["auto_link_latency_s"] = self.measured[0].alpha_s
             stats["auto_link_bytes_per_second"] = self.measured[0].bandwidth_Bps
