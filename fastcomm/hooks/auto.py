@@ -10,8 +10,10 @@ hook call of bucket 0 (so every rank does it at the same point):
 The slowest rank's figures are agreed on by one allreduce (MAX of times), so every rank makes the same
 choice. Each bucket size then gets the candidate of least predicted time (``fastcomm.advise``'s model of
 its collectives plus its compression), or dense allreduce unless a candidate is predicted at least
-``margin`` faster: auto must never be the reason a job got slower. The choice is made again every
-``recheck_every`` steps.
+``margin`` faster. The model predicts; the clock checks: after 3 trial steps under the choice, if their
+median step time (slowest rank) is above the dense warm-up steps', every bucket goes back to dense until
+the next measurement, so auto is never the reason a job got slower for more than its trial. The choice is
+made again every ``recheck_every`` steps.
 
 All candidates go through one two-phase exchange with error feedback and one bucket store, segments of
 the same length (whole blocks of every candidate), so what a bucket owes under one method is owed under
@@ -39,6 +41,8 @@ from fastcomm.hooks.engine.options import require_int, require_real
 from fastcomm.hooks.engine.twophase import TwoPhaseState, two_phase_bucket
 
 __all__ = ["CANDIDATES", "AutoState", "auto_hook", "choose"]
+
+_TRIAL_STEPS = 3  # steps run under a new choice before its step time is compared with dense's
 
 # candidate name -> the advisor's method (its exchange and compressor)
 CANDIDATES: dict[str, Method] = {
@@ -79,7 +83,7 @@ class AutoState(TwoPhaseState):
 
     Args:
         candidates: names of :data:`CANDIDATES` to choose among (besides dense allreduce).
-        warmup_steps: dense steps before the first measurement.
+        warmup_steps: dense steps before the first measurement (their step times are the baseline).
         recheck_every: steps between measurements after the first.
         margin: how much faster a candidate must be predicted than dense to be chosen.
         link: a :class:`~fastcomm.advise.model.Link` to use instead of measuring one (tests, or a link
@@ -101,7 +105,7 @@ class AutoState(TwoPhaseState):
     def __init__(
         self,
         candidates: tuple[str, ...] = _DEFAULT,
-        warmup_steps: int = 3,
+        warmup_steps: int = 4,
         recheck_every: int = 500,
         margin: float = 0.1,
         link: Link | None = None,
@@ -128,24 +132,47 @@ class AutoState(TwoPhaseState):
         self.measured: tuple[Link, KernelRates] | None = None
         self.choices: dict[int, str] = {}
         self._measured_at = -1
+        self._iteration_start: float | None = None
+        # step periods (seconds) under dense allreduce and under the current choice, and whether the
+        # choice was tried and found slower than dense (then every bucket is dense until the next check)
+        self._periods: dict[str, list[float]] = {"dense": [], "chosen": []}
+        self.reverted = False
 
     def begin_bucket(self, bucket: dist.GradBucket) -> Any:
         key = super().begin_bucket(bucket)
+        if bucket.index() != 0 or dist.get_world_size(self.process_group) == 1:
+            return key
         steps = self.accounting.steps
+        now = time.perf_counter()
+        if self._iteration_start is not None:
+            compressing = self.measured is not None and not self.reverted and "dense" != self._any_choice()
+            self._periods["chosen" if compressing else "dense"].append(now - self._iteration_start)
+        self._iteration_start = now
         due = steps >= self.warmup_steps and (
             self._measured_at < 0 or steps - self._measured_at >= self.recheck_every
         )
-        if bucket.index() == 0 and due and dist.get_world_size(self.process_group) > 1:
+        if due:
             self.measured = _agreed(
                 self.link or _probe_link(self.process_group), _local_rates(), self.process_group
             )
-            self.choices = {}
+            self.choices, self.reverted = {}, False
+            self._periods["chosen"] = []
             self._measured_at = steps
+        elif self.measured is not None and not self.reverted and len(self._periods["chosen"]) == _TRIAL_STEPS:
+            self.reverted = _slower_than_dense(self._periods, self.process_group)
+            self._periods["chosen"].append(float("nan"))  # judged once per measurement
+            if self.reverted:
+                self.choices = {}
+        self._iteration_start = time.perf_counter()  # the probes are not the model's time
         return key
 
+    def _any_choice(self) -> str:
+        return next((c for c in self.choices.values() if c != "dense"), "dense")
+
     def choice(self, numel: int) -> str:
-        """The method of a bucket of ``numel`` elements at this step (``"dense"`` before the measurement)."""
-        if self.measured is None or not self.candidates:
+        """The method of a bucket of ``numel`` elements at this step (``"dense"`` before the measurement,
+        and after a trial found the chosen methods slower than dense, until the next measurement)."""
+        if self.measured is None or not self.candidates or self.reverted:
             return "dense"
         if numel not in self.choices:
             link, rates = self.measured
@@ -168,6 +195,7 @@ class AutoState(TwoPhaseState):
         stats = dict(super().stats())
         for method in ("dense", *self.candidates):
             stats[f"auto_{method}_buckets"] = sum(1 for chosen in self.choices.values() if chosen == method)
+        stats["auto_reverted"] = int(self.reverted)
         if self.measured is not None:
             stats["auto_link_latency_s"] = self.measured[0].alpha_s
             stats["auto_link_bytes_per_second"] = self.measured[0].bandwidth_Bps
@@ -191,6 +219,19 @@ def _probe_link(group: dist.ProcessGroup | None) -> Link:
     per_byte = max((times[1] - times[0]) / (large_bytes - small_bytes), 1e-12)
     alpha = max(0.0, (times[0] - small_bytes * per_byte) / steps)
     return Link(alpha, 1.0 / per_byte, name="measured")
+
+
+def _slower_than_dense(periods: dict[str, list[float]], group: dist.ProcessGroup | None) -> bool:
+    """Whether the trial steps under the choice were slower than the dense ones, on the slowest rank's
+    clock (one MAX allreduce: every rank reverts alike). The model predicts; this checks, so auto is never
+    the reason a job got slower for more than its trial steps."""
+    dense = sorted(periods["dense"][1:] or periods["dense"])  # the first period holds start-up work
+    chosen = sorted(periods["chosen"])
+    if not dense or not chosen:
+        return False
+    medians = torch.tensor([dense[len(dense) // 2], chosen[len(chosen) // 2]], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    return bool(medians[1] > medians[0])
 
 
 def _local_rates() -> KernelRates:
