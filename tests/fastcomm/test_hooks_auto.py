@@ -61,3 +61,11 @@ def test_register_auto_trains_on_one_rank(small_ddp):
     stats = state.stats()
     assert stats["steps"] == 3 and state.choices == {}  # one rank: nothing to measure or choose
     assert all(isinstance(value, (int, float)) for value in stats.values())
+
+
+@pytest.mark.parametrize(("chosen", "slower"), [((0.5, 0.45, 0.55), True), ((0.2, 0.25, 0.21), False)])
+def test_a_trial_slower_than_dense_reverts(one_rank, chosen, slower):
+    from fastcomm.hooks.auto import _slower_than_dense
+
+    periods = {"dense": [2.0, 0.3, 0.31, 0.29], "chosen": list(chosen)}  # the first dense period: start-up
+    assert _slower_than_dense(periods, None) is slower
