@@ -8,7 +8,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.9.0
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
-DEPS        := numpy webdataset pybind11 ninja pytest matplotlib tqdm Pillow simplejpeg hypothesis
+DEPS        := numpy webdataset pybind11 ninja pytest pytest-xdist matplotlib tqdm Pillow simplejpeg hypothesis
 DEPS_STAMP  := $(VENV)/.fastlib-deps
 STAMP       := $(VENV)/.fastlib-installed
 # The frameworks tests/fastcomm/test_integrations.py runs the hooks under. Installed with --no-deps (their own
@@ -49,11 +49,14 @@ $(INTEGRATIONS_STAMP): $(DEPS_STAMP) Makefile
 install:
 	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(INTEGRATIONS_STAMP)
 
-# The whole suite with the native kernels, then the op tests again on the pure-PyTorch fallback
-# (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build time).
+# The op tests on the pure-PyTorch fallback (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build
+# time), then the whole suite with the native kernels on TEST_WORKERS pytest-xdist workers, a test file to a
+# worker: a single pytest leaves a core idle while one test waits on its ranks' start-up, a peer's timeout or
+# a torchrun restart. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: install
 	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20 tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The short profile (under 20 min on 2 cores); FULL=1 runs every benchmark in full (about 2 h).
 # Results go to benchmarks/runs/<UTC time>/; UPDATE_RESULTS=1 writes the committed benchmarks/results/ instead,

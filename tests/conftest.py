@@ -13,3 +13,23 @@ if not torch.cuda.is_available():
 
 # Tests share 2 cores with each other's worker processes; more intra-op threads than cores only thrash.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+# `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile), in the order
+# collected: these files take a minute or more each on 2 cores, so they start first, one per worker, and the
+# short files fill in around them. Only the order changes; a run without xdist runs them first too.
+LONG_FIRST = (
+    "tests/test_fault_tolerance.py",
+    "tests/test_fault_checkpoints.py",
+    "tests/fastcomm/test_clean_exit.py",
+    "tests/fastcomm/test_hooks_stress.py",
+    "tests/test_examples.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their collected order

@@ -1,0 +1,63 @@
+"""Checkpoints that fail under a run of examples/train_lm.py, and the runs that share their references.
+
+Under ``torchrun`` on 2 gloo ranks of a tiny GPT (see ``_fault_runs.py``): a SIGKILL in the middle of a
+checkpoint write, a corrupt newest checkpoint (a flipped byte, a truncated file), and a SIGKILL of a rank
+under sign and q8. Each must end with the model and optimizer state of an uninterrupted run, bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _fault_runs as fr  # noqa: E402
+
+data_dir, reference = fr.data_dir, fr.reference  # the module-scoped fixtures of these tests
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("method", ["sign", "q8"])
+def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(
+    method: str, data_dir: Path, tmp_path: Path, reference
+) -> None:
+    fr.sigkill_restart(method, data_dir, tmp_path, reference)
+
+
+def test_sigkill_during_a_checkpoint_write_uses_the_previous_one(
+    data_dir: Path, tmp_path: Path, reference
+) -> None:
+    # Rank 1 writes half of its file of checkpoint 20, then SIGKILLs itself; the restart must ignore the
+    # partial checkpoint, resume from step 10, and still end bit-identical to an uninterrupted run.
+    args = ["--hook", "q8", "--steps", "30", "--checkpoint-every", "10"]
+    command = fr.command(2, data_dir, tmp_path / "killed", *args)
+    result = fr.run(command, tmp_path / "killed", env=fr.run_env(TRAIN_LM_FAULT="checkpoint-write:20:1"))
+    assert "resumed q8 at step 10" in result.stderr, result.stderr[-3000:]
+    fr.assert_bit_identical(fr.final_state(reference(args)), fr.final_state(tmp_path / "killed"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
+    damage: str, data_dir: Path, tmp_path: Path, reference
+) -> None:
+    args = ["--hook", "sign", "--steps", "30", "--checkpoint-every", "10"]
+    uninterrupted = reference(args)
+    args += ["--checkpoint-keep", "3"]
+    work = tmp_path / "damaged"
+    fr.run(fr.command(2, data_dir, work, *args, "--stop-after", "20"), work)
+    victim = work / "ckpt" / "step-000000020" / "rank0.pt"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    else:
+        del data[len(data) * 2 // 3 :]
+    victim.write_bytes(bytes(data))
+    result = fr.run(fr.command(2, data_dir, work, *args), work)
+    reason = "SHA-256 mismatch" if damage == "flip" else "truncated"
+    assert "step-000000020 is unusable" in result.stderr and reason in result.stderr, result.stderr[-3000:]
+    assert "resumed sign at step 10" in result.stderr
+    assert (work / "ckpt" / "step-000000020.corrupt").is_dir()
+    fr.assert_bit_identical(fr.final_state(uninterrupted), fr.final_state(work))
