@@ -6,7 +6,7 @@ Before the exit wait of :mod:`fastcomm.collectives._threads`, a rank aborted wit
 active exception" in up to a few of every 50 runs (topk 1, sign 2, quantize 0 of 50 here; under torchrun
 sign 3 of 25), whenever the interpreter began finalizing while a gloo thread still had to drop a finished
 collective's Python callback. ``test_collectives_threads.py`` holds that window open deterministically; this
-file is the sampled guard of a real exit (100 runs: at the old rates, about 3 expected failures).
+file is the sampled guard of a real exit (100 runs: at the old rates, one or two expected failures).
 
 One script process runs the 100 runs, four at a time (a run mostly waits), and each method's case reads its
 own lines of the report.
