@@ -4,6 +4,7 @@ Environment switches:
   FASTCOMM_NO_NATIVE=1  skip ``fastcomm._C`` (the package then runs its plain-PyTorch reference ops)
   FASTIO_NO_NATIVE=1    skip ``fastio._C`` (the loader then gathers with torch ops)
   FASTCOMM_NO_CUDA=1    build CPU kernels only even when the installed torch has CUDA
+  FASTLIB_DEBUG_INFO=1  compile with debug info (-g), for a debugger in the kernels
   MAX_JOBS              parallel compile jobs (torch's own switch)
 """
 
@@ -32,8 +33,12 @@ def _native_extensions():
         torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("FASTCOMM_NO_CUDA") != "1"
     )
     # torch picks the C++ standard its headers need; -ffp-contract=off keeps x*inv+c two roundings, as
-    # in the reference twins (no fused multiply-add).
+    # in the reference twins (no fused multiply-add). -g0 undoes the -g of Python's own CFLAGS: debug info for
+    # torch's templates cost a quarter of the compile time (the build is part of `make test`'s install);
+    # FASTLIB_DEBUG_INFO=1 keeps it.
     cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    if os.environ.get("FASTLIB_DEBUG_INFO") != "1":
+        cxx_flags.append("-g0")
     extensions = []
     for package, folder, _ in wanted:
         cpp = sorted(glob.glob(os.path.join(folder, "*.cpp"))) + sorted(glob.glob("csrc/common/*.cpp"))
