@@ -157,5 +157,5 @@ class SampleBatches:
                     f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
                     "the epoch order would differ"
                 )
-        start = resume_start(n, state["start"], state["world_size"], state["batches_yielded"], state["batch_size"])
-        return int(state["epoch"]), start
+        yielded, size = state["batches_yielded"], state["batch_size"]
+        return int(state["epoch"]), resume_start(n, state["start"], state["world_size"], yielded, size)

@@ -242,7 +242,7 @@ class StreamLoader:
         )
         streams = as_streams(source)
         if streams is None and (mix != "sample" or epoch_size is not None):
-            raise ValueError("mix= and epoch_size= apply to a list of fastio.Stream sources (weighted mixing)")
+            raise ValueError("mix= and epoch_size= apply to a list of fastio.Stream sources (mixing them)")
         self._source = open_source(source, options) if streams is None else open_streams(streams, options)
         if self._source.requires_shard_order and order.shuffle == "full":
             raise ValueError(

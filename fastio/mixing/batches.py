@@ -143,7 +143,11 @@ class StreamBatches:
                 )
         epoch = int(state["epoch"])
         start = resume_start(
-            len(self.orders), state["start"], state["world_size"], state["batches_yielded"], state["batch_size"]
+            len(self.orders),
+            state["start"],
+            state["world_size"],
+            state["batches_yielded"],
+            state["batch_size"],
         )
         self._resumed = (epoch, (int(state["layout_world_size"]), int(state["layout_batch_size"])))
         return epoch, start
@@ -167,15 +171,17 @@ def mixed_batches(
 
     Example::
 
-        batches = mixed_batches(source, streams, mix="sample", epoch_size=None, pack=None, order=OrderSettings(),
-                                workers=WorkerSettings(), assembly=AssemblySettings(8))
+        batches = mixed_batches(source, streams, mix="sample", epoch_size=None, pack=None,
+                                order=OrderSettings(), workers=WorkerSettings(), assembly=AssemblySettings(8))
     """
     if mix not in MIX_MODES:
         raise ValueError(f"mix must be one of {MIX_MODES}, got {mix!r}")
     if epoch_size is None:
         epoch_size = source.num_samples
     if isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1:
-        raise ValueError(f"epoch_size must be an int >= 1 (samples per epoch, all streams), got {epoch_size!r}")
+        raise ValueError(
+            f"epoch_size must be an int >= 1 (samples per epoch, all streams), got {epoch_size!r}"
+        )
     shard_sizes = [s.shard_sizes for s in source.sources]
     orders = MixedOrders(shard_sizes, [s.weight for s in streams], epoch_size, mix, order)
     if pack is None:

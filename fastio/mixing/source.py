@@ -17,7 +17,8 @@ provenance field ``"stream"``.
 
 Example::
 
-    source = MixedSource([open_source("data/web", options), open_source("data/code", options)], ["web", "code"])
+    web, code = open_source("data/web", options), open_source("data/code", options)
+    source = MixedSource([web, code], ["web", "code"])
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class MixedSource(Source):
 
     Example::
 
-        source = MixedSource([web, code], ["web", "code"]); source.num_samples == web.num_samples + code.num_samples
+        source = MixedSource([web, code], ["web", "code"])
+        assert source.num_samples == web.num_samples + code.num_samples
     """
 
     def __init__(self, sources: Sequence[Source], names: Sequence[str]) -> None:
@@ -140,7 +142,9 @@ class MixedSource(Source):
             batch[PROVENANCE_FIELD].copy_(torch.from_numpy(streams))
         return batch if perm is None else _in_order(batch, np.argsort(perm))
 
-    def _join(self, parts: list[tuple[int, int, int, Any]], buffers: BatchBuffers, rows: int) -> dict[str, Any]:
+    def _join(
+        self, parts: list[tuple[int, int, int, Any]], buffers: BatchBuffers, rows: int
+    ) -> dict[str, Any]:
         fields = list(parts[0][3])
         for i, _, _, part in parts[1:]:
             if list(part) != fields:
