@@ -5,11 +5,12 @@ provenance field ``"stream"``.
 1. At build: the streams must make batches of one kind (all per-sample ``Dataset`` s, or all batched
    sources) with the same fixed fields (names, dtypes, shapes); else ``ValueError`` naming the streams and
    the field.
-2. :meth:`MixedSource.fetch` splits a batch's ids by stream. When they come grouped by stream (what
-   :mod:`fastio.mixing.schedule` lays out), each stream's source gathers its rows straight into its stretch
-   of the batch buffers; otherwise (a resume at another layout, the padded tail) the rows are gathered
-   grouped and put back in the asked order. Variable fields are joined as lists; every stream must return
-   the same fields.
+2. :meth:`MixedSource.fetch`: sources that join into one (:meth:`fastio.sources.Source.joined`: local shard
+   directories of one schema) gather a whole batch in one call. Otherwise it splits the ids by stream: when
+   they come grouped by stream (as :mod:`fastio.mixing.schedule` lays them out), each stream's source
+   gathers its rows straight into its stretch of the batch buffers; otherwise (a resume at another layout,
+   the padded tail) the rows are gathered grouped and put back in the asked order. Variable fields are
+   joined as lists; every stream must return the same fields.
 3. Provenance: batched sources get ``batch["stream"]``, an int64 tensor ``[B]`` of stream indices; per-sample
    sources' dict samples get a ``"stream"`` key (a copy of the sample; other sample types are left alone).
 4. ``prepare``/``plan_reads`` go to each stream with its own shards and ids; ``stats()`` reports each
@@ -88,6 +89,8 @@ class MixedSource(Source):
         shard_counts = np.array([len(s.shard_sizes) for s in self.sources], dtype=np.int64)
         self.shard_ends = np.cumsum(shard_counts)
         self.requires_shard_order = any(s.requires_shard_order for s in self.sources)
+        join = getattr(self.sources[0], "joined", None)
+        self.joined: Source | None = join(self.sources[1:]) if join is not None else None
 
     def _common_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         first = self.sources[0].fixed_specs()
@@ -123,6 +126,9 @@ class MixedSource(Source):
 
     def fetch(self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes) -> Any:
         streams = self.stream_of(indices)
+        if self.joined is not None:  # one gather for every stream (the ids are the joined source's)
+            batch = self.joined.fetch(indices, buffers, threads, times)
+            return self._with_provenance(batch, streams, buffers)
         perm = None if bool((np.diff(streams) >= 0).all()) else np.argsort(streams, kind="stable")
         if perm is not None:
             indices, streams = indices[perm], streams[perm]
@@ -137,10 +143,15 @@ class MixedSource(Source):
         if self.per_sample:
             batch: Any = [_tagged(sample, i) for i, _, _, samples in parts for sample in samples]
         else:
-            batch = self._join(parts, buffers, len(indices))
-            batch[PROVENANCE_FIELD] = buffers.fixed(PROVENANCE_FIELD, len(indices))
-            batch[PROVENANCE_FIELD].copy_(torch.from_numpy(streams))
+            batch = self._with_provenance(self._join(parts, buffers, len(indices)), streams, buffers)
         return batch if perm is None else _in_order(batch, np.argsort(perm))
+
+    def _with_provenance(self, batch: Any, streams: np.ndarray, buffers: BatchBuffers) -> Any:
+        if self.per_sample:
+            return [_tagged(sample, int(i)) for sample, i in zip(batch, streams.tolist(), strict=True)]
+        batch[PROVENANCE_FIELD] = buffers.fixed(PROVENANCE_FIELD, len(streams))
+        batch[PROVENANCE_FIELD].copy_(torch.from_numpy(streams))
+        return batch
 
     def _join(
         self, parts: list[tuple[int, int, int, Any]], buffers: BatchBuffers, rows: int

@@ -247,20 +247,39 @@ def test_ranks_get_equal_batch_counts(world, drop_last):
     assert counts.pop() == len(_loader([23, 11], [2, 1], world_size=world, rank=0, drop_last=drop_last))
 
 
-def test_resume_at_another_batch_size_keeps_rows_in_the_asked_order(tmp_path, fio):
-    a, b = _shards(tmp_path / "a", 0, 40, fio), _shards(tmp_path / "b", 1000, 15, fio)
-    streams = [fastio.Stream(a, 0.5), fastio.Stream(b, 0.5)]
+def test_resume_at_another_batch_size_keeps_rows_in_the_asked_order(tmp_path):
+    plain, other = _tar(tmp_path / "a.tar", 0, 40), _tar(tmp_path / "b.tar", 500, 15)
+    streams = [fastio.Stream(plain, 0.5), fastio.Stream(other, 0.5)]
     first = fastio.StreamLoader(streams, batch_size=6, shuffle=True, seed=2)
-    expected = _flat([batch["y"].tolist() for batch in first])
+    expected = _flat([batch["cls"].tolist() for batch in first])
     it = iter(first)
     next(it)
     resumed = fastio.StreamLoader(streams, batch_size=4, shuffle=True, seed=2)
     resumed.load_state_dict(first.state_dict())
     got = []
     for batch in resumed:  # batches of 4 cut across the groups of 6: gathered by stream, put back in order
-        got += fio.check_batch(batch)
-        assert batch["stream"].tolist() == [int(y >= 1000) for y in batch["y"].tolist()]
+        assert batch["stream"].tolist() == [int(c >= 500) for c in batch["cls"].tolist()]
+        assert batch["txt"] == [f"doc {c}" for c in batch["cls"].tolist()]
+        assert batch["__key__"] == [f"s{c:05d}" for c in batch["cls"].tolist()]
+        got += batch["cls"].tolist()
     assert got == expected[6:]
+
+
+@pytest.mark.parametrize("batch_size", [6, 4])
+def test_shard_streams_gathered_at_once_equal_stream_by_stream(tmp_path, fio, monkeypatch, batch_size):
+    a, b = _shards(tmp_path / "a", 0, 40, fio), _shards(tmp_path / "b", 1000, 15, fio)
+
+    def epoch(**kwargs):
+        loader = fastio.StreamLoader([fastio.Stream(a, 2), fastio.Stream(b, 1)], shuffle=True, **kwargs)
+        assert (loader._source.joined is None) == joined_off
+        return [(fio.check_batch(batch), batch["stream"].tolist()) for batch in loader]
+
+    joined_off = False
+    at_once = epoch(batch_size=batch_size)
+    monkeypatch.setattr(fastio.format.shards.source.ShardSource, "joined", lambda self, others: None)
+    joined_off = True
+    assert epoch(batch_size=batch_size) == at_once
+    assert [[int(y >= 1000) for y in ys] for ys, _ in at_once] == [s for _, s in at_once]
 
 
 def test_state_dict_refuses_other_streams_or_a_single_source(shard_dir):
