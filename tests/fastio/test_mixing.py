@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import io
+import sys
 import tarfile
 from pathlib import Path
 
@@ -166,6 +167,28 @@ def test_tar_and_compressed_tar_streams_mix(tmp_path):
     assert collections.Counter(c >= 500 for c in seen) == {False: 28, True: 14}
 
 
+def test_a_remote_stream_mixes_with_a_local_one(tmp_path, fio):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _http_server import HttpServer
+
+    _shards(tmp_path / "www" / "web", 0, 40, fio)
+    local = _shards(tmp_path / "code", 1000, 15, fio)
+    with HttpServer(tmp_path / "www") as server:
+        streams = [fastio.Stream(server.url("web/"), 0.6, name="web"), fastio.Stream(local, 0.4, name="code")]
+        with pytest.raises(ValueError, match="shuffle='shard'"):
+            fastio.StreamLoader(streams, shuffle=True, cache_dir=tmp_path / "cache")
+        loader = fastio.StreamLoader(streams, batch_size=6, shuffle="shard", cache_dir=tmp_path / "cache")
+        seen = collections.Counter()
+        for batch in loader:
+            ys = fio.check_batch(batch)
+            assert batch["stream"].tolist() == [int(y >= 1000) for y in ys]
+            seen.update(int(y >= 1000) for y in ys)
+        assert seen == {0: 33, 1: 22}
+        stats = loader.stats()["source"]
+        assert stats["streams"]["web"]["downloaded_bytes"] > 0 and stats["streams"]["code"] == {}
+        loader._source.sources[0].close()
+
+
 def test_dataset_streams_tag_dict_samples():
     web = [{"v": i} for i in range(20)]
     code = [{"v": 100 + i} for i in range(10)]
@@ -280,6 +303,29 @@ def test_shard_streams_gathered_at_once_equal_stream_by_stream(tmp_path, fio, mo
     joined_off = True
     assert epoch(batch_size=batch_size) == at_once
     assert [[int(y >= 1000) for y in ys] for ys, _ in at_once] == [s for _, s in at_once]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataset_streams_resume_exactly_at_another_batch_size(num_workers):
+    web, code = [{"v": i} for i in range(23)], [{"v": 100 + i} for i in range(9)]
+
+    def make(batch_size):
+        streams = [fastio.Stream(web, 2), fastio.Stream(code, 1)]
+        return fastio.StreamLoader(
+            streams, batch_size=batch_size, shuffle=True, seed=1, num_workers=num_workers
+        )
+
+    first = make(5)
+    expected = _flat([batch["v"].tolist() for batch in first])
+    it = iter(first)
+    next(it), next(it)
+    resumed = make(3)
+    resumed.load_state_dict(first.state_dict())
+    got = []
+    for batch in resumed:
+        assert batch["stream"].tolist() == [int(v >= 100) for v in batch["v"].tolist()]
+        got += batch["v"].tolist()
+    assert got == expected[10:]
 
 
 def test_state_dict_refuses_other_streams_or_a_single_source(shard_dir):
