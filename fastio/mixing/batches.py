@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any
 
 from fastio.assembly.pack import Pack, TokenPacker
@@ -176,14 +177,11 @@ def mixed_batches(
     """
     if mix not in MIX_MODES:
         raise ValueError(f"mix must be one of {MIX_MODES}, got {mix!r}")
-    if epoch_size is None:
-        epoch_size = source.num_samples
-    if isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1:
-        raise ValueError(
-            f"epoch_size must be an int >= 1 (samples per epoch, all streams), got {epoch_size!r}"
-        )
+    size = source.num_samples if epoch_size is None else epoch_size
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+        raise ValueError(f"epoch_size must be an int >= 1 (samples per epoch, all streams), got {size!r}")
     shard_sizes = [s.shard_sizes for s in source.sources]
-    orders = MixedOrders(shard_sizes, [s.weight for s in streams], epoch_size, mix, order)
+    orders = MixedOrders(shard_sizes, [s.weight for s in streams], int(size), mix, order)
     if pack is None:
         return StreamBatches(source, orders, order, workers, assembly, progress)
     if mix == "batch":

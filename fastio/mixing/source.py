@@ -90,7 +90,7 @@ class MixedSource(Source):
         self.shard_ends = np.cumsum(shard_counts)
         self.requires_shard_order = any(s.requires_shard_order for s in self.sources)
         join = getattr(self.sources[0], "joined", None)
-        self.joined: Source | None = join(self.sources[1:]) if join is not None else None
+        self.fused: Source | None = join(self.sources[1:]) if join is not None else None  # all in one
 
     def _common_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         first = self.sources[0].fixed_specs()
@@ -126,8 +126,8 @@ class MixedSource(Source):
 
     def fetch(self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes) -> Any:
         streams = self.stream_of(indices)
-        if self.joined is not None:  # one gather for every stream (the ids are the joined source's)
-            batch = self.joined.fetch(indices, buffers, threads, times)
+        if self.fused is not None:  # one gather for every stream (the ids are the fused source's)
+            batch = self.fused.fetch(indices, buffers, threads, times)
             return self._with_provenance(batch, streams, buffers)
         perm = None if bool((np.diff(streams) >= 0).all()) else np.argsort(streams, kind="stable")
         if perm is not None:

@@ -294,7 +294,7 @@ def test_shard_streams_gathered_at_once_equal_stream_by_stream(tmp_path, fio, mo
 
     def epoch(**kwargs):
         loader = fastio.StreamLoader([fastio.Stream(a, 2), fastio.Stream(b, 1)], shuffle=True, **kwargs)
-        assert (loader._source.joined is None) == joined_off
+        assert (loader._source.fused is None) == joined_off
         return [(fio.check_batch(batch), batch["stream"].tolist()) for batch in loader]
 
     joined_off = False
