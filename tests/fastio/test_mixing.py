@@ -259,6 +259,29 @@ def test_resume_at_another_world_size_sees_nothing_twice(old, new):
     assert sum((epoch - got).values()) == tail
 
 
+def test_resume_chained_across_world_sizes_keeps_the_epoch_list():
+    def ranks(world):
+        return [_loader([37, 29], [0.6, 0.4], drop_last=True, world_size=world, rank=r) for r in range(world)]
+
+    seen, state = [], None
+    for world, batches in ((2, 1), (3, 1), (1, None)):  # 2 ranks, then 3, then 1 to the end
+        states = []
+        for loader in ranks(world):
+            if state is not None:
+                loader.load_state_dict(state)
+            else:
+                loader.set_epoch(1)
+            it = iter(loader)
+            taken = list(it) if batches is None else [next(it) for _ in range(batches)]
+            seen += _flat([batch["id"].tolist() for batch in taken])
+            states.append(loader.state_dict())
+        assert all(s["layout_world_size"] == 2 for s in states)  # the epoch keeps the list it began with
+        state = states[0]
+    epoch = collections.Counter(_flat(_ids(_loader([37, 29], [0.6, 0.4]), 1)))
+    assert not collections.Counter(seen) - epoch
+    assert sum((epoch - collections.Counter(seen)).values()) == (66 - 2 * 8 - 3 * 8) % 8  # the last partial
+
+
 @pytest.mark.parametrize("world", [2, 3, 5])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_ranks_get_equal_batch_counts(world, drop_last):
