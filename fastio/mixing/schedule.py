@@ -170,6 +170,7 @@ class MixedOrders:
         self.weights, self.epoch_size, self.mix, self.settings = list(weights), int(epoch_size), mix, order
         self.counts = epoch_counts(self.weights, self.epoch_size)
         self._cache: tuple[tuple[int, tuple[int, int]], np.ndarray] | None = None
+        self._positions: dict[tuple[int, int], list[np.ndarray]] = {}  # per layout; the same every epoch
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -183,9 +184,13 @@ class MixedOrders:
             return self._cache[1]
 
     def _build(self, epoch: int, layout: tuple[int, int]) -> np.ndarray:
-        labels = laid_out_labels(self.counts, layout[0], layout[1], self.mix)
-        ids = np.empty(len(labels), dtype=np.int64)
+        positions = self._positions.get(layout)
+        if positions is None:
+            labels = laid_out_labels(self.counts, layout[0], layout[1], self.mix)
+            positions = [np.flatnonzero(labels == i) for i in range(len(self.counts))]
+            self._positions = {layout: positions}
+        ids = np.empty(self.epoch_size, dtype=np.int64)
         for i, count in enumerate(self.counts.tolist()):
             walk = stream_walk(self.stream_shard_sizes[i], i, epoch * count, count, self.settings)
-            ids[labels == i] = self.starts[i] + walk
+            ids[positions[i]] = self.starts[i] + walk
         return ids
