@@ -118,10 +118,16 @@ def laid_out_labels(counts: Sequence[int], world_size: int, batch_size: int, mix
 
 
 def stream_walk(
-    shard_sizes: Sequence[int], stream: int, first: int, count: int, order: OrderSettings
+    shard_sizes: Sequence[int],
+    stream: int,
+    first: int,
+    count: int,
+    order: OrderSettings,
+    passes: dict[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Positions ``[first, first + count)`` of stream ``stream``'s endless walk (local sample ids): pass
     ``k`` covers positions ``[k * n, (k + 1) * n)`` in the order seeded by ``(order.seed, stream)`` and ``k``.
+    ``passes``: pass -> order, kept between calls (an epoch often ends inside the pass the next begins with).
 
     Example::
 
@@ -129,13 +135,19 @@ def stream_walk(
     """
     n = int(np.sum(shard_sizes))
     seed = int(np.random.SeedSequence([order.seed, _STREAM_SEED_TAG, stream]).generate_state(1)[0])
+    known = {} if passes is None else passes
     parts, position, left = [], int(first), int(count)
     while left > 0:
         walk, offset = divmod(position, n)
         take = min(left, n - offset)
-        perm = epoch_order(shard_sizes, seed, walk, order.shuffle, order.shuffle_block, order.shuffle_window)
-        parts.append(perm[offset : offset + take])
+        if walk not in known:
+            block, window = order.shuffle_block, order.shuffle_window
+            known[walk] = epoch_order(shard_sizes, seed, walk, order.shuffle, block, window)
+        parts.append(known[walk][offset : offset + take])
         position, left = position + take, left - take
+    if passes is not None:
+        for old in [k for k in passes if k < walk]:  # keep only the pass the walk stopped in
+            del passes[old]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -171,6 +183,7 @@ class MixedOrders:
         self.counts = epoch_counts(self.weights, self.epoch_size)
         self._cache: tuple[tuple[int, tuple[int, int]], np.ndarray] | None = None
         self._positions: dict[tuple[int, int], list[np.ndarray]] = {}  # per layout; the same every epoch
+        self._passes: list[dict[int, np.ndarray]] = [{} for _ in self.stream_shard_sizes]
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -191,6 +204,7 @@ class MixedOrders:
             self._positions = {layout: positions}
         ids = np.empty(self.epoch_size, dtype=np.int64)
         for i, count in enumerate(self.counts.tolist()):
-            walk = stream_walk(self.stream_shard_sizes[i], i, epoch * count, count, self.settings)
+            sizes, passes = self.stream_shard_sizes[i], self._passes[i]
+            walk = stream_walk(sizes, i, epoch * count, count, self.settings, passes)
             ids[positions[i]] = self.starts[i] + walk
         return ids

@@ -89,6 +89,8 @@ class MixedSource(Source):
         shard_counts = np.array([len(s.shard_sizes) for s in self.sources], dtype=np.int64)
         self.shard_ends = np.cumsum(shard_counts)
         self.requires_shard_order = any(s.requires_shard_order for s in self.sources)
+        # Streams whose prepare() does something (the default does nothing): local shards need none.
+        self._preparing = [i for i, s in enumerate(self.sources) if type(s).prepare is not Source.prepare]
         join = getattr(self.sources[0], "joined", None)
         self.fused: Source | None = join(self.sources[1:]) if join is not None else None  # all in one
 
@@ -122,7 +124,7 @@ class MixedSource(Source):
 
             source.stream_of(np.array([0, source.num_samples - 1])).tolist() == [0, len(source.sources) - 1]
         """
-        return np.searchsorted(self.ends, ids, side="right").astype(np.int64)
+        return self.ends.searchsorted(ids, side="right")
 
     def fetch(self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes) -> Any:
         streams = self.stream_of(indices)
@@ -179,9 +181,12 @@ class MixedSource(Source):
         return batch
 
     def prepare(self, shard_order: np.ndarray, epoch: int, indices: np.ndarray | None = None) -> None:
-        stream_of_shard = np.searchsorted(self.shard_ends, shard_order, side="right")
+        if not self._preparing:
+            return
+        stream_of_shard = self.shard_ends.searchsorted(shard_order, side="right")
         streams = None if indices is None else self.stream_of(indices)
-        for i, source in enumerate(self.sources):
+        for i in self._preparing:
+            source = self.sources[i]
             shards = shard_order[stream_of_shard == i] - (self.shard_ends[i - 1] if i else 0)
             local = None if indices is None or streams is None else indices[streams == i] - self.starts[i]
             source.prepare(shards.astype(np.int64), epoch, local)
