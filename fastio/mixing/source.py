@@ -151,6 +151,11 @@ class MixedSource(Source):
     def _with_provenance(self, batch: Any, streams: np.ndarray, buffers: BatchBuffers) -> Any:
         if self.per_sample:
             return [_tagged(sample, int(i)) for sample, i in zip(batch, streams.tolist(), strict=True)]
+        if PROVENANCE_FIELD in batch:
+            raise ValueError(
+                f"{self.name} gives a field {PROVENANCE_FIELD!r}, the name of the provenance field a mixed "
+                "loader adds; rename it in the data"
+            )
         batch[PROVENANCE_FIELD] = buffers.fixed(PROVENANCE_FIELD, len(streams))
         batch[PROVENANCE_FIELD].copy_(torch.from_numpy(streams))
         return batch

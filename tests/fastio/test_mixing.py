@@ -145,10 +145,11 @@ def _shards(directory: Path, base: int, n: int, fio) -> str:
     return str(directory)
 
 
-def _tar(path: Path, base: int, n: int, compress: str = "") -> str:
+def _tar(path: Path, base: int, n: int, compress: str = "", extra: str | None = None) -> str:
     with tarfile.open(path, "w" + (f":{compress}" if compress else "")) as tar:
         for i in range(base, base + n):
-            for ext, data in (("cls", str(i).encode()), ("txt", f"doc {i}".encode())):
+            members = [("cls", str(i).encode()), ("txt", f"doc {i}".encode())]
+            for ext, data in members + ([(extra, b"x")] if extra else []):
                 info = tarfile.TarInfo(f"s{i:05d}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -430,6 +431,12 @@ def test_streams_with_incompatible_fields_are_named():
         fastio.StreamLoader(streams)
     with pytest.raises(ValueError, match="cannot share a batch"):
         fastio.StreamLoader([fastio.Stream(_Ids(5, 0)), fastio.Stream([{"v": 1}])])
+
+
+def test_a_field_named_stream_is_refused(tmp_path):
+    tars = [_tar(tmp_path / f"{k}.tar", 9 * k, 5, extra="stream") for k in range(2)]  # "s00000.stream"...
+    with pytest.raises(ValueError, match="provenance field"):
+        list(fastio.StreamLoader([fastio.Stream(t) for t in tars], batch_size=20))
 
 
 def test_streams_whose_batches_differ_in_fields_are_named(tmp_path, fio):
