@@ -5,12 +5,12 @@ provenance field ``"stream"``.
 1. At build: the streams must make batches of one kind (all per-sample ``Dataset`` s, or all batched
    sources) with the same fixed fields (names, dtypes, shapes); else ``ValueError`` naming the streams and
    the field.
-2. :meth:`MixedSource.fetch`: sources that join into one (:meth:`fastio.sources.Source.joined`: local shard
-   directories of one schema) gather a whole batch in one call. Otherwise it splits the ids by stream: when
-   they come grouped by stream (as :mod:`fastio.mixing.schedule` lays them out), each stream's source
-   gathers its rows straight into its stretch of the batch buffers; otherwise (a resume at another layout,
-   the padded tail) the rows are gathered grouped and put back in the asked order. Variable fields are
-   joined as lists; every stream must return the same fields.
+2. :meth:`MixedSource.fetch`: sources that join into one (:meth:`fastio.sources.Source.joined`: local
+   shard directories of one schema, local tars of one layout) gather a whole batch in one call. Otherwise
+   it splits the ids by stream: when they come grouped by stream (as :mod:`fastio.mixing.schedule` lays
+   them out), each stream's source gathers its rows straight into its stretch of the batch buffers;
+   otherwise (a resume at another layout, the padded tail) the rows are gathered grouped and put back in
+   the asked order. Variable fields are joined as lists; every stream must return the same fields.
 3. Provenance: batched sources get ``batch["stream"]``, an int64 tensor ``[B]`` of stream indices; per-sample
    sources' dict samples get a ``"stream"`` key (a copy of the sample; other sample types are left alone).
 4. ``prepare``/``plan_reads`` go to each stream with its own shards and ids; ``stats()`` reports each

@@ -294,7 +294,10 @@ def test_ranks_get_equal_batch_counts(world, drop_last):
     assert counts.pop() == len(_loader([23, 11], [2, 1], world_size=world, rank=0, drop_last=drop_last))
 
 
-def test_resume_at_another_batch_size_keeps_rows_in_the_asked_order(tmp_path):
+@pytest.mark.parametrize("fused", [True, False])
+def test_resume_at_another_batch_size_keeps_rows_in_the_asked_order(tmp_path, monkeypatch, fused):
+    if not fused:  # stream by stream: rows gathered grouped by stream, then put back in the asked order
+        monkeypatch.setattr(fastio.format.tar.source.TarSource, "joined", lambda self, others: None)
     plain, other = _tar(tmp_path / "a.tar", 0, 40), _tar(tmp_path / "b.tar", 500, 15)
     streams = [fastio.Stream(plain, 0.5), fastio.Stream(other, 0.5)]
     first = fastio.StreamLoader(streams, batch_size=6, shuffle=True, seed=2)
@@ -303,13 +306,29 @@ def test_resume_at_another_batch_size_keeps_rows_in_the_asked_order(tmp_path):
     next(it)
     resumed = fastio.StreamLoader(streams, batch_size=4, shuffle=True, seed=2)
     resumed.load_state_dict(first.state_dict())
+    assert (resumed._source.fused is not None) == fused
     got = []
-    for batch in resumed:  # batches of 4 cut across the groups of 6: gathered by stream, put back in order
+    for batch in resumed:  # batches of 4 cut across the groups of 6
         assert batch["stream"].tolist() == [int(c >= 500) for c in batch["cls"].tolist()]
         assert batch["txt"] == [f"doc {c}" for c in batch["cls"].tolist()]
         assert batch["__key__"] == [f"s{c:05d}" for c in batch["cls"].tolist()]
         got += batch["cls"].tolist()
     assert got == expected[6:]
+
+
+def test_tar_streams_gathered_at_once_equal_stream_by_stream(tmp_path, monkeypatch):
+    plain, other = _tar(tmp_path / "a.tar", 0, 40), _tar(tmp_path / "b.tar", 500, 15)
+
+    def epoch():
+        loader = fastio.StreamLoader(
+            [fastio.Stream(plain, 2), fastio.Stream(other, 1)], batch_size=6, shuffle=True
+        )
+        return [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader]
+
+    at_once = epoch()
+    monkeypatch.setattr(fastio.format.tar.source.TarSource, "joined", lambda self, others: None)
+    assert epoch() == at_once
+    assert at_once[0]["__key__"] == [f"s{c:05d}" for c in at_once[0]["cls"]]
 
 
 @pytest.mark.parametrize("batch_size", [6, 4])
