@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from fastio.errors import EmptySourceError
+
 __all__ = ["MIX_MODES", "Stream", "as_streams"]
 
 MIX_MODES = ("sample", "batch")
@@ -49,7 +51,8 @@ class Stream:
 
 def as_streams(source: Any) -> list[Stream] | None:
     """The streams of a loader's ``source`` when it is a list or tuple of :class:`Stream`, else None; an
-    empty list, or a list mixing streams and other things, raises ``ValueError``.
+    empty list raises :class:`fastio.EmptySourceError` (a ``ValueError``), a list mixing streams and other
+    things ``ValueError``.
 
     Example::
 
@@ -59,7 +62,7 @@ def as_streams(source: Any) -> list[Stream] | None:
     if not isinstance(source, (list, tuple)):
         return None
     if not source:
-        raise ValueError(
+        raise EmptySourceError(
             "StreamLoader got an empty list as source; pass a path, a Dataset, or a list of fastio.Stream"
         )
     kinds: Sequence[bool] = [isinstance(s, Stream) for s in source]

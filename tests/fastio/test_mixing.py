@@ -427,7 +427,7 @@ def test_stream_weight_must_be_positive(weight):
 
 
 def test_bad_stream_lists_and_arguments(shard_dir):
-    with pytest.raises(ValueError, match="empty list"):
+    with pytest.raises(fastio.EmptySourceError, match="empty list"):
         fastio.StreamLoader([], batch_size=2)
     with pytest.raises(ValueError, match="wrap every source"):
         fastio.StreamLoader([fastio.Stream(shard_dir), shard_dir], batch_size=2)
