@@ -17,6 +17,13 @@ Cases (sizes are flags; defaults fit ~4 minutes on 2 shared cores and ~5 GB of /
   batch as a list of tensors: what a packer written by hand starts from, and the baseline of the ratio);
   a hand-written 12-line packer (``torch.cat`` + ``unfold``) over that raw loader; ``StreamLoader(pack=...)``
   (workers 0 and 2). Target: packed >= 0.7x the raw read.
+* ``mixing``: the cost of weighted streams: three fastio shard directories of ``--mix-samples`` / 3 samples
+  each (``fixed``'s sample layout), mixed at weights 0.5/0.3/0.2 (``fastio.Stream``), against one directory
+  of ``--mix-samples`` samples, both full shuffle, workers 0 and 2, timed in alternation epoch by epoch
+  (who goes first alternates too); the ratio is the median of the ``--mix-epochs`` per-epoch ratios, each
+  of two neighbouring epochs, so a load that drifts over the run cancels; ``cpu_ratio``: the same with the
+  process's CPU seconds per epoch (one stream's over the mix's), which other users' load on the host moves
+  less than wall time. Target: mixed >= 0.9x one stream.
 * Mosaic Streaming / LitData rows appear only when those optional packages import (install them with
   ``pip install --no-deps``); otherwise a note says they were skipped.
 
@@ -53,7 +60,8 @@ IMAGE_SHAPE = (3, 32, 32)
 IMAGE_BYTES = int(np.prod(IMAGE_SHAPE))
 PACK_SEQ_LEN = 1024
 PACK_MEAN_TOKENS = 500
-CASES = ("fixed", "variable", "tar", "packing")
+CASES = ("fixed", "variable", "tar", "packing", "mixing")
+MIX_WEIGHTS = (0.5, 0.3, 0.2)
 
 
 def _rss_mb() -> dict[str, float]:
@@ -81,13 +89,13 @@ def _rate(batches: Iterable[Any], count: Callable[[Any], int], limit: int) -> fl
 
 
 # -- data ------------------------------------------------------------------------------------------
-def _write_fixed(root: Path, n: int) -> Path:
+def _write_fixed(root: Path, n: int, name: str = "fixed", seed: int = 0) -> Path:
     import fastio
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     chunk = 100_000
     with fastio.ShardWriter(
-        root / "fixed",
+        root / name,
         schema={"x": ("uint8", IMAGE_SHAPE), "y": ("int64", ())},
         max_samples=n,
         max_bytes=1 << 40,
@@ -100,7 +108,7 @@ def _write_fixed(root: Path, n: int) -> Path:
                     "y": np.arange(start, start + k, dtype=np.int64) % 1000,
                 }
             )
-    return root / "fixed"
+    return root / name
 
 
 def _write_variable(root: Path, n: int) -> Path:
@@ -386,6 +394,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--pack-docs", type=int, default=40_000, help="token documents of the packing case")
     parser.add_argument("--pack-batch", type=int, default=32, help="rows per packed batch")
     parser.add_argument(
+        "--mix-samples", type=int, default=120_000, help="samples of the mixing case, all streams together"
+    )
+    parser.add_argument("--mix-epochs", type=int, default=7, help="timed epoch pairs of the mixing case")
+    parser.add_argument(
         "--cases", default=",".join(CASES), help="comma-separated cases to run; the others' rows are kept"
     )
     args = parser.parse_args(argv)
@@ -438,6 +450,8 @@ def main(argv: list[str] | None = None) -> str:
                 f"~{PACK_MEAN_TOKENS} tokens, 4 shards), written in {time.perf_counter() - t0:.0f} s"
             )
             rows += _bench_packing(pack_dir, args, notes)
+        if "mixing" in cases:
+            rows += _bench_mixing(root, args, notes)
         if cases == set(CASES):
             _optional_contenders(notes)
         else:
@@ -598,6 +612,59 @@ def _bench_tar(pattern: str, args: argparse.Namespace, notes: list[str]) -> list
                 rss_anon_file_mb_per_epoch=_rss_text(rss),
             )
         )
+    return rows
+
+
+def _bench_mixing(root: Path, args: argparse.Namespace, notes: list[str]) -> list[Row]:
+    """Three weighted streams against one stream of the same total size, timed in alternation."""
+    import fastio
+
+    n = args.mix_samples
+    t0 = time.perf_counter()
+    one = str(_write_fixed(root, n, "mix-one", seed=1))
+    thirds = [n // 3 + (k < n % 3) for k in range(3)]
+    parts = [str(_write_fixed(root, size, f"mix-{k}", seed=2 + k)) for k, size in enumerate(thirds)]
+    notes.append(
+        f"mixing: one stream of {n:,} samples vs streams of {thirds} at weights {MIX_WEIGHTS} "
+        f"(epoch_size {n:,}), {IMAGE_SHAPE} uint8 + int64 label, written in {time.perf_counter() - t0:.0f} s"
+    )
+    sample_bytes = IMAGE_BYTES + 8
+    rows = []
+    for workers in (0, 2):
+        kwargs = {"batch_size": args.batch, "shuffle": True, "seed": 0, "num_workers": workers}
+        loaders = {
+            "one": fastio.StreamLoader(one, **kwargs),
+            "mixed": fastio.StreamLoader(
+                [fastio.Stream(p, w) for p, w in zip(parts, MIX_WEIGHTS, strict=True)], **kwargs
+            ),
+        }
+        rates: dict[str, list[float]] = {name: [] for name in loaders}
+        cpu: dict[str, list[float]] = {name: [] for name in loaders}
+        for epoch in range(args.mix_epochs + 1):  # epoch 0 warms the page cache and the lazy checksums
+            for name in sorted(loaders, reverse=bool(epoch % 2)):
+                loader = loaders[name]
+                loader.set_epoch(epoch)
+                started = time.process_time()
+                for _ in loader:
+                    pass
+                if epoch:
+                    rates[name].append(loader.stats()["samples_per_s"])
+                    cpu[name].append(time.process_time() - started)
+        base = float(np.median(rates["one"]))
+        ratio = float(np.median(np.array(rates["mixed"]) / np.array(rates["one"])))
+        cpu_ratio = float(np.median(np.array(cpu["one"]) / np.array(cpu["mixed"])))
+        rows.append(_row("mixing", f"one stream workers={workers}", base, sample_bytes))
+        mixed = _row(
+            "mixing",
+            f"3 streams {'/'.join(map(str, MIX_WEIGHTS))} workers={workers}",
+            float(np.median(rates["mixed"])),
+            sample_bytes,
+            cpu_ratio=f"{cpu_ratio:.3f}",
+            epochs=" / ".join(f"{r:,.0f}" for r in rates["mixed"]),
+            one_stream_epochs=" / ".join(f"{r:,.0f}" for r in rates["one"]),
+        )
+        mixed.ratio, mixed.ratio_to = ratio, f"one stream workers={workers} (median of per-epoch ratios)"
+        rows.append(mixed)
     return rows
 
 

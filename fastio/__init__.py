@@ -11,7 +11,8 @@ Example::
 
 Built in: :class:`ImageStage` (decode + RandomResizedCrop/flip or centre crop into the batch buffer,
 ``stages=[...]``), :class:`Pack` (token documents packed into fixed rows, ``pack=...``),
-:func:`worker_info` (inside workers: id, num_workers, seed, epoch).
+:func:`worker_info` (inside workers: id, num_workers, seed, epoch), :class:`Stream` (weighted sources mixed
+in proportion: ``StreamLoader([Stream(a, 0.7), Stream(b, 0.3)], ...)``).
 """
 
 from fastio._native import backend
@@ -34,6 +35,7 @@ from fastio.format.shards.writer import ShardWriter
 from fastio.format.tar.decode import decode_default
 from fastio.format.tar.index import TarShardSet, index_tar
 from fastio.loader import StreamLoader
+from fastio.mixing import Stream
 from fastio.registry import register_format, register_scheme
 from fastio.sources import Source
 from fastio.workers import WorkerInfo, worker_info
@@ -54,6 +56,7 @@ __all__ = [
     "ShardWriter",
     "Source",
     "StageContext",
+    "Stream",
     "StreamLoader",
     "TarShardSet",
     "WorkerInfo",

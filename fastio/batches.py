@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fastio.epoch import EpochPass
-from fastio.order import advance, epoch_order, num_batches, rank_indices
+from fastio.order import epoch_order, num_batches, rank_indices, resume_start
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import Source
 from fastio.workers.batch_pass import BatchPass
@@ -157,6 +157,5 @@ class SampleBatches:
                     f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
                     "the epoch order would differ"
                 )
-        old_per_rank = len(rank_indices(np.arange(n), state["start"], state["world_size"], 0, False))
-        consumed = min(state["batches_yielded"] * state["batch_size"], old_per_rank)
-        return int(state["epoch"]), advance(state["start"], state["world_size"], consumed, n)
+        yielded, size = state["batches_yielded"], state["batch_size"]
+        return int(state["epoch"]), resume_start(n, state["start"], state["world_size"], yielded, size)

@@ -62,6 +62,7 @@ from fastio.assembly.collate import collate_samples
 from fastio.assembly.pack import Pack, TokenPacker
 from fastio.assembly.stages import BatchStage
 from fastio.batches import Batches, EpochOrders, SampleBatches
+from fastio.mixing import as_streams, mixed_batches, open_streams
 from fastio.registry import OpenOptions, open_source
 from fastio.sampled import SamplerBatches, check_sampler_args, index_batches
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, dataloader_worker_args
@@ -90,7 +91,9 @@ class StreamLoader:
         source: a shard directory (:class:`fastio.ShardWriter`), a tar path / glob / brace pattern
             (``"data/shard-{000000..000099}.tar"``) or list of them, a map-style ``Dataset``, a URL whose
             scheme has an opener, or a :class:`fastio.sources.Source`: whatever
-            :func:`fastio.registry.open_source` opens (formats and schemes are registered there).
+            :func:`fastio.registry.open_source` opens (formats and schemes are registered there); or a list
+            of :class:`fastio.Stream` (sources with weights), mixed in proportion (:mod:`fastio.mixing`,
+            docs/loader.md "Mixing weighted streams").
         batch_size: samples per batch.
         shuffle: ``False`` (the default, as in DataLoader: storage order), ``True`` (a full global
             permutation per epoch, as in DataLoader) or ``"shard"`` (shard-aware, for sources where random
@@ -143,6 +146,9 @@ class StreamLoader:
             (0: no limit).
         multiprocessing_context: ``"fork"`` or a fork context (worker processes are forked); others are
             refused with ``ValueError``.
+        mix: streams only: ``"sample"`` (each batch mixes the streams in proportion) or ``"batch"`` (one
+            stream per batch, batches drawn in proportion).
+        epoch_size: streams only: samples per epoch, all streams together (default: the sum of their sizes).
 
     Returns batches: for shard and tar sources a dict field -> tensor ``[B, ...]`` (fixed shapes) or list
     (variable ones; tar sources add ``"__key__"``); for Dataset sources what ``collate`` returns.
@@ -194,6 +200,8 @@ class StreamLoader:
         prefetch_factor: int | None = None,
         timeout: float = 0,
         multiprocessing_context: Any = None,
+        mix: str = "sample",
+        epoch_size: int | None = None,
     ) -> None:
         if collate_fn is not None:
             if collate is not None:
@@ -232,7 +240,10 @@ class StreamLoader:
             cache_limit=cache_limit,
             storage_options=storage_options,
         )
-        self._source = open_source(source, options)
+        streams = as_streams(source)
+        if streams is None and (mix != "sample" or epoch_size is not None):
+            raise ValueError("mix= and epoch_size= apply to a list of fastio.Stream sources (mixing them)")
+        self._source = open_source(source, options) if streams is None else open_streams(streams, options)
         if self._source.requires_shard_order and order.shuffle == "full":
             raise ValueError(
                 f"shuffle=True (a full permutation) on {self._source.name}, a source read shard by shard: "
@@ -250,6 +261,11 @@ class StreamLoader:
             packed=pack is not None,
             source=self._source,
         )
+        if sampled and streams is not None:
+            raise ValueError(
+                "sampler=, batch_sampler= or generator= with a list of fastio.Stream: the mixed epoch is "
+                "fastio's own order of the streams; use shuffle= and seed="
+            )
         if persistent_workers and not self._source.per_sample:
             raise ValueError(
                 f"persistent_workers=True on {self._source.name}: kept worker processes serve map-style "
@@ -277,6 +293,11 @@ class StreamLoader:
             self._batches = SamplerBatches(
                 self._source, index_sampler, generator, seed, workers, assembly, progress
             )
+        elif streams is not None:
+            self._batches = mixed_batches(
+                self._source, streams, mix=mix, epoch_size=epoch_size, pack=pack, order=order,
+                workers=workers, assembly=assembly, progress=progress,
+            )  # fmt: skip
         elif pack is None:
             self._batches = SampleBatches(self._source, orders, order, workers, assembly, progress)
         else:

@@ -32,7 +32,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["SHUFFLE_MODES", "advance", "epoch_order", "normalize_shuffle", "num_batches", "rank_indices"]
+__all__ = [
+    "SHUFFLE_MODES",
+    "advance",
+    "epoch_order",
+    "normalize_shuffle",
+    "num_batches",
+    "rank_indices",
+    "resume_start",
+]
 
 SHUFFLE_MODES = ("none", "shard", "full")
 
@@ -146,3 +154,18 @@ def advance(start: int, world_size: int, consumed_per_rank: int, total: int) -> 
         advance(0, 4, 3, 10) == 10   # 12 positions consumed, 2 of them padding
     """
     return min(int(total), int(start) + int(world_size) * int(consumed_per_rank))
+
+
+def resume_start(total: int, start: int, world_size: int, batches_yielded: int, batch_size: int) -> int:
+    """The epoch position a state dict leaves: every rank of ``world_size`` handed over ``batches_yielded``
+    batches of ``batch_size`` from position ``start`` of an epoch of ``total`` positions (a partial last
+    batch counts what it held).
+
+    Example::
+
+        resume_start(10, 0, 4, 1, 2) == 8
+    """
+    start = min(max(int(start), 0), int(total))
+    per_rank = -(-(int(total) - start) // int(world_size))  # with DistributedSampler's padding
+    consumed = min(int(batches_yielded) * int(batch_size), per_rank)
+    return advance(start, world_size, consumed, total)

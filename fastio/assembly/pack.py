@@ -311,6 +311,8 @@ class TokenPacker:
         order: the loader's order settings (seed and shuffle are kept in the state dict, so a resume with
             another order is refused; rank, world size, drop_last split the rows).
         workers, assembly: the loader's (workers are threads; no stages, transform or collate).
+        identity: what else the state dict records about ``orders`` (a mixed loader's streams and weights),
+            so a resume on another order is refused.
 
     Raises :class:`fastio.SchemaMismatchError` when the field is not a 1-D variable-length integer array,
     ``ValueError`` for a dtype or eos that does not fit or settings packing does not take,
@@ -332,10 +334,11 @@ class TokenPacker:
         order: OrderSettings,
         workers: WorkerSettings,
         assembly: AssemblySettings,
+        identity: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(pack, Pack):
             raise TypeError(f"pack= must be a fastio.Pack, got {type(pack).__name__}")
-        self.source, self.pack, self.orders = source, pack, orders
+        self.source, self.pack, self.orders, self.order_identity = source, pack, orders, dict(identity or {})
         self.order, self.workers, self.assembly = order, workers, assembly
         self.batch_size = assembly.batch_size
         self.documents = _documents(source, pack.field)
@@ -422,6 +425,7 @@ class TokenPacker:
     def _identity(self) -> dict[str, Any]:
         return {
             **self.order.identity(),
+            **self.order_identity,
             "num_samples": len(self.documents.tokens),
             "num_tokens": self.num_tokens,
             "field": self.pack.field,

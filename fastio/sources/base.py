@@ -207,6 +207,17 @@ class Source(Protocol):
         """
         return None
 
+    def joined(self, others: Sequence[Source]) -> Source | None:
+        """One source serving this one's samples then each of ``others``' (global id: the concatenation),
+        or None (the default) when it cannot: a mixed loader (:mod:`fastio.mixing`) then gathers each
+        stream with one call instead of one per stream. Optional: a source need not define it.
+
+        Example::
+
+            both = web.joined([code])   # a shard source joins other local shard sets of its schema
+        """
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Counters of the source's own (a remote source: ``network_wait_s``, ``downloaded_bytes``,
         ``cache_bytes``, ``cache_limit``...), which :meth:`fastio.StreamLoader.stats` reports as ``source``

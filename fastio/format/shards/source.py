@@ -10,8 +10,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +22,7 @@ import torch
 from fastio._gather import gather_ranges, gather_rows, read_ranges
 from fastio._mapped import MappedTable
 from fastio.errors import CorruptShardError, SchemaMismatchError
-from fastio.format.shards.reader import ShardSet
+from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.shards.schema import Schema
 from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype
 from fastio.sources.buffers import BatchBuffers
@@ -47,6 +49,17 @@ def _locate(cumulative: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np
     return shard.astype(np.int32), indices - cumulative[shard]
 
 
+@dataclasses.dataclass(frozen=True)
+class _JoinedSets:
+    """Shard sets of one schema read as one set (what :meth:`ShardSource.joined` serves)."""
+
+    directory: str
+    schema: Schema
+    readers: list[ShardReader]
+    shard_sizes: list[int]
+    num_samples: int
+
+
 class ShardSource(Source):
     """A fastio shard directory as a batch source.
 
@@ -55,7 +68,7 @@ class ShardSource(Source):
         source = ShardSource(ShardSet("data/train"))
     """
 
-    def __init__(self, shards: ShardSet) -> None:
+    def __init__(self, shards: ShardSet | _JoinedSets) -> None:
         self.shards = shards
         self.name = str(shards.directory)
         self.schema = shards.schema
@@ -90,6 +103,28 @@ class ShardSource(Source):
                     self.shards.readers[int(s)].ensure_verified()
                     self._verified[s] = True
                     self._all_verified = bool(self._verified.all())
+
+    def joined(self, others: Sequence[Source]) -> ShardSource | None:
+        """One local shard source over this set's shards, then each of ``others``', when every one is a
+        local shard source of the same schema; else None (see :meth:`fastio.sources.Source.joined`).
+
+        Example::
+
+            both = ShardSource(ShardSet("data/web")).joined([ShardSource(ShardSet("data/code"))])
+        """
+        sets = [self, *others]
+        if any(type(s) is not ShardSource or s.schema != self.schema for s in sets):
+            return None
+        shards = [s.shards for s in sets if isinstance(s, ShardSource)]
+        return ShardSource(
+            _JoinedSets(
+                " + ".join(str(s.directory) for s in shards),
+                self.schema,
+                [r for s in shards for r in s.readers],
+                [n for s in shards for n in s.shard_sizes],
+                sum(s.num_samples for s in shards),
+            )
+        )
 
     def token_documents(self, field_name: str) -> TokenDocuments:
         """The documents of a 1-D variable-length integer field, for ``pack=`` (:mod:`fastio.assembly.pack`).

@@ -150,6 +150,25 @@ class TarSource(Source):
             self._ints = {field: self._decode_ints(field, *self.columns[field]) for field in layout.ints}
         self.layout = layout
 
+    def joined(self, others: Sequence[Source]) -> TarSource | None:
+        """One tar source over this set's shards, then each of ``others``', when every one is a local tar
+        source of the same layout and decoding; else None (see :meth:`fastio.sources.Source.joined`).
+
+        Example::
+
+            both = TarSource(TarShardSet("web-*.tar")).joined([TarSource(TarShardSet("code-*.tar"))])
+        """
+        sets = [self, *others]
+        if any(type(s) is not TarSource or s.layout != self.layout or s.decode != self.decode for s in sets):
+            return None
+        shards = [s.shards for s in sets if isinstance(s, TarSource)]
+        joined = TarShardSet.from_parts(
+            [p for s in shards for p in s.paths],
+            [ix for s in shards for ix in s.indexes],
+            [f for s in shards for f in s.files],
+        )
+        return TarSource(joined, self.decode, self.layout)
+
     def _apply(self, layout: TarLayout) -> None:
         for field, spec in layout.npy_fixed.items():
             offsets, sizes = self.columns[field]
