@@ -512,12 +512,12 @@ def _bench_fixed(fixed_dir: Path, args: argparse.Namespace, notes: list[str]) ->
     best = (f"DataLoader w={best_w}", dl[best_w])
     del x, y  # unmap the baselines' view, so the resident memory below is StreamLoader's alone
     gc.collect()
-    for shuffle in (True, "full"):
+    for shuffle in ("shard", "full"):
         for workers in (0, 2):
             rate, rss, first = _stream_epochs(
                 str(fixed_dir), args.batch, args.epochs, shuffle=shuffle, num_workers=workers
             )
-            label = f"StreamLoader shuffle={'shard' if shuffle is True else shuffle} workers={workers}"
+            label = f"StreamLoader shuffle={shuffle} workers={workers}"
             rows.append(
                 _row(
                     "fixed",
