@@ -95,8 +95,9 @@ class StreamLoader:
         shuffle: ``False`` (the default, as in DataLoader: storage order), ``True`` (a full global
             permutation per epoch, as in DataLoader) or ``"shard"`` (shard-aware, for sources where random
             access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
-            batch, see :mod:`fastio.order`). Sources that declare ``requires_shard_order`` (remote
-            stores) refuse ``True``.
+            batch, see :mod:`fastio.order`). On sources that declare ``requires_shard_order`` (remote
+            stores), ``True`` is the full permutation where the cache holds every shard, else a sliding
+            window of the shards the cache holds (``"window"``, ``stats()["shuffle_window_shards"]``).
         seed: with the epoch, the only source of randomness.
         num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
         pin_memory: page-locked output buffers; default: False, as in DataLoader, but True with a CUDA
@@ -233,12 +234,8 @@ class StreamLoader:
             storage_options=storage_options,
         )
         self._source = open_source(source, options)
-        if self._source.requires_shard_order and order.shuffle == "full":
-            raise ValueError(
-                f"shuffle=True (a full permutation) on {self._source.name}, a source read shard by shard: "
-                "nearly every sample would come from another shard, each fetched whole; use shuffle='shard' "
-                "(a shard-aware shuffle: shards, then blocks within a window of shards, then samples)"
-            )
+        if self._source.requires_shard_order:  # shuffle=True: a window of the shards its cache holds
+            order = order.within(self._source.shards_held(), len(self._source.shard_sizes))
         sampled = check_sampler_args(
             shuffle=shuffle,
             batch_size=batch_size,
@@ -295,7 +292,7 @@ class StreamLoader:
     collate = property(lambda self: self.assembly.collate, doc="The collate function, or None.")
     reuse_buffers = property(lambda self: self.assembly.reuse_buffers, doc="Reuse unviewed buffers.")
     device = property(lambda self: self.assembly.device, doc="Where batches are copied, or None.")
-    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full" or "shard".')
+    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full", "shard" or "window".')
     shuffle_block = property(lambda self: self.order.shuffle_block, doc="Block of the shard shuffle.")
     shuffle_window = property(lambda self: self.order.shuffle_window, doc="Window of the shard shuffle.")
     seed = property(lambda self: self.order.seed, doc="With the epoch, the only source of randomness.")
@@ -394,6 +391,9 @@ class StreamLoader:
         ``wait_share >= 0.5``. Sources with counters of their own (:meth:`fastio.sources.Source.stats`: a
         remote source's downloads and cache) add them as ``source``, and ``network_wait_s``: seconds its
         fetches waited for shards to become local (not part of ``stage_s["read"]``, which is the gather).
+        ``shuffle_mode`` and ``shuffle_window_shards`` say which order was chosen and how many shards it mixes
+        at once (``shuffle=True`` on a cache-limited remote source: ``"window"`` and the shards the cache
+        holds).
 
         Example::
 
@@ -414,6 +414,8 @@ class StreamLoader:
             }
         else:
             out = self._current.stats()
+        out["shuffle_mode"] = self.order.shuffle
+        out["shuffle_window_shards"] = self.order.window_shards(len(self._source.shard_sizes))
         source = self._source.stats()
         if source:
             out["source"] = source

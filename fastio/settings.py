@@ -31,8 +31,9 @@ class OrderSettings:
 
     Attributes:
         seed: with the epoch, the only source of randomness.
-        shuffle: ``"none"``, ``"full"`` or ``"shard"`` (``True``/``False`` are turned into these).
-        shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
+        shuffle: ``"none"``, ``"full"``, ``"shard"`` or ``"window"`` (``True``/``False`` are turned into
+            these; :meth:`within` makes ``"full"`` a ``"window"`` where the source cannot hold every shard).
+        shuffle_block, shuffle_window: block size and window of the shard-aware shuffles.
         rank, world_size: this rank and the number of ranks.
         drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
 
@@ -56,6 +57,28 @@ class OrderSettings:
             raise ValueError(
                 f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
             )
+
+    def within(self, shards_held: int | None, num_shards: int) -> OrderSettings:
+        """These settings for a source read shard by shard that holds ``shards_held`` shards at once (its
+        cache's room; None: every shard): ``shuffle=True`` stays the full permutation where every shard fits,
+        else becomes the sliding window of ``shards_held`` shards (``"window"``, :mod:`fastio.order`).
+
+        Example::
+
+            OrderSettings(shuffle=True).within(4, 16).shuffle_window == 4
+        """
+        if self.shuffle != "full" or shards_held is None or shards_held >= num_shards:
+            return self
+        return dataclasses.replace(self, shuffle="window", shuffle_window=max(1, int(shards_held)))
+
+    def window_shards(self, num_shards: int) -> int:
+        """Shards the order mixes at once: every shard (full), the window (shard, window), or one (none).
+
+        Example::
+
+            OrderSettings(shuffle="shard", shuffle_window=3).window_shards(16) == 3
+        """
+        return {"full": num_shards, "none": 1}.get(self.shuffle, min(self.shuffle_window, num_shards))
 
     def identity(self) -> dict[str, Any]:
         """What a state dict records so that a resume with another order is refused.

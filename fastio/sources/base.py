@@ -143,8 +143,9 @@ class Source(Protocol):
             or lists); True: it returns a list of ``B`` samples (any Python objects), which the loader passes
             through ``transform`` and ``collate`` (the Python path), as for a map-style ``Dataset``.
         requires_shard_order: True for sources where reading a random sample costs a whole shard (remote
-            stores, compressed tars): ``StreamLoader(shuffle=True)`` (a full permutation) is refused with an
-            error pointing to ``shuffle="shard"``. Default False.
+            stores): ``StreamLoader(shuffle=True)`` is a full permutation only where :meth:`shards_held`
+            says every shard fits, else a sliding window of that many shards (:mod:`fastio.order`).
+            Default False.
 
     Example::
 
@@ -207,6 +208,17 @@ class Source(Protocol):
         """
         return None
 
+    def shards_held(self) -> int | None:
+        """How many shards a source read shard by shard can hold at once (a remote source: its largest
+        shards that fit ``cache_limit``); None: every shard. ``shuffle=True`` mixes that many shards at once
+        where it is not None (:meth:`fastio.settings.OrderSettings.within`). Default: None.
+
+        Example::
+
+            source.shards_held()   # 4: a cache_limit of four shards
+        """
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Counters of the source's own (a remote source: ``network_wait_s``, ``downloaded_bytes``,
         ``cache_bytes``, ``cache_limit``...), which :meth:`fastio.StreamLoader.stats` reports as ``source``
@@ -247,7 +259,7 @@ class TokenDocuments:
 
 
 REQUIRED_MEMBERS = ("name", "num_samples", "shard_sizes", "per_sample", "requires_shard_order")
-_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare", "plan_reads", "stats")
+_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare", "plan_reads", "shards_held", "stats")
 
 
 def missing_members(source: Any) -> list[str]:
