@@ -65,7 +65,7 @@ from fastio.batches import Batches, EpochOrders, SampleBatches
 from fastio.registry import OpenOptions, open_source
 from fastio.sampled import SamplerBatches, check_sampler_args, index_batches
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, dataloader_worker_args
-from fastio.sources import StageTimes
+from fastio.sources import ReadPlan, StageTimes
 from fastio.workers.batch_pass import BatchPass
 
 __all__ = ["StreamLoader", "collate_samples"]
@@ -234,8 +234,6 @@ class StreamLoader:
             storage_options=storage_options,
         )
         self._source = open_source(source, options)
-        if self._source.requires_shard_order:  # shuffle=True: a window of the shards its cache holds
-            order = order.within(self._source.shards_held(), len(self._source.shard_sizes))
         sampled = check_sampler_args(
             shuffle=shuffle,
             batch_size=batch_size,
@@ -260,6 +258,9 @@ class StreamLoader:
         assembly = dataclasses.replace(
             assembly, python_path=python_path, pin=pin, reuse_buffers=reuse_buffers, device=device
         )
+        if self._source.requires_shard_order:  # shuffle=True: a window of the shards its cache holds
+            reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
+            order = order.within(self._source.shards_held(), self._source.shard_sizes, reach)
         self.order, self.workers, self.assembly = order, workers, assembly
         # 3. How epochs are cut into batches, chosen once (fastio.batches): samples, or packed rows.
         orders = EpochOrders(self._source.shard_sizes, order)

@@ -37,11 +37,20 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["SHUFFLE_MODES", "advance", "epoch_order", "normalize_shuffle", "num_batches", "rank_indices"]
+__all__ = [
+    "SHUFFLE_MODES",
+    "advance",
+    "epoch_order",
+    "normalize_shuffle",
+    "num_batches",
+    "rank_indices",
+    "window_within",
+]
 
 SHUFFLE_MODES = ("none", "shard", "window", "full")
 
@@ -130,6 +139,21 @@ def _sliding_window(sizes: np.ndarray, rng: np.random.Generator, window: int) ->
     lo, hi = np.maximum(place, window - 1), np.minimum(place + window, shards)
     when = np.repeat(lo, sizes) + rng.random(int(sizes.sum())) * np.repeat(hi - lo, sizes)
     return np.argsort(when, kind="stable").astype(np.int64)
+
+
+def window_within(shards_held: int, shard_sizes: Sequence[int], reach: int) -> int:
+    """The ``"window"`` that keeps a pass within ``shards_held`` shards: at any point about ``window`` shards
+    are open, plus those the reads around it still (or already) hold, ``reach`` samples of the epoch's order
+    (the batches in flight on every rank), in shard turns of the mean shard; one more opens as one closes,
+    which the cache admits beyond its limit. So ``window + reach / mean shard < shards_held + 1``.
+
+    Example::
+
+        assert window_within(4, [1000] * 16, reach=256) == 4 and window_within(4, [100] * 16, 256) == 2
+    """
+    sizes = [int(s) for s in shard_sizes if s > 0]
+    spread = reach / (sum(sizes) / len(sizes)) if sizes else 0.0
+    return max(1, math.ceil(shards_held + 1 - spread) - 1)
 
 
 def rank_indices(order: np.ndarray, start: int, world_size: int, rank: int, drop_last: bool) -> np.ndarray:

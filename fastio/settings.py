@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fastio.assembly.stages import BatchStage
-from fastio.order import normalize_shuffle
+from fastio.order import normalize_shuffle, window_within
 
 __all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args"]
 
@@ -58,18 +58,20 @@ class OrderSettings:
                 f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
             )
 
-    def within(self, shards_held: int | None, num_shards: int) -> OrderSettings:
+    def within(self, shards_held: int | None, shard_sizes: Sequence[int], reach: int = 0) -> OrderSettings:
         """These settings for a source read shard by shard that holds ``shards_held`` shards at once (its
         cache's room; None: every shard): ``shuffle=True`` stays the full permutation where every shard fits,
-        else becomes the sliding window of ``shards_held`` shards (``"window"``, :mod:`fastio.order`).
+        else becomes the sliding window (``"window"``, :mod:`fastio.order`) of the shards it holds, less
+        what the ``reach`` samples read around each point hold (:func:`fastio.order.window_within`).
 
         Example::
 
-            OrderSettings(shuffle=True).within(4, 16).shuffle_window == 4
+            OrderSettings(shuffle=True).within(4, [1000] * 16, reach=64).shuffle_window == 4
         """
-        if self.shuffle != "full" or shards_held is None or shards_held >= num_shards:
+        if self.shuffle != "full" or shards_held is None or shards_held >= len(shard_sizes):
             return self
-        return dataclasses.replace(self, shuffle="window", shuffle_window=max(1, int(shards_held)))
+        window = window_within(max(1, int(shards_held)), shard_sizes, reach)
+        return dataclasses.replace(self, shuffle="window", shuffle_window=window)
 
     def window_shards(self, num_shards: int) -> int:
         """Shards the order mixes at once: every shard (full), the window (shard, window), or one (none).

@@ -98,6 +98,12 @@ class ReadPlan:
         """Batches past the consumer's whose shards are pinned (:mod:`fastio.remote.working_set`)."""
         return _RANK_SKEW if self.ranks_share_cache else 0
 
+    def reach(self, world_size: int) -> int:
+        """Samples of the epoch's global order that the shards pinned around one batch span: the batch,
+        :attr:`lead` and :attr:`lag` batches, on each of ``world_size`` ranks (:mod:`fastio.order`'s window
+        leaves room for them)."""
+        return (self.lead + self.lag + 1) * self.batch_size * world_size
+
     @property
     def lag(self) -> int:
         """Batches before the consumer's whose shards may still be pinned (see ``lead``)."""

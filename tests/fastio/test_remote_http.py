@@ -114,13 +114,6 @@ def test_a_url_opens_through_the_registry_and_reports_io(shard_dir, server, tmp_
     loader._source.close()
 
 
-def test_full_shuffle_is_refused(server, tmp_path):
-    source = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "cache", retry=FAST_RETRY)
-    with pytest.raises(ValueError, match="shard"):
-        fastio.StreamLoader(source, batch_size=4, shuffle=True)
-    source.close()
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_dropped_connections_and_503s_leave_every_sample_once(tmp_path, fio, num_workers):
     # Shards of 2 samples: 59 shard GETs (HTTP shards stream as one GET each), about 3 of them faulted.
