@@ -427,19 +427,21 @@ class Reservation:
     def finish(
         self, check: Callable[[Path], None] | None = None, beside: Callable[[Path], None] | None = None
     ) -> Path:
-        """Verify the size (and ``check(part)``), rename into place, write what is kept beside the entry
-        (``beside(entry path)``, a sidecar: under the cache's lock, in the room of its placeholder), release
-        the lock; returns the entry's path. Raises :class:`fastio.CorruptShardError` for a wrong size (the
-        temporary file is removed)."""
+        """Verify the size (and ``check(part)``), rename into place and write what is kept beside the entry
+        (``beside(entry path)``, a sidecar, in the room of its placeholder: at most ``extra`` bytes), both
+        under the cache's lock, release the entry's lock; returns the entry's path. Raises
+        :class:`fastio.CorruptShardError` for a wrong size (the temporary file is removed)."""
         try:
             actual = self.part.stat().st_size
             if self.size is not None and actual != self.size:
                 raise CorruptShardError(str(self.dest), "download", f"{self.size} bytes", f"{actual} bytes")
             if check is not None:
                 check(self.part)
-            os.replace(self.part, self.dest)
-            if beside is not None:
-                with flock(self._cache_lock, fcntl.LOCK_EX):  # no reservation takes the room meanwhile
+            # Under the cache's lock: a count of its bytes never sees a file between two names (and skips
+            # it), and no reservation takes the placeholder's room before the sidecar has it.
+            with flock(self._cache_lock, fcntl.LOCK_EX):
+                os.replace(self.part, self.dest)
+                if beside is not None:
                     with contextlib.suppress(FileNotFoundError):
                         self.room.unlink()
                     beside(self.dest)

@@ -414,8 +414,8 @@ def _folder_bytes(directory: Path) -> int:
 
 @pytest.mark.parametrize("sidecars", [False, True])
 def test_the_cache_folder_never_holds_more_than_the_limit_plus_one_shard(tmp_path, sidecars):
-    # 8 tar shards, cache_limit 3 shards, shuffle="shard" over 2-shard windows: sidecar indexes, lock files
-    # and partial downloads count, so the folder itself stays under the limit plus one shard's tar.
+    # 8 tar shards, cache_limit 3 shards, shuffle="shard" over 2-shard windows (then shuffle=True): sidecar
+    # indexes, lock files and partial downloads count, so the folder stays under the limit plus one tar.
     paths = _write_tars(tmp_path / "www", shards=8, samples=60)
     if sidecars:
         for path in paths:
@@ -430,24 +430,30 @@ def test_the_cache_folder_never_holds_more_than_the_limit_plus_one_shard(tmp_pat
             peaks.append(_folder_bytes(cache_dir))
             stop.wait(0.001)
 
-    with HttpServer(tmp_path / "www") as server:
-        source = RemoteTarSource(server.url("shard-{000..007}.tar"), cache_dir=cache_dir,
-                                 cache_limit=3 * tar_bytes, retry=FAST_RETRY)  # fmt: skip
-        limit = source.cache.limit
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            for epoch in (0, 1):
-                loader = fastio.StreamLoader(source, batch_size=8, shuffle="shard", shuffle_window=2,
-                                             seed=epoch, num_workers=2)  # fmt: skip
-                seen = Counter()
-                for batch in loader:
-                    peaks.append(_folder_bytes(cache_dir))
-                    seen.update(batch["__key__"])
-                assert len(seen) == source.num_samples and set(seen.values()) == {1}
-        finally:
-            stop.set()
-            sampler.join()
-            source.close()
-    assert len(peaks) > 10 and source.cache.evictions > 0  # the limit bit: shards came and went
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    evictions = 0
+    try:
+        with HttpServer(tmp_path / "www") as server:
+            # Two runs sharing the cache: the second starts with the first's shards in it.
+            for shuffle in ("shard", True):
+                source = RemoteTarSource(server.url("shard-{000..007}.tar"), cache_dir=cache_dir,
+                                         cache_limit=3 * tar_bytes, retry=FAST_RETRY)  # fmt: skip
+                limit = source.cache.limit
+                try:
+                    for epoch in (0, 1):
+                        loader = fastio.StreamLoader(source, batch_size=8, shuffle=shuffle, shuffle_window=2,
+                                                     seed=epoch, num_workers=2)  # fmt: skip
+                        seen = Counter()
+                        for batch in loader:
+                            peaks.append(_folder_bytes(cache_dir))
+                            seen.update(batch["__key__"])
+                        assert len(seen) == source.num_samples and set(seen.values()) == {1}
+                finally:
+                    source.close()
+                evictions += source.cache.evictions
+    finally:
+        stop.set()
+        sampler.join()
+    assert len(peaks) > 10 and evictions > 0  # the limit bit: shards came and went
     assert max(peaks) <= limit + tar_bytes, f"{max(peaks) - limit - tar_bytes} bytes over limit + one shard"

@@ -176,6 +176,7 @@ class RemoteTarSource(RemoteSource):
                 meta = self._meta_from_sidecar(shard, sidecar)
         if meta is None:  # download (and decompress) the shard now and index it
             info.local_size = None if info.encoding else info.remote_size
+            info.index_bytes = info.local_size or 0  # its index, not known before the scan, is smaller
             with self.cached(shard) as path:
                 index = load_tar_index(path, strict=self.tar_strict)
                 index_path = Path(f"{path}{INDEX_SUFFIX}")
