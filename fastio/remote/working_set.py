@@ -132,8 +132,9 @@ def check_pass(
         raise CacheFullError(
             str(cache_dir), limit, 0, pinned.peak_bytes,
             f"cannot hold the shards this rank's read order keeps open at once: {pinned.peak_shards} shards "
-            f"({pinned.peak_bytes} bytes) around batch {pinned.peak_batch}: shuffle='shard' interleaves "
-            "`window` shards and a shard stays cached from its first batch to its last (and, with worker "
+            f"({pinned.peak_bytes} bytes) around batch {pinned.peak_batch}: the shard-aware orders mix "
+            "`window` shards (shuffle='shard', shuffle=True's window) and a shard stays cached from its "
+            "first batch to its last (and, with worker "
             f"processes, up to {plan.batches_in_flight - 1} batches more: a worker lets go of its last "
             f"batch's shards when it fetches again); raise cache_limit to at least {pinned.needed} bytes "
             "(prefetching uses room beyond that when there is some)", pinned.needed,
@@ -153,7 +154,7 @@ def check_batch(cache_dir: str | os.PathLike[str], limit: int, footprints: list[
         raise CacheFullError(
             str(cache_dir), limit, 0, total,
             f"cannot hold the {len(footprints)} shards ({total} bytes) that one batch reads together "
-            "(shuffle='shard' mixes up to `window` shards per batch): raise cache_limit to at least "
+            "(the shard-aware orders mix up to `window` shards per batch): raise cache_limit to at least "
             f"{total - smallest} bytes", total - smallest,
         )  # fmt: skip
 
