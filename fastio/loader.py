@@ -4,7 +4,9 @@ deterministic, resumable, rank-split order; a drop-in where ``torch.utils.data.D
 How a batch is made:
 
 1. The epoch's order comes from :mod:`fastio.order` (seed, epoch, shuffle mode, world size, rank, and the
-   resume position); it never depends on ``num_workers``.
+   resume position); it never depends on ``num_workers``, but for ``shuffle=True`` on a remote source whose
+   cache cannot hold every shard: its window leaves room for what worker processes hold
+   (:meth:`fastio.settings.OrderSettings.within`), which matters only for shards small against a batch.
 2. Batch ``i`` is gathered by its source (:mod:`fastio.sources`) into the output buffers of ring slot
    ``i % (num_workers + prefetch)``: fixed-size fields straight from the mmap by the native multi-threaded
    gather, GIL released.
