@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import functools
 import http.server
 import os
@@ -89,11 +90,15 @@ def _server(directory: Path):
 
 
 def _folder_bytes(directory: Path) -> int:
+    """Every file's bytes, walked under the cache's lock (every admission, eviction and rename takes it), so
+    the walk never counts an evicted shard together with the one admitted after it."""
     total = 0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.stat(os.path.join(root, name)).st_size
+    with open(directory / ".fastio-cache.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for root, _, files in os.walk(directory):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(root, name)).st_size
     return total
 
 

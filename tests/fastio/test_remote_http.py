@@ -5,6 +5,7 @@ what is left."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
 import sys
@@ -403,12 +404,16 @@ def test_tar_shards_over_http_equal_local_tars(tmp_path, sidecars):
 
 
 def _folder_bytes(directory: Path) -> int:
-    """Every byte the cache folder holds, by its own walk (not the cache's accounting)."""
+    """Every byte the cache folder holds, by its own walk (not the cache's accounting), under the cache's
+    lock (``.fastio-cache.lock``, which every admission, eviction and rename takes): a walk without it could
+    count an evicted shard and the one admitted after it, which never were there together."""
     total = 0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.stat(os.path.join(root, name)).st_size
+    with open(directory / ".fastio-cache.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for root, _, files in os.walk(directory):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(root, name)).st_size
     return total
 
 
@@ -427,7 +432,8 @@ def test_the_cache_folder_never_holds_more_than_the_limit_plus_one_shard(tmp_pat
 
     def sample() -> None:
         while not stop.is_set():
-            peaks.append(_folder_bytes(cache_dir))
+            if cache_dir.exists():
+                peaks.append(_folder_bytes(cache_dir))
             stop.wait(0.001)
 
     sampler = threading.Thread(target=sample)
