@@ -4,7 +4,9 @@ deterministic, resumable, rank-split order; a drop-in where ``torch.utils.data.D
 How a batch is made:
 
 1. The epoch's order comes from :mod:`fastio.order` (seed, epoch, shuffle mode, world size, rank, and the
-   resume position); it never depends on ``num_workers``.
+   resume position); it never depends on ``num_workers``, but for ``shuffle=True`` on a remote source whose
+   cache cannot hold every shard: its window leaves room for what worker processes hold
+   (:meth:`fastio.settings.OrderSettings.within`), which matters only for shards small against a batch.
 2. Batch ``i`` is gathered by its source (:mod:`fastio.sources`) into the output buffers of ring slot
    ``i % (num_workers + prefetch)``: fixed-size fields straight from the mmap by the native multi-threaded
    gather, GIL released.
@@ -66,7 +68,7 @@ from fastio.mixing import as_streams, mixed_batches, open_streams
 from fastio.registry import OpenOptions, open_source
 from fastio.sampled import SamplerBatches, check_sampler_args, index_batches
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, dataloader_worker_args
-from fastio.sources import StageTimes
+from fastio.sources import ReadPlan, StageTimes
 from fastio.workers.batch_pass import BatchPass
 
 __all__ = ["StreamLoader", "collate_samples"]
@@ -98,8 +100,9 @@ class StreamLoader:
         shuffle: ``False`` (the default, as in DataLoader: storage order), ``True`` (a full global
             permutation per epoch, as in DataLoader) or ``"shard"`` (shard-aware, for sources where random
             access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
-            batch, see :mod:`fastio.order`). Sources that declare ``requires_shard_order`` (remote
-            stores) refuse ``True``.
+            batch, see :mod:`fastio.order`). On sources that declare ``requires_shard_order`` (remote
+            stores), ``True`` is the full permutation where the cache holds every shard, else a sliding
+            window of the shards the cache holds (``"window"``, ``stats()["shuffle_window_shards"]``).
         seed: with the epoch, the only source of randomness.
         num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
         pin_memory: page-locked output buffers; default: False, as in DataLoader, but True with a CUDA
@@ -244,11 +247,11 @@ class StreamLoader:
         if streams is None and (mix != "sample" or epoch_size is not None):
             raise ValueError("mix= and epoch_size= apply to a list of fastio.Stream sources (mixing them)")
         self._source = open_source(source, options) if streams is None else open_streams(streams, options)
-        if self._source.requires_shard_order and order.shuffle == "full":
+        if streams is not None and self._source.requires_shard_order and order.shuffle == "full":
             raise ValueError(
-                f"shuffle=True (a full permutation) on {self._source.name}, a source read shard by shard: "
-                "nearly every sample would come from another shard, each fetched whole; use shuffle='shard' "
-                "(a shard-aware shuffle: shards, then blocks within a window of shards, then samples)"
+                f"shuffle=True (a full permutation of each stream) on {self._source.name}, which mixes a "
+                "source read shard by shard: nearly every sample would come from another shard, each fetched "
+                "whole; use shuffle='shard' (a shard-aware shuffle within each stream)"
             )
         sampled = check_sampler_args(
             shuffle=shuffle,
@@ -279,6 +282,9 @@ class StreamLoader:
         assembly = dataclasses.replace(
             assembly, python_path=python_path, pin=pin, reuse_buffers=reuse_buffers, device=device
         )
+        if self._source.requires_shard_order:  # shuffle=True: a window of the shards its cache holds
+            reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
+            order = order.within(self._source.shards_held(), self._source.shard_sizes, reach)
         self.order, self.workers, self.assembly = order, workers, assembly
         # 3. How epochs are cut into batches, chosen once (fastio.batches): samples, or packed rows.
         orders = EpochOrders(self._source.shard_sizes, order)
@@ -316,7 +322,7 @@ class StreamLoader:
     collate = property(lambda self: self.assembly.collate, doc="The collate function, or None.")
     reuse_buffers = property(lambda self: self.assembly.reuse_buffers, doc="Reuse unviewed buffers.")
     device = property(lambda self: self.assembly.device, doc="Where batches are copied, or None.")
-    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full" or "shard".')
+    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full", "shard" or "window".')
     shuffle_block = property(lambda self: self.order.shuffle_block, doc="Block of the shard shuffle.")
     shuffle_window = property(lambda self: self.order.shuffle_window, doc="Window of the shard shuffle.")
     seed = property(lambda self: self.order.seed, doc="With the epoch, the only source of randomness.")
@@ -415,6 +421,9 @@ class StreamLoader:
         ``wait_share >= 0.5``. Sources with counters of their own (:meth:`fastio.sources.Source.stats`: a
         remote source's downloads and cache) add them as ``source``, and ``network_wait_s``: seconds its
         fetches waited for shards to become local (not part of ``stage_s["read"]``, which is the gather).
+        ``shuffle_mode`` and ``shuffle_window_shards`` say which order was chosen and how many shards it mixes
+        at once (``shuffle=True`` on a cache-limited remote source: ``"window"`` and the shards the cache
+        holds).
 
         Example::
 
@@ -435,6 +444,8 @@ class StreamLoader:
             }
         else:
             out = self._current.stats()
+        out["shuffle_mode"] = self.order.shuffle
+        out["shuffle_window_shards"] = self.order.window_shards(len(self._source.shard_sizes))
         source = self._source.stats()
         if source:
             out["source"] = source

@@ -10,6 +10,15 @@ number of workers, so any process can recompute any rank's order.
    shards, permuting the blocks of ``block`` consecutive samples of a window, and permuting samples within
    runs of ``window`` blocks. It trades batch diversity for locality: a batch draws from about
    ``window`` blocks, so on a class-sorted set it holds far fewer classes than a full shuffle.
+   ``shuffle="window"`` is what ``shuffle=True`` becomes on a source read shard by shard whose cache holds
+   ``window`` shards but not the whole set (:meth:`fastio.settings.OrderSettings.within`): a sliding window
+   of shards. Shards are permuted; the shard in place ``p`` spreads its samples uniformly at random over
+   the stretch ``[p, p + window)`` of the epoch (in units of one shard's turn), and samples are read in the
+   order of where they fell, the stretches clamped to ``[window - 1, shards)`` so that the first
+   ``window`` shards open together and the last ``window`` close together. So at every point of the epoch
+   ``window`` shards are open, each contributing to every batch; one shard opens as another closes, never
+   ``2 * window`` at a window's edge. Diversity is bounded by what the cache holds: a batch draws from at
+   most ``window + 1`` shards, where a full permutation draws from nearly every shard.
 2. :func:`rank_indices` splits what remains of an epoch, ``order[start:]``, across ranks exactly like
    ``torch.utils.data.DistributedSampler``: rank ``r`` takes positions ``r, r + W, r + 2W, ...``; with
    ``drop_last=False`` the tail is padded by repeating the epoch's first samples so every rank has
@@ -28,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,9 +50,10 @@ __all__ = [
     "num_batches",
     "rank_indices",
     "resume_start",
+    "window_within",
 ]
 
-SHUFFLE_MODES = ("none", "shard", "full")
+SHUFFLE_MODES = ("none", "shard", "window", "full")
 
 
 def normalize_shuffle(shuffle: bool | str) -> str:
@@ -74,9 +85,11 @@ def epoch_order(
     Args:
         shard_sizes: samples per shard, in storage order.
         seed, epoch: the only sources of randomness.
-        shuffle: ``True``/``"full"``, ``"shard"`` or ``False``/``"none"`` (see the module docstring).
+        shuffle: ``True``/``"full"``, ``"shard"``, ``"window"`` or ``False``/``"none"`` (see the module
+            docstring).
         block: samples per block of the shard-aware shuffle.
-        window: shards per block-shuffle window, and blocks per sample-shuffle run.
+        window: ``"shard"``: shards per block-shuffle window, and blocks per sample-shuffle run;
+            ``"window"``: shards open at once.
 
     Example::
 
@@ -93,6 +106,8 @@ def epoch_order(
     rng = np.random.default_rng([int(seed), int(epoch)])
     if mode == "full":
         return rng.permutation(total).astype(np.int64)
+    if mode == "window":
+        return _sliding_window(sizes, rng, window)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     shard_order = rng.permutation(len(sizes))
     # Blocks of every shard, listed in shuffled shard order, tagged with their window.
@@ -111,6 +126,35 @@ def epoch_order(
     order = block_start[sample_block] + (np.arange(total) - first_sample[sample_block])
     run = sample_block // window
     return order[np.lexsort((rng.random(total), run))].astype(np.int64)
+
+
+def _sliding_window(sizes: np.ndarray, rng: np.random.Generator, window: int) -> np.ndarray:
+    """``shuffle="window"`` (see the module docstring): the shard in place ``p`` of a shard permutation
+    spreads its samples uniformly over ``[p, p + window)`` clamped to ``[window - 1, shards)``; samples are
+    read in the order of where they fell."""
+    shards = len(sizes)
+    window = min(window, shards)
+    place = np.empty(shards, dtype=np.float64)
+    place[rng.permutation(shards)] = np.arange(shards)
+    # Clamped, the first and last shards open (close) together, so window shards are open from the start.
+    lo, hi = np.maximum(place, window - 1), np.minimum(place + window, shards)
+    when = np.repeat(lo, sizes) + rng.random(int(sizes.sum())) * np.repeat(hi - lo, sizes)
+    return np.argsort(when, kind="stable").astype(np.int64)
+
+
+def window_within(shards_held: int, shard_sizes: Sequence[int], reach: int) -> int:
+    """The ``"window"`` that keeps a pass within ``shards_held`` shards: at any point about ``window`` shards
+    are open, plus those the reads around it still (or already) hold, ``reach`` samples of the epoch's order
+    (the batches in flight on every rank), in shard turns of the mean shard; one more opens as one closes,
+    which the cache admits beyond its limit. So ``window + reach / mean shard < shards_held + 1``.
+
+    Example::
+
+        assert window_within(4, [1000] * 16, reach=256) == 4 and window_within(4, [100] * 16, 256) == 2
+    """
+    sizes = [int(s) for s in shard_sizes if s > 0]
+    spread = reach / (sum(sizes) / len(sizes)) if sizes else 0.0
+    return max(1, math.ceil(shards_held + 1 - spread) - 1)
 
 
 def rank_indices(order: np.ndarray, start: int, world_size: int, rank: int, drop_last: bool) -> np.ndarray:

@@ -75,9 +75,10 @@ def check_sampler_args(
     asked = (
         "sampler=" if sampler is not None else "batch_sampler=" if batch_sampler is not None else "generator="
     )
-    if shuffle == "shard":
+    if shuffle in ("shard", "window"):
         raise ValueError(
-            f"{asked} with shuffle='shard': the shard-aware shuffle is fastio's own order, drawn from seed=; "
+            f"{asked} with shuffle={shuffle!r}: the shard-aware shuffles are fastio's own order, drawn from "
+            "seed=; "
             "use shuffle=True with generator= (DataLoader's RandomSampler) or shuffle='shard' with seed="
         )
     if packed:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fastio.assembly.stages import BatchStage
-from fastio.order import normalize_shuffle
+from fastio.order import normalize_shuffle, window_within
 
 __all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args"]
 
@@ -31,8 +31,9 @@ class OrderSettings:
 
     Attributes:
         seed: with the epoch, the only source of randomness.
-        shuffle: ``"none"``, ``"full"`` or ``"shard"`` (``True``/``False`` are turned into these).
-        shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
+        shuffle: ``"none"``, ``"full"``, ``"shard"`` or ``"window"`` (``True``/``False`` are turned into
+            these; :meth:`within` makes ``"full"`` a ``"window"`` where the source cannot hold every shard).
+        shuffle_block, shuffle_window: block size and window of the shard-aware shuffles.
         rank, world_size: this rank and the number of ranks.
         drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
 
@@ -56,6 +57,30 @@ class OrderSettings:
             raise ValueError(
                 f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
             )
+
+    def within(self, shards_held: int | None, shard_sizes: Sequence[int], reach: int = 0) -> OrderSettings:
+        """These settings for a source read shard by shard that holds ``shards_held`` shards at once (its
+        cache's room; None: every shard): ``shuffle=True`` stays the full permutation where every shard fits,
+        else becomes the sliding window (``"window"``, :mod:`fastio.order`) of the shards it holds, less
+        what the ``reach`` samples read around each point hold (:func:`fastio.order.window_within`).
+
+        Example::
+
+            OrderSettings(shuffle=True).within(4, [1000] * 16, reach=64).shuffle_window == 4
+        """
+        if self.shuffle != "full" or shards_held is None or shards_held >= len(shard_sizes):
+            return self
+        window = window_within(max(1, int(shards_held)), shard_sizes, reach)
+        return dataclasses.replace(self, shuffle="window", shuffle_window=window)
+
+    def window_shards(self, num_shards: int) -> int:
+        """Shards the order mixes at once: every shard (full), the window (shard, window), or one (none).
+
+        Example::
+
+            OrderSettings(shuffle="shard", shuffle_window=3).window_shards(16) == 3
+        """
+        return {"full": num_shards, "none": 1}.get(self.shuffle, min(self.shuffle_window, num_shards))
 
     def identity(self) -> dict[str, Any]:
         """What a state dict records so that a resume with another order is refused.

@@ -7,7 +7,8 @@ cached files through its own local source.
 * :mod:`fastio.remote.fetch`: reading objects with a bounded retry policy, errors naming the URL
   (:mod:`fastio.remote.errors`).
 * :mod:`fastio.remote.cache`: the shard cache (whole shards, file locks, pins, eviction under a limit);
-  :mod:`fastio.remote.room`: how a reservation waits for room, and the errors of a full cache.
+  :mod:`fastio.remote.room`: how a reservation waits for room, and the errors of a full cache;
+  :mod:`fastio.remote.locks`: the cache's file locks, safe across forks.
 * :mod:`fastio.remote.working_set`: what a pass keeps pinned at once, checked against ``cache_limit``.
 * :mod:`fastio.remote.progress`: a pass's progress, shared with its worker processes.
 * :mod:`fastio.remote.shard`: one shard (:class:`Shard`) and how its bytes come into the cache.

@@ -37,15 +37,13 @@ from fastio.remote.prefetch import POLL_S, Prefetcher
 from fastio.remote.progress import COUNTERS, SharedProgress
 from fastio.remote.room import RoomWatch
 from fastio.remote.shard import Shard, write_shard
-from fastio.remote.working_set import check_batch, check_pass
+from fastio.remote.working_set import check_batch, check_pass, shards_held
 from fastio.sources.base import ReadPlan, Source, StageTimes
 from fastio.sources.buffers import BatchBuffers
 
 __all__ = ["RemoteSource", "cache_for"]
 
 _MEMO = 8  # local sources kept for recent shard sets
-
-
 _SOURCES: weakref.WeakSet[RemoteSource] = weakref.WeakSet()
 
 
@@ -159,7 +157,8 @@ class RemoteSource(Source):
         """Refuse downloaded bytes that are not the shard (a header, a checksum); default: none."""
 
     def after_download(self, shard: int, path: Path) -> None:
-        """Work once a shard is in the cache (a tar's sidecar beside it); default: none."""
+        """Write what is kept beside a shard once it is in the cache (a tar's index), at most its
+        ``index_bytes``: the room reserved for it; default: nothing."""
 
     # -- the pass ------------------------------------------------------------------------------------------
     def prepare(self, shard_order: np.ndarray, epoch: int, indices: np.ndarray | None = None) -> None:
@@ -223,15 +222,14 @@ class RemoteSource(Source):
     def _fill(self, shard: int, job: Any) -> None:
         """Download a reserved shard into its cache entry, checked, with its after-download work."""
         self._write(shard, job.part)
-        job.finish(lambda part: self.check_download(shard, part))
-        self.after_download(shard, self.cache.path(self.shards[shard].key))
+        job.finish(lambda part: self.check_download(shard, part), lambda p: self.after_download(shard, p))
 
     def _materialize(self, shard: int, watch: RoomWatch | None = None) -> Path:
         """Shard ``shard`` in the cache (the caller holds it), downloading it here if no process has."""
         info = self.shards[shard]
         if info.local_size is not None and self.cache.has(info.key, info.local_size):
             return self.cache.path(info.key)
-        job = self.cache.reserve(info.key, info.local_size, on_wait=self._let_go, watch=watch)
+        job = self.cache.reserve(info.key, info.local_size, None, self._let_go, watch, info.index_bytes)
         if job is not None:
             failed = self._failed.get(shard)
             if failed is not None:  # this pass's download of it already spent the retry budget
@@ -243,8 +241,7 @@ class RemoteSource(Source):
                 self._failed[shard] = exc  # before the lock goes: a fetch waiting on it must see this
                 job.abort()
                 raise
-            job.finish(lambda part: self.check_download(shard, part))
-            self.after_download(shard, self.cache.path(info.key))
+            job.finish(lambda part: self.check_download(shard, part), lambda p: self.after_download(shard, p))
         return self.cache.path(info.key)
 
     def _hold(self, shard: int) -> None:
@@ -429,8 +426,9 @@ class RemoteSource(Source):
         """Raise :class:`CacheFullError` before the pass when ``cache_limit`` cannot hold what the pass keeps
         pinned at once: it would otherwise stall on its own pins."""
         footprints = np.array([s.footprint for s in self.shards], dtype=np.int64)
-        resident = self.resident_bytes()
-        check_pass(self.cache.directory, self.cache.limit, shard_of, footprints, self._plan, resident)
+        files = footprints - np.array([s.index_bytes for s in self.shards], dtype=np.int64)
+        limit, plan = self.cache.limit, self._plan
+        check_pass(self.cache.directory, limit, shard_of, footprints, plan, self.resident_bytes(), files)
 
     def _check_fits(self, shards: np.ndarray) -> None:
         """Raise :class:`CacheFullError` at once when the shards one batch reads together cannot all be in
@@ -442,6 +440,11 @@ class RemoteSource(Source):
     def resident_bytes(self) -> int:
         """Bytes the source keeps in the cache that no eviction frees; default: none."""
         return 0
+
+    def shards_held(self) -> int | None:
+        """Shards the cache holds at once (:func:`fastio.remote.working_set.shards_held`); None: all."""
+        footprints = [s.footprint for s in self.shards]
+        return shards_held(footprints, self.cache.limit, self.resident_bytes())
 
     def _let_go(self) -> None:
         """Let go of this process's pins on shards read to the end this pass (by any process): the idle local

@@ -7,17 +7,20 @@ while the entry is downloaded) and ``<key>.pin`` (held shared by every process r
 1. :meth:`ShardCache.fill` brings an entry in once per node: under the entry's download lock it checks
    whether another process already did; if not, it reserves the space (evicting, see 3), writes a temporary
    ``.<name>.part-<pid>-<thread>`` file, verifies it (size, then the caller's check: a checksum, a header)
-   and renames it into place, so a partial download is never visible under the entry's name.
+   and renames it into place, so a partial download is never visible under the entry's name. What is kept
+   beside the entry (a tar's index: ``extra`` bytes) is reserved with it, as a placeholder file
+   ``.<name>.index.part-<pid>-<thread>`` that makes way for the sidecar under ``.fastio-cache.lock``.
 2. A pinned entry (:meth:`ShardCache.pin`: a shared ``flock`` on ``<key>.pin``, held by an open descriptor)
    is never evicted. Pins are per open file, so they hold across processes; a forked worker drops the
    descriptors it inherited (they stay with the parent) and takes its own.
 3. Space: with ``cache_limit`` set, a reservation first evicts unpinned entries until the new one fits,
    entries marked read (:meth:`ShardCache.mark_read`: read this epoch) first, least recently used
-   otherwise; it then starts only while the bytes in the cache (entries, sidecars and reservations: what
-   :meth:`ShardCache.usage` reports) are at most the limit, so the cache holds at most the limit plus one
-   shard. When every entry is pinned it waits for a pin to go, as :mod:`fastio.remote.room` says (a wait a
-   batch needs raises :class:`CacheStalledError` once nothing can change). Reservations are made one at a
-   time under ``.fastio-cache.lock``.
+   otherwise; it then starts only while the bytes in the cache (every file of the cache folder: entries,
+   sidecars, reservations and their placeholders, lock files: what :meth:`ShardCache.usage` reports) plus
+   the new entry's sidecar are at most the limit, so the cache folder holds at most the limit plus one
+   shard's file. When every entry is pinned it waits for a pin to go, as :mod:`fastio.remote.room` says (a
+   wait a batch needs raises :class:`CacheStalledError` once nothing can change). Reservations are made one
+   at a time under ``.fastio-cache.lock``.
 
 The recency of an entry is the mtime of its pin file (set on every pin); :meth:`mark_read` moves it back by
 ``_READ_SHIFT_S`` so read entries sort before any unread one while keeping their order.
@@ -43,6 +46,7 @@ from pathlib import Path
 
 from fastio.errors import CorruptShardError
 from fastio.paths import LOCAL_COPIES, default_cache_dir
+from fastio.remote.locks import close_lock, flock, open_lock, try_flock
 from fastio.remote.room import CacheFullError, CacheStalledError, RoomWatch, alive, part_owner
 
 __all__ = [
@@ -86,44 +90,6 @@ def parse_size(value: int | str | None) -> int | None:
     return size
 
 
-# Every descriptor that holds (or waits for) a lock, so that a forked child closes its copies: a copy left
-# open in the child would keep the parent's lock held for as long as the child lives. Opening and closing
-# happen under _LOCK_FDS_LOCK, which a fork takes first, so no child is born between an open and its record.
-_LOCK_FDS: set[int] = set()
-_LOCK_FDS_LOCK = threading.Lock()
-
-
-def _open_lock(path: Path | str) -> int:
-    with _LOCK_FDS_LOCK:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        _LOCK_FDS.add(fd)
-    return fd
-
-
-def _close_lock(fd: int) -> None:
-    with _LOCK_FDS_LOCK:
-        _LOCK_FDS.discard(fd)
-        os.close(fd)  # closing the last descriptor of the open file releases its flock
-
-
-@contextlib.contextmanager
-def _flock(path: Path, mode: int) -> Iterator[int]:
-    fd = _open_lock(path)
-    try:
-        fcntl.flock(fd, mode)
-        yield fd
-    finally:
-        _close_lock(fd)
-
-
-def _try_flock(fd: int) -> bool:  # an exclusive flock, without waiting
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
 def _waited(cancel: threading.Event | None) -> bool:
     """Sleep one poll; True when ``cancel`` was set."""
     if cancel is not None:
@@ -135,28 +101,12 @@ def _waited(cancel: threading.Event | None) -> bool:
 _CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
 
-def _before_fork() -> None:
-    _LOCK_FDS_LOCK.acquire()
-
-
-def _after_fork_in_parent() -> None:
-    _LOCK_FDS_LOCK.release()
-
-
 def _after_fork_in_child() -> None:
-    global _LOCK_FDS_LOCK
-    _LOCK_FDS_LOCK = threading.Lock()
-    for fd in list(_LOCK_FDS):  # the parent's copies keep its locks; the child lets go of its own
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _LOCK_FDS.clear()
     for cache in list(_CACHES):
         cache._forget_inherited_pins()
 
 
-os.register_at_fork(
-    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
-)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ShardCache:
@@ -224,7 +174,7 @@ class ShardCache:
             fd, count = self._pins.get(key, (-1, 0))
             if count == 0:
                 pin_path.parent.mkdir(parents=True, exist_ok=True)
-                fd = _open_lock(pin_path)
+                fd = open_lock(pin_path)
                 fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an evictor holds it for a moment
             self._pins[key] = (fd, count + 1)
         os.utime(pin_path)
@@ -237,7 +187,7 @@ class ShardCache:
                 raise ValueError(f"cache key {key!r} is not pinned by this process")
             if count == 1:
                 del self._pins[key]
-                _close_lock(fd)
+                close_lock(fd)
             else:
                 self._pins[key] = (fd, count - 1)
 
@@ -288,8 +238,9 @@ class ShardCache:
             yield root, files
 
     def usage(self) -> int:
-        """Bytes in the cache now: entries, their sidecars and downloads in progress (at their full size,
-        reserved up front). What ``cache_limit`` bounds.
+        """Bytes in the cache folder now, every file counted: entries, their sidecars, downloads in progress
+        and the sidecars they will write (at their full size, reserved up front), lock files. What
+        ``cache_limit`` bounds.
 
         Example::
 
@@ -298,8 +249,6 @@ class ShardCache:
         total = 0
         for root, files in self._walk():
             for name in files:
-                if name.endswith(_LOCK_SUFFIXES) or name == _GLOBAL_LOCK:
-                    continue
                 with contextlib.suppress(FileNotFoundError):
                     total += os.stat(os.path.join(root, name)).st_size
         return total
@@ -324,9 +273,9 @@ class ShardCache:
         for _, data, pin_path in self._entries():
             if used + needed <= self.limit:
                 break
-            fd = _open_lock(pin_path)
+            fd = open_lock(pin_path)
             try:
-                if not _try_flock(fd):
+                if not try_flock(fd):
                     continue  # pinned by some process: being read or about to be
                 freed = 0
                 for victim in (data, Path(f"{data}.fidx")):  # the entry and the tar index built beside it
@@ -336,23 +285,25 @@ class ShardCache:
                 used -= freed
                 self.evictions += 1
             finally:
-                _close_lock(fd)
+                close_lock(fd)
         return used
 
     def _reserve(
-        self, part: Path, size: int | None, cancel: threading.Event | None,
-        on_wait: Callable[[], None] | None, watch: RoomWatch,
+        self, job: Reservation, cancel: threading.Event | None, on_wait: Callable[[], None] | None,
+        watch: RoomWatch,
     ) -> bool:  # fmt: skip
-        """Make ``part`` a ``size``-byte file (empty when the size is not known) once the cache has room for
-        it (see the module docstring); False when ``cancel`` was set meanwhile."""
-        part.parent.mkdir(parents=True, exist_ok=True)
-        needed = size or 0
+        """Make ``job.part`` a ``size``-byte file (empty when the size is not known) and its placeholder an
+        ``extra``-byte one once the cache has room for them (see the module docstring); False when
+        ``cancel`` was set meanwhile."""
+        job.part.parent.mkdir(parents=True, exist_ok=True)
+        needed, extra = job.size or 0, job.extra
         while True:
-            with _flock(self.directory / _GLOBAL_LOCK, fcntl.LOCK_EX):
-                used = self._evict_until(needed) if self.limit is not None else 0
-                if self.limit is None or used <= self.limit:
-                    with open(part, "wb") as fh:
-                        fh.truncate(needed)  # counted at full size from now on (sparse until written)
+            with flock(self.directory / _GLOBAL_LOCK, fcntl.LOCK_EX):
+                used = self._evict_until(needed + extra) if self.limit is not None else 0
+                if self.limit is None or used + extra <= self.limit:
+                    for path, nbytes in ((job.part, needed), (job.room, extra))[: 2 if extra else 1]:
+                        with open(path, "wb") as fh:
+                            fh.truncate(nbytes)  # counted at full size from now on (sparse until written)
                     return True
             if on_wait is not None:
                 on_wait()  # e.g. let go of pins that are no longer needed, so room can appear
@@ -373,8 +324,10 @@ class ShardCache:
         cancel: threading.Event | None = None,
         on_wait: Callable[[], None] | None = None,
         watch: RoomWatch | None = None,
+        extra: int = 0,
     ) -> Reservation | None:
-        """Start making entry ``key`` (``size`` bytes; None: not known yet, e.g. a tar being decompressed):
+        """Start making entry ``key`` (``size`` bytes; None: not known yet, e.g. a tar being decompressed,
+        and ``extra`` bytes of what is written beside it, see :meth:`Reservation.finish`):
         None when it is there already (or another process made it while this one waited for the entry's
         download lock), or when ``cancel`` is set while waiting; else a :class:`Reservation` holding that
         lock and a ``size``-byte temporary file counted against the limit. Blocks while the cache has no
@@ -394,23 +347,23 @@ class ShardCache:
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
         watch = watch or self.watch(key)
-        fd = _open_lock(f"{dest}.lock")
+        fd = open_lock(f"{dest}.lock")
         try:
-            while not _try_flock(fd):  # one download per entry per node; its holder may wait for room
+            while not try_flock(fd):  # one download per entry per node; its holder may wait for room
                 if on_wait is not None:
                     on_wait()
                 watch.check(size or 0)
                 if _waited(cancel):
-                    _close_lock(fd)
+                    close_lock(fd)
                     return None
-            part = dest.with_name(f".{dest.name}.part-{os.getpid()}-{threading.get_ident()}")
-            if self.has(key, size) or not self._reserve(part, size, cancel, on_wait, watch):
-                _close_lock(fd)
+            job = Reservation(dest, size, fd, extra, self.directory / _GLOBAL_LOCK)
+            if self.has(key, size) or not self._reserve(job, cancel, on_wait, watch):
+                job.abort()
                 return None
         except BaseException:
-            _close_lock(fd)
+            close_lock(fd)
             raise
-        return Reservation(dest, part, size, fd)
+        return job
 
     def fill(
         self,
@@ -455,9 +408,9 @@ class ShardCache:
 
 
 class Reservation:
-    """An entry being made: its temporary file ``part`` (written by the caller from byte 0), the entry's
-    download lock held until :meth:`finish` or :meth:`abort`. Usable from another thread than the one that
-    reserved it.
+    """An entry being made: its temporary file ``part`` (written by the caller from byte 0) and the
+    placeholder ``room`` of the ``extra`` bytes its sidecars take, the entry's download lock held until
+    :meth:`finish` or :meth:`abort`. Usable from another thread than the one that reserved it.
 
     Example::
 
@@ -465,27 +418,42 @@ class Reservation:
         job.part.write_bytes(data); job.finish()
     """
 
-    def __init__(self, dest: Path, part: Path, size: int | None, lock_fd: int) -> None:
-        self.dest, self.part, self.size, self._fd = dest, part, size, lock_fd
+    def __init__(self, dest: Path, size: int | None, lock_fd: int, extra: int, cache_lock: Path) -> None:
+        suffix = f"part-{os.getpid()}-{threading.get_ident()}"
+        self.part = dest.with_name(f".{dest.name}.{suffix}")
+        self.room = dest.with_name(f".{dest.name}.index.{suffix}")
+        self.dest, self.size, self.extra, self._fd, self._cache_lock = dest, size, extra, lock_fd, cache_lock
 
-    def finish(self, check: Callable[[Path], None] | None = None) -> Path:
-        """Verify the size (and ``check(part)``), rename into place, release the lock; returns the entry's
-        path. Raises :class:`fastio.CorruptShardError` for a wrong size (the temporary file is removed)."""
+    def finish(
+        self, check: Callable[[Path], None] | None = None, beside: Callable[[Path], None] | None = None
+    ) -> Path:
+        """Verify the size (and ``check(part)``), rename into place and write what is kept beside the entry
+        (``beside(entry path)``, a sidecar, in the room of its placeholder: at most ``extra`` bytes), both
+        under the cache's lock, release the entry's lock; returns the entry's path. Raises
+        :class:`fastio.CorruptShardError` for a wrong size (the temporary file is removed)."""
         try:
             actual = self.part.stat().st_size
             if self.size is not None and actual != self.size:
                 raise CorruptShardError(str(self.dest), "download", f"{self.size} bytes", f"{actual} bytes")
             if check is not None:
                 check(self.part)
-            os.replace(self.part, self.dest)
+            # Under the cache's lock: a count of its bytes never sees a file between two names (and skips
+            # it), and no reservation takes the placeholder's room before the sidecar has it.
+            with flock(self._cache_lock, fcntl.LOCK_EX):
+                os.replace(self.part, self.dest)
+                if beside is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.room.unlink()
+                    beside(self.dest)
         finally:
             self.abort()
         return self.dest
 
     def abort(self) -> None:
-        """Drop the temporary file and release the lock (idempotent)."""
-        with contextlib.suppress(FileNotFoundError):
-            self.part.unlink()
+        """Drop the temporary file and the placeholder, release the lock (idempotent)."""
+        for path in (self.part, self.room):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         if self._fd >= 0:
-            _close_lock(self._fd)
+            close_lock(self._fd)
             self._fd = -1

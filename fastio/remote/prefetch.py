@@ -137,8 +137,9 @@ class Prefetcher:
                 self.inflight[shard] = future
                 needed = functools.partial(progress.demanded, pos)
                 try:
+                    watch = self.cache.watch(info.key, needed)
                     job = self.cache.reserve(  # in read order: waits for room, unpinning what is read
-                        info.key, info.local_size, stop, self.let_go, self.cache.watch(info.key, needed)
+                        info.key, info.local_size, stop, self.let_go, watch, info.index_bytes
                     )
                 except BaseException as exc:
                     future.set_exception(exc)

@@ -16,9 +16,9 @@ consumer waits for batch ``c``:
    :attr:`ReadPlan.lag` of :class:`fastio.sources.ReadPlan`, which says how the loader fetches).
 
 So the pinned set at ``c`` is every shard whose batches ``[first - lead, last + lag]`` cover ``c``. The cache
-admits a shard while the others use at most ``cache_limit`` bytes (it may exceed the limit by that one
-shard), hence the limit that never stalls: the most, over ``c`` and a shard ``s`` pinned at ``c``, of the
-bytes pinned at ``c`` less ``s``'s own, plus the bytes no eviction frees.
+admits a shard while the others and its sidecar use at most ``cache_limit`` bytes (it may exceed the limit
+by that one shard's file), hence the limit that never stalls: the most, over ``c`` and a shard ``s`` pinned
+at ``c``, of the bytes pinned at ``c`` less ``s``'s file, plus the bytes no eviction frees.
 
 Example::
 
@@ -36,7 +36,7 @@ import numpy as np
 from fastio.remote.room import CacheFullError
 from fastio.sources.base import ReadPlan
 
-__all__ = ["WorkingSet", "check_batch", "check_pass", "working_set"]
+__all__ = ["WorkingSet", "check_batch", "check_pass", "shards_held", "working_set"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +52,9 @@ class WorkingSet:
 
 
 def working_set(
-    shard_of: np.ndarray, footprints: np.ndarray, plan: ReadPlan, resident: int = 0
-) -> WorkingSet:
+    shard_of: np.ndarray, footprints: np.ndarray, plan: ReadPlan, resident: int = 0,
+    beyond: np.ndarray | None = None,
+) -> WorkingSet:  # fmt: skip
     """The pinned bytes of a pass (see the module docstring).
 
     Args:
@@ -61,6 +62,8 @@ def working_set(
         footprints: bytes of each shard in the cache (its file and what is evicted with it).
         plan: how the pass fetches.
         resident: bytes in the cache that no eviction frees.
+        beyond: bytes of each shard the cache admits beyond its limit (its file, not its sidecar);
+            default: its whole footprint.
 
     Returns:
         A :class:`WorkingSet`.
@@ -83,6 +86,7 @@ def working_set(
     start = np.maximum(first[present] - plan.lead, 0)
     stop = np.minimum(last[present] + plan.lag, n_batches - 1) + 1  # exclusive
     sizes = np.asarray(footprints, dtype=np.int64)[present]
+    slack = sizes if beyond is None else np.asarray(beyond, dtype=np.int64)[present]
     # Pinned bytes per segment between consecutive interval ends (constant within one).
     points = np.unique(np.concatenate([start, stop]))
     lo, hi = np.searchsorted(points, start), np.searchsorted(points, stop)
@@ -91,7 +95,7 @@ def working_set(
     np.add.at(delta, hi, -sizes)
     pinned = np.cumsum(delta)[:-1]
     count = np.cumsum(np.bincount(lo, minlength=len(points)) - np.bincount(hi, minlength=len(points)))[:-1]
-    needed = int((_range_max(pinned, lo, hi) - sizes).max()) + resident
+    needed = int((_range_max(pinned, lo, hi) - slack).max()) + resident
     worst = int(pinned.argmax())
     return WorkingSet(needed, int(pinned[worst]), int(count[worst]), int(points[worst]))
 
@@ -112,7 +116,7 @@ def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
 
 def check_pass(
     cache_dir: str | os.PathLike[str], limit: int | None, shard_of: np.ndarray, footprints: np.ndarray,
-    plan: ReadPlan, resident: int = 0,
+    plan: ReadPlan, resident: int = 0, beyond: np.ndarray | None = None,
 ) -> None:  # fmt: skip
     """Raise :class:`CacheFullError` naming the limit that works when ``limit`` is under
     :func:`working_set`'s ``needed`` (None: no limit, nothing to check).
@@ -123,13 +127,14 @@ def check_pass(
     """
     if limit is None:
         return
-    pinned = working_set(shard_of, footprints, plan, resident)
+    pinned = working_set(shard_of, footprints, plan, resident, beyond)
     if pinned.needed > limit:
         raise CacheFullError(
             str(cache_dir), limit, 0, pinned.peak_bytes,
             f"cannot hold the shards this rank's read order keeps open at once: {pinned.peak_shards} shards "
-            f"({pinned.peak_bytes} bytes) around batch {pinned.peak_batch}: shuffle='shard' interleaves "
-            "`window` shards and a shard stays cached from its first batch to its last (and, with worker "
+            f"({pinned.peak_bytes} bytes) around batch {pinned.peak_batch}: the shard-aware orders mix "
+            "`window` shards (shuffle='shard', shuffle=True's window) and a shard stays cached from its "
+            "first batch to its last (and, with worker "
             f"processes, up to {plan.batches_in_flight - 1} batches more: a worker lets go of its last "
             f"batch's shards when it fetches again); raise cache_limit to at least {pinned.needed} bytes "
             "(prefetching uses room beyond that when there is some)", pinned.needed,
@@ -149,6 +154,21 @@ def check_batch(cache_dir: str | os.PathLike[str], limit: int, footprints: list[
         raise CacheFullError(
             str(cache_dir), limit, 0, total,
             f"cannot hold the {len(footprints)} shards ({total} bytes) that one batch reads together "
-            "(shuffle='shard' mixes up to `window` shards per batch): raise cache_limit to at least "
+            "(the shard-aware orders mix up to `window` shards per batch): raise cache_limit to at least "
             f"{total - smallest} bytes", total - smallest,
         )  # fmt: skip
+
+
+def shards_held(footprints: list[int], limit: int | None, resident: int = 0) -> int | None:
+    """How many shards a cache of ``limit`` bytes holds at once beside ``resident`` bytes: None when every
+    shard fits (or there is no limit), else how many of the largest fit (at least 1: the cache admits one
+    shard beyond its limit). What ``StreamLoader(shuffle=True)`` sizes its window to (:mod:`fastio.order`).
+
+    Example::
+
+        assert shards_held([10] * 16, 45) == 4 and shards_held([10] * 16, 160) is None
+    """
+    room = None if limit is None else limit - resident
+    if room is None or sum(footprints) <= room:
+        return None
+    return max(1, room // max(footprints))

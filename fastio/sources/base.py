@@ -98,6 +98,12 @@ class ReadPlan:
         """Batches past the consumer's whose shards are pinned (:mod:`fastio.remote.working_set`)."""
         return _RANK_SKEW if self.ranks_share_cache else 0
 
+    def reach(self, world_size: int) -> int:
+        """Samples of the epoch's global order that the shards pinned around one batch span: the batch,
+        :attr:`lead` and :attr:`lag` batches, on each of ``world_size`` ranks (:mod:`fastio.order`'s window
+        leaves room for them)."""
+        return (self.lead + self.lag + 1) * self.batch_size * world_size
+
     @property
     def lag(self) -> int:
         """Batches before the consumer's whose shards may still be pinned (see ``lead``)."""
@@ -143,8 +149,9 @@ class Source(Protocol):
             or lists); True: it returns a list of ``B`` samples (any Python objects), which the loader passes
             through ``transform`` and ``collate`` (the Python path), as for a map-style ``Dataset``.
         requires_shard_order: True for sources where reading a random sample costs a whole shard (remote
-            stores, compressed tars): ``StreamLoader(shuffle=True)`` (a full permutation) is refused with an
-            error pointing to ``shuffle="shard"``. Default False.
+            stores): ``StreamLoader(shuffle=True)`` is a full permutation only where :meth:`shards_held`
+            says every shard fits, else a sliding window of that many shards (:mod:`fastio.order`).
+            Default False.
 
     Example::
 
@@ -218,6 +225,17 @@ class Source(Protocol):
         """
         return None
 
+    def shards_held(self) -> int | None:
+        """How many shards a source read shard by shard can hold at once (a remote source: its largest
+        shards that fit ``cache_limit``); None: every shard. ``shuffle=True`` mixes that many shards at once
+        where it is not None (:meth:`fastio.settings.OrderSettings.within`). Default: None.
+
+        Example::
+
+            source.shards_held()   # 4: a cache_limit of four shards
+        """
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Counters of the source's own (a remote source: ``network_wait_s``, ``downloaded_bytes``,
         ``cache_bytes``, ``cache_limit``...), which :meth:`fastio.StreamLoader.stats` reports as ``source``
@@ -258,7 +276,7 @@ class TokenDocuments:
 
 
 REQUIRED_MEMBERS = ("name", "num_samples", "shard_sizes", "per_sample", "requires_shard_order")
-_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare", "plan_reads", "stats")
+_REQUIRED_METHODS = ("fixed_specs", "fetch", "prepare", "plan_reads", "shards_held", "stats")
 
 
 def missing_members(source: Any) -> list[str]:

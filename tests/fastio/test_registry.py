@@ -191,12 +191,21 @@ def test_prepare_is_called_before_worker_processes_fork(toy_registry):
     assert len(source.prepared) == 1 and sorted(source.prepared[0][0]) == list(range(len(_SHARDS)))
 
 
-def test_full_shuffle_is_refused_for_a_source_that_requires_shard_order(toy_registry):
-    _STORE["mem://s"] = MemorySource("mem://s", _SHARDS)
-    with pytest.raises(ValueError, match=r"mem://s.*shuffle='shard'"):
-        fastio.StreamLoader("mem://s", batch_size=4, shuffle=True)
-    fastio.StreamLoader("mem://s", batch_size=4, shuffle="shard")
-    fastio.StreamLoader("mem://s", batch_size=4, shuffle=False)
+class HoldingSource(MemorySource):
+    """A toy source read shard by shard whose cache holds two shards at once."""
+
+    def shards_held(self):
+        return 2
+
+
+@pytest.mark.parametrize("kind, mode", [(MemorySource, "full"), (HoldingSource, "window")])
+def test_full_shuffle_on_a_source_read_shard_by_shard_mixes_what_it_holds(toy_registry, kind, mode):
+    _STORE["mem://s"] = kind("mem://s", _SHARDS)
+    loader = fastio.StreamLoader("mem://s", batch_size=1, shuffle=True)
+    assert loader.shuffle == mode and loader.stats()["shuffle_mode"] == mode
+    expected = 2 if mode == "window" else len(_SHARDS)
+    assert loader.stats()["shuffle_window_shards"] == expected
+    assert sorted((int(b["y"]) - 1) // 3 for b in loader) == list(range(sum(_SHARDS)))  # y = 3 * index + 1
 
 
 def test_unknown_scheme_names_the_url_and_the_registered_schemes(toy_registry):

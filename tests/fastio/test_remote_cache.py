@@ -108,6 +108,41 @@ def test_pinned_entries_are_never_evicted_and_a_full_cache_is_named(tmp_path):
     assert cache.has("a") and not cache.has("b") and cache.has("c")
 
 
+def _folder_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def test_a_sidecar_is_reserved_with_its_entry_and_counted_until_written(tmp_path):
+    cache = ShardCache(tmp_path, cache_limit=1000)
+    cache.pin("s.tar")
+    job = cache.reserve("s.tar", 300, extra=40)
+    assert cache.usage() == 340 == _folder_bytes(tmp_path)  # the placeholder holds the sidecar's room
+    job.part.write_bytes(b"t" * 300)
+
+    def beside(path: Path) -> None:
+        assert not job.room.exists()  # the sidecar takes the placeholder's room, never both at once
+        Path(f"{path}.fidx").write_bytes(b"i" * 40)
+
+    job.finish(beside=beside)
+    assert cache.usage() == 340 == _folder_bytes(tmp_path)
+    aborted = cache.reserve("u.tar", 100, extra=10)
+    aborted.abort()
+    assert cache.usage() == 340 == _folder_bytes(tmp_path)  # nothing of it is left
+
+
+def test_an_entry_is_admitted_only_with_room_for_its_sidecar(tmp_path):
+    # The folder may pass the limit by one entry's file, never by its sidecar as well.
+    cache = ShardCache(tmp_path, cache_limit=250, wait_s=0.2)
+    cache.pin("a")
+    _fill(cache, "a", 200)
+    cache.pin("b")
+    with pytest.raises(CacheFullError):
+        cache.reserve("b", 100, extra=60)  # 200 + 60 > 250: it would end at limit + file + 10
+    job = cache.reserve("b", 100, extra=50)  # 200 + 50 <= 250: ends at exactly limit + its file
+    assert job is not None and cache.usage() == 350
+    job.abort()
+
+
 def test_a_pin_in_another_process_blocks_eviction(tmp_path):
     cache = ShardCache(tmp_path, cache_limit=100, wait_s=0.2)
     _fill(cache, "a", 100)

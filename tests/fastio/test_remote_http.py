@@ -4,7 +4,10 @@ what is left."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
+import os
 import sys
 import tarfile
 import threading
@@ -110,13 +113,6 @@ def test_a_url_opens_through_the_registry_and_reports_io(shard_dir, server, tmp_
     )
     assert stats["source"]["cache_bytes"] >= total and stats["network_wait_s"] >= 0.0
     loader._source.close()
-
-
-def test_full_shuffle_is_refused(server, tmp_path):
-    source = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "cache", retry=FAST_RETRY)
-    with pytest.raises(ValueError, match="shard"):
-        fastio.StreamLoader(source, batch_size=4, shuffle=True)
-    source.close()
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -355,14 +351,14 @@ def test_resume_downloads_only_what_is_left(shard_dir, server, tmp_path, fio):
     assert len(needed) < len(files)
 
 
-def _write_tars(directory: Path, shards: int = 4) -> list[Path]:
+def _write_tars(directory: Path, shards: int = 4, samples: int = 0) -> list[Path]:
     rng = np.random.default_rng(7)
     directory.mkdir(parents=True, exist_ok=True)
     paths, key = [], 0
     for s in range(shards):
         path = directory / f"shard-{s:03d}.tar"
         with tarfile.open(path, "w") as tar:
-            for _ in range(9 + 2 * s):
+            for _ in range(samples or 9 + 2 * s):
                 arr = rng.standard_normal((3, 4)).astype(np.float32)
                 buf = io.BytesIO()
                 np.save(buf, arr)
@@ -405,3 +401,65 @@ def test_tar_shards_over_http_equal_local_tars(tmp_path, sidecars):
         served = sum(r.sent for r in at_open if r.path == f"/{path.name}" and r.method == "GET")
         # With sidecars: at most the first .npy member's header is read at open; without: every tar.
         assert served == path.stat().st_size if not sidecars else served <= 4096
+
+
+def _folder_bytes(directory: Path) -> int:
+    """Every byte the cache folder holds, by its own walk (not the cache's accounting), under the cache's
+    lock (``.fastio-cache.lock``, which every admission, eviction and rename takes): a walk without it could
+    count an evicted shard and the one admitted after it, which never were there together."""
+    total = 0
+    with open(directory / ".fastio-cache.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for root, _, files in os.walk(directory):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+@pytest.mark.parametrize("sidecars", [False, True])
+def test_the_cache_folder_never_holds_more_than_the_limit_plus_one_shard(tmp_path, sidecars):
+    # 8 tar shards, cache_limit 3 shards, shuffle="shard" over 2-shard windows (then shuffle=True): sidecar
+    # indexes, lock files and partial downloads count, so the folder stays under the limit plus one tar.
+    paths = _write_tars(tmp_path / "www", shards=8, samples=60)
+    if sidecars:
+        for path in paths:
+            fastio.index_tar(path)
+    tar_bytes = max(p.stat().st_size for p in paths)
+    cache_dir = tmp_path / "cache"
+    peaks: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            if cache_dir.exists():
+                peaks.append(_folder_bytes(cache_dir))
+            stop.wait(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    evictions = 0
+    try:
+        with HttpServer(tmp_path / "www") as server:
+            # Two runs sharing the cache: the second starts with the first's shards in it.
+            for shuffle in ("shard", True):
+                source = RemoteTarSource(server.url("shard-{000..007}.tar"), cache_dir=cache_dir,
+                                         cache_limit=3 * tar_bytes, retry=FAST_RETRY)  # fmt: skip
+                limit = source.cache.limit
+                try:
+                    for epoch in (0, 1):
+                        loader = fastio.StreamLoader(source, batch_size=8, shuffle=shuffle, shuffle_window=2,
+                                                     seed=epoch, num_workers=2)  # fmt: skip
+                        seen = Counter()
+                        for batch in loader:
+                            peaks.append(_folder_bytes(cache_dir))
+                            seen.update(batch["__key__"])
+                        assert len(seen) == source.num_samples and set(seen.values()) == {1}
+                finally:
+                    source.close()
+                evictions += source.cache.evictions
+    finally:
+        stop.set()
+        sampler.join()
+    assert len(peaks) > 10 and evictions > 0  # the limit bit: shards came and went
+    assert max(peaks) <= limit + tar_bytes, f"{max(peaks) - limit - tar_bytes} bytes over limit + one shard"

@@ -59,3 +59,25 @@ def test_epoch_orders_repeat_for_an_epoch_and_change_for_the_next():
     assert sorted(first.tolist()) == list(range(29))
     assert np.array_equal(orders(1), orders(1)) and not np.array_equal(orders(1), first)
     assert np.array_equal(orders(0), first)
+
+
+@pytest.mark.parametrize(
+    "shuffle, held, reach, mode, window",
+    [
+        (True, None, 0, "full", 4),  # every shard fits: the local full permutation
+        (True, 16, 0, "full", 4),
+        (True, 5, 0, "window", 5),  # the window is what the cache holds, whatever shuffle_window said
+        (True, 5, 999, "window", 5),  # reads in flight within one shard turn fit the one-shard slack
+        (True, 5, 1000, "window", 4),  # ... beyond it they take room from the window
+        (True, 5, 2500, "window", 3),
+        (True, 5, 3000, "window", 2),
+        (True, 5, 10**6, "window", 1),
+        (True, 0, 0, "window", 1),
+        ("shard", 5, 0, "shard", 4),  # an explicit mode is left alone
+        (False, 5, 0, "none", 4),
+    ],
+)
+def test_shuffle_true_is_sized_to_the_shards_a_source_holds(shuffle, held, reach, mode, window):
+    order = OrderSettings(seed=1, shuffle=shuffle).within(held, [1000] * 16, reach)
+    assert (order.shuffle, order.shuffle_window) == (mode, window)
+    assert order.window_shards(16) == {"full": 16, "none": 1}.get(mode, window)

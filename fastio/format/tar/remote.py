@@ -176,6 +176,7 @@ class RemoteTarSource(RemoteSource):
                 meta = self._meta_from_sidecar(shard, sidecar)
         if meta is None:  # download (and decompress) the shard now and index it
             info.local_size = None if info.encoding else info.remote_size
+            info.index_bytes = info.local_size or 0  # its index, not known before the scan, is smaller
             with self.cached(shard) as path:
                 index = load_tar_index(path, strict=self.tar_strict)
                 index_path = Path(f"{path}{INDEX_SUFFIX}")
@@ -202,11 +203,13 @@ class RemoteTarSource(RemoteSource):
         return _meta_of(index, info.remote_size, info.remote_size, len(sidecar))
 
     def after_download(self, shard: int, path: Path) -> None:
-        """Put the remote sidecar beside the cached tar with the tar's mtime set to what the sidecar recorded,
-        so the tar is not re-scanned (:func:`fastio.format.tar.index.load_tar_index` still checks its
-        fingerprint of the bytes and rebuilds on any mismatch)."""
+        """Put the tar's index beside it, in the room the cache reserved for it: the remote sidecar, with the
+        tar's mtime set to what the sidecar recorded so the tar is not re-scanned
+        (:func:`fastio.format.tar.index.load_tar_index` still checks its fingerprint of the bytes and
+        rebuilds on any mismatch), else the index built from the cached tar."""
         sidecar = self._sidecars.get(shard)
         if sidecar is None:
+            load_tar_index(path, strict=self.tar_strict)
             return
         with np.load(io.BytesIO(sidecar), allow_pickle=False) as data:
             mtime_ns = int(data["identity"][2])
