@@ -63,6 +63,7 @@ class Benchmark:
 # kernels: 5M elements is 1/5 of the 25M default's memory traffic (~2 min in full).
 # loader: 1/5 of every data set; writing the 3 GB `fixed` set alone took 19 s in full.
 # images: --quick is 1,000 JPEGs and 640 timed samples per run, 2 rounds (1/5 of the full run).
+# shuffle: 16 small shards over HTTP on 127.0.0.1, 4 cache sizes x 3 orders x 3 epochs: ~10 s, run in full.
 # hooks: 2 + 2 steps per configuration, 10 configurations per network at ~13 s each (process start,
 #   model build, 4 steps of 0.3-1 s); left out: torch_powersgd_r4, which fails over gloo (its one-bucket
 #   twin runs), and the nodes network (4 min, its own bench_hooks_nodes.*).
@@ -84,6 +85,7 @@ SUITE = (
         (1.5, 1.5),
     ),
     Benchmark("bench_images", ("--quick",), (1.0, 1.0)),
+    Benchmark("bench_shuffle", (), (0.3, 0.3)),
     Benchmark(
         "bench_hooks",
         (
