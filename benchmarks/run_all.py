@@ -67,9 +67,10 @@ class Benchmark:
 # hooks: 2 + 2 steps per configuration, 10 configurations per network at ~13 s each (process start,
 #   model build, 4 steps of 0.3-1 s); left out: torch_powersgd_r4, which fails over gloo (its one-bucket
 #   twin runs), and the nodes network (4 min, its own bench_hooks_nodes.*).
-# convergence: 3 methods x 300 steps on loopback at ~0.33 s/step + ~20 s of start and evaluation (~2.1 min
-#   each), then 9 speed runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 18
-#   methods x 500 steps (~1.8 h).
+# convergence: 3 methods x 250 steps on loopback at ~0.33 s/step + ~20 s of start and evaluation (~1.75 min
+#   each; none and cadam took 69 s and 116 s at a load of 3-4, cadam +0.48% of dense's loss), then 9 speed
+#   runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 18 methods x 500 steps (~1.8 h).
+# loader: the mixing case (3 streams against one, 2 worker settings) adds ~30 s.
 # remote: 0.5 GB of each shard kind (1/2), one run per configuration (of 2): ~1/4 of its ~5 min.
 # fsdp: 2 launches of 2 ranks (~7 s of start each on idle cores, 20-27 s under a load of ~30): 40 loss
 #   steps x 2 methods of a 39k-parameter MLP, then 3 methods x 3 steps of a 6.3M-parameter MLP on the
@@ -82,7 +83,7 @@ SUITE = (
             "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
             "--dataloader-samples", "20000", "--webloader-samples", "5000", "--pack-docs", "10000",
         ),
-        (1.5, 1.5),
+        (2.0, 2.0),
     ),
     Benchmark("bench_images", ("--quick",), (1.0, 1.0)),
     Benchmark("bench_shuffle", (), (0.3, 0.3)),
@@ -99,8 +100,8 @@ SUITE = (
     ),
     Benchmark(
         "bench_convergence",
-        ("--methods", "none,cadam,diloco_q4", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "6"),
-        (9.5, 6.3),
+        ("--methods", "none,cadam,diloco_q4", "--steps", "250", "--warmup-steps", "2", "--timed-steps", "6"),
+        (8.5, 5.3),
         "speed runs (shaped links)",
         ("--skip-speed",),
     ),

@@ -28,9 +28,10 @@ _SHORT = {
         "--dataloader-samples", "20000", "--webloader-samples", "5000", "--pack-docs", "10000",
     ],
     "bench_images": ["--quick"],
+    "bench_shuffle": [],
     "bench_hooks": ["--quick", "--network", "both", "--configs", _HOOKS],
     "bench_convergence": [
-        "--methods", "none,cadam,diloco_q4", "--steps", "300", "--warmup-steps", "2", "--timed-steps", "6",
+        "--methods", "none,cadam,diloco_q4", "--steps", "250", "--warmup-steps", "2", "--timed-steps", "6",
     ],
     "bench_fsdp": [
         "--loss-steps", "40", "--loss-methods", "dense,q8", "--width", "1024", "--depth", "6",
@@ -110,6 +111,7 @@ def test_without_root_netlab_parts_are_skipped_with_one_line_each(ran, monkeypat
         "bench_kernels": _SHORT["bench_kernels"],
         "bench_loader": _SHORT["bench_loader"],
         "bench_images": _SHORT["bench_images"],
+        "bench_shuffle": [],
         "bench_hooks": ["--quick", "--network", "loopback", "--configs", _HOOKS],
         "bench_convergence": [*_SHORT["bench_convergence"], "--skip-speed"],
         "bench_fsdp": [*_SHORT["bench_fsdp"][:-1], "loopback"],
@@ -144,6 +146,7 @@ def test_full_without_root_passes_only_what_leaves_netlab_out(monkeypatch):
         "bench_kernels": [],
         "bench_loader": [],
         "bench_images": [],
+        "bench_shuffle": [],
         "bench_hooks": ["--network", "loopback"],
         "bench_convergence": ["--skip-speed"],
         "bench_fsdp": ["--network", "loopback"],
