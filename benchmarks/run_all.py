@@ -13,6 +13,10 @@
    are missing, each benchmark that uses them prints one ``skip ...`` line and runs without those parts
    (or, for one that has no other part, not at all), rather than failing.
 4. One benchmark failing does not stop the others; the exit status is 1 if any failed.
+5. At the end, :mod:`benchmarks.guard` compares each headline figure of this run with the committed results
+   (read before the run) and prints and writes ``guard.md`` / ``guard.json`` into the run folder: a drop of
+   more than 10% is flagged, and each figure says whether it is a same-run ratio (evidence) or an absolute
+   figure across runs (a hint). Flags do not change the exit status.
 
 Example::
 
@@ -32,7 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from benchmarks import harness, netlab
+from benchmarks import guard, harness, netlab
 
 __all__ = ["SUITE", "Benchmark", "Step", "choose_output", "main", "plan", "short_minutes"]
 
@@ -215,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "make bench FULL=1 runs everything (about 2 h)",
             flush=True,
         )
+    committed = guard.read_figures(guard.HEADLINES, harness.RESULTS_DIR)  # before --update-results writes
     failed = []
     for step in plan(SUITE, netlab_unavailable, full=full):
         if step.skip:
@@ -230,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed.append(step.name)
             print(f"{step.name} FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         print(f"({step.name} took {time.perf_counter() - start:.0f} s)", flush=True)
+    checks = guard.compare(guard.HEADLINES, committed, guard.read_figures(guard.HEADLINES, out))
+    print(f"\nGuard: headline figures against the committed {harness.RESULTS_DIR} (also {out}/guard.md)")
+    print(guard.write_report(checks, out, guard.results_commit(harness.RESULTS_DIR)))
     print(f"\nResults: {out}/*.json, *.md, *.png")
     if not args.update_results:
         print(f"(left as they were: {harness.RESULTS_DIR}; make bench UPDATE_RESULTS=1 updates them)")

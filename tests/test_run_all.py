@@ -71,7 +71,7 @@ def test_results_go_to_a_new_run_folder_by_default(ran, monkeypatch, tmp_path, c
     assert run_all.main([]) == 0
     (folder,) = (tmp_path / "runs").iterdir()
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        f"{b.name}.{e}" for b in run_all.SUITE for e in ("json", "md")
+        [f"{b.name}.{e}" for b in run_all.SUITE for e in ("json", "md")] + ["guard.json", "guard.md"]
     )
     assert not (tmp_path / "results").exists()
     out = capsys.readouterr().out
