@@ -100,7 +100,8 @@ _MEMCPY = ("memcpy (Tensor.copy_)", "torch")
 
 
 def _loader(case: str, backend: str, versus: str | None, metric: str = "samples/s", **kw: Any) -> Headline:
-    return Headline("bench_loader", case, backend, metric, versus=None if versus is None else (case, versus), **kw)
+    pair = None if versus is None else (case, versus)
+    return Headline("bench_loader", case, backend, metric, versus=pair, **kw)
 
 
 def _images(case: str, versus: str) -> Headline:
