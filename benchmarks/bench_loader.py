@@ -17,6 +17,10 @@ Cases (sizes are flags; defaults fit ~4 minutes on 2 shared cores and ~5 GB of /
   batch as a list of tensors: what a packer written by hand starts from, and the baseline of the ratio);
   a hand-written 12-line packer (``torch.cat`` + ``unfold``) over that raw loader; ``StreamLoader(pack=...)``
   (workers 0 and 2). Target: packed >= 0.7x the raw read.
+* Peers in ``fixed``, on the same memmap, 2 threads each (:mod:`benchmarks.peers`): ``torchdata.nodes``
+  (``ParallelMapper`` per sample + ``Batcher`` + ``default_collate``, and a batch gather: indices batched,
+  then one ``np.take`` per batch) and SPDL's ``PipelineBuilder`` (the same two shapes). A peer that does
+  not import gets a row without a value whose ``status`` says why.
 * Mosaic Streaming / LitData rows appear only when those optional packages import (install them with
   ``pip install --no-deps``); otherwise a note says they were skipped.
 
@@ -45,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import peers
 from benchmarks.harness import Row, write_results
 
 __all__ = ["main"]
@@ -383,6 +388,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--webloader-samples", type=int, default=20_000, help="samples timed per WebLoader run"
     )
+    parser.add_argument(
+        "--peer-samples", type=int, default=100_000, help="samples timed per torchdata.nodes / SPDL run"
+    )
     parser.add_argument("--pack-docs", type=int, default=40_000, help="token documents of the packing case")
     parser.add_argument("--pack-batch", type=int, default=32, help="rows per packed batch")
     parser.add_argument(
@@ -412,6 +420,7 @@ def main(argv: list[str] | None = None) -> str:
                 f"{gigabytes:.2f} GB, written in {time.perf_counter() - t0:.0f} s"
             )
             rows += _bench_fixed(fixed_dir, args, notes)
+            notes += _peer_notes(rows)
         if "variable" in cases:
             t0 = time.perf_counter()
             var_dir = _write_variable(root, args.var_samples)
@@ -496,6 +505,7 @@ def _bench_fixed(fixed_dir: Path, args: argparse.Namespace, notes: list[str]) ->
     for w, rate in dl.items():
         rows.append(_row("fixed", f"DataLoader workers={w}", rate, sample_bytes, ("memmap", limit)))
     best = (f"DataLoader w={best_w}", dl[best_w])
+    rows += _peer_rows(x, y, args, limit)
     del x, y  # unmap the baselines' view, so the resident memory below is StreamLoader's alone
     gc.collect()
     for shuffle in (True, "full"):
@@ -525,6 +535,54 @@ def _bench_fixed(fixed_dir: Path, args: argparse.Namespace, notes: list[str]) ->
         "copying would grow"
     )
     return rows
+
+
+_PEER_LOADERS = {
+    "torchdata.nodes ParallelMapper threads=2": ("torchdata.nodes", peers.torchdata_nodes_batches, False),
+    "torchdata.nodes batch gather threads=2": ("torchdata.nodes", peers.torchdata_nodes_batches, True),
+    "SPDL pipeline threads=2": ("spdl.pipeline", peers.spdl_batches, False),
+    "SPDL batch gather threads=2": ("spdl.pipeline", peers.spdl_batches, True),
+}
+
+
+def _peer_rows(x: np.memmap, y: np.ndarray, args: argparse.Namespace, limit: float) -> list[Row]:
+    """The peers of :mod:`benchmarks.peers` over the same memmap, 2 threads, random order; a row without a
+    value (``status`` saying why) for a peer that cannot run here."""
+
+    def gather(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(np.take(x, indices, axis=0)), torch.from_numpy(y[indices])
+
+    dataset, rows = _MemmapImages(x, y), []
+    for label, (peer, batches, per_batch) in _PEER_LOADERS.items():
+        reason = peers.unavailable(peer)
+        if reason is not None:
+            rows.append(Row("fixed", label, "samples/s", float("nan"), "samples/s", extra={"status": reason}))
+            continue
+        loader = batches(dataset, args.batch, 2, 0, gather if per_batch else None)
+        rate = _rate(loader, lambda b: len(b[1]), min(args.peer_samples, len(y)))
+        rows.append(_row("fixed", label, rate, IMAGE_BYTES + 8, ("memmap", limit), status="ok"))
+    return rows
+
+
+def _peer_notes(rows: list[Row]) -> list[str]:
+    """The peers' versions, and StreamLoader's best fixed rate against each peer's row of the same run."""
+    ours = max(
+        (r for r in rows if r.case == "fixed" and r.backend.startswith("StreamLoader")), key=lambda r: r.value
+    )
+    installed = ", ".join(f"{k} {v}" for k, v in peers.versions().items())
+    notes = [
+        f"peers: {installed}, installed with --no-deps beside torch {torch.__version__}; each on 2 threads, "
+        "timed like the DataLoader rows"
+    ]
+    for row in rows:
+        if row.case == "fixed" and row.backend in _PEER_LOADERS:
+            if row.value != row.value:
+                notes.append(f"fixed: {row.backend}: no value ({row.extra['status']})")
+            else:
+                notes.append(
+                    f"fixed: {ours.backend} / {row.backend} = {ours.value / row.value:.1f}x (same run)"
+                )
+    return notes
 
 
 def _bench_variable(var_dir: Path, args: argparse.Namespace) -> list[Row]:

@@ -83,7 +83,8 @@ SUITE = (
         "bench_loader",
         (
             "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
-            "--dataloader-samples", "20000", "--webloader-samples", "5000", "--pack-docs", "10000",
+            "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-samples", "5000",
+            "--pack-docs", "10000",
         ),
         (1.5, 1.5),
     ),

@@ -25,7 +25,8 @@ _SHORT = {
     "bench_kernels": ["--numel", "5000000", "--repeat", "3"],
     "bench_loader": [
         "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
-        "--dataloader-samples", "20000", "--webloader-samples", "5000", "--pack-docs", "10000",
+        "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-samples", "5000",
+        "--pack-docs", "10000",
     ],
     "bench_images": ["--quick"],
     "bench_hooks": ["--quick", "--network", "both", "--configs", _HOOKS],
