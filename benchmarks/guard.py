@@ -93,6 +93,7 @@ _TAR_PAIR = (
     "(old and new code in turn, one run)"
 )
 _SL_FIXED = "StreamLoader shuffle=full workers=2"
+_SL_IN_TURNS = "StreamLoader shuffle=full workers=2, in turns with the peers"
 _SL_TAR = "StreamLoader (tar) workers=0"
 _FASTIO_IMAGES = "fastio StreamLoader+ImageStage workers=2"
 _DL_IMAGES = "DataLoader+WebDataset(decode='pil') workers=2"
@@ -117,8 +118,10 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("bench_kernels", "quantize_blockwise 8-bit", "native", "throughput", versus=_MEMCPY),
     Headline("bench_kernels", "sign_compress", "native", "throughput", versus=_MEMCPY),
     _loader("fixed", _SL_FIXED, "DataLoader workers=0"),
-    _loader("fixed", _SL_FIXED, "torchdata.nodes ParallelMapper threads=2"),
-    _loader("fixed", _SL_FIXED, "SPDL pipeline threads=2"),
+    _loader("fixed", _SL_IN_TURNS, "torchdata.nodes ParallelMapper threads=2"),
+    _loader("fixed", _SL_IN_TURNS, "torchdata.nodes batch gather threads=2"),
+    _loader("fixed", _SL_IN_TURNS, "SPDL pipeline threads=2"),
+    _loader("fixed", _SL_IN_TURNS, "SPDL batch gather threads=2"),
     _loader("fixed", _SL_FIXED, None),
     _loader("variable", "StreamLoader workers=0", "DataLoader workers=0"),
     _loader("tar", _SL_TAR, "webdataset.WebLoader workers=2", pair=_TAR_PAIR),
