@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> str:
         "parts: one image at a time in one thread (decoders over the shard's JPEGs, resizers from the full "
         "decode to 224x224); the ImageStage rows are one batch of the same images"
     )
+    notes.append(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return write_results("bench_images", rows, notes=notes, plot_metric="samples/s")
 
 

@@ -449,6 +449,7 @@ def main(argv: list[str] | None = None) -> str:
                 f"~{PACK_MEAN_TOKENS} tokens, 4 shards), written in {time.perf_counter() - t0:.0f} s"
             )
             rows += _bench_packing(pack_dir, args, notes)
+        notes.append(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         if cases == set(CASES):
             _optional_contenders(notes)
         else:
