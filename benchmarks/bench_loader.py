@@ -20,8 +20,8 @@ Cases (sizes are flags; defaults fit ~4 minutes on 2 shared cores and ~5 GB of /
 * Peers in ``fixed``, on the same memmap, 2 threads each (:mod:`benchmarks.peers`): ``torchdata.nodes``
   (``ParallelMapper`` per sample + ``Batcher`` + ``default_collate``, and a batch gather: indices batched,
   then one ``np.take`` per batch) and SPDL's ``PipelineBuilder`` (the same two shapes), taking turns with
-  a ``StreamLoader`` row measured the same way. A peer that does not import gets a row without a value
-  whose ``status`` says why.
+  a ``StreamLoader`` row measured the same way, ``--peer-seconds`` per round. A peer that does not
+  import gets a row without a value whose ``status`` says why.
 * Mosaic Streaming / LitData rows appear only when those optional packages import (install them with
   ``pip install --no-deps``); otherwise a note says they were skipped.
 
@@ -73,15 +73,18 @@ def _rss_mb() -> dict[str, float]:
     return out
 
 
-def _rate(batches: Iterable[Any], count: Callable[[Any], int], limit: int) -> float:
-    """samples/s of iterating ``batches`` until ``limit`` samples (or the end), timed from the first batch."""
+def _rate(
+    batches: Iterable[Any], count: Callable[[Any], int], limit: int, seconds: float = float("inf")
+) -> float:
+    """samples/s of iterating ``batches`` until ``limit`` samples, ``seconds`` or the end, timed from the
+    first batch."""
     it = iter(batches)
     first = next(it)
     seen = 0
     start = time.perf_counter()
     for batch in it:
         seen += count(batch)
-        if seen >= limit:
+        if seen >= limit or time.perf_counter() - start >= seconds:
             break
     del first
     return seen / (time.perf_counter() - start)
@@ -391,7 +394,7 @@ def main(argv: list[str] | None = None) -> str:
         "--webloader-samples", type=int, default=20_000, help="samples timed per WebLoader run"
     )
     parser.add_argument(
-        "--peer-samples", type=int, default=50_000, help="samples timed per torchdata.nodes / SPDL run"
+        "--peer-seconds", type=float, default=2.0, help="seconds (or an epoch) timed per peer round"
     )
     parser.add_argument("--pack-docs", type=int, default=40_000, help="token documents of the packing case")
     parser.add_argument("--pack-batch", type=int, default=32, help="rows per packed batch")
@@ -549,7 +552,7 @@ _PEER_LOADERS = {
 
 
 PEER_ROUNDS = 3
-IN_TURNS = "StreamLoader shuffle=full workers=2, in turns with the peers"
+IN_TURNS = "StreamLoader shuffle=full workers=0, in turns with the peers"
 
 
 def _peer_rows(
@@ -557,20 +560,22 @@ def _peer_rows(
 ) -> list[Row]:
     """The peers of :mod:`benchmarks.peers` over the same memmap (2 threads, random order) and, given
     ``fixed_dir``, ``StreamLoader`` over its shard, taking turns for :data:`PEER_ROUNDS` rounds of
-    ``args.peer_samples`` samples each, best round kept: a load that comes and goes hits all of them alike.
-    A peer that cannot run here gets a row without a value whose ``status`` says why."""
+    ``args.peer_seconds`` (or an epoch) each, best round kept: a load that comes and goes hits all of them
+    alike, and a time rather than a sample count gives the fast and the slow the same window. StreamLoader
+    runs in this process like the peers' threads (its native gather has its own), one loader after a
+    warm-up epoch (its lazy checksums), a new epoch each round. A peer that cannot run here gets a row
+    without a value whose ``status`` says why."""
 
     def gather(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(np.take(x, indices, axis=0)), torch.from_numpy(y[indices])
 
-    def stream(epoch: int) -> Any:
+    stream: Any = None
+    if fixed_dir is not None:
         import fastio
 
-        loader = fastio.StreamLoader(
-            str(fixed_dir), batch_size=args.batch, seed=0, shuffle="full", num_workers=2
-        )
-        loader.set_epoch(epoch)
-        return loader
+        stream = fastio.StreamLoader(str(fixed_dir), batch_size=args.batch, seed=0, shuffle="full")
+        for _ in stream:  # the warm-up epoch
+            pass
 
     dataset, rows, makers = _MemmapImages(x, y), [], {}
     for label, (peer, batches, per_batch) in _PEER_LOADERS.items():
@@ -581,15 +586,18 @@ def _peer_rows(
             )
         else:
             rows.append(Row("fixed", label, "samples/s", float("nan"), "samples/s", extra={"status": reason}))
-    if fixed_dir is not None:
-        makers[IN_TURNS] = functools.partial(stream, 0)
+    if stream is not None:
+        makers[IN_TURNS] = lambda: stream
+
     def count(batch: Any) -> int:
         return len(batch["y"]) if isinstance(batch, dict) else len(batch[1])
 
     best = dict.fromkeys(makers, 0.0)
-    for _ in range(PEER_ROUNDS):
+    for epoch in range(1, PEER_ROUNDS + 1):
+        if stream is not None:
+            stream.set_epoch(epoch)
         for label, make in makers.items():
-            best[label] = max(best[label], _rate(make(), count, min(args.peer_samples, len(y))))
+            best[label] = max(best[label], _rate(make(), count, len(y), args.peer_seconds))
     for label, rate in best.items():
         rows.append(_row("fixed", label, rate, IMAGE_BYTES + 8, ("memmap", limit), status="ok"))
     return rows

@@ -93,7 +93,7 @@ _TAR_PAIR = (
     "(old and new code in turn, one run)"
 )
 _SL_FIXED = "StreamLoader shuffle=full workers=2"
-_SL_IN_TURNS = "StreamLoader shuffle=full workers=2, in turns with the peers"
+_SL_IN_TURNS = "StreamLoader shuffle=full workers=0, in turns with the peers"
 _SL_TAR = "StreamLoader (tar) workers=0"
 _FASTIO_IMAGES = "fastio StreamLoader+ImageStage workers=2"
 _DL_IMAGES = "DataLoader+WebDataset(decode='pil') workers=2"

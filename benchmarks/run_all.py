@@ -65,8 +65,9 @@ class Benchmark:
 
 # Short-profile estimates (2 cores, as root / without root), from the committed results and the code:
 # kernels: 5M elements is 1/5 of the 25M default's memory traffic (~2 min in full).
-# loader: 1/5 of every data set; writing the 3 GB `fixed` set alone took 19 s in full. With the peers
-#   (5,000 samples each) it took 34 s, and 39 s without them, at a load of 3-5 on 2 cores.
+# loader: 1/5 of every data set; writing the 3 GB `fixed` set alone took 19 s in full. With the peers it
+#   took 34 s, and 39 s without them, at a load of 3-5 on 2 cores; they take 5 contenders x 3 rounds x
+#   <= 0.5 s (--peer-seconds) plus one warm-up epoch of 200,000 samples.
 # images: --quick is 1,000 JPEGs and 640 timed samples per run, 2 rounds (1/5 of the full run), 6 contenders
 #   per mode with the peers: 35 s with them, 66 s without them at a load of 3-5 (the load dominates).
 # hooks: 2 + 2 steps per configuration, 10 configurations per network at ~13 s each (process start,
@@ -85,7 +86,7 @@ SUITE = (
         "bench_loader",
         (
             "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
-            "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-samples", "5000",
+            "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-seconds", "0.5",
             "--pack-docs", "10000",
         ),
         (1.0, 1.0),

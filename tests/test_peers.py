@@ -151,7 +151,7 @@ def test_an_unknown_peer_is_named_in_the_error():
 def test_a_peer_that_cannot_run_gets_a_row_with_the_reason(monkeypatch):
     monkeypatch.setattr(peers, "unavailable", lambda peer: f"{peer} does not import (ImportError: test)")
     data = _Tiny()
-    args = argparse.Namespace(batch=13, peer_samples=100)
+    args = argparse.Namespace(batch=13, peer_seconds=0.01)
     rows = bench_loader._peer_rows(data.x, data.y, None, args, limit=1000.0)
     assert [r.backend for r in rows] == list(bench_loader._PEER_LOADERS)
     assert all(math.isnan(r.value) for r in rows)
@@ -168,7 +168,7 @@ def test_the_peers_take_turns_with_streamloader_over_the_same_shard(tmp_path):
     _skip_without("spdl.pipeline")
     fixed_dir = bench_loader._write_fixed(tmp_path, 300)
     x, y, _ = bench_loader._memmap_views(fixed_dir)
-    args = argparse.Namespace(batch=13, peer_samples=100)
+    args = argparse.Namespace(batch=13, peer_seconds=0.01)
     rows = bench_loader._peer_rows(x, y, fixed_dir, args, limit=1e9)
     assert [r.backend for r in rows] == [*bench_loader._PEER_LOADERS, bench_loader.IN_TURNS]
     assert all(r.value > 0 and r.extra["status"] == "ok" and r.ratio_to == "memmap" for r in rows)

@@ -25,7 +25,7 @@ _SHORT = {
     "bench_kernels": ["--numel", "5000000", "--repeat", "3"],
     "bench_loader": [
         "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
-        "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-samples", "5000",
+        "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-seconds", "0.5",
         "--pack-docs", "10000",
     ],
     "bench_images": ["--quick"],
