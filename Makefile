@@ -22,6 +22,12 @@ INTEGRATIONS_STAMP := $(VENV)/.fastlib-integrations
 # find the pair, so the set that resolved is pinned here.
 REMOTE      ?= "fsspec>=2024.2" "aiohttp>=3.9" "requests>=2.31" "zstandard>=0.22" "moto[server]==5.2.5" \
                s3fs==2026.9.0 aiobotocore==3.10.0 boto3==1.43.117 botocore==1.43.117
+# The peers bench_loader and bench_images time beside fastio (benchmarks/peers.py), for `make bench` only: pinned and
+# --no-deps (their own requirements would resolve another torch); they import without requests/urllib3. SPDL's image
+# decode also needs FFmpeg 4-9 shared libraries, which pip does not provide (Debian 12: apt-get install
+# libavformat59 libavfilter8 libavdevice59); without them, or when this install fails, the rows say why.
+PEERS       ?= torchdata==0.11.0 spdl==0.8.0 spdl-core==0.8.0 spdl-io==0.8.0
+PEERS_STAMP := $(VENV)/.fastlib-peers
 NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
 .PHONY: test bench install lint clean test-no-native
@@ -46,6 +52,10 @@ $(INTEGRATIONS_STAMP): $(DEPS_STAMP) Makefile
 	$(PIP) install $(REMOTE)
 	touch $@
 
+# Not fatal: a benchmark whose peer is missing writes the reason in its row instead.
+$(PEERS_STAMP): $(DEPS_STAMP) Makefile
+	$(PIP) install --no-deps $(PEERS) && touch $@ || echo "peers not installed; their benchmark rows will say why"
+
 install:
 	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(INTEGRATIONS_STAMP)
 
@@ -61,7 +71,7 @@ test: install
 # The short profile (under 20 min on 2 cores); FULL=1 runs every benchmark in full (about 2 h).
 # Results go to benchmarks/runs/<UTC time>/; UPDATE_RESULTS=1 writes the committed benchmarks/results/ instead,
 # in full.
-bench: $(STAMP)
+bench: $(STAMP) $(PEERS_STAMP)
 	$(PY) -m benchmarks.run_all $(if $(filter 1 yes true,$(FULL)),--full) $(if $(filter 1 yes true,$(UPDATE_RESULTS)),--update-results)
 
 lint: $(STAMP)

@@ -12,6 +12,10 @@ Cases, all in one run, every number samples/s over whole batches of ``--batch`` 
   ``num_workers`` 2 and 0; (b) ``fastio.StreamLoader`` with ``fastio.ImageStage`` (workers 2 and 0).
   The ratio column of (b) is against (a) with 2 workers: the target is >= 2.
 * ``eval``: the same for Resize(256) + CenterCrop(224).
+* Peers in both (:mod:`benchmarks.peers`), 2 threads each, ratio to the same DataLoader: ``torchdata.nodes``
+  (tar samples, ``ParallelMapper`` of Pillow decode + the same transform, ``Batcher``) and SPDL end to end
+  (its tar reader, FFmpeg decode and filter graph with the same crop boxes, bilinear). A peer that cannot
+  run here gets a row without a value whose ``status`` says why.
 * ``parts``: one thread per image, the pieces the stage was chosen from (decoders, resizers), and the stage
   itself on one batch with 1 and 2 threads (whether its GIL-free threads scale).
 
@@ -40,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import peers
 from benchmarks.harness import Row, write_results
 
 __all__ = ["main"]
@@ -150,6 +155,29 @@ def _fastio(pattern: str, train: bool, batch: int, workers: int) -> Iterable[Any
 
     stage = ImageStage("jpg", size=SIZE, train=train)
     return fastio.StreamLoader(pattern, batch_size=batch, stages=[stage], num_workers=workers, seed=0)
+
+
+_PEERS = {
+    "torchdata.nodes+Pillow threads=2": "torchdata.nodes",
+    "SPDL pipeline+FFmpeg threads=2": "spdl.io",
+}
+
+
+def _peer_makers(pattern: str, train: bool, batch: int) -> dict[str, Callable[[], Iterable[Any]]]:
+    """The peers that can run here, by row label (see :data:`_PEERS`)."""
+    from fastio.paths import expand_pattern
+
+    paths = expand_pattern(pattern)
+    transform = _PillowTrainTransform() if train else _PillowEvalTransform()
+    makers = {
+        "torchdata.nodes+Pillow threads=2": functools.partial(
+            peers.torchdata_nodes_image_batches, paths, transform, batch, 2
+        ),
+        "SPDL pipeline+FFmpeg threads=2": functools.partial(
+            peers.spdl_image_batches, paths, SIZE, train, batch, 2
+        ),
+    }
+    return {label: make for label, make in makers.items() if peers.unavailable(_PEERS[label]) is None}
 
 
 def _batch_size(batch: Any) -> int:
@@ -282,12 +310,14 @@ def main(argv: list[str] | None = None) -> str:
 
     pattern, data = _dataset(args.images, args.per_shard)
     notes = [
-        f"fastio backend: {fastio.backend()}; torch threads {torch.get_num_threads()}; "
-        f"{os.cpu_count()} CPUs",
+        f"fastio backend: {fastio.backend()}; torch threads {torch.get_num_threads()}; {os.cpu_count()} CPUs",
         f"{args.images:,} synthetic JPEGs (200-500 px, q90) in tars of {args.per_shard}: "
         f"{data['bytes'] / 1e6:.0f} MB in {data['dir']} (ready in {data['written_s']:.0f} s)",
         f"batch {args.batch}, output {SIZE}x{SIZE} uint8; {args.samples:,} samples timed after "
         f"{args.warmup} warm-up batches, best of {args.repeats} interleaved rounds",
+        "peers: " + ", ".join(f"{k} {v}" for k, v in peers.versions().items()) + ", installed with --no-deps "
+        f"beside torch {torch.__version__}; SPDL's decode is FFmpeg's (libavcodec mjpeg + swscale bilinear), "
+        "torchdata.nodes' is Pillow's like the DataLoader rows",
     ]
     rows: list[Row] = []
     for mode in ("train", "eval"):
@@ -299,20 +329,33 @@ def main(argv: list[str] | None = None) -> str:
         for workers in (2, 0):
             label = f"fastio StreamLoader+ImageStage workers={workers}"
             makers[label] = functools.partial(_fastio, pattern, train, args.batch, workers)
+        makers.update(_peer_makers(pattern, train, args.batch))
         rates = _best_rates(makers, args)
         baseline = rates["DataLoader+WebDataset(decode='pil') workers=2"]
         for label, rate in rates.items():
             row = Row(mode, label, "samples/s", rate, "samples/s")
-            if label.startswith("fastio"):
+            if not label.startswith("DataLoader"):
                 row.ratio, row.ratio_to = rate / baseline, "DataLoader workers=2"
             rows.append(row)
-        ratio = rates["fastio StreamLoader+ImageStage workers=2"] / baseline
-        notes.append(f"{mode}: fastio (2 workers) / DataLoader (2 workers) = {ratio:.2f}x (target >= 2x)")
+        ours = rates["fastio StreamLoader+ImageStage workers=2"]
+        notes.append(
+            f"{mode}: fastio (2 workers) / DataLoader (2 workers) = {ours / baseline:.2f}x (target >= 2x)"
+        )
+        for label, peer in _PEERS.items():
+            reason = peers.unavailable(peer)
+            if reason is None:
+                notes.append(f"{mode}: fastio (2 workers) / {label} = {ours / rates[label]:.2f}x (same run)")
+            else:
+                rows.append(
+                    Row(mode, label, "samples/s", float("nan"), "samples/s", extra={"status": reason})
+                )
+                notes.append(f"{mode}: {label}: no value ({reason})")
     rows += _parts(pattern, min(256, args.images))
     notes.append(
         "parts: one image at a time in one thread (decoders over the shard's JPEGs, resizers from the full "
         "decode to 224x224); the ImageStage rows are one batch of the same images"
     )
+    notes.append(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return write_results("bench_images", rows, notes=notes, plot_metric="samples/s")
 
 

@@ -24,6 +24,11 @@ Cases (sizes are flags; defaults fit ~4 minutes on 2 shared cores and ~5 GB of /
   of two neighbouring epochs, so a load that drifts over the run cancels; ``cpu_ratio``: the same with the
   process's CPU seconds per epoch (one stream's over the mix's), which other users' load on the host moves
   less than wall time. Target: mixed >= 0.9x one stream.
+* Peers in ``fixed``, on the same memmap, 2 threads each (:mod:`benchmarks.peers`): ``torchdata.nodes``
+  (``ParallelMapper`` per sample + ``Batcher`` + ``default_collate``, and a batch gather: indices batched,
+  then one ``np.take`` per batch) and SPDL's ``PipelineBuilder`` (the same two shapes), taking turns with
+  a ``StreamLoader`` row measured the same way, ``--peer-seconds`` per round. A peer that does not
+  import gets a row without a value whose ``status`` says why.
 * Mosaic Streaming / LitData rows appear only when those optional packages import (install them with
   ``pip install --no-deps``); otherwise a note says they were skipped.
 
@@ -39,6 +44,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -52,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import peers
 from benchmarks.harness import Row, write_results
 
 __all__ = ["main"]
@@ -74,15 +81,18 @@ def _rss_mb() -> dict[str, float]:
     return out
 
 
-def _rate(batches: Iterable[Any], count: Callable[[Any], int], limit: int) -> float:
-    """samples/s of iterating ``batches`` until ``limit`` samples (or the end), timed from the first batch."""
+def _rate(
+    batches: Iterable[Any], count: Callable[[Any], int], limit: int, seconds: float = float("inf")
+) -> float:
+    """samples/s of iterating ``batches`` until ``limit`` samples, ``seconds`` or the end, timed from the
+    first batch."""
     it = iter(batches)
     first = next(it)
     seen = 0
     start = time.perf_counter()
     for batch in it:
         seen += count(batch)
-        if seen >= limit:
+        if seen >= limit or time.perf_counter() - start >= seconds:
             break
     del first
     return seen / (time.perf_counter() - start)
@@ -391,6 +401,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--webloader-samples", type=int, default=20_000, help="samples timed per WebLoader run"
     )
+    parser.add_argument(
+        "--peer-seconds", type=float, default=2.0, help="seconds (or an epoch) timed per peer round"
+    )
     parser.add_argument("--pack-docs", type=int, default=40_000, help="token documents of the packing case")
     parser.add_argument("--pack-batch", type=int, default=32, help="rows per packed batch")
     parser.add_argument(
@@ -424,6 +437,7 @@ def main(argv: list[str] | None = None) -> str:
                 f"{gigabytes:.2f} GB, written in {time.perf_counter() - t0:.0f} s"
             )
             rows += _bench_fixed(fixed_dir, args, notes)
+            notes += _peer_notes(rows)
         if "variable" in cases:
             t0 = time.perf_counter()
             var_dir = _write_variable(root, args.var_samples)
@@ -452,6 +466,7 @@ def main(argv: list[str] | None = None) -> str:
             rows += _bench_packing(pack_dir, args, notes)
         if "mixing" in cases:
             rows += _bench_mixing(root, args, notes)
+        notes.append(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         if cases == set(CASES):
             _optional_contenders(notes)
         else:
@@ -510,6 +525,7 @@ def _bench_fixed(fixed_dir: Path, args: argparse.Namespace, notes: list[str]) ->
     for w, rate in dl.items():
         rows.append(_row("fixed", f"DataLoader workers={w}", rate, sample_bytes, ("memmap", limit)))
     best = (f"DataLoader w={best_w}", dl[best_w])
+    rows += _peer_rows(x, y, fixed_dir, args, limit)
     del x, y  # unmap the baselines' view, so the resident memory below is StreamLoader's alone
     gc.collect()
     for shuffle in ("shard", "full"):
@@ -539,6 +555,85 @@ def _bench_fixed(fixed_dir: Path, args: argparse.Namespace, notes: list[str]) ->
         "copying would grow"
     )
     return rows
+
+
+_PEER_LOADERS = {
+    "torchdata.nodes ParallelMapper threads=2": ("torchdata.nodes", peers.torchdata_nodes_batches, False),
+    "torchdata.nodes batch gather threads=2": ("torchdata.nodes", peers.torchdata_nodes_batches, True),
+    "SPDL pipeline threads=2": ("spdl.pipeline", peers.spdl_batches, False),
+    "SPDL batch gather threads=2": ("spdl.pipeline", peers.spdl_batches, True),
+}
+
+
+PEER_ROUNDS = 3
+IN_TURNS = "StreamLoader shuffle=full workers=0, in turns with the peers"
+
+
+def _peer_rows(
+    x: np.memmap, y: np.ndarray, fixed_dir: Path | None, args: argparse.Namespace, limit: float
+) -> list[Row]:
+    """The peers of :mod:`benchmarks.peers` over the same memmap (2 threads, random order) and, given
+    ``fixed_dir``, ``StreamLoader`` over its shard, taking turns for :data:`PEER_ROUNDS` rounds of
+    ``args.peer_seconds`` (or an epoch) each, best round kept: a load that comes and goes hits all of them
+    alike, and a time rather than a sample count gives the fast and the slow the same window. StreamLoader
+    runs in this process like the peers' threads (its native gather has its own), one loader after a
+    warm-up epoch (its lazy checksums), a new epoch each round. A peer that cannot run here gets a row
+    without a value whose ``status`` says why."""
+
+    def gather(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(np.take(x, indices, axis=0)), torch.from_numpy(y[indices])
+
+    stream: Any = None
+    if fixed_dir is not None:
+        import fastio
+
+        stream = fastio.StreamLoader(str(fixed_dir), batch_size=args.batch, seed=0, shuffle="full")
+        for _ in stream:  # the warm-up epoch
+            pass
+
+    dataset, rows, makers = _MemmapImages(x, y), [], {}
+    for label, (peer, batches, per_batch) in _PEER_LOADERS.items():
+        reason = peers.unavailable(peer)
+        if reason is None:
+            makers[label] = functools.partial(
+                batches, dataset, args.batch, 2, 0, gather if per_batch else None
+            )
+        else:
+            rows.append(Row("fixed", label, "samples/s", float("nan"), "samples/s", extra={"status": reason}))
+    if stream is not None:
+        makers[IN_TURNS] = lambda: stream
+
+    def count(batch: Any) -> int:
+        return len(batch["y"]) if isinstance(batch, dict) else len(batch[1])
+
+    best = dict.fromkeys(makers, 0.0)
+    for epoch in range(1, PEER_ROUNDS + 1):
+        if stream is not None:
+            stream.set_epoch(epoch)
+        for label, make in makers.items():
+            best[label] = max(best[label], _rate(make(), count, len(y), args.peer_seconds))
+    for label, rate in best.items():
+        rows.append(_row("fixed", label, rate, IMAGE_BYTES + 8, ("memmap", limit), status="ok"))
+    return rows
+
+
+def _peer_notes(rows: list[Row]) -> list[str]:
+    """The peers' versions, and StreamLoader's rate in turns with the peers over each peer's rate."""
+    ours = {r.backend: r.value for r in rows if r.case == "fixed"}.get(IN_TURNS)
+    installed = ", ".join(f"{k} {v}" for k, v in peers.versions().items())
+    notes = [
+        f"peers: {installed}, installed with --no-deps beside torch {torch.__version__}; each on 2 threads "
+        f"and `{IN_TURNS}` take turns for {PEER_ROUNDS} rounds, best round kept"
+    ]
+    for row in rows:
+        if row.case == "fixed" and row.backend in _PEER_LOADERS:
+            if row.value != row.value:
+                notes.append(f"fixed: {row.backend}: no value ({row.extra['status']})")
+            elif ours is not None:
+                notes.append(
+                    f"fixed: StreamLoader / {row.backend} = {ours / row.value:.2f}x (in turns, same run)"
+                )
+    return notes
 
 
 def _bench_variable(var_dir: Path, args: argparse.Namespace) -> list[Row]:

@@ -13,6 +13,10 @@
    are missing, each benchmark that uses them prints one ``skip ...`` line and runs without those parts
    (or, for one that has no other part, not at all), rather than failing.
 4. One benchmark failing does not stop the others; the exit status is 1 if any failed.
+5. At the end, :mod:`benchmarks.guard` compares each headline figure of this run with the committed results
+   (read before the run) and prints and writes ``guard.md`` / ``guard.json`` into the run folder: a drop of
+   more than 10% is flagged, and each figure says whether it is a same-run ratio (evidence) or an absolute
+   figure across runs (a hint). Flags do not change the exit status.
 
 Example::
 
@@ -32,7 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from benchmarks import harness, netlab
+from benchmarks import guard, harness, netlab
 
 __all__ = ["SUITE", "Benchmark", "Step", "choose_output", "main", "plan", "short_minutes"]
 
@@ -61,8 +65,11 @@ class Benchmark:
 
 # Short-profile estimates (2 cores, as root / without root), from the committed results and the code:
 # kernels: 5M elements is 1/5 of the 25M default's memory traffic (~2 min in full).
-# loader: 1/5 of every data set; writing the 3 GB `fixed` set alone took 19 s in full.
-# images: --quick is 1,000 JPEGs and 640 timed samples per run, 2 rounds (1/5 of the full run).
+# loader: 1/5 of every data set; writing the 3 GB `fixed` set alone took 19 s in full. With the peers it
+#   took 34 s, and 39 s without them, at a load of 3-5 on 2 cores; they take 5 contenders x 3 rounds x
+#   <= 0.5 s (--peer-seconds) plus one warm-up epoch of 200,000 samples.
+# images: --quick is 1,000 JPEGs and 640 timed samples per run, 2 rounds (1/5 of the full run), 6 contenders
+#   per mode with the peers: 35 s with them, 66 s without them at a load of 3-5 (the load dominates).
 # shuffle: 16 small shards over HTTP on 127.0.0.1, 4 cache sizes x 3 orders x 3 epochs: ~10 s, run in full.
 # hooks: 2 + 2 steps per configuration, 10 configurations per network at ~13 s each (process start,
 #   model build, 4 steps of 0.3-1 s); left out: torch_powersgd_r4, which fails over gloo (its one-bucket
@@ -81,11 +88,12 @@ SUITE = (
         "bench_loader",
         (
             "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
-            "--dataloader-samples", "20000", "--webloader-samples", "5000", "--pack-docs", "10000",
+            "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-seconds", "0.5",
+            "--pack-docs", "10000",
         ),
-        (2.0, 2.0),
+        (1.5, 1.5),
     ),
-    Benchmark("bench_images", ("--quick",), (1.0, 1.0)),
+    Benchmark("bench_images", ("--quick",), (1.3, 1.3)),
     Benchmark("bench_shuffle", (), (0.3, 0.3)),
     Benchmark(
         "bench_hooks",
@@ -218,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "make bench FULL=1 runs everything (about 2 h)",
             flush=True,
         )
+    committed = guard.read_figures(guard.HEADLINES, harness.RESULTS_DIR)  # before --update-results writes
     failed = []
     for step in plan(SUITE, netlab_unavailable, full=full):
         if step.skip:
@@ -233,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed.append(step.name)
             print(f"{step.name} FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         print(f"({step.name} took {time.perf_counter() - start:.0f} s)", flush=True)
+    checks = guard.compare(guard.HEADLINES, committed, guard.read_figures(guard.HEADLINES, out))
+    print(f"\nGuard: headline figures against the committed {harness.RESULTS_DIR} (also {out}/guard.md)")
+    print(guard.write_report(checks, out, guard.results_commit(harness.RESULTS_DIR)))
     print(f"\nResults: {out}/*.json, *.md, *.png")
     if not args.update_results:
         print(f"(left as they were: {harness.RESULTS_DIR}; make bench UPDATE_RESULTS=1 updates them)")

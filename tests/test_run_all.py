@@ -25,7 +25,8 @@ _SHORT = {
     "bench_kernels": ["--numel", "5000000", "--repeat", "3"],
     "bench_loader": [
         "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
-        "--dataloader-samples", "20000", "--webloader-samples", "5000", "--pack-docs", "10000",
+        "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-seconds", "0.5",
+        "--pack-docs", "10000",
     ],
     "bench_images": ["--quick"],
     "bench_shuffle": [],
@@ -72,7 +73,7 @@ def test_results_go_to_a_new_run_folder_by_default(ran, monkeypatch, tmp_path, c
     assert run_all.main([]) == 0
     (folder,) = (tmp_path / "runs").iterdir()
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        f"{b.name}.{e}" for b in run_all.SUITE for e in ("json", "md")
+        [f"{b.name}.{e}" for b in run_all.SUITE for e in ("json", "md")] + ["guard.json", "guard.md"]
     )
     assert not (tmp_path / "results").exists()
     out = capsys.readouterr().out
