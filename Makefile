@@ -8,7 +8,9 @@ TORCH_SPEC  ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.9.0
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
-DEPS        := numpy webdataset pybind11 ninja pytest pytest-xdist matplotlib tqdm Pillow simplejpeg hypothesis
+BUILD_DEPS  := pybind11 ninja
+BUILD_STAMP := $(VENV)/.fastlib-build-deps
+DEPS        := numpy webdataset pytest pytest-xdist matplotlib tqdm Pillow simplejpeg hypothesis
 DEPS_STAMP  := $(VENV)/.fastlib-deps
 STAMP       := $(VENV)/.fastlib-installed
 # The frameworks tests/fastcomm/test_integrations.py runs the hooks under. Installed with --no-deps (their own
@@ -35,14 +37,19 @@ NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*
 $(PY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 
-# Everything the build and the tests import, in one pip resolve (torch and triton only where not importable).
-$(DEPS_STAMP): $(PY)
-	$(PIP) install $$($(PY) -c "import torch" 2>/dev/null || echo '$(TORCH_SPEC)') \
-	    $$($(PY) -c "import triton" 2>/dev/null || echo '$(TRITON_SPEC)') $(DEPS)
+# What the native build needs, first and alone (torch only where not importable; it brings the setuptools the
+# build uses): the compiler then starts while pip installs the rest beside it.
+$(BUILD_STAMP): $(PY)
+	$(PIP) install $$($(PY) -c "import torch" 2>/dev/null || echo '$(TORCH_SPEC)') $(BUILD_DEPS)
+	touch $@
+
+# Everything else the tests import (triton only where not importable), beside the native build.
+$(DEPS_STAMP): $(BUILD_STAMP)
+	$(PIP) install $$($(PY) -c "import triton" 2>/dev/null || echo '$(TRITON_SPEC)') $(DEPS)
 	touch $@
 
 # The native build; its dependencies are all in place, so pip resolves nothing (--no-deps).
-$(STAMP): $(DEPS_STAMP) $(NATIVE_SRC)
+$(STAMP): $(BUILD_STAMP) $(NATIVE_SRC)
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -57,7 +64,7 @@ $(PEERS_STAMP): $(DEPS_STAMP) Makefile
 	$(PIP) install --no-deps $(PEERS) && touch $@ || echo "peers not installed; their benchmark rows will say why"
 
 install:
-	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(INTEGRATIONS_STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(DEPS_STAMP) $(INTEGRATIONS_STAMP)
 
 # The op tests on the pure-PyTorch fallback (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build
 # time), then the whole suite with the native kernels on TEST_WORKERS pytest-xdist workers, a test file to a
@@ -71,7 +78,7 @@ test: install
 # The short profile (under 20 min on 2 cores); FULL=1 runs every benchmark in full (about 2 h).
 # Results go to benchmarks/runs/<UTC time>/; UPDATE_RESULTS=1 writes the committed benchmarks/results/ instead,
 # in full.
-bench: $(STAMP) $(PEERS_STAMP)
+bench: $(STAMP) $(DEPS_STAMP) $(PEERS_STAMP)
 	$(PY) -m benchmarks.run_all $(if $(filter 1 yes true,$(FULL)),--full) $(if $(filter 1 yes true,$(UPDATE_RESULTS)),--update-results)
 
 lint: $(STAMP)
