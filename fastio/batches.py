@@ -85,16 +85,23 @@ class SampleBatches:
     """Batches of ``batch_size`` samples of the epoch's order, rank ``rank``'s share (:mod:`fastio.order`),
     each made by a :class:`fastio.assembly.producer.BatchProducer` in an :class:`fastio.epoch.EpochPass`.
 
+    What an epoch's order is comes from four methods a subclass may replace (a mixed loader's
+    :class:`fastio.mixing.batches.StreamBatches` does): :meth:`epoch_size`, :meth:`epoch_ids`,
+    :meth:`identity` and :meth:`check_kind`; the rank split, the passes and the resume arithmetic are shared.
+
     Example::
 
         batches = SampleBatches(source, orders, OrderSettings(), WorkerSettings(), AssemblySettings(8))
         assert len(list(batches.iterate(0, 0))) == batches.num_batches(0)
     """
 
+    KIND: str | None = None  # the state dict's "order": None (absent) for fastio's order of one source
+    MISMATCH = "the epoch order would differ"
+
     def __init__(
         self,
         source: Source,
-        orders: EpochOrders,
+        orders: Any,
         order: OrderSettings,
         workers: WorkerSettings,
         assembly: AssemblySettings,
@@ -104,14 +111,39 @@ class SampleBatches:
         self.workers, self.assembly, self.progress = workers, assembly, progress
         self.kept = KeptProcesses() if workers.persistent else None
 
+    def epoch_size(self) -> int:
+        """Samples in an epoch's global order (before the rank split)."""
+        return self.source.num_samples
+
+    def epoch_ids(self, epoch: int, start: int) -> np.ndarray:
+        """The global order of ``epoch`` (the pass from ``start`` on reads its rank's share of the rest)."""
+        return self.orders(epoch)
+
+    def identity(self) -> dict[str, Any]:
+        """What a state dict must match for its order to be this loader's."""
+        return {**self.order.identity(), "num_samples": self.source.num_samples}
+
+    def check_kind(self, state: dict[str, Any]) -> None:
+        """Refuse a state dict of another kind of order (``ValueError``)."""
+        if state.get("order") == "sampler":
+            raise ValueError(
+                "state_dict comes from a loader whose order came from sampler=, batch_sampler= or "
+                "generator=; this loader uses fastio's own order (seed=, shuffle=)"
+            )
+        if state.get("order") is not None:
+            raise ValueError(
+                f"state_dict comes from a loader whose order is {state['order']!r} (a list of fastio.Stream "
+                "mixes streams); this loader reads one source"
+            )
+
     def num_batches(self, epoch: int) -> int:
-        n, world = self.source.num_samples, self.order.world_size
+        n, world = self.epoch_size(), self.order.world_size
         per_rank = n // world if self.order.drop_last else -(-n // world)
         return num_batches(per_rank, self.assembly.batch_size, self.order.drop_last)
 
     def iterate(self, epoch: int, start: int) -> EpochPass:
         o = self.order
-        indices = rank_indices(self.orders(epoch), start, o.world_size, o.rank, o.drop_last)
+        indices = rank_indices(self.epoch_ids(epoch, start), start, o.world_size, o.rank, o.drop_last)
         return EpochPass(
             self.source,
             indices,
@@ -130,8 +162,8 @@ class SampleBatches:
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
-            **self.order.identity(),
-            "num_samples": self.source.num_samples,
+            **({} if self.KIND is None else {"order": self.KIND}),
+            **self.identity(),
             "epoch": epoch,
             "start": start,
             "batches_yielded": yielded,
@@ -142,20 +174,16 @@ class SampleBatches:
 
     def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
         """Where ``state`` left the epoch's order; another world size or batch size splits the remainder.
-        The seed, shuffle settings and dataset size must match, else ``ValueError``."""
+        What :meth:`identity` names (the seed, shuffle settings, dataset size...) must match, else
+        ``ValueError`` naming the first that differs."""
         if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a {STATE_FORMAT} v{STATE_VERSION} state dict")
-        if state.get("order") == "sampler":
-            raise ValueError(
-                "state_dict comes from a loader whose order came from sampler=, batch_sampler= or "
-                "generator=; this loader uses fastio's own order (seed=, shuffle=)"
-            )
-        n = self.source.num_samples
-        for key, mine in (*self.order.identity().items(), ("num_samples", n)):
-            if state[key] != mine:
+        self.check_kind(state)
+        for key, mine in self.identity().items():
+            if state.get(key) != mine:
                 raise ValueError(
-                    f"state_dict {key}={state[key]!r} but this loader has {key}={mine!r}; "
-                    "the epoch order would differ"
+                    f"state_dict {key}={state.get(key)!r} but this loader has {key}={mine!r}; {self.MISMATCH}"
                 )
         yielded, size = state["batches_yielded"], state["batch_size"]
-        return int(state["epoch"]), resume_start(n, state["start"], state["world_size"], yielded, size)
+        start = resume_start(self.epoch_size(), state["start"], state["world_size"], yielded, size)
+        return int(state["epoch"]), start

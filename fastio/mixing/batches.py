@@ -20,15 +20,14 @@ import functools
 import numbers
 from typing import Any
 
+import numpy as np
+
 from fastio.assembly.pack import Pack, TokenPacker
-from fastio.batches import STATE_FORMAT, STATE_VERSION, Batches
-from fastio.epoch import EpochPass
+from fastio.batches import Batches, SampleBatches
 from fastio.mixing.schedule import MixedOrders
 from fastio.mixing.source import MixedSource
 from fastio.mixing.stream import MIX_MODES, Stream
-from fastio.order import num_batches, rank_indices, resume_start
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
-from fastio.workers.processes import KeptProcesses
 
 __all__ = ["StreamBatches", "mixed_batches", "mixing_identity"]
 
@@ -49,14 +48,19 @@ def mixing_identity(source: MixedSource, orders: MixedOrders) -> dict[str, Any]:
     }
 
 
-class StreamBatches:
-    """Batches of ``batch_size`` positions of the epoch's mixed list, rank ``rank``'s share.
+class StreamBatches(SampleBatches):
+    """Batches of ``batch_size`` positions of the epoch's mixed list, rank ``rank``'s share: a
+    :class:`fastio.batches.SampleBatches` whose epoch is the mixed list, laid out for ``(world_size,
+    batch_size)``, a resumed epoch keeping its own layout.
 
     Example::
 
         batches = StreamBatches(source, orders, OrderSettings(), WorkerSettings(), AssemblySettings(8))
         assert len(list(batches.iterate(0, 0))) == batches.num_batches(0)
     """
+
+    KIND = "streams"
+    MISMATCH = "the mixed epoch would differ"
 
     def __init__(
         self,
@@ -67,15 +71,24 @@ class StreamBatches:
         assembly: AssemblySettings,
         progress: bool = False,
     ) -> None:
-        self.source, self.orders, self.order = source, orders, order
-        self.workers, self.assembly, self.progress = workers, assembly, progress
-        self.kept = KeptProcesses() if workers.persistent else None
+        super().__init__(source, orders, order, workers, assembly, progress)
         self._resumed: tuple[int, tuple[int, int]] | None = None  # (epoch, layout) of a loaded state
 
-    def num_batches(self, epoch: int) -> int:
-        n, world = len(self.orders), self.order.world_size
-        per_rank = n // world if self.order.drop_last else -(-n // world)
-        return num_batches(per_rank, self.assembly.batch_size, self.order.drop_last)
+    def epoch_size(self) -> int:
+        return len(self.orders)
+
+    def epoch_ids(self, epoch: int, start: int) -> np.ndarray:
+        return self.orders(epoch, self.layout(epoch, start))
+
+    def identity(self) -> dict[str, Any]:
+        return {**self.order.identity(), **mixing_identity(self.source, self.orders)}
+
+    def check_kind(self, state: dict[str, Any]) -> None:
+        if state.get("order") != self.KIND:
+            raise ValueError(
+                "state_dict comes from a loader of one source; this loader mixes streams "
+                "(a list of fastio.Stream): its epochs are another list of samples"
+            )
 
     def layout(self, epoch: int, start: int) -> tuple[int, int]:
         """The ``(world_size, batch_size)`` epoch ``epoch``'s list is laid out for: a resumed epoch's own,
@@ -89,67 +102,18 @@ class StreamBatches:
             return self._resumed[1]
         return self.order.world_size, self.assembly.batch_size
 
-    def iterate(self, epoch: int, start: int) -> EpochPass:
-        o = self.order
-        ids = self.orders(epoch, self.layout(epoch, start))
-        indices = rank_indices(ids, start, o.world_size, o.rank, o.drop_last)
-        return EpochPass(
-            self.source,
-            indices,
-            epoch,
-            start,
-            seed=o.seed,
-            drop_last=o.drop_last,
-            world_size=o.world_size,
-            workers=self.workers,
-            assembly=self.assembly,
-            progress=self.progress,
-            kept=self.kept,
-        )
-
     def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:
-        layout = self.layout(epoch, start)
+        world, batch = self.layout(epoch, start)
         return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "order": "streams",
-            **self.order.identity(),
-            **mixing_identity(self.source, self.orders),
-            "epoch": epoch,
-            "start": start,
-            "batches_yielded": yielded,
-            "batch_size": self.assembly.batch_size,
-            "world_size": self.order.world_size,
-            "rank": self.order.rank,
-            "layout_world_size": layout[0],
-            "layout_batch_size": layout[1],
+            **super().state_dict(epoch, start, yielded),
+            "layout_world_size": world,
+            "layout_batch_size": batch,
         }
 
     def resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
         """Where ``state`` left the epoch's mixed list; the seed, shuffle settings, streams (names, sizes,
         weights), ``epoch_size`` and ``mix`` must match, else ``ValueError`` naming the first that differs."""
-        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a {STATE_FORMAT} v{STATE_VERSION} state dict")
-        if state.get("order") != "streams":
-            raise ValueError(
-                "state_dict comes from a loader of one source; this loader mixes streams "
-                "(a list of fastio.Stream): its epochs are another list of samples"
-            )
-        identity = {**self.order.identity(), **mixing_identity(self.source, self.orders)}
-        for key, mine in identity.items():
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"state_dict {key}={state.get(key)!r} but this loader has {key}={mine!r}; "
-                    "the mixed epoch would differ"
-                )
-        epoch = int(state["epoch"])
-        start = resume_start(
-            len(self.orders),
-            state["start"],
-            state["world_size"],
-            state["batches_yielded"],
-            state["batch_size"],
-        )
+        epoch, start = super().resume_point(state)
         self._resumed = (epoch, (int(state["layout_world_size"]), int(state["layout_batch_size"])))
         return epoch, start
 
