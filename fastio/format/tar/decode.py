@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fastio.errors import CorruptShardError
+from fastio.format.tar.npy import NPY_HEADER_LOCK
 
 __all__ = ["IMAGE_EXTENSIONS", "INT_EXTENSIONS", "decode_default", "npy_header", "npy_layout"]
 
@@ -51,10 +52,11 @@ def npy_header(data: bytes | memoryview | np.ndarray) -> tuple[np.dtype, tuple[i
     )
     fp = io.BytesIO(bytes(memoryview(data)[:length]))
     version = np.lib.format.read_magic(fp)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
-    else:
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+    with NPY_HEADER_LOCK:  # literal_eval in worker threads (fastio.format.tar.npy)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
     return np.dtype(dtype), tuple(shape), bool(fortran), fp.tell()
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError
+from fastio.format.tar.npy import load_npz
 from fastio.format.tar.scan import scan_tar
 from fastio.paths import expand_pattern
 
@@ -237,13 +238,13 @@ def load_tar_index(path: str | os.PathLike[str], build: bool = True, strict: boo
     if os.path.exists(sidecar):
         index, problem = None, ""
         try:
-            with np.load(sidecar, allow_pickle=False) as data:
-                identity = _tar_identity(path)
-                if np.array_equal(data["identity"], identity):
-                    index = TarIndex(
-                        path, data["keys"], [str(f) for f in data["fields"]], data["offsets"], data["sizes"]
-                    )
-                    fingerprint, problem = data["fingerprint"], str(data["problem"])
+            data = load_npz(sidecar)
+            identity = _tar_identity(path)
+            if np.array_equal(data["identity"], identity):
+                index = TarIndex(
+                    path, data["keys"], [str(f) for f in data["fields"]], data["offsets"], data["sizes"]
+                )
+                fingerprint, problem = data["fingerprint"], str(data["problem"])
         except (OSError, ValueError, KeyError):
             index = None  # unreadable sidecar: treat as stale
         if index is not None:

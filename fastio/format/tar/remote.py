@@ -36,6 +36,7 @@ from fastio.errors import CorruptShardError
 from fastio.format.tar.compression import compression_of, decompress, decompressed_name
 from fastio.format.tar.decode import npy_layout
 from fastio.format.tar.index import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
+from fastio.format.tar.npy import load_npz
 from fastio.format.tar.source import NpySpec, TarLayout, TarSource, decide_layout
 from fastio.remote.base import RemoteSource, cache_for
 from fastio.remote.fetch import (
@@ -191,10 +192,10 @@ class RemoteTarSource(RemoteSource):
     def _meta_from_sidecar(self, shard: int, sidecar: bytes) -> _TarMeta | None:
         info = self.shards[shard]
         try:
-            with np.load(io.BytesIO(sidecar), allow_pickle=False) as data:
-                identity = data["identity"]
-                index = TarIndex(info.url, data["keys"], [str(f) for f in data["fields"]],
-                                 data["offsets"], data["sizes"])  # fmt: skip
+            data = load_npz(io.BytesIO(sidecar))
+            identity = data["identity"]
+            index = TarIndex(info.url, data["keys"], [str(f) for f in data["fields"]],
+                             data["offsets"], data["sizes"])  # fmt: skip
         except (OSError, ValueError, KeyError):
             return None  # not a sidecar this fastio reads: index the shard instead
         if int(identity[1]) != info.remote_size:
@@ -211,8 +212,7 @@ class RemoteTarSource(RemoteSource):
         if sidecar is None:
             load_tar_index(path, strict=self.tar_strict)
             return
-        with np.load(io.BytesIO(sidecar), allow_pickle=False) as data:
-            mtime_ns = int(data["identity"][2])
+        mtime_ns = int(load_npz(io.BytesIO(sidecar))["identity"][2])
         os.utime(path, ns=(mtime_ns, mtime_ns))
         target = Path(f"{path}{INDEX_SUFFIX}")
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
@@ -248,9 +248,9 @@ class RemoteTarSource(RemoteSource):
         path = self.cache.path(info.key)
         sidecar = self._sidecars.get(shard)
         if sidecar is not None:
-            with np.load(io.BytesIO(sidecar), allow_pickle=False) as data:
-                fields = [str(f) for f in data["fields"]]
-                offset = int(data["offsets"][0, fields.index(field)])
+            data = load_npz(io.BytesIO(sidecar))
+            fields = [str(f) for f in data["fields"]]
+            offset = int(data["offsets"][0, fields.index(field)])
             url = info.url
 
             def head() -> bytes:
