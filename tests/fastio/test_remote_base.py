@@ -50,10 +50,10 @@ def _in_thread(fn, name: str) -> tuple[threading.Thread, list]:
 
 
 def test_a_batch_fetched_ahead_does_not_pin_a_cached_shard_before_its_turn(server, tmp_path, fio):
-    # An epoch starts with shard 2 left in the cache by the last one. The consumer's batch reads shards 0 and 1
-    # together; a batch fetched ahead (a worker thread) reads part of shard 2. The limit holds one shard beside
-    # the one being admitted: enough for the pass (each batch reads two shards), not for a third pinned ahead of
-    # its turn. Pinned at once, shard 2 would leave no room for shard 1 and the pass would stall.
+    # An epoch starts with shard 2 left in the cache by the last one. The consumer's batch reads shards 0
+    # and 1 together; a batch fetched ahead (a worker thread) reads part of shard 2. The limit holds one shard
+    # beside the one being admitted: enough for the pass (each batch reads two shards), not for a third
+    # pinned ahead of its turn. Pinned at once, shard 2 would leave no room for shard 1: the pass stalls.
     probe = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "cache", retry=FAST_RETRY)
     largest = max(s.footprint for s in probe.shards)
     with probe.cached(2):
@@ -76,10 +76,10 @@ def test_a_batch_fetched_ahead_does_not_pin_a_cached_shard_before_its_turn(serve
         if threading.current_thread().name == "fetch-ahead" and shard == 2:
             ahead_ready.set()
 
-    def await_turn(shard: int, watch) -> None:
+    def await_turn(*args) -> None:
         if threading.current_thread().name == "fetch-ahead":
             ahead_ready.set()
-        wait_turn(shard, watch)
+        wait_turn(*args)
 
     source._hold, source._await_turn = hold_in_order, await_turn  # type: ignore[method-assign]
     try:
