@@ -24,9 +24,10 @@ How a pass runs:
    one) and hands the download to a pool of ``download_threads`` threads, staying at most ``ahead`` shards
    past the furthest shard read so far.
 2. :meth:`RemoteSource.fetch` waits (counted as ``network_wait_s``) until the prefetcher has reserved the
-   room of the batch's shards (room is taken in read order only: :mod:`fastio.remote.working_set` counts on
-   it) and they are in the cache, downloading a shard itself when no process has (a forked worker process
-   has no prefetcher: file locks make a download once per node), then reads the batch through the format's
+   room of the batch's shards, before it pins any of them, cached ones too (room is taken in read order
+   only: :mod:`fastio.remote.working_set` counts on it) and they are in the cache, downloading a shard
+   itself when no process has (a forked worker process has no prefetcher: file locks make a download once
+   per node), then reads the batch through the format's
    local source over just those cached shards (memoized per shard set, so consecutive batches of the same
    shards reuse the mapping).
 3. A shard whose samples have all been served this pass is unpinned and marked read: the cache evicts it

@@ -33,7 +33,7 @@ import numpy as np
 
 from fastio.remote.cache import ShardCache
 from fastio.remote.fetch import RetryPolicy, redact
-from fastio.remote.prefetch import POLL_S, Prefetcher
+from fastio.remote.prefetch import Prefetcher, await_turn
 from fastio.remote.progress import COUNTERS, SharedProgress
 from fastio.remote.room import RoomWatch
 from fastio.remote.shard import Shard, write_shard
@@ -275,28 +275,28 @@ class RemoteSource(Source):
             return self.cache.path(info.key)
         start = time.perf_counter()
         try:
-            watch = self.cache.watch(info.key)
-            self._await_turn(shard, watch)
             prefetcher = self._prefetcher if self._owner() else None
             future = prefetcher.inflight.get(shard) if prefetcher is not None else None
             if future is not None:
                 future.result()
-            return self._materialize(shard, watch)
+            return self._materialize(shard, self.cache.watch(info.key))
         finally:
             if self._progress is not None:
                 self._progress.add("network_wait_s", time.perf_counter() - start)
 
-    def _await_turn(self, shard: int, watch: RoomWatch) -> None:
-        """Wait until the prefetcher has room for ``shard``: room is taken in read order only, so a shard a
-        batch needs never waits behind one read after it (what :mod:`fastio.remote.working_set` relies on)."""
+    def _await_turn(self, shards: np.ndarray) -> None:
+        """Wait until the prefetcher has taken the room of a batch's shards (up to the last in read order)
+        before the batch pins any, cached ones too: room is taken in read order only, so a shard a batch needs
+        never waits behind one read after it, nor (pinned by a batch fetched ahead) behind a shard left in the
+        cache; what :mod:`fastio.remote.working_set` relies on. The wait counts as network wait."""
         progress, position = self._progress, self._order_pos
-        if progress is None or position is None or position[shard] >= len(position):
-            return  # no pass prepared, or a shard the pass does not read: nothing to wait for
-        info = self.shards[shard]
-        while progress.front("reserved_front") < position[shard]:
-            self._let_go()
-            watch.check(info.local_size or info.remote_size)
-            time.sleep(POLL_S)
+        read = [] if position is None else [s for s in shards.tolist() if position[s] < len(position)]
+        if progress is None or not read:
+            return  # no pass prepared, or shards the pass does not read: nothing to wait for
+        last = max(read, key=lambda s: position[s])
+        info, start = self.shards[last], time.perf_counter()
+        await_turn(progress, int(position[last]), self.cache.watch(info.key), info.footprint, self._let_go)
+        progress.add("network_wait_s", time.perf_counter() - start)
 
     def _owner(self) -> bool:
         return self._progress is not None and os.getpid() == self._progress.owner
@@ -397,6 +397,7 @@ class RemoteSource(Source):
         if progress is not None:  # the prefetcher's reservations of these shards are needed now
             progress.advance("demand_front", front)
         self._let_go()
+        self._await_turn(shards)
         entry = self._entry(tuple(shards.tolist()))
         try:
             batch = entry.source.fetch(indices + entry.delta[shard_ids], buffers, threads, times)

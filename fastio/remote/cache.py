@@ -18,7 +18,8 @@ while the entry is downloaded) and ``<key>.pin`` (held shared by every process r
    otherwise; it then starts only while the bytes in the cache (every file of the cache folder: entries,
    sidecars, reservations and their placeholders, lock files: what :meth:`ShardCache.usage` reports) plus
    the new entry's sidecar are at most the limit, so the cache folder holds at most the limit plus one
-   shard's file. When every entry is pinned it waits for a pin to go, as :mod:`fastio.remote.room` says (a
+   shard's file (a download whose process died, its temporary file, is removed first). When every entry
+   is pinned it waits for a pin to go, as :mod:`fastio.remote.room` says (a
    wait a batch needs raises :class:`CacheStalledError` once nothing can change). Reservations are made one
    at a time under ``.fastio-cache.lock``.
 
@@ -305,6 +306,8 @@ class ShardCache:
                         with open(path, "wb") as fh:
                             fh.truncate(nbytes)  # counted at full size from now on (sparse until written)
                     return True
+                if self.clear_stale_parts():
+                    continue  # a process that died mid-download left its reserved room: take it now
             if on_wait is not None:
                 on_wait()  # e.g. let go of pins that are no longer needed, so room can appear
             watch.check(needed)

@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,11 +30,29 @@ import numpy as np
 
 from fastio.remote.cache import ShardCache
 from fastio.remote.progress import SharedProgress
+from fastio.remote.room import RoomWatch
 from fastio.remote.shard import Shard
 
-__all__ = ["POLL_S", "Prefetcher"]
+__all__ = ["POLL_S", "Prefetcher", "await_turn"]
 
 POLL_S = 0.02
+
+
+def await_turn(
+    progress: SharedProgress, position: int, watch: RoomWatch, size: int, let_go: Callable[[], None]
+) -> None:
+    """Wait until the prefetcher has taken the room of the shard at read-order ``position`` (its
+    ``reserved_front`` reached it), calling ``let_go()`` and ``watch.check(size)`` between polls: the watch
+    ends a wait nothing can end with :class:`fastio.remote.room.CacheStalledError`.
+
+    Example::
+
+        await_turn(progress, 3, cache.watch(shard.key), shard.remote_size, source._let_go)
+    """
+    while progress.front("reserved_front") < position:
+        let_go()
+        watch.check(size)
+        time.sleep(POLL_S)
 
 
 class Prefetcher:

@@ -132,7 +132,8 @@ def part_owner(name: str) -> int | None:
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (as far as this process can tell).
+    """Whether process ``pid`` runs (as far as this process can tell): not when it has exited, even before
+    its parent reaps it (a zombie, which signals still reach, writes no more).
 
     Example::
 
@@ -144,6 +145,8 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    with contextlib.suppress(OSError, IndexError):  # Linux: the state follows the command name's ")"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 

@@ -4,9 +4,10 @@ that works suggested) before the pass starts rather than found short halfway thr
 A shard is pinned from the first batch that reads it until its last sample has been served. While the
 consumer waits for batch ``c``:
 
-1. Room is taken in first-read order only: the prefetcher reserves shard after shard, and a fetch that needs
-   a shard waits for the prefetcher to reach it. So a shard ``c`` needs never waits behind one read later:
-   the batches fetched ahead of ``c`` (``num_workers + prefetch``), the downloads in flight
+1. Room is taken in first-read order only: the prefetcher reserves shard after shard, and a fetch waits for
+   the prefetcher to reach its batch's shards before it pins any (a shard already cached included). So a
+   shard ``c`` needs never waits behind one read later: the batches fetched ahead of ``c``
+   (``num_workers + prefetch``), the downloads in flight
    (``download_threads``) and the prefetch (``ahead``) hold room only when there was room to spare.
 2. What is cached and pinned then is every shard first read at or before ``c`` and not yet read to the
    end, plus, with worker processes, the shards of a worker's last batch: a worker lets go of them when it

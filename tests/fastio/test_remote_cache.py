@@ -352,3 +352,39 @@ def test_a_server_without_range_support_is_streamed(tmp_path):
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+def _exited_child() -> int:
+    """The pid of a child process that has exited and is not reaped yet (a zombie: signals still reach it)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        os.sched_yield()
+    return pid
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc to see a zombie process")
+def test_a_reservation_takes_the_room_of_a_part_left_by_an_exited_process(tmp_path):
+    # A worker process killed mid-download leaves its reserved part file (counted at full size). Its room
+    # is free: a reservation must take it, not stall on it, also before the parent has reaped the worker.
+    cache = ShardCache(tmp_path, cache_limit=99, stall_s=2.0, wait_s=4.0)
+    pid = _exited_child()
+    cancel, got = threading.Event(), []
+    try:
+        (tmp_path / "ds").mkdir()
+        stale = tmp_path / "ds" / f".a.tar.part-{pid}-1"
+        stale.write_bytes(b"x" * 100)
+        reserve = lambda: got.append(cache.reserve("ds/b.tar", 100, cancel))  # noqa: E731
+        waiter = threading.Thread(target=reserve, daemon=True)
+        waiter.start()
+        waiter.join(60)
+        cancel.set()  # ends a wait that would never end on its own
+        waiter.join(60)
+        assert got[0] is not None, "the reservation still waited on a dead process's part after 60 s"
+        assert not stale.exists()
+        got[0].part.write_bytes(b"y" * 100)
+        got[0].finish()
+        assert cache.usage() == 100
+    finally:
+        os.waitpid(pid, 0)

@@ -266,8 +266,10 @@ def test_the_cache_limit_an_error_suggests_runs_the_epoch(
     assert sorted(seen) == list(range(fio.NUM_SAMPLES)) and set(seen.values()) == {1}
 
 
-def test_a_pass_that_can_never_get_room_raises_a_named_error_within_seconds(shard_dir, server, tmp_path, fio,
-                                                                           caplog):  # fmt: skip
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "thread"), (2, "thread"), (2, "process")])
+def test_a_pass_that_can_never_get_room_raises_a_named_error_within_seconds(
+    shard_dir, server, tmp_path, fio, caplog, num_workers, worker_mode
+):
     # Another job sharing the cache_dir pins an entry that takes all the room: no shard of the pass can come
     # in, and no pin will go. The pass must say why it waits and raise CacheStalledError once nothing changed
     # for stall_s (10 s by default; 3 s here), not wait the 600 s of wait_s in silence.
@@ -279,8 +281,8 @@ def test_a_pass_that_can_never_get_room_raises_a_named_error_within_seconds(shar
     other.fill("other-job/blob", len(blob), lambda part: part.write_bytes(blob))
     source = RemoteShardSource(server.url("train"), cache_dir=cache_dir, cache_limit=limit, retry=FAST_RETRY)
     source.cache.stall_s = 3.0
-    loader = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=3, num_workers=2,
-                                 worker_mode="process")  # fmt: skip
+    loader = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=3, num_workers=num_workers,
+                                 worker_mode=worker_mode)  # fmt: skip
     try:
         with caplog.at_level("WARNING", logger="fastio.remote.cache"):
             with pytest.raises(CacheStalledError, match="other processes or ranks sharing this cache_dir"):
