@@ -55,6 +55,20 @@ class BucketEntry:
     def numel(self) -> int:
         return sum(self.numels)
 
+    def may_owe(self, segment: bool = True) -> bool:
+        """Whether :meth:`owed` (``segment``) or the ``"residual"`` alone could be non-zero: one read of the
+        tensors, without building the sum. False means nothing is owed; True, look with :meth:`owed`.
+
+        Example::
+
+            BucketEntry(numels=(4,), world_size=2).may_owe()   # False: it holds no residual
+        """
+        residual = self.tensors.get("residual")
+        if residual is not None and bool((residual[: self.numel] if segment else residual).any()):
+            return True
+        server = self.tensors.get(SEGMENT_TENSOR) if segment else None
+        return server is not None and bool(server.any())
+
     def owed(self) -> Tensor | None:
         """What this rank still owes for the whole bucket (fp32), or ``None`` if it holds no residual.
 
@@ -289,6 +303,8 @@ class BucketStore:
         if not self.knows_any(key):
             return None
         entry = self.entry(key, numels, world_size)
+        if not entry.may_owe(segment):  # a dense step after a paid switch: one read, no sum built
+            return None
         owed = entry.owed() if segment else entry.tensors.get("residual")
         if owed is None or not bool(owed.any()):
             return None
