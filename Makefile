@@ -24,7 +24,7 @@ INTEGRATIONS_STAMP := $(VENV)/.fastlib-integrations
 # find the pair, so the set that resolved is pinned here.
 REMOTE      ?= "fsspec>=2024.2" "aiohttp>=3.9" "requests>=2.31" "zstandard>=0.22" "moto[server]==5.2.5" \
                s3fs==2026.9.0 aiobotocore==3.10.0 boto3==1.43.117 botocore==1.43.117
-# The peers bench_loader and bench_images time beside fastio (benchmarks/peers.py), for `make bench` only: pinned and
+# The peers bench_loader and bench_images time beside fastio (benchmarks/peers.py), and tests/test_peers.py: pinned and
 # --no-deps (their own requirements would resolve another torch); they import without requests/urllib3. SPDL's image
 # decode also needs FFmpeg 4-9 shared libraries, which pip does not provide (Debian 12: apt-get install
 # libavformat59 libavfilter8 libavdevice59); without them, or when this install fails, the rows say why.
@@ -63,8 +63,9 @@ $(INTEGRATIONS_STAMP): $(DEPS_STAMP) Makefile
 $(PEERS_STAMP): $(DEPS_STAMP) Makefile
 	$(PIP) install --no-deps $(PEERS) && touch $@ || echo "peers not installed; their benchmark rows will say why"
 
+# The peers too (a few seconds, --no-deps), so that CI runs tests/test_peers.py rather than skipping it.
 install:
-	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(DEPS_STAMP) $(INTEGRATIONS_STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(DEPS_STAMP) $(INTEGRATIONS_STAMP) $(PEERS_STAMP)
 
 # The op tests on the pure-PyTorch fallback (FASTCOMM_NO_NATIVE=1 is honoured at import as well as at build
 # time), then the whole suite with the native kernels on TEST_WORKERS pytest-xdist workers, a test file to a
