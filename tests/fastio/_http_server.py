@@ -31,7 +31,12 @@ import time
 import urllib.parse
 from pathlib import Path
 
-__all__ = ["Faults", "HttpServer", "Request"]
+from fastio.remote import RetryPolicy
+
+__all__ = ["FAST_RETRY", "Faults", "HttpServer", "Request"]
+
+# Retries fast enough for a test's injected faults (a 5 s socket timeout still bounds a stuck request).
+FAST_RETRY = RetryPolicy(retries=8, backoff=0.005, max_backoff=0.05, timeout=5.0, chunk_bytes=1024)
 
 
 @dataclasses.dataclass

@@ -69,3 +69,15 @@ def _no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+
+
+@pytest.fixture
+def server(shard_dir: Path):
+    """An HTTP server (tests/fastio/_http_server.py) over the folder that holds ``shard_dir``."""
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _http_server import HttpServer  # noqa: PLC0415
+
+    with HttpServer(shard_dir.parent) as running:
+        yield running

@@ -9,24 +9,14 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from fastio.format.shards.remote import RemoteShardSource
-from fastio.remote import RetryPolicy
 from fastio.sources import ReadPlan
 from fastio.sources.base import StageTimes
 from fastio.sources.buffers import BatchBuffers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import HttpServer  # noqa: E402
-
-FAST_RETRY = RetryPolicy(retries=8, backoff=0.005, max_backoff=0.05, timeout=5.0, chunk_bytes=1024)
-
-
-@pytest.fixture
-def server(shard_dir: Path):
-    with HttpServer(shard_dir.parent) as running:
-        yield running
+from _http_server import FAST_RETRY  # noqa: E402
 
 
 def _fetch(source: RemoteShardSource, indices: np.ndarray) -> dict:

@@ -12,18 +12,9 @@ import pytest
 
 import fastio
 from fastio.format.shards.remote import RemoteShardSource
-from fastio.remote import RetryPolicy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import HttpServer  # noqa: E402
-
-FAST_RETRY = RetryPolicy(retries=8, backoff=0.005, max_backoff=0.05, timeout=5.0, chunk_bytes=1024)
-
-
-@pytest.fixture
-def server(shard_dir: Path):
-    with HttpServer(shard_dir.parent) as running:
-        yield running
+from _http_server import FAST_RETRY  # noqa: E402
 
 
 def _source(server, cache_dir: Path, shards_held: int | None) -> RemoteShardSource:
