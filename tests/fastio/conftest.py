@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import fastio
+
+sys.path.insert(0, str(Path(__file__).parent))  # once, not per use of the fixture below
+from _http_server import HttpServer  # noqa: E402
 
 NUM_SAMPLES = 117
 SHARD_SAMPLES = 13
@@ -74,10 +78,5 @@ def _no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def server(shard_dir: Path):
     """An HTTP server (tests/fastio/_http_server.py) over the folder that holds ``shard_dir``."""
-    import sys  # noqa: PLC0415
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _http_server import HttpServer  # noqa: PLC0415
-
     with HttpServer(shard_dir.parent) as running:
         yield running
