@@ -6,7 +6,10 @@ Example::
     state = fastcomm.register(ddp_model, "topk", ratio=0.01)
 """
 
-from fastcomm import collectives, compress, fault, fsdp, integrations, ops
+import importlib
+from typing import TYPE_CHECKING
+
+from fastcomm import collectives, compress, fault, integrations, ops
 from fastcomm.checkpoint import Checkpointer, CheckpointError
 from fastcomm.diloco import DiLoCo
 from fastcomm.hooks import (
@@ -28,6 +31,19 @@ from fastcomm.hooks import (
 )
 from fastcomm.ops import backend
 from fastcomm.optim import CompressedAdam
+
+if TYPE_CHECKING:
+    from fastcomm import fsdp
+
+# Imported on first use: fastcomm.fsdp imports torch.distributed.fsdp and DTensor (~0.9 s of CPU), which a
+# DDP job never needs and every rank of every job would otherwise pay at start-up.
+_LAZY = {"fsdp"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return importlib.import_module(f"fastcomm.{name}")
+    raise AttributeError(f"module 'fastcomm' has no attribute {name!r}")
 
 __all__ = [
     "AutoState",

@@ -130,10 +130,14 @@ NOT_RUN = [b for b in PYTHON_BLOCKS if b.mark == "not-run"]
 
 
 # Blocks run in processes forked from one server that has imported torch, fastcomm and fastio once (and done
-# nothing else): each block still gets a fresh process and namespace, without paying the imports again.
+# nothing else): each block still gets a fresh process and namespace, without paying the imports again. The
+# server also imports what DDP's constructor (torch._dynamo) and fastcomm.fsdp import on first use, ~2 s of
+# CPU a block otherwise, and freezes its heap: a collection in a block then leaves those pages unwritten
+# (shared with the server) instead of copying them.
 _SERVER = r"""
-import json, os, signal, sys, time, traceback
-import numpy, torch, fastcomm, fastio
+import gc, json, os, signal, sys, time, traceback
+import numpy, torch, torch._dynamo, fastcomm, fastcomm.fsdp, fastio
+gc.freeze()
 for line in sys.stdin:
     job = json.loads(line)
     sys.stdout.flush(); sys.stderr.flush()

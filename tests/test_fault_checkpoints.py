@@ -7,6 +7,7 @@ under sign and q8. Each must end with the model and optimizer state of an uninte
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,15 +40,28 @@ def test_sigkill_during_a_checkpoint_write_uses_the_previous_one(
     fr.assert_bit_identical(fr.final_state(reference(args)), fr.final_state(tmp_path / "killed"))
 
 
+CORRUPT_ARGS = ["--hook", "sign", "--steps", "30", "--checkpoint-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def stopped_at_20(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The work directory of a sign run stopped at step 20 (checkpoints 10 and 20 kept), run once: each
+    damage test copies it."""
+    work = tmp_path_factory.mktemp("stopped")
+    args = [*CORRUPT_ARGS, "--checkpoint-keep", "3", "--stop-after", "20"]
+    fr.run(fr.command(2, data_dir, work, *args), work)
+    return work
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
-    damage: str, data_dir: Path, tmp_path: Path, reference
+    damage: str, data_dir: Path, tmp_path: Path, reference, stopped_at_20: Path
 ) -> None:
-    args = ["--hook", "sign", "--steps", "30", "--checkpoint-every", "10"]
+    args = list(CORRUPT_ARGS)
     uninterrupted = reference(args)
     args += ["--checkpoint-keep", "3"]
     work = tmp_path / "damaged"
-    fr.run(fr.command(2, data_dir, work, *args, "--stop-after", "20"), work)
+    shutil.copytree(stopped_at_20, work)
     victim = work / "ckpt" / "step-000000020" / "rank0.pt"
     data = bytearray(victim.read_bytes())
     if damage == "flip":

@@ -7,8 +7,9 @@ not an import). Each rank trains a few steps, calls ``dist.destroy_process_group
 normal interpreter exit, with its model, hook state and optimizer still referenced from module globals as in
 a script written at top level: no ``os._exit``, no ``gc.collect()``. RUNS runs of every METHOD, up to
 CONCURRENT (default 4) runs at a time: a run mostly waits (rendezvous, collectives, the exit wait), and each
-run has its own ranks, port and logs. Prints one line per failed rank (its signal or exit code and its last
-output), then ``METHOD: failed K of RUNS`` for each method, and exits 0.
+run has its own ranks, rendezvous file and logs (a file, not a port: a free port picked here can be taken
+by another test before rank 0 listens on it). Prints one line per failed rank (its signal or exit code and its
+last output), then ``METHOD: failed K of RUNS`` for each method, and exits 0.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import gc
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -35,9 +35,9 @@ RUN_TIMEOUT_S = 120.0
 KEEP: list[object] = []  # what a top-level script keeps alive until its interpreter exits
 
 
-def train(method: str, rank: int, port: int) -> None:
+def train(method: str, rank: int, rendezvous: str) -> None:
     """The script of one rank: DDP, a hook, five steps, ``destroy_process_group``."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     # two buckets: sign and quantize pipeline phase 2 across them
@@ -61,17 +61,6 @@ def train(method: str, rank: int, port: int) -> None:
         optimizer.step()
     dist.destroy_process_group()
     KEEP.extend((ddp, state, optimizer))
-
-
-def free_port(taken: set[int]) -> int:
-    """A free local port that no run of this process was given before (runs overlap)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in taken:
-            taken.add(port)
-            return port
 
 
 def describe(status: int) -> str:
@@ -98,9 +87,9 @@ class Run:
     exited: int = 0
 
 
-def start(method: str, index: int, logs: str, taken: set[int]) -> Run | None:
+def start(method: str, index: int, logs: str) -> Run | None:
     """Fork the two ranks of one run. In the parent: the run; in a rank: ``None``."""
-    port = free_port(taken)
+    rendezvous = os.path.join(logs, f"{method}-{index}.rendezvous")
     run = Run(method, index, time.monotonic() + RUN_TIMEOUT_S)
     for rank in range(2):
         log = os.path.join(logs, f"{method}-{index}-rank{rank}.log")
@@ -110,7 +99,7 @@ def start(method: str, index: int, logs: str, taken: set[int]) -> Run | None:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             try:
-                train(method, rank, port)
+                train(method, rank, rendezvous)
             except BaseException as error:  # noqa: BLE001 - a failed rank exits 1, as a script would
                 print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
                 os._exit(1)
@@ -137,11 +126,10 @@ def main() -> int:
     running: dict[int, tuple[Run, int]] = {}  # rank pid -> (its run, its rank)
     failed = dict.fromkeys(methods, 0)
     lines: list[str] = []
-    taken: set[int] = set()
     logs = tempfile.mkdtemp()  # not a context manager: a rank returning from here must not remove it
     while todo or running:
         while todo and len(active) < concurrent:
-            run = start(*todo.pop(0), logs, taken)
+            run = start(*todo.pop(0), logs)
             if run is None:
                 return 0
             active.append(run)
