@@ -62,6 +62,7 @@ __all__ = [
     "RangeReader",
     "RemoteReadError",
     "RetryPolicy",
+    "cat_range",
     "classify",
     "download",
     "expand_urls",
@@ -338,6 +339,30 @@ def read_bytes(url: str, policy: RetryPolicy, storage_options: dict[str, Any] | 
     return with_retries(cat, url, policy)
 
 
+def cat_range(
+    url: str, start: int, stop: int, size: int, policy: RetryPolicy, storage_options: dict[str, Any] | None
+) -> tuple[bytes, bool]:
+    """Bytes ``[start, stop)`` of the ``size``-byte object at ``url``, one attempt (call it through
+    :func:`with_retries`), and whether the server ignored ``Range`` (it sent the whole object, sliced here).
+    Fewer bytes than asked (a body cut short, an object shorter than ``size``) raise a transient error, so
+    a range is never short: retried, then :class:`RemoteReadError`.
+
+    Example::
+
+        data, _ = with_retries(lambda: cat_range(url, 0, 32, size, policy, None), url, policy)
+    """
+    fs, path = filesystem(url, storage_options, policy.timeout)
+    data = fs.cat_file(path, start=start, end=stop)
+    if len(data) > stop - start:
+        if len(data) != size:
+            got = f"asked for bytes [{start}, {stop}) of {size}, got {len(data)} bytes"
+            raise RemoteReadError(url, 1, got)
+        return bytes(data[start:stop]), True
+    if len(data) < stop - start:  # a body cut short: transient
+        raise http.client.IncompleteRead(bytes(data[:64]), stop - start - len(data))
+    return bytes(data), False
+
+
 class RangeReader(io.RawIOBase):
     """A read-only, forward-only file over the ``size`` bytes of ``url``: ranged reads of
     ``policy.chunk_bytes``, each under ``policy`` (a transient failure retries that chunk only, so progress
@@ -381,18 +406,9 @@ class RangeReader(io.RawIOBase):
     def _chunk(self, start: int, stop: int) -> bytes:
         if not self._ranges:
             return self._streamed(start, stop)
-        fs, path = filesystem(self.url, self.storage_options, self.policy.timeout)
-        data = fs.cat_file(path, start=start, end=stop)
-        if len(data) > stop - start:
-            if len(data) != self.size:
-                raise RemoteReadError(
-                    self.url, 1, f"asked for bytes [{start}, {stop}) of {self.size}, got {len(data)} bytes"
-                )
-            self._ranges = False  # the whole object came back: stream the rest with one GET
-            return bytes(data[start:stop])
-        if len(data) < stop - start:  # a body cut short: transient
-            raise http.client.IncompleteRead(bytes(data[:64]), stop - start - len(data))
-        return bytes(data)
+        data, whole = cat_range(self.url, start, stop, self.size, self.policy, self.storage_options)
+        self._ranges = not whole  # the whole object came back: stream the rest with one GET
+        return data
 
     def _streamed(self, start: int, stop: int) -> bytes:
         try:
