@@ -22,7 +22,8 @@ from fastio.errors import CorruptShardError, SchemaMismatchError
 from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.shards.schema import schema_from_json
 from fastio.format.shards.source import ShardSource, fixed_specs_of
-from fastio.remote.base import RemoteSource, cache_for
+from fastio.remote.base import RemoteSource
+from fastio.remote.cache import ShardCache
 from fastio.remote.fetch import (
     RetryPolicy,
     read_bytes,
@@ -67,7 +68,7 @@ class RemoteShardSource(RemoteSource):
     ) -> None:
         root = url.rstrip("/")
         super().__init__(
-            root, cache_for(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
+            root, ShardCache(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
             download_threads, ahead,
         )  # fmt: skip
         self.verify = verify

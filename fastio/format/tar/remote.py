@@ -38,7 +38,8 @@ from fastio.format.tar.decode import npy_layout
 from fastio.format.tar.index import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
 from fastio.format.tar.npy import load_npz
 from fastio.format.tar.source import NpySpec, TarLayout, TarSource, decide_layout
-from fastio.remote.base import RemoteSource, cache_for
+from fastio.remote.base import RemoteSource
+from fastio.remote.cache import ShardCache
 from fastio.remote.fetch import (
     RemoteNotFoundError,
     RetryPolicy,
@@ -127,7 +128,7 @@ class RemoteTarSource(RemoteSource):
             raise RemoteNotFoundError(str(urls), "the pattern names no shard")
         name = listed[0] if len(listed) == 1 else f"{listed[0]} (+{len(listed) - 1})"
         super().__init__(
-            name, cache_for(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
+            name, ShardCache(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
             download_threads, ahead,
         )  # fmt: skip
         if decode is not None and decode != "pil" and not callable(decode):
