@@ -5,8 +5,9 @@ How a batch is made:
 
 1. The epoch's order comes from :mod:`fastio.order` (seed, epoch, shuffle mode, world size, rank, and the
    resume position); it never depends on ``num_workers``, but for ``shuffle=True`` on a remote source whose
-   cache cannot hold every shard: its window leaves room for what worker processes hold
-   (:meth:`fastio.settings.OrderSettings.within`), which matters only for shards small against a batch.
+   cache cannot hold every shard: its window (of parts of shards, or of whole shards) leaves room for what
+   worker processes hold (:meth:`fastio.settings.OrderSettings.within`), which matters only for shards or
+   parts small against a batch.
 2. Batch ``i`` is gathered by its source (:mod:`fastio.sources`) into the output buffers of ring slot
    ``i % (num_workers + prefetch)``: fixed-size fields straight from the mmap by the native multi-threaded
    gather, GIL released.
@@ -68,7 +69,7 @@ from fastio.mixing import as_streams, mixed_batches, open_streams
 from fastio.registry import OpenOptions, open_source
 from fastio.sampled import SamplerBatches, check_sampler_args, index_batches
 from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, dataloader_worker_args
-from fastio.sources import ReadPlan, StageTimes
+from fastio.sources import ReadPlan, ShardParts, StageTimes
 from fastio.workers.batch_pass import BatchPass
 
 __all__ = ["StreamLoader", "collate_samples"]
@@ -102,7 +103,9 @@ class StreamLoader:
             access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
             batch, see :mod:`fastio.order`). On sources that declare ``requires_shard_order`` (remote
             stores), ``True`` is the full permutation where the cache holds every shard, else a sliding
-            window of the shards the cache holds (``"window"``, ``stats()["shuffle_window_shards"]``).
+            window of parts of shards where the source reads parts (``"parts"``, fastio shards:
+            ``stats()["shuffle_window_parts"]``), else of the shards the cache holds (``"window"``,
+            ``stats()["shuffle_window_shards"]``).
         seed: with the epoch, the only source of randomness.
         num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
         pin_memory: page-locked output buffers; default: False, as in DataLoader, but True with a CUDA
@@ -228,6 +231,12 @@ class StreamLoader:
         ranks_given = rank is not None or world_size is not None
         rank, world_size = _distributed_defaults(rank, world_size)
         order = OrderSettings(seed, shuffle, shuffle_block, shuffle_window, rank, world_size, drop_last)
+        if order.shuffle == "parts":
+            raise ValueError(
+                "shuffle='parts' is what shuffle=True becomes on a remote source whose cache holds parts of "
+                "its shards, not a mode to ask for: pass shuffle=True (the same cache_limit gives the same "
+                "order)"
+            )
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available")
@@ -282,9 +291,16 @@ class StreamLoader:
         assembly = dataclasses.replace(
             assembly, python_path=python_path, pin=pin, reuse_buffers=reuse_buffers, device=device
         )
-        if self._source.requires_shard_order:  # shuffle=True: a window of the shards its cache holds
+        self._parts: ShardParts | None = None
+        if self._source.requires_shard_order:  # shuffle=True: a window of what its cache holds
             reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
-            order = order.within(self._source.shards_held(), self._source.shard_sizes, reach)
+            split = getattr(self._source, "split_shards", None)
+            parted = order.shuffle == "full" and streams is None and pack is None and not sampled
+            self._parts = None if split is None else split(reach if parted else None)
+            if self._parts is not None:
+                order = order.in_parts(self._parts)
+            else:
+                order = order.within(self._source.shards_held(), self._source.shard_sizes, reach)
         self.order, self.workers, self.assembly = order, workers, assembly
         # 3. How epochs are cut into batches, chosen once (fastio.batches): samples, or packed rows.
         orders = EpochOrders(self._source.shard_sizes, order)
@@ -322,7 +338,7 @@ class StreamLoader:
     collate = property(lambda self: self.assembly.collate, doc="The collate function, or None.")
     reuse_buffers = property(lambda self: self.assembly.reuse_buffers, doc="Reuse unviewed buffers.")
     device = property(lambda self: self.assembly.device, doc="Where batches are copied, or None.")
-    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full", "shard" or "window".')
+    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full", "shard", "window" or "parts".')
     shuffle_block = property(lambda self: self.order.shuffle_block, doc="Block of the shard shuffle.")
     shuffle_window = property(lambda self: self.order.shuffle_window, doc="Window of the shard shuffle.")
     seed = property(lambda self: self.order.seed, doc="With the epoch, the only source of randomness.")
@@ -422,8 +438,10 @@ class StreamLoader:
         remote source's downloads and cache) add them as ``source``, and ``network_wait_s``: seconds its
         fetches waited for shards to become local (not part of ``stage_s["read"]``, which is the gather).
         ``shuffle_mode`` and ``shuffle_window_shards`` say which order was chosen and how many shards it mixes
-        at once (``shuffle=True`` on a cache-limited remote source: ``"window"`` and the shards the cache
-        holds).
+        at once (``shuffle=True`` on a cache-limited remote source: ``"parts"``, with
+        ``shuffle_window_parts`` parts open at once, each shard cut into ``shuffle_parts`` parts of at most
+        ``part_samples`` samples; or ``"window"`` and the shards the cache holds, for sources that read whole
+        shards only).
 
         Example::
 
@@ -445,7 +463,13 @@ class StreamLoader:
         else:
             out = self._current.stats()
         out["shuffle_mode"] = self.order.shuffle
-        out["shuffle_window_shards"] = self.order.window_shards(len(self._source.shard_sizes))
+        parts = self._parts
+        out["shuffle_window_shards"] = self.order.window_shards(
+            len(self._source.shard_sizes) if parts is None else parts.shards
+        )
+        if parts is not None:
+            out.update(shuffle_window_parts=self.order.shuffle_window, shuffle_parts=parts.parts,
+                       part_samples=parts.part_samples)  # fmt: skip
         source = self._source.stats()
         if source:
             out["source"] = source

@@ -20,6 +20,7 @@ import torch
 
 from fastio.assembly.stages import BatchStage
 from fastio.order import normalize_shuffle, window_within
+from fastio.sources.base import ShardParts
 
 __all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args"]
 
@@ -31,9 +32,11 @@ class OrderSettings:
 
     Attributes:
         seed: with the epoch, the only source of randomness.
-        shuffle: ``"none"``, ``"full"``, ``"shard"`` or ``"window"`` (``True``/``False`` are turned into
-            these; :meth:`within` makes ``"full"`` a ``"window"`` where the source cannot hold every shard).
-        shuffle_block, shuffle_window: block size and window of the shard-aware shuffles.
+        shuffle: ``"none"``, ``"full"``, ``"shard"``, ``"window"`` or ``"parts"`` (``True``/``False`` are
+            turned into these; :meth:`within` makes ``"full"`` a ``"window"`` where the source cannot hold
+            every shard, :meth:`in_parts` a ``"parts"`` where it reads parts of shards instead).
+        shuffle_block, shuffle_window: block size and window (shards, or parts) of the shard-aware shuffles.
+        shuffle_parts: ``"parts"``: the parts each shard is split into (else 1).
         rank, world_size: this rank and the number of ranks.
         drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
 
@@ -49,6 +52,7 @@ class OrderSettings:
     rank: int = 0
     world_size: int = 1
     drop_last: bool = False
+    shuffle_parts: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shuffle", normalize_shuffle(self.shuffle))
@@ -73,8 +77,21 @@ class OrderSettings:
         window = window_within(max(1, int(shards_held)), shard_sizes, reach)
         return dataclasses.replace(self, shuffle="window", shuffle_window=window)
 
+    def in_parts(self, split: ShardParts) -> OrderSettings:
+        """These settings for a source that split its shards into parts (``split``, from
+        :meth:`fastio.sources.Source.split_shards`): the sliding window of ``split.window`` parts.
+
+        Example::
+
+            OrderSettings(shuffle=True).in_parts(ShardParts(8, 31, 64, 16)).shuffle == "parts"
+        """
+        return dataclasses.replace(
+            self, shuffle="parts", shuffle_window=split.window, shuffle_parts=split.parts
+        )
+
     def window_shards(self, num_shards: int) -> int:
-        """Shards the order mixes at once: every shard (full), the window (shard, window), or one (none).
+        """Shards the order mixes at once: every shard (full), the window (shard, window), or one (none);
+        ``"parts"``: the shards a window of that many parts can draw from, at most.
 
         Example::
 
@@ -89,11 +106,13 @@ class OrderSettings:
 
             OrderSettings(seed=1).identity()["seed"] == 1
         """
+        parts = {"shuffle_parts": self.shuffle_parts} if self.shuffle == "parts" else {}
         return {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_block": self.shuffle_block,
             "shuffle_window": self.shuffle_window,
+            **parts,
         }
 
 

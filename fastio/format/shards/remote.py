@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -19,8 +20,9 @@ from typing import Any
 import torch
 
 from fastio.errors import CorruptShardError, SchemaMismatchError
+from fastio.format.shards.parts import PartReader, RemoteHead, fetch_head, part_ranges
 from fastio.format.shards.reader import ShardReader, ShardSet
-from fastio.format.shards.schema import schema_from_json
+from fastio.format.shards.schema import Schema, schema_from_json
 from fastio.format.shards.source import ShardSource, fixed_specs_of
 from fastio.remote.base import RemoteSource
 from fastio.remote.cache import ShardCache
@@ -29,7 +31,9 @@ from fastio.remote.fetch import (
     read_bytes,
     redact,
 )
+from fastio.remote.parts import choose_parts, part_bounds
 from fastio.remote.shard import Shard, cache_key
+from fastio.sources.base import ShardParts
 
 __all__ = ["RemoteShardSource", "open_remote_shards"]
 
@@ -107,11 +111,57 @@ class RemoteShardSource(RemoteSource):
             self.shards.append(Shard(shard_url, cache_key(shard_url, name), size, size, entry["num_samples"]))
             self._checksums.append({k: entry[k] for k in ("crc32", "sha256") if k in entry})
         self.shards_ready()
+        self._files = list(self.shards)  # the whole shards, whichever units are read
+        self._heads: list[RemoteHead] | None = None  # fetched by range at the first split
+        self._part_of: dict[str, tuple[int, int, int]] = {}  # a part's cache key -> (shard, first, stop)
+
+    def split_shards(self, reach: int | None) -> ShardParts | None:
+        """Parts of shards for ``shuffle=True`` under a cache that cannot hold every shard
+        (:mod:`fastio.remote.parts` chooses how many; ``reach``: see
+        :meth:`fastio.sources.Source.split_shards`); whole shards again for None, for a cache that holds
+        every shard, and with ``verify=True`` (a part's bytes cannot be checked against its section's crc32).
+
+        Example::
+
+            source.split_shards(reach=64)   # ShardParts(parts=8, window=31, part_samples=64, shards=16)
+        """
+        chosen = None
+        if reach is not None and not self.verify:
+            chosen = choose_parts(self._files, self.cache.limit, self.resident_bytes(), reach, self._parts)
+        self.use_units(self._files if chosen is None else chosen[1])
+        return None if chosen is None else chosen[0]
+
+    def _parts(self, parts: int) -> list[Shard]:
+        """Every non-empty part of every shard split into ``parts`` (:func:`part_bounds`), storage order."""
+        if self._heads is None:
+            with concurrent.futures.ThreadPoolExecutor(self.download_threads) as pool:
+                heads = list(pool.map(self._head, range(len(self._files))))
+            self._heads = heads
+        units = []
+        for shard, info in enumerate(self._files):
+            for first, stop in part_bounds(info.num_samples, parts):
+                ranges = part_ranges(self._heads[shard], first, stop)
+                key = f"{info.key}@{first}-{stop}"
+                self._part_of[key] = (shard, first, stop)
+                units.append(Shard(
+                    info.url, key, info.remote_size, sum(hi - lo for lo, hi in ranges), stop - first,
+                    ranges=tuple((lo, hi) for lo, hi in ranges if hi > lo),
+                ))  # fmt: skip
+        return units
+
+    def _head(self, shard: int) -> RemoteHead:
+        """Shard ``shard``'s header and offsets (:func:`fetch_head`), checked against ``index.json``."""
+        info = self._files[shard]
+        head = fetch_head(info.url, info.remote_size, self.retry, self.storage_options)
+        self._check_reader(shard, info.url, head.header.num_samples, head.header.schema)
+        return head
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return fixed_specs_of(self.schema)
 
     def check_download(self, shard: int, part: Path) -> None:
+        if self.shards[shard].key in self._part_of:
+            return  # a part: its size is checked; index.json's checksums cover the whole file
         wanted = self._checksums[shard]
         if wanted:
             crc, sha = 0, hashlib.sha256()
@@ -132,20 +182,25 @@ class RemoteShardSource(RemoteSource):
                 )
         ShardReader(part, verify=False)  # the header, sizes and sections: a wrong file never gets its name
 
-    def open_shard(self, shard: int, path: Path) -> ShardReader:
+    def open_shard(self, shard: int, path: Path) -> ShardReader | PartReader:
+        part = self._part_of.get(self.shards[shard].key)
+        if part is not None and self._heads is not None:
+            return PartReader(path, self._heads[part[0]], part[1], part[2])
         reader = ShardReader(path, verify=self.verify)
-        info = self.shards[shard]
-        if reader.num_samples != info.num_samples:
-            raise CorruptShardError(
-                str(path), "num_samples", f"{info.num_samples} (index.json)", reader.num_samples
-            )
-        for name, field in self.schema.items():
-            if reader.schema.get(name) != field:
-                found = reader.schema[name].describe() if name in reader.schema else "no such field"
-                raise SchemaMismatchError(info.url, name, f"{field.describe()} (index.json)", found)
+        self._check_reader(shard, str(path), reader.num_samples, reader.schema)
         return reader
 
-    def local_source(self, shards: tuple[int, ...], opened: list[ShardReader]) -> ShardSource:
+    def _check_reader(self, shard: int, where: str, num_samples: int, schema: Schema) -> None:
+        """Raise unless a shard's header agrees with ``index.json`` (its samples, its fields)."""
+        info = self._files[shard]
+        if num_samples != info.num_samples:
+            raise CorruptShardError(where, "num_samples", f"{info.num_samples} (index.json)", num_samples)
+        for name, field in self.schema.items():
+            if schema.get(name) != field:
+                found = schema[name].describe() if name in schema else "no such field"
+                raise SchemaMismatchError(info.url, name, f"{field.describe()} (index.json)", found)
+
+    def local_source(self, shards: tuple[int, ...], opened: list[Any]) -> ShardSource:
         return ShardSource(ShardSet.from_readers(self.name, self.schema, opened))
 
 
