@@ -22,7 +22,7 @@ from fastio.remote.fetch import (
     RangeReader,
     RemoteError,
     RetryPolicy,
-    cat_range,
+    cat_ranges,
     download,
     redact,
     with_retries,
@@ -97,11 +97,10 @@ def write_shard(
             progress.add("retries", 1)
 
     if info.ranges is not None:
+        read = functools.partial(cat_ranges, info.url, info.ranges, info.remote_size, retry, storage_options)
+        pieces, _ = with_retries(read, info.url, retry, on_retry=retried)
         with open(part, "r+b" if part.exists() else "wb") as out:
-            for start, stop in info.ranges:
-                url, size = info.url, info.remote_size
-                read = functools.partial(cat_range, url, start, stop, size, retry, storage_options)
-                data, _ = with_retries(read, info.url, retry, on_retry=retried)
+            for data in pieces:
                 out.write(data)
                 counted(len(data))
     elif info.unpack is None:

@@ -20,7 +20,7 @@ from fastio.errors import CorruptShardError
 from fastio.format.shards.remote import RemoteShardSource
 from fastio.order import epoch_order, rank_indices
 from fastio.remote import RemoteReadError
-from fastio.remote.fetch import cat_range, with_retries
+from fastio.remote.fetch import cat_ranges, with_retries
 from fastio.remote.parts import choose_parts, expected_shards, part_bounds
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -248,10 +248,14 @@ def test_verify_true_keeps_whole_shards(server, tmp_path):
 def test_a_range_read_past_the_end_of_an_object_raises(shard_dir, server):
     url = server.url("train/shard-000000.fio")
     size = (shard_dir / "shard-000000.fio").stat().st_size
-    data, whole = cat_range(url, 0, 64, size, FAST_RETRY, None)
-    assert len(data) == 64 and not whole
+    (head, tail), whole = cat_ranges(url, [(0, 64), (size - 8, size)], size, FAST_RETRY, None)
+    assert (len(head), len(tail), whole) == (64, 8, False)
+    assert head + tail == (shard_dir / "shard-000000.fio").read_bytes()[:64] + (
+        shard_dir / "shard-000000.fio"
+    ).read_bytes()[-8:]
+    past_end = [(0, 8), (size - 8, size + 8)]
     with pytest.raises(RemoteReadError, match="shard-000000.fio"):
-        with_retries(lambda: cat_range(url, size - 8, size + 8, size + 8, FAST_RETRY, None), url, FAST_RETRY)
+        with_retries(lambda: cat_ranges(url, past_end, size + 8, FAST_RETRY, None), url, FAST_RETRY)
 
 
 def test_a_shard_truncated_after_its_header_was_read_is_a_named_error_never_wrong_data(

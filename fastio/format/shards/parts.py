@@ -34,7 +34,7 @@ import numpy as np
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError
 from fastio.format.shards.header import ShardHeader, check_offsets, read_header
-from fastio.remote.fetch import RetryPolicy, cat_range, with_retries
+from fastio.remote.fetch import RetryPolicy, cat_ranges, with_retries
 
 __all__ = ["PartReader", "RemoteHead", "fetch_head", "part_ranges"]
 
@@ -59,8 +59,8 @@ def fetch_head(url: str, size: int, retry: RetryPolicy, storage_options: dict[st
     def read(start: int, stop: int) -> bytes:
         if stop <= start:
             return b""
-        call = functools.partial(cat_range, url, start, stop, size, retry, storage_options)
-        return with_retries(call, url, retry)[0]
+        call = functools.partial(cat_ranges, url, [(start, stop)], size, retry, storage_options)
+        return with_retries(call, url, retry)[0][0]
 
     header = read_header(url, size, read)
     offsets = {}
