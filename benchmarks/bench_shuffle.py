@@ -37,7 +37,7 @@ batch (the cache admits one shard beyond its limit), where a full permutation of
 
 Run::
 
-    python -m benchmarks.bench_shuffle          # about 10 s on 2 cores
+    python -m benchmarks.bench_shuffle          # about 50 s on 2 cores (parts: many small requests)
 """
 
 from __future__ import annotations
