@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import sys
+import tarfile
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 import fastio
 from fastio.errors import CorruptShardError
 from fastio.format.shards.remote import RemoteShardSource
+from fastio.format.tar.remote import RemoteTarSource
 from fastio.order import epoch_order, rank_indices
 from fastio.remote import RemoteReadError
 from fastio.remote.fetch import cat_ranges, with_retries
@@ -299,3 +302,87 @@ def test_the_order_of_parts_splits_across_ranks_like_every_order():
     assert sorted(order.tolist()) == list(range(sum(sizes)))
     mine = [rank_indices(order, 0, 2, r, drop_last=False) for r in (0, 1)]
     assert sorted(np.concatenate(mine).tolist()) == list(range(sum(sizes)))
+
+
+def _write_tars(directory: Path, shards: int, samples: int, sidecars: bool) -> list[Path]:
+    """``shards`` WebDataset tars of ``samples`` samples each (``x.npy`` holds the sample's number, ``cls``
+    its shard), indexed beside them (``.fidx``) when ``sidecars``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths, key = [], 0
+    for s in range(shards):
+        path = directory / f"shard-{s:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for _ in range(samples + s % 3):  # unequal tars
+                buf = io.BytesIO()
+                np.save(buf, np.full((2, 3), key, np.int64))
+                for ext, data in (("x.npy", buf.getvalue()), ("cls", str(s).encode())):
+                    info = tarfile.TarInfo(f"k{key:05d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                key += 1
+        if sidecars:
+            fastio.index_tar(path)
+        paths.append(path)
+    return paths
+
+
+def _tar_source(server: HttpServer, cache_dir: Path, tars_held: int) -> RemoteTarSource:
+    pattern = server.url("shard-{000..008}.tar")
+    probe = RemoteTarSource(pattern, cache_dir=cache_dir, retry=FAST_RETRY)
+    largest = max(s.footprint for s in probe.shards)
+    probe.close()
+    return RemoteTarSource(pattern, cache_dir=cache_dir, cache_limit=tars_held * largest, retry=FAST_RETRY)
+
+
+def _tar_keys(loader: fastio.StreamLoader) -> list[str]:
+    keys = []
+    for batch in loader:
+        for x, key in zip(batch["x.npy"], batch["__key__"], strict=True):
+            assert int(x[0, 0]) == int(key[1:]), key  # every member belongs to its sample
+            keys.append(key)
+    return keys
+
+
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "thread"), (2, "process")])
+def test_tar_shards_with_sidecars_read_parts_each_sample_once_and_resume_exactly(
+    tmp_path, num_workers, worker_mode
+):
+    _write_tars(tmp_path / "www", shards=9, samples=13, sidecars=True)
+    options = dict(batch_size=4, shuffle=True, seed=6, num_workers=num_workers, worker_mode=worker_mode)
+    with HttpServer(tmp_path / "www") as server:
+        source = _tar_source(server, tmp_path / "cache", 3)
+        try:
+            loader = fastio.StreamLoader(source, **options)
+            whole = _tar_keys(loader)
+            stats = loader.stats()
+            assert stats["shuffle_mode"] == "parts" and stats["part_samples"] > 1
+            assert sorted(whole) == sorted(set(whole)) and len(whole) == source.num_samples
+            assert source.cache.evictions > 0
+            loader = fastio.StreamLoader(source, **options)
+            it = iter(loader)
+            first = [key for _ in range(7) for key in next(it)["__key__"]]
+            state = loader.state_dict()
+            del it
+        finally:
+            source.close()
+        assert first == whole[:28]
+        again = _tar_source(server, tmp_path / "cache", 3)
+        try:
+            resumed = fastio.StreamLoader(again, **options)
+            resumed.load_state_dict(state)
+            assert _tar_keys(resumed) == whole[28:]
+        finally:
+            again.close()
+
+
+def test_tar_shards_without_sidecars_keep_the_window_of_whole_shards(tmp_path):
+    _write_tars(tmp_path / "www", shards=9, samples=13, sidecars=False)
+    with HttpServer(tmp_path / "www") as server:
+        source = _tar_source(server, tmp_path / "cache", 3)
+        try:
+            loader = fastio.StreamLoader(source, batch_size=4, shuffle=True, seed=6)
+            keys = _tar_keys(loader)
+            assert loader.stats()["shuffle_mode"] == "window"
+            assert sorted(keys) == sorted(set(keys)) and len(keys) == source.num_samples
+        finally:
+            source.close()
