@@ -3,9 +3,9 @@
 The question: a remote source is read through a bounded cache, so ``shuffle=True`` there cannot be a full
 permutation: on fastio shards it is a sliding window over a permutation of *parts* of shards, fetched by
 byte range (:mod:`fastio.order`'s ``"parts"``, :mod:`fastio.remote.parts`); on sources read whole shard by
-whole shard (tar) it is a sliding window of the shards the cache holds (``"window"``). How close do their
-batches come to a full permutation's, cache size by cache size, and to ``shuffle="shard"`` (the shard-aware
-order the same cache admits)?
+whole shard (compressed tars, tars without sidecars) it is a sliding window of the shards the cache holds
+(``"window"``). How close do their batches come to a full permutation's, cache size by cache size, and to
+``shuffle="shard"`` (the shard-aware order the same cache admits)?
 
 1. Data (in a temp dir, removed at the end): 16 fastio shards of ``--shard-samples`` samples (512), one class
    per shard: a class-sorted set, the hardest case for any order that reads shard by shard. Each sample is
@@ -17,7 +17,7 @@ order the same cache admits)?
 
    * ``shuffle=True`` over HTTP: parts of shards (``stats()``: ``shuffle_parts`` per shard,
      ``shuffle_window_parts`` open at once);
-   * ``shuffle=True`` over HTTP on whole shards (a source told not to split, as a tar source reads): the
+   * ``shuffle=True`` over HTTP on whole shards (a source told not to split, as compressed tars read): the
      window it chose (``stats()["shuffle_window_shards"]``);
    * ``shuffle="shard"`` over HTTP with the largest ``shuffle_window`` the same cache admits (tried from
      the cache size down until the pass starts without ``CacheFullError``);
@@ -80,7 +80,7 @@ def _write_set(root: Path, shard_samples: int) -> Path:
 
 class WholeShards(RemoteShardSource):
     """A fastio shard source that never splits its shards into parts: what a source read whole shard by whole
-    shard (tar) gets from ``shuffle=True``."""
+    shard (a compressed tar) gets from ``shuffle=True``."""
 
     def split_shards(self, reach: int | None) -> None:
         return super().split_shards(None)
@@ -194,7 +194,7 @@ def _measure(root: Path, args: argparse.Namespace) -> list[Row]:
             window = _largest_shard_window(url, cache_dir, limit, cache_shards)
             runs = {
                 "shuffle=True": dict(shuffle=True),
-                "shuffle=True, whole shards (tar)": dict(shuffle=True, whole_shards=True),
+                "shuffle=True, whole shards": dict(shuffle=True, whole_shards=True),
                 f"shuffle='shard' window {window}": dict(shuffle="shard", shuffle_window=window),
             }
             for label, options in runs.items():
@@ -247,11 +247,11 @@ def main(argv: Sequence[str] | None = None) -> str:
         shutil.rmtree(root, ignore_errors=True)
     full = rows[0].value
     at4 = {r.backend: r for r in rows if r.case == "cache 4 shards"}
-    parts, whole = at4["shuffle=True"], at4["shuffle=True, whole shards (tar)"]
+    parts, whole = at4["shuffle=True"], at4["shuffle=True, whole shards"]
     notes = [
         f"the issue's target, shuffle=True >= 0.8x the full permutation at a cache of 4 shards: measured "
         f"{parts.ratio:.2f}x ({parts.extra['parts_per_shard']} parts per shard, "
-        f"{parts.extra['window_parts']} open at once); on whole shards (what tar sources still read) "
+        f"{parts.extra['window_parts']} open at once); on whole shards (what compressed tars still read) "
         f"{whole.ratio:.2f}x, where no order that reads whole shards through that cache can pass "
         f"{whole.extra['class_bound'] / full:.2f}x (class_bound / full: one class per shard)",
         f"16 shards of {args.shard_samples} samples, one class per shard; batches of {BATCH}; "
