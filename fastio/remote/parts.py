@@ -13,10 +13,11 @@ How many parts:
    format lists the parts; the cache holds ``held`` of the largest (:func:`fastio.remote.working_set.
    shards_held`), and the order keeps ``window`` open, less what the reads around a batch hold
    (:func:`fastio.order.window_within`).
-2. The first ``P`` whose window is expected to draw from at least :data:`COVER` of the shards (a window of
-   ``W`` parts of a permutation of ``U``: a shard of ``p`` parts is missing from it with probability
-   ``C(U - p, W) / C(U, W)``) is taken; failing that, the best of them. More parts than needed would only
-   add requests and cache entries.
+2. The smallest ``P`` whose window is expected to draw from at least :data:`COVER` of the shards (a window
+   of ``W`` parts of a permutation of ``U``: a shard of ``p`` parts is missing from it with probability
+   ``C(U - p, W) / C(U, W)``) is taken, found by bisection (more parts hold more of them: the share grows
+   with ``P``), so a set of many shards lists its parts a few times, not once per ``P``; failing that, the
+   most parts. More parts than needed would only add requests and cache entries.
 
 Example::
 
@@ -28,14 +29,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from fastio.order import window_within
 from fastio.remote.shard import Shard
 from fastio.remote.working_set import shards_held
 from fastio.sources.base import ShardParts
 
-__all__ = ["COVER", "MAX_PARTS", "choose_parts", "expected_shards", "part_bounds"]
+__all__ = ["COVER", "MAX_PARTS", "choose_parts", "expected_shards", "part_bounds", "part_key", "parts_of"]
 
 MAX_PARTS = 64  # parts per shard at most: each is a request and a cache entry (with two lock files)
 COVER = 0.9  # the share of the shards a window of parts should draw from
@@ -54,6 +53,31 @@ def part_bounds(num_samples: int, parts: int) -> list[tuple[int, int]]:
         raise ValueError(f"parts must be >= 1, got {parts}")
     cuts = [num_samples * j // parts for j in range(parts + 1)]
     return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+def part_key(shard: Shard, first: int, stop: int) -> str:
+    """The cache key of samples ``[first, stop)`` of ``shard``: its own, with the range (parts of another
+    split never share an entry's name).
+
+    Example::
+
+        part_key(shard, 0, 64)   # "3f0c.../shard-000000.fio@0-64"
+    """
+    return f"{shard.key}@{first}-{stop}"
+
+
+def parts_of(
+    files: Sequence[Shard], chosen: tuple[ShardParts, list[Shard]]
+) -> dict[str, tuple[int, int, int]]:
+    """Each part's cache key -> ``(shard, first, stop)``, for the parts :func:`choose_parts` chose.
+
+    Example::
+
+        where = parts_of(source_files, choose_parts(...))[units[0].key]   # (0, 0, 64)
+    """
+    split, units = chosen
+    bounds = [(s, a, b) for s, f in enumerate(files) for a, b in part_bounds(f.num_samples, split.parts)]
+    return {unit.key: where for unit, where in zip(units, bounds, strict=True)}
 
 
 def expected_shards(window: int, parts_per_shard: Sequence[int]) -> float:
@@ -95,17 +119,24 @@ def choose_parts(
         return None
     shards = sum(1 for f in files if f.num_samples > 0)
     most = min(MAX_PARTS, max((f.num_samples for f in files), default=1))
-    best: tuple[float, ShardParts, list[Shard]] | None = None
-    for parts in range(2, most + 1):
+    if most < 2:
+        return None
+
+    def split(parts: int) -> tuple[float, ShardParts, list[Shard]]:
         units = units_for(parts)
         held = shards_held([u.footprint for u in units], limit, resident)
         window = len(units) if held is None else window_within(held, [u.num_samples for u in units], reach)
-        per_shard = np.bincount([i for i, f in enumerate(files) for _ in part_bounds(f.num_samples, parts)],
-                                minlength=len(files))  # fmt: skip
-        cover = expected_shards(window, per_shard[per_shard > 0].tolist())
-        split = ShardParts(parts, window, max(u.num_samples for u in units), shards)
-        if best is None or cover > best[0]:
-            best = (cover, split, units)
-        if cover >= COVER * shards:
-            break
-    return None if best is None else (best[1], best[2])
+        per_shard = [len(part_bounds(f.num_samples, parts)) for f in files if f.num_samples > 0]
+        found = ShardParts(parts, window, max(u.num_samples for u in units), shards)
+        return expected_shards(window, per_shard), found, units
+
+    lo, hi = 2, most  # the smallest P in [lo, hi] that covers enough, if any: hi
+    best = split(hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        tried = split(mid)
+        if tried[0] >= COVER * shards:
+            hi, best = mid, tried
+        else:
+            lo = mid + 1
+    return best[1], best[2]

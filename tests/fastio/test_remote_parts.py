@@ -24,7 +24,8 @@ from fastio.format.tar.remote import RemoteTarSource
 from fastio.order import epoch_order, rank_indices
 from fastio.remote import RemoteReadError
 from fastio.remote.fetch import cat_ranges, with_retries
-from fastio.remote.parts import choose_parts, expected_shards, part_bounds
+from fastio.remote.parts import MAX_PARTS, choose_parts, expected_shards, part_bounds
+from fastio.remote.shard import Shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _http_server import FAST_RETRY, HttpServer  # noqa: E402
@@ -386,3 +387,21 @@ def test_tar_shards_without_sidecars_keep_the_window_of_whole_shards(tmp_path):
             assert sorted(keys) == sorted(set(keys)) and len(keys) == source.num_samples
         finally:
             source.close()
+
+
+def test_the_number_of_parts_is_found_in_a_few_listings_of_them():
+    # 2000 shards of 1000 samples through a cache of 20: a window of whole shards would mix 20; the parts
+    # are listed a few times (bisection), not once per candidate count.
+    files = [Shard(f"http://h/s{i}", f"k/s{i}", 10**6, 10**6, 1000) for i in range(2000)]
+    listed = []
+
+    def units_for(parts: int) -> list[Shard]:
+        listed.append(parts)
+        return [
+            Shard(f.url, f"{f.key}@{a}-{b}", f.remote_size, (b - a) * 1000, b - a, ranges=((a, b),))
+            for f in files for a, b in part_bounds(f.num_samples, parts)
+        ]  # fmt: skip
+
+    split, units = choose_parts(files, 20 * 10**6, 0, 256, units_for)
+    assert len(listed) <= 7 and split.parts == MAX_PARTS  # 20 shards' room cannot reach 90% of 2000 shards
+    assert len(units) == 2000 * MAX_PARTS and split.window > 20 * MAX_PARTS // 2

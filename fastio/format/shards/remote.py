@@ -31,7 +31,7 @@ from fastio.remote.fetch import (
     read_bytes,
     redact,
 )
-from fastio.remote.parts import choose_parts, part_bounds
+from fastio.remote.parts import choose_parts, part_bounds, part_key, parts_of
 from fastio.remote.shard import Shard, cache_key
 from fastio.sources.base import ShardParts
 
@@ -128,6 +128,7 @@ class RemoteShardSource(RemoteSource):
         chosen = None
         if reach is not None and not self.verify:
             chosen = choose_parts(self._files, self.cache.limit, self.resident_bytes(), reach, self._parts)
+        self._part_of = {} if chosen is None else parts_of(self._files, chosen)
         self.use_units(self._files if chosen is None else chosen[1])
         return None if chosen is None else chosen[0]
 
@@ -141,10 +142,9 @@ class RemoteShardSource(RemoteSource):
         for shard, info in enumerate(self._files):
             for first, stop in part_bounds(info.num_samples, parts):
                 ranges = part_ranges(self._heads[shard], first, stop)
-                key = f"{info.key}@{first}-{stop}"
-                self._part_of[key] = (shard, first, stop)
+                nbytes = sum(hi - lo for lo, hi in ranges)
                 units.append(Shard(
-                    info.url, key, info.remote_size, sum(hi - lo for lo, hi in ranges), stop - first,
+                    info.url, part_key(info, first, stop), info.remote_size, nbytes, stop - first,
                     ranges=tuple((lo, hi) for lo, hi in ranges if hi > lo),
                 ))  # fmt: skip
         return units

@@ -50,7 +50,7 @@ from fastio.remote.fetch import (
     remote_size,
     with_retries,
 )
-from fastio.remote.parts import choose_parts, part_bounds
+from fastio.remote.parts import choose_parts, part_bounds, part_key, parts_of
 from fastio.remote.shard import Shard, cache_key
 from fastio.sources.base import ShardParts
 
@@ -219,6 +219,7 @@ class RemoteTarSource(RemoteSource):
         if indexes is not None:
             limit, resident = self.cache.limit, self.resident_bytes()
             chosen = choose_parts(self._files, limit, resident, reach, lambda p: self._parts(p, indexes))
+        self._part_of = {} if chosen is None else parts_of(self._files, chosen)
         self.use_units(self._files if chosen is None else chosen[1])
         return None if chosen is None else chosen[0]
 
@@ -249,9 +250,7 @@ class RemoteTarSource(RemoteSource):
         for shard, info in enumerate(self._files):
             for first, stop in part_bounds(info.num_samples, parts):
                 lo, hi = part_range(indexes[shard], first, stop)
-                key = f"{info.key}@{first}-{stop}"
-                self._part_of[key] = (shard, first, stop)
-                size = info.remote_size
+                key, size = part_key(info, first, stop), info.remote_size
                 units.append(Shard(info.url, key, size, hi - lo, stop - first, ranges=((lo, hi),)))
         return units
 
