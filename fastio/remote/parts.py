@@ -16,8 +16,9 @@ How many parts:
 2. The smallest ``P`` whose window is expected to draw from at least :data:`COVER` of the shards (a window
    of ``W`` parts of a permutation of ``U``: a shard of ``p`` parts is missing from it with probability
    ``C(U - p, W) / C(U, W)``) is taken, found by bisection (more parts hold more of them: the share grows
-   with ``P``), so a set of many shards lists its parts a few times, not once per ``P``; failing that, the
-   most parts. More parts than needed would only add requests and cache entries.
+   with ``P``), so a set of many shards lists its parts a few times, not once per ``P``. Failing that (a
+   cache too small for the set, or batches in flight that take most of the room of small parts), the best
+   of a few ``P`` from 2 up. More parts than needed would only add requests and cache entries.
 
 Example::
 
@@ -38,6 +39,7 @@ __all__ = ["COVER", "MAX_PARTS", "choose_parts", "expected_shards", "part_bounds
 
 MAX_PARTS = 64  # parts per shard at most: each is a request and a cache entry (with two lock files)
 COVER = 0.9  # the share of the shards a window of parts should draw from
+_GRID = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # tried when no P covers enough
 
 
 def part_bounds(num_samples: int, parts: int) -> list[tuple[int, int]]:
@@ -130,8 +132,12 @@ def choose_parts(
         found = ShardParts(parts, window, max(u.num_samples for u in units), shards)
         return expected_shards(window, per_shard), found, units
 
-    lo, hi = 2, most  # the smallest P in [lo, hi] that covers enough, if any: hi
-    best = split(hi)
+    best = split(most)
+    if best[0] < COVER * shards:  # none covers enough: the best of a few, fewer parts when as good
+        tried = [split(p) for p in _GRID if p < most] + [best]
+        best = max(tried, key=lambda t: t[0])
+        return best[1], best[2]
+    lo, hi = 2, most  # the smallest P in [lo, hi] that covers enough
     while lo < hi:
         mid = (lo + hi) // 2
         tried = split(mid)

@@ -389,10 +389,11 @@ def test_tar_shards_without_sidecars_keep_the_window_of_whole_shards(tmp_path):
             source.close()
 
 
-def test_the_number_of_parts_is_found_in_a_few_listings_of_them():
-    # 2000 shards of 1000 samples through a cache of 20: a window of whole shards would mix 20; the parts
-    # are listed a few times (bisection), not once per candidate count.
-    files = [Shard(f"http://h/s{i}", f"k/s{i}", 10**6, 10**6, 1000) for i in range(2000)]
+@pytest.mark.parametrize("shards, most_listings", [(200, 7), (2000, 11)])
+def test_the_number_of_parts_is_found_in_a_few_listings_of_them(shards, most_listings):
+    # Shards of 1000 samples through a cache of 20: a window of whole shards would mix 20. 200 shards: a P
+    # reaches 90% of them, found by bisection; 2000: none does, the best of a few is taken (the most parts).
+    files = [Shard(f"http://h/s{i}", f"k/s{i}", 10**6, 10**6, 1000) for i in range(shards)]
     listed = []
 
     def units_for(parts: int) -> list[Shard]:
@@ -403,5 +404,26 @@ def test_the_number_of_parts_is_found_in_a_few_listings_of_them():
         ]  # fmt: skip
 
     split, units = choose_parts(files, 20 * 10**6, 0, 256, units_for)
-    assert len(listed) <= 7 and split.parts == MAX_PARTS  # 20 shards' room cannot reach 90% of 2000 shards
-    assert len(units) == 2000 * MAX_PARTS and split.window > 20 * MAX_PARTS // 2
+    assert len(listed) <= most_listings and len(units) == shards * split.parts
+    cover = expected_shards(split.window, [split.parts] * shards)
+    if shards == 200:
+        assert cover >= 0.9 * shards and split.parts < MAX_PARTS
+    else:
+        assert split.parts == MAX_PARTS and split.window > 20 * MAX_PARTS // 2
+
+
+def test_a_shard_replaced_after_its_header_was_read_is_refused_never_read_at_old_offsets(tmp_path, fio):
+    root = tmp_path / "www"
+    fio.write_set(root / "train")
+    with HttpServer(root) as server:
+        source = _source(server.url("train"), tmp_path / "cache", 3)
+        try:
+            loader = fastio.StreamLoader(source, batch_size=8, shuffle=True, seed=0)
+            assert loader.stats()["shuffle_mode"] == "parts"  # headers were read when the loader was built
+            shard = root / "train" / "shard-000004.fio"
+            shard.write_bytes((root / "train" / "shard-000005.fio").read_bytes())  # another shard's bytes
+            with pytest.raises((CorruptShardError, RemoteReadError), match="shard-000004.fio"):
+                for batch in loader:
+                    fio.check_batch(batch)
+        finally:
+            source.close()

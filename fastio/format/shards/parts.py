@@ -6,10 +6,12 @@ lie in its shard, and how its cached bytes are read.
    against its crc32 and kept in memory (8 bytes per sample): a part's payload bytes are known from them
    before it is fetched, so the cache reserves its exact size.
 2. :func:`part_ranges`: samples ``[first, stop)`` of a shard are one byte range per field (the rows of a
-   fixed field, the payload of a variable one). A part's cache entry is those ranges back to back, in schema
-   order.
+   fixed field, the payload of a variable one), after the shard's 32-byte prefix. A part's cache entry is
+   those ranges back to back, in that order.
 3. :class:`PartReader` reads such an entry as the shard readers read a whole shard (what
-   :class:`fastio.format.shards.source.ShardSource` needs of a reader), after checking its size.
+   :class:`fastio.format.shards.source.ShardSource` needs of a reader), after checking its size and its
+   prefix against the one read with the header (the prefix holds the file's size and the header's crc32:
+   a shard rewritten since the header was read is refused, not read at the old offsets).
 
 What is not checked: a section's crc32 covers the whole section, so a part's bytes are not checksummed (the
 header, the offsets and every size are; a short or missing range raises). ``verify=True`` therefore keeps
@@ -34,6 +36,7 @@ import numpy as np
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError
 from fastio.format.shards.header import ShardHeader, check_offsets, read_header
+from fastio.format.shards.layout import PREFIX
 from fastio.remote.fetch import RetryPolicy, cat_ranges, with_retries
 
 __all__ = ["PartReader", "RemoteHead", "fetch_head", "part_ranges"]
@@ -41,9 +44,11 @@ __all__ = ["PartReader", "RemoteHead", "fetch_head", "part_ranges"]
 
 @dataclasses.dataclass(frozen=True)
 class RemoteHead:
-    """A remote shard's checked header and each variable field's offsets (int64 ``[N + 1]``)."""
+    """A remote shard's checked header, its prefix's bytes and each variable field's offsets (int64
+    ``[N + 1]``)."""
 
     header: ShardHeader
+    prefix: bytes
     offsets: dict[str, np.ndarray]
 
 
@@ -56,13 +61,17 @@ def fetch_head(url: str, size: int, retry: RetryPolicy, storage_options: dict[st
         head = fetch_head("http://127.0.0.1:8000/train/shard-000000.fio", 4096, RetryPolicy(), {})
     """
 
+    seen: dict[tuple[int, int], bytes] = {}
+
     def read(start: int, stop: int) -> bytes:
         if stop <= start:
             return b""
         call = functools.partial(cat_ranges, url, [(start, stop)], size, retry, storage_options)
-        return with_retries(call, url, retry)[0][0]
+        seen[start, stop] = with_retries(call, url, retry)[0][0]
+        return seen[start, stop]
 
     header = read_header(url, size, read)
+    prefix = seen[0, PREFIX.size]
     offsets = {}
     for name, field in header.schema.items():
         if field.kind == "fixed":
@@ -74,18 +83,18 @@ def fetch_head(url: str, size: int, retry: RetryPolicy, storage_options: dict[st
             raise CorruptShardError(url, f"{name}.offsets", f"crc32 {crc:#010x}", found)
         offsets[name] = np.frombuffer(raw, dtype=np.int64).copy()
         check_offsets(url, name, offsets[name], header.sections[name]["data"][1])
-    return RemoteHead(header, offsets)
+    return RemoteHead(header, prefix, offsets)
 
 
 def part_ranges(head: RemoteHead, first: int, stop: int) -> list[tuple[int, int]]:
-    """The byte range of samples ``[first, stop)`` of each field, in schema order (an empty one where a
-    variable field's samples there are all empty).
+    """The shard's prefix, then the byte range of samples ``[first, stop)`` of each field, in schema order (an
+    empty one where a variable field's samples there are all empty).
 
     Example::
 
-        [(a, b)] = part_ranges(head, 0, 8)   # a schema of one fixed field: its first 8 rows
+        [prefix, (a, b)] = part_ranges(head, 0, 8)   # a schema of one fixed field: its first 8 rows
     """
-    ranges = []
+    ranges = [(0, PREFIX.size)]
     for name, field in head.header.schema.items():
         start = head.header.sections[name]["data"][0]
         if field.kind == "fixed":
@@ -117,10 +126,15 @@ class PartReader:
             raise CorruptShardError(
                 self.path, "part", f"{expected} bytes (samples [{first}, {stop}))", f"{self.file.size} bytes"
             )
+        if bytes(self.file.array[: PREFIX.size]) != head.prefix:
+            raise CorruptShardError(
+                self.path, "prefix", "the shard's prefix when its header was read",
+                "another: the shard changed since (its size or header)",
+            )  # fmt: skip
         self.sections: dict[str, dict[str, list[int]]] = {}
         self._variable: dict[str, tuple[np.ndarray, int]] = {}
-        at = 0
-        for (name, field), (lo, hi) in zip(self.schema.items(), ranges, strict=True):
+        at = PREFIX.size
+        for (name, field), (lo, hi) in zip(self.schema.items(), ranges[1:], strict=True):
             self.sections[name] = {"data": [at, hi - lo, 0]}
             if field.kind != "fixed":
                 offsets = head.offsets[name][first : stop + 1]
