@@ -169,7 +169,8 @@ class Source(Protocol):
             through ``transform`` and ``collate`` (the Python path), as for a map-style ``Dataset``.
         requires_shard_order: True for sources where reading a random sample costs a whole shard (remote
             stores): ``StreamLoader(shuffle=True)`` is a full permutation only where :meth:`shards_held`
-            says every shard fits, else a sliding window of that many shards (:mod:`fastio.order`).
+            says every shard fits, else a sliding window of parts of shards where :meth:`split_shards`
+            splits them, or of that many shards (:mod:`fastio.order`).
             Default False.
 
     Example::
