@@ -82,7 +82,7 @@ class WholeShards(RemoteShardSource):
     """A fastio shard source that never splits its shards into parts: what a source read whole shard by whole
     shard (a compressed tar) gets from ``shuffle=True``."""
 
-    def split_shards(self, reach: int | None) -> None:
+    def split_shards(self, reach: int | None, parts: int | None = None) -> None:
         return super().split_shards(None)
 
 

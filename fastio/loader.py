@@ -68,8 +68,14 @@ from fastio.batches import Batches, EpochOrders, SampleBatches
 from fastio.mixing import as_streams, mixed_batches, open_streams
 from fastio.registry import OpenOptions, open_source
 from fastio.sampled import SamplerBatches, check_sampler_args, index_batches
-from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, dataloader_worker_args
-from fastio.sources import ReadPlan, ShardParts, StageTimes
+from fastio.settings import (
+    AssemblySettings,
+    OrderSettings,
+    WorkerSettings,
+    dataloader_worker_args,
+    order_for_source,
+)
+from fastio.sources import ReadPlan, StageTimes
 from fastio.workers.batch_pass import BatchPass
 
 __all__ = ["StreamLoader", "collate_samples"]
@@ -131,6 +137,9 @@ class StreamLoader:
             :mod:`fastio.workers`) or ``"auto"``: processes when Python code runs per sample (``transform``,
             ``collate`` or a Dataset source), threads otherwise.
         shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
+        shuffle_parts: with ``shuffle="parts"`` (and ``shuffle_window``), the parts per shard of the order
+            ``shuffle=True`` chose on a cache-limited remote source, named to resume its state dict under
+            another world size or cache (``stats()``'s ``shuffle_parts``, ``shuffle_window_parts``).
         stages: :class:`fastio.assembly.stages.BatchStage` steps run on each gathered batch, in order, before
             ``transform`` (the image pipeline is one): they write into reused fixed-shape buffers.
         pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token
@@ -208,6 +217,7 @@ class StreamLoader:
         multiprocessing_context: Any = None,
         mix: str = "sample",
         epoch_size: int | None = None,
+        shuffle_parts: int | None = None,
     ) -> None:
         if collate_fn is not None:
             if collate is not None:
@@ -231,12 +241,6 @@ class StreamLoader:
         ranks_given = rank is not None or world_size is not None
         rank, world_size = _distributed_defaults(rank, world_size)
         order = OrderSettings(seed, shuffle, shuffle_block, shuffle_window, rank, world_size, drop_last)
-        if order.shuffle == "parts":
-            raise ValueError(
-                "shuffle='parts' is what shuffle=True becomes on a remote source whose cache holds parts of "
-                "its shards, not a mode to ask for: pass shuffle=True (the same cache_limit gives the same "
-                "order)"
-            )
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available")
@@ -291,16 +295,10 @@ class StreamLoader:
         assembly = dataclasses.replace(
             assembly, python_path=python_path, pin=pin, reuse_buffers=reuse_buffers, device=device
         )
-        self._parts: ShardParts | None = None
-        if self._source.requires_shard_order:  # shuffle=True: a window of what its cache holds
-            reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
-            split = getattr(self._source, "split_shards", None)
-            parted = order.shuffle == "full" and streams is None and pack is None and not sampled
-            self._parts = None if split is None else split(reach if parted else None)
-            if self._parts is not None:
-                order = order.in_parts(self._parts)
-            else:
-                order = order.within(self._source.shards_held(), self._source.shard_sizes, reach)
+        # shuffle=True on a source read shard by shard: a window of what its cache holds (fastio.settings).
+        reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
+        plain = streams is None and pack is None and not sampled
+        order, self._parts = order_for_source(order, self._source, reach, plain, shuffle_parts)
         self.order, self.workers, self.assembly = order, workers, assembly
         # 3. How epochs are cut into batches, chosen once (fastio.batches): samples, or packed rows.
         orders = EpochOrders(self._source.shard_sizes, order)

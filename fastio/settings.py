@@ -20,9 +20,11 @@ import torch
 
 from fastio.assembly.stages import BatchStage
 from fastio.order import normalize_shuffle, window_within
-from fastio.sources.base import ShardParts
+from fastio.sources.base import ShardParts, Source
 
-__all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args"]
+__all__ = [
+    "AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args", "order_for_source",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +116,40 @@ class OrderSettings:
             "shuffle_window": self.shuffle_window,
             **parts,
         }
+
+
+def order_for_source(
+    order: OrderSettings, source: Source, reach: int, plain: bool, parts: int | None = None
+) -> tuple[OrderSettings, ShardParts | None]:
+    """``order`` for ``source``, and how it split its shards (None: whole shards). On a source read shard by
+    shard (``requires_shard_order``), ``shuffle=True`` in a ``plain`` loader (one source, not packed, no
+    sampler) asks it for parts of shards (:meth:`fastio.sources.Source.split_shards`, with ``reach``), else
+    becomes the window of whole shards (:meth:`OrderSettings.within`); ``shuffle="parts"`` names the split
+    (``parts`` per shard) and its window (``shuffle_window``), to resume a state dict saved under another
+    world size or cache. Anything else is as asked, on whole shards.
+
+    Example::
+
+        order, split = order_for_source(OrderSettings(shuffle=True), source, reach=64, plain=True)
+    """
+    if (parts is not None) != (order.shuffle == "parts"):
+        got = f"shuffle={order.shuffle!r}, shuffle_parts={parts!r}"
+        raise ValueError(f"shuffle_parts= goes with shuffle='parts' and only with it (got {got})")
+    split_shards = getattr(source, "split_shards", None) if source.requires_shard_order else None
+    if order.shuffle == "parts":
+        split = split_shards(reach, parts) if split_shards is not None and plain else None
+        if split is None:
+            raise ValueError(
+                f"shuffle='parts' on {source.name}: only a remote source that reads parts of shards (fastio "
+                "shards, tars with .fidx sidecars), alone and not packed, has them; use shuffle=True"
+            )
+        return order.in_parts(dataclasses.replace(split, window=order.shuffle_window)), split
+    if split_shards is None:
+        return order, None
+    split = split_shards(reach if order.shuffle == "full" and plain else None)
+    if split is not None:
+        return order.in_parts(split), split
+    return order.within(source.shards_held(), source.shard_sizes, reach), None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,21 +107,22 @@ def expected_shards(window: int, parts_per_shard: Sequence[int]) -> float:
 
 def choose_parts(
     files: Sequence[Shard], limit: int | None, resident: int, reach: int,
-    units_for: Callable[[int], list[Shard]],
+    units_for: Callable[[int], list[Shard]], parts: int | None = None,
 ) -> tuple[ShardParts, list[Shard]] | None:  # fmt: skip
     """The split of ``files`` (whole shards) that lets ``shuffle=True`` mix the most shards through a cache
     of ``limit`` bytes (see the module docstring), with its parts (``units_for(P)``: every part of every
     shard, storage order); None where the cache holds every whole shard (the full permutation then).
+    ``parts``: this many per shard, whatever the cache (a split named to resume a state dict).
 
     Example::
 
         split, units = choose_parts(source.shards, 4 * 10**6, 0, 64, source.parts)
     """
-    if shards_held([f.footprint for f in files], limit, resident) is None:
+    if parts is None and shards_held([f.footprint for f in files], limit, resident) is None:
         return None
     shards = sum(1 for f in files if f.num_samples > 0)
     most = min(MAX_PARTS, max((f.num_samples for f in files), default=1))
-    if most < 2:
+    if parts is None and most < 2:
         return None
 
     def split(parts: int) -> tuple[float, ShardParts, list[Shard]]:
@@ -132,6 +133,10 @@ def choose_parts(
         found = ShardParts(parts, window, max(u.num_samples for u in units), shards)
         return expected_shards(window, per_shard), found, units
 
+    if parts is not None:
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
+        return split(parts)[1:]
     best = split(most)
     if best[0] < COVER * shards:  # none covers enough: the best of a few, fewer parts when as good
         tried = [split(p) for p in _GRID if p < most] + [best]

@@ -256,14 +256,16 @@ class Source(Protocol):
         """
         return None
 
-    def split_shards(self, reach: int | None) -> ShardParts | None:
+    def split_shards(self, reach: int | None, parts: int | None = None) -> ShardParts | None:
         """Read parts of shards instead of whole ones, where that lets ``shuffle=True`` mix more shards into
         a batch than whole shards could: the loader calls it, when the method exists, with ``reach`` (the
         samples read around each batch, :meth:`ReadPlan.reach`) for ``shuffle=True`` on a source that
         :meth:`shards_held` says cannot hold every shard, and with None otherwise (whole shards again).
         Returns the split, after which ``shard_sizes`` lists the parts' samples (global indices unchanged:
         parts are contiguous and in storage order), or None: whole shards (:mod:`fastio.order`'s ``"parts"``
-        and ``"window"``). Default: None (it cannot split).
+        and ``"window"``). ``parts``: split each shard into that many, whatever the cache (what
+        ``StreamLoader(shuffle="parts", shuffle_parts=P)`` asks, to resume a state dict), or None where the
+        source cannot. Default: None (it cannot split).
 
         Example::
 

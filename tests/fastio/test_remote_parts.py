@@ -236,9 +236,56 @@ def test_unequal_shards_split_into_parts_that_do_not_divide_them(tmp_path, fio):
             source.close()
 
 
-def test_shuffle_parts_is_not_a_mode_to_ask_for(shard_dir):
-    with pytest.raises(ValueError, match="shuffle='parts' is what shuffle=True becomes"):
-        fastio.StreamLoader(shard_dir, batch_size=8, shuffle="parts")
+@pytest.mark.parametrize("shuffle, parts, message", [
+    ("parts", None, "shuffle_parts= goes with shuffle='parts'"),
+    (True, 4, "shuffle_parts= goes with shuffle='parts'"),
+    ("parts", 4, "only a remote source that reads parts of shards"),
+])  # fmt: skip
+def test_shuffle_parts_goes_with_its_split_on_a_source_with_parts(shard_dir, shuffle, parts, message):
+    with pytest.raises(ValueError, match=message):
+        fastio.StreamLoader(shard_dir, batch_size=8, shuffle=shuffle, shuffle_parts=parts)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_parts_state_resumes_under_another_world_size_when_its_split_is_named(server, tmp_path, fio,
+                                                                                world_size):  # fmt: skip
+    # Two ranks read 3 batches each, then the job restarts with another world size: its own choice of parts
+    # differs (the reads around a batch count every rank), so the state is refused, unless the saved split is
+    # named; then the rest of the epoch is read, each sample once, none of the first 24 again.
+    options = dict(batch_size=4, shuffle=True, seed=8)
+    read, states = Counter(), []
+    for rank in range(2):
+        source = _source(server.url("train"), tmp_path / "cache", 4)
+        try:
+            loader = fastio.StreamLoader(source, rank=rank, world_size=2, **options)
+            it = iter(loader)
+            read.update(y for _ in range(3) for y in fio.check_batch(next(it)))
+            states.append(loader.state_dict())
+            del it
+        finally:
+            source.close()
+    state = states[0]
+    assert state["shuffle"] == "parts"
+    rest = Counter()
+    for rank in range(world_size):
+        source = _source(server.url("train"), tmp_path / "cache", 4)
+        try:
+            chosen = fastio.StreamLoader(source, rank=rank, world_size=world_size, **options)
+            if (chosen.order.shuffle_window, chosen.order.shuffle_parts) != (
+                state["shuffle_window"], state["shuffle_parts"]
+            ):
+                with pytest.raises(ValueError, match="state_dict shuffle_"):
+                    chosen.load_state_dict(state)
+            named = dict(options, shuffle="parts", shuffle_window=state["shuffle_window"],
+                         shuffle_parts=state["shuffle_parts"])  # fmt: skip
+            resumed = fastio.StreamLoader(source, rank=rank, world_size=world_size, **named)
+            resumed.load_state_dict(state)
+            rest.update(y for batch in resumed for y in fio.check_batch(batch))
+        finally:
+            source.close()
+    assert sum(read.values()) == 24 and set(read.values()) == {1}
+    assert sorted([*read, *rest]) == list(range(fio.NUM_SAMPLES))  # nothing lost, nothing read twice...
+    assert sum(rest.values()) - len(rest) < world_size  # ...but DistributedSampler's padding of the tail
 
 
 def test_verify_true_keeps_whole_shards(server, tmp_path):

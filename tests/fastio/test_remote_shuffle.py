@@ -22,7 +22,7 @@ from _http_server import FAST_RETRY  # noqa: E402
 class WholeShards(RemoteShardSource):
     """A fastio shard source that never splits its shards into parts: what a source of whole shards gets."""
 
-    def split_shards(self, reach: int | None) -> None:
+    def split_shards(self, reach: int | None, parts: int | None = None) -> None:
         return super().split_shards(None)
 
 

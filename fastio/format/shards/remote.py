@@ -115,11 +115,12 @@ class RemoteShardSource(RemoteSource):
         self._heads: list[RemoteHead] | None = None  # fetched by range at the first split
         self._part_of: dict[str, tuple[int, int, int]] = {}  # a part's cache key -> (shard, first, stop)
 
-    def split_shards(self, reach: int | None) -> ShardParts | None:
+    def split_shards(self, reach: int | None, parts: int | None = None) -> ShardParts | None:
         """Parts of shards for ``shuffle=True`` under a cache that cannot hold every shard
         (:mod:`fastio.remote.parts` chooses how many; ``reach``: see
         :meth:`fastio.sources.Source.split_shards`); whole shards again for None, for a cache that holds
-        every shard, and with ``verify=True`` (a part's bytes cannot be checked against its section's crc32).
+        every shard, and with ``verify=True`` (a part's bytes cannot be checked against its section's crc32);
+        ``parts``: that many per shard, whatever the cache.
 
         Example::
 
@@ -127,7 +128,8 @@ class RemoteShardSource(RemoteSource):
         """
         chosen = None
         if reach is not None and not self.verify:
-            chosen = choose_parts(self._files, self.cache.limit, self.resident_bytes(), reach, self._parts)
+            limit, resident = self.cache.limit, self.resident_bytes()
+            chosen = choose_parts(self._files, limit, resident, reach, self._parts, parts)
         self._part_of = {} if chosen is None else parts_of(self._files, chosen)
         self.use_units(self._files if chosen is None else chosen[1])
         return None if chosen is None else chosen[0]

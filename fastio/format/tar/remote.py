@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -205,10 +206,11 @@ class RemoteTarSource(RemoteSource):
         return _meta_of(index, info.remote_size, info.remote_size, len(sidecar))
 
     # -- parts ---------------------------------------------------------------------------------------------
-    def split_shards(self, reach: int | None) -> ShardParts | None:
+    def split_shards(self, reach: int | None, parts: int | None = None) -> ShardParts | None:
         """Parts of tars for ``shuffle=True`` under a cache that cannot hold every tar
         (:mod:`fastio.remote.parts`, :mod:`fastio.format.tar.parts`), where every tar is plain and has its
-        ``.fidx`` sidecar published beside it; else (and for None) whole tars.
+        ``.fidx`` sidecar published beside it; else (and for None) whole tars. ``parts``: that many per tar,
+        whatever the cache.
 
         Example::
 
@@ -218,7 +220,8 @@ class RemoteTarSource(RemoteSource):
         chosen = None
         if indexes is not None:
             limit, resident = self.cache.limit, self.resident_bytes()
-            chosen = choose_parts(self._files, limit, resident, reach, lambda p: self._parts(p, indexes))
+            units_for = functools.partial(self._parts, indexes=indexes)
+            chosen = choose_parts(self._files, limit, resident, reach, units_for, parts)
         self._part_of = {} if chosen is None else parts_of(self._files, chosen)
         self.use_units(self._files if chosen is None else chosen[1])
         return None if chosen is None else chosen[0]
