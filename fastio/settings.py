@@ -144,9 +144,10 @@ def order_for_source(
                 "shards, tars with .fidx sidecars), alone and not packed, has them; use shuffle=True"
             )
         return order.in_parts(dataclasses.replace(split, window=order.shuffle_window)), split
-    if split_shards is None:
+    if not source.requires_shard_order:
         return order, None
-    split = split_shards(reach if order.shuffle == "full" and plain else None)
+    asked = reach if order.shuffle == "full" and plain else None
+    split = None if split_shards is None else split_shards(asked)
     if split is not None:
         return order.in_parts(split), split
     return order.within(source.shards_held(), source.shard_sizes, reach), None
