@@ -1,19 +1,24 @@
 """How diverse ``StreamLoader(url, shuffle=True, cache_limit=...)``'s batches are against a full permutation.
 
-The question: a remote source is read shard by shard through a bounded cache, so ``shuffle=True`` there is a
-sliding window of the shards the cache holds (:mod:`fastio.order`, ``"window"``). How close do its batches
-come to a full permutation's, cache size by cache size, and to ``shuffle="shard"`` (the shard-aware order
-the same cache admits)?
+The question: a remote source is read through a bounded cache, so ``shuffle=True`` there cannot be a full
+permutation: on fastio shards it is a sliding window over a permutation of *parts* of shards, fetched by
+byte range (:mod:`fastio.order`'s ``"parts"``, :mod:`fastio.remote.parts`); on sources read whole shard by
+whole shard (compressed tars, tars without sidecars) it is a sliding window of the shards the cache holds
+(``"window"``). How close do their batches come to a full permutation's, cache size by cache size, and to
+``shuffle="shard"`` (the shard-aware order the same cache admits)?
 
 1. Data (in a temp dir, removed at the end): 16 fastio shards of ``--shard-samples`` samples (512), one class
    per shard: a class-sorted set, the hardest case for any order that reads shard by shard. Each sample is
    a 3x8x8 ``uint8`` array, its class and its id.
-2. The server: Python's ``http.server`` on 127.0.0.1, in a thread (no shaped link: the question is the
-   order, not the network).
+2. The server: :class:`benchmarks.bench_remote.RangeFileServer` (``Range`` support, which parts need) on
+   127.0.0.1, in a thread (no shaped link: the question is the order, not the network).
 3. For a cache of 2, 4, 8 and 16 shards (``cache_limit`` = that many of the largest shard's cache bytes),
    from an empty cache, ``--epochs`` epochs (3) of each of:
 
-   * ``shuffle=True`` over HTTP: the window it chose (``stats()["shuffle_window_shards"]``);
+   * ``shuffle=True`` over HTTP: parts of shards (``stats()``: ``shuffle_parts`` per shard,
+     ``shuffle_window_parts`` open at once);
+   * ``shuffle=True`` over HTTP on whole shards (a source told not to split, as compressed tars read): the
+     window it chose (``stats()["shuffle_window_shards"]``);
    * ``shuffle="shard"`` over HTTP with the largest ``shuffle_window`` the same cache admits (tried from
      the cache size down until the pass starts without ``CacheFullError``);
    * the full permutation, ``shuffle=True`` over the same shards on local disk: the baseline of every
@@ -21,16 +26,18 @@ the same cache admits)?
 
    The metric: distinct classes per batch of 64, the mean over every full batch of every epoch. Each run
    also checks that every sample came exactly once per epoch, and samples the cache folder's bytes (every
-   file) after each batch: the peak over the limit is listed beside the largest shard's file.
+   file) after each batch: the peak over the limit is listed beside the largest unit's file (a shard, or a
+   part); and the bytes the server sent per epoch (parts: each part's ranges, plus every shard's header and
+   offsets once, at the loader's start).
 
 Target (the issue's): ``shuffle=True`` >= 0.8x the full permutation's classes per batch at a cache of 4
-shards. One class per shard bounds any order that keeps ``k`` shards cached to ``k + 1`` classes per batch
-(the cache admits one shard beyond its limit), where a full permutation of 16 classes gives about 15.8:
-the table gives the bound beside each figure.
+shards. One class per shard bounds any order that keeps ``k`` whole shards cached to ``k + 1`` classes per
+batch (the cache admits one shard beyond its limit), where a full permutation of 16 classes gives about
+15.8: the table gives the bound beside each figure (for parts: ``window_parts + 1``, at most 16).
 
 Run::
 
-    python -m benchmarks.bench_shuffle          # about 10 s on 2 cores
+    python -m benchmarks.bench_shuffle          # about 50 s on 2 cores (parts: many small requests)
 """
 
 from __future__ import annotations
@@ -38,8 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import functools
-import http.server
 import os
 import shutil
 import sys
@@ -51,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 import fastio
+from benchmarks.bench_remote import RangeFileServer
 from benchmarks.harness import Row, progress, write_results
 from fastio.format.shards.remote import RemoteShardSource
 from fastio.remote import CacheFullError
@@ -72,21 +78,29 @@ def _write_set(root: Path, shard_samples: int) -> Path:
     return directory
 
 
+class WholeShards(RemoteShardSource):
+    """A fastio shard source that never splits its shards into parts: what a source read whole shard by whole
+    shard (a compressed tar) gets from ``shuffle=True``."""
+
+    def split_shards(self, reach: int | None, parts: int | None = None) -> None:
+        return super().split_shards(None)
+
+
 @contextlib.contextmanager
 def _server(directory: Path):
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
-            return
-
-    handler = functools.partial(Quiet, directory=str(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = RangeFileServer(("127.0.0.1", 0), directory)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/train/"
+        yield server, f"http://127.0.0.1:{server.server_address[1]}/train/"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _served(server: RangeFileServer) -> int:
+    with server.lock:
+        return sum(entry["bytes"] for entry in server.served.values())
 
 
 def _folder_bytes(directory: Path) -> int:
@@ -102,10 +116,14 @@ def _folder_bytes(directory: Path) -> int:
     return total
 
 
-def _epochs(loader: fastio.StreamLoader, epochs: int, num_samples: int, cache_dir: Path | None) -> dict:
+def _epochs(
+    loader: fastio.StreamLoader, epochs: int, num_samples: int, cache_dir: Path | None,
+    server: RangeFileServer | None = None,
+) -> dict:  # fmt: skip
     """Mean classes per full batch over ``epochs`` epochs, each checked to hold every sample once; with
-    ``cache_dir``, the folder's peak bytes sampled after each batch."""
-    classes, peak = [], 0
+    ``cache_dir``, the folder's peak bytes sampled after each batch and the largest unit's file; with
+    ``server``, the bytes it sent per epoch (the loader's start included)."""
+    classes, peak, largest_unit = [], 0, 0
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         seen = np.zeros(num_samples, dtype=np.int64)
@@ -119,18 +137,29 @@ def _epochs(loader: fastio.StreamLoader, epochs: int, num_samples: int, cache_di
         if not (seen == 1).all():
             raise AssertionError(f"epoch {epoch}: samples came {sorted(set(seen.tolist()))} times, not once")
     stats = loader.stats()
+    source = loader._source
+    if isinstance(source, RemoteShardSource):
+        largest_unit = max(s.footprint - s.index_bytes for s in source.shards)
     return {
         "classes": float(np.mean(classes)),
         "window": stats["shuffle_window_shards"],
+        "window_parts": stats.get("shuffle_window_parts"),
+        "parts": stats.get("shuffle_parts"),
+        "part_samples": stats.get("part_samples"),
         "mode": stats["shuffle_mode"],
         "peak": peak,
+        "largest_unit": largest_unit,
+        "served_per_epoch": None if server is None else _served(server) / epochs,
     }
 
 
-def _remote(url: str, cache_dir: Path, limit: int, **order: object) -> fastio.StreamLoader:
+def _remote(
+    url: str, cache_dir: Path, limit: int, whole_shards: bool = False, **order: object
+) -> fastio.StreamLoader:
     shutil.rmtree(cache_dir, ignore_errors=True)  # every run from an empty cache
-    return fastio.StreamLoader(url, batch_size=BATCH, seed=0, cache_dir=str(cache_dir), cache_limit=limit,
-                               **order)  # fmt: skip
+    kind = WholeShards if whole_shards else RemoteShardSource
+    source = kind(url, cache_dir=str(cache_dir), cache_limit=limit)
+    return fastio.StreamLoader(source, batch_size=BATCH, seed=0, **order)
 
 
 def _largest_shard_window(url: str, cache_dir: Path, limit: int, cache_shards: int) -> int:
@@ -155,40 +184,49 @@ def _measure(root: Path, args: argparse.Namespace) -> list[Row]:
     full = _epochs(local, args.epochs, num_samples, None)["classes"]
     rows = [Row("16 class-sorted shards", "full permutation (local)", "classes_per_batch", full, "classes")]
     progress(f"full permutation: {full:.2f} classes per batch of {BATCH}")
-    with _server(directory.parent) as url:
+    with _server(directory.parent) as (server, url):
         probe = RemoteShardSource(url, cache_dir=cache_dir)
         largest = max(s.footprint for s in probe.shards)
-        largest_file = max(s.footprint - s.index_bytes for s in probe.shards)
         probe.close()
         for cache_shards in CACHE_SHARDS:
             limit = cache_shards * largest
             case = f"cache {cache_shards} shards"
             window = _largest_shard_window(url, cache_dir, limit, cache_shards)
             runs = {
-                "shuffle=True": _remote(url, cache_dir, limit, shuffle=True),
-                f"shuffle='shard' window {window}": _remote(
-                    url, cache_dir, limit, shuffle="shard", shuffle_window=window
-                ),
+                "shuffle=True": dict(shuffle=True),
+                "shuffle=True, whole shards": dict(shuffle=True, whole_shards=True),
+                f"shuffle='shard' window {window}": dict(shuffle="shard", shuffle_window=window),
             }
-            for label, loader in runs.items():
+            for label, options in runs.items():
+                with server.lock:
+                    server.served.clear()
+                loader = _remote(url, cache_dir, limit, **options)
                 try:
-                    got = _epochs(loader, args.epochs, num_samples, cache_dir)
+                    got = _epochs(loader, args.epochs, num_samples, cache_dir, server)
                 finally:
                     loader._source.close()
-                bound = min(got["window"] + 1, SHARDS) if got["mode"] != "full" else SHARDS
-                extra = {
-                    "mode": got["mode"],
-                    "window_shards": got["window"],
-                    "class_bound": bound,
-                    "peak_over_limit_bytes": got["peak"] - limit,
-                    "largest_shard_file_bytes": largest_file,
-                }
-                ratio = got["classes"] / full
-                rows.append(Row(case, label, "classes_per_batch", got["classes"], "classes", ratio,
-                                "full permutation (local)", extra))  # fmt: skip
-                progress(f"{case}, {label}: {got['classes']:.2f} classes ({ratio:.2f}x full), window "
-                         f"{got['window']}, peak {got['peak'] - limit:+d} bytes over the limit")  # fmt: skip
+                rows.append(_row(case, label, got, full, limit))
+                progress(f"{case}, {label}: {got['classes']:.2f} classes ({rows[-1].ratio:.2f}x full), mode "
+                         f"{got['mode']}, peak {got['peak'] - limit:+d} bytes over the limit")  # fmt: skip
     return rows
+
+
+def _row(case: str, label: str, got: dict, full: float, limit: int) -> Row:
+    """One configuration's row: classes per batch against the full permutation, and what the order held."""
+    open_units = {"full": SHARDS, "parts": got["window_parts"]}.get(got["mode"], got["window"])
+    extra = {
+        "mode": got["mode"],
+        "window_shards": got["window"],
+        "window_parts": got["window_parts"],
+        "parts_per_shard": got["parts"],
+        "part_samples": got["part_samples"],
+        "class_bound": min(open_units + 1, SHARDS) if got["mode"] != "full" else SHARDS,
+        "peak_over_limit_bytes": got["peak"] - limit,
+        "largest_unit_file_bytes": got["largest_unit"],
+        "served_mb_per_epoch": round(got["served_per_epoch"] / 1e6, 2),
+    }
+    return Row(case, label, "classes_per_batch", got["classes"], "classes", got["classes"] / full,
+               "full permutation (local)", extra)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -208,17 +246,22 @@ def main(argv: Sequence[str] | None = None) -> str:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     full = rows[0].value
-    at4 = next(r for r in rows if r.case == "cache 4 shards" and r.backend == "shuffle=True")
+    at4 = {r.backend: r for r in rows if r.case == "cache 4 shards"}
+    parts, whole = at4["shuffle=True"], at4["shuffle=True, whole shards"]
     notes = [
         f"the issue's target, shuffle=True >= 0.8x the full permutation at a cache of 4 shards: measured "
-        f"{at4.ratio:.2f}x; no order that reads whole shards through that cache can pass "
-        f"{at4.extra['class_bound'] / full:.2f}x (class_bound / full: one class per shard)",
+        f"{parts.ratio:.2f}x ({parts.extra['parts_per_shard']} parts per shard, "
+        f"{parts.extra['window_parts']} open at once); on whole shards (what compressed tars still read) "
+        f"{whole.ratio:.2f}x, where no order that reads whole shards through that cache can pass "
+        f"{whole.extra['class_bound'] / full:.2f}x (class_bound / full: one class per shard)",
         f"16 shards of {args.shard_samples} samples, one class per shard; batches of {BATCH}; "
         f"{args.epochs} epochs per configuration, each from an empty cache, over HTTP on 127.0.0.1",
         "ratio: against the full permutation (shuffle=True on local disk), measured in the same run",
-        "class_bound: the most classes a batch can hold when the order keeps window_shards shards open (the "
-        "cache admits one beyond its limit); peak_over_limit_bytes: the cache folder's peak (every file) "
-        "less cache_limit, to compare with largest_shard_file_bytes",
+        "class_bound: the most classes a batch can hold when the order keeps window_shards shards (parts: "
+        "window_parts parts) open (the cache admits one beyond its limit); peak_over_limit_bytes: the cache "
+        "folder's peak (every file) less cache_limit, to compare with largest_unit_file_bytes (a shard's or "
+        "a part's file); served_mb_per_epoch: bytes the server sent, over the epochs (parts: their ranges, "
+        "plus each shard's header and offsets once)",
     ]
     table = write_results("bench_shuffle", rows, notes=notes, plot_metric="classes_per_batch")
     print(table)

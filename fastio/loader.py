@@ -5,8 +5,9 @@ How a batch is made:
 
 1. The epoch's order comes from :mod:`fastio.order` (seed, epoch, shuffle mode, world size, rank, and the
    resume position); it never depends on ``num_workers``, but for ``shuffle=True`` on a remote source whose
-   cache cannot hold every shard: its window leaves room for what worker processes hold
-   (:meth:`fastio.settings.OrderSettings.within`), which matters only for shards small against a batch.
+   cache cannot hold every shard: its window (of parts of shards, or of whole shards) leaves room for what
+   worker processes hold (:meth:`fastio.settings.OrderSettings.within`), which matters only for shards or
+   parts small against a batch.
 2. Batch ``i`` is gathered by its source (:mod:`fastio.sources`) into the output buffers of ring slot
    ``i % (num_workers + prefetch)``: fixed-size fields straight from the mmap by the native multi-threaded
    gather, GIL released.
@@ -67,7 +68,13 @@ from fastio.batches import Batches, EpochOrders, SampleBatches
 from fastio.mixing import as_streams, mixed_batches, open_streams
 from fastio.registry import OpenOptions, open_source
 from fastio.sampled import SamplerBatches, check_sampler_args, index_batches
-from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, dataloader_worker_args
+from fastio.settings import (
+    AssemblySettings,
+    OrderSettings,
+    WorkerSettings,
+    dataloader_worker_args,
+    order_for_source,
+)
 from fastio.sources import ReadPlan, StageTimes
 from fastio.workers.batch_pass import BatchPass
 
@@ -102,7 +109,9 @@ class StreamLoader:
             access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
             batch, see :mod:`fastio.order`). On sources that declare ``requires_shard_order`` (remote
             stores), ``True`` is the full permutation where the cache holds every shard, else a sliding
-            window of the shards the cache holds (``"window"``, ``stats()["shuffle_window_shards"]``).
+            window of parts of shards where the source reads parts (``"parts"``, fastio shards and tars
+            with sidecars: ``stats()["shuffle_window_parts"]``), else of the shards the cache holds
+            (``"window"``, ``stats()["shuffle_window_shards"]``).
         seed: with the epoch, the only source of randomness.
         num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
         pin_memory: page-locked output buffers; default: False, as in DataLoader, but True with a CUDA
@@ -128,6 +137,9 @@ class StreamLoader:
             :mod:`fastio.workers`) or ``"auto"``: processes when Python code runs per sample (``transform``,
             ``collate`` or a Dataset source), threads otherwise.
         shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
+        shuffle_parts: with ``shuffle="parts"`` (and ``shuffle_window``), the parts per shard of the order
+            ``shuffle=True`` chose on a cache-limited remote source, named to resume its state dict under
+            another world size or cache (``stats()``'s ``shuffle_parts``, ``shuffle_window_parts``).
         stages: :class:`fastio.assembly.stages.BatchStage` steps run on each gathered batch, in order, before
             ``transform`` (the image pipeline is one): they write into reused fixed-shape buffers.
         pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token
@@ -205,6 +217,7 @@ class StreamLoader:
         multiprocessing_context: Any = None,
         mix: str = "sample",
         epoch_size: int | None = None,
+        shuffle_parts: int | None = None,
     ) -> None:
         if collate_fn is not None:
             if collate is not None:
@@ -282,9 +295,10 @@ class StreamLoader:
         assembly = dataclasses.replace(
             assembly, python_path=python_path, pin=pin, reuse_buffers=reuse_buffers, device=device
         )
-        if self._source.requires_shard_order:  # shuffle=True: a window of the shards its cache holds
-            reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
-            order = order.within(self._source.shards_held(), self._source.shard_sizes, reach)
+        # shuffle=True on a source read shard by shard: a window of what its cache holds (fastio.settings).
+        reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
+        plain = streams is None and pack is None and not sampled
+        order, self._parts = order_for_source(order, self._source, reach, plain, shuffle_parts)
         self.order, self.workers, self.assembly = order, workers, assembly
         # 3. How epochs are cut into batches, chosen once (fastio.batches): samples, or packed rows.
         orders = EpochOrders(self._source.shard_sizes, order)
@@ -322,7 +336,7 @@ class StreamLoader:
     collate = property(lambda self: self.assembly.collate, doc="The collate function, or None.")
     reuse_buffers = property(lambda self: self.assembly.reuse_buffers, doc="Reuse unviewed buffers.")
     device = property(lambda self: self.assembly.device, doc="Where batches are copied, or None.")
-    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full", "shard" or "window".')
+    shuffle = property(lambda self: self.order.shuffle, doc='"none", "full", "shard", "window" or "parts".')
     shuffle_block = property(lambda self: self.order.shuffle_block, doc="Block of the shard shuffle.")
     shuffle_window = property(lambda self: self.order.shuffle_window, doc="Window of the shard shuffle.")
     seed = property(lambda self: self.order.seed, doc="With the epoch, the only source of randomness.")
@@ -422,8 +436,10 @@ class StreamLoader:
         remote source's downloads and cache) add them as ``source``, and ``network_wait_s``: seconds its
         fetches waited for shards to become local (not part of ``stage_s["read"]``, which is the gather).
         ``shuffle_mode`` and ``shuffle_window_shards`` say which order was chosen and how many shards it mixes
-        at once (``shuffle=True`` on a cache-limited remote source: ``"window"`` and the shards the cache
-        holds).
+        at once (``shuffle=True`` on a cache-limited remote source: ``"parts"``, with
+        ``shuffle_window_parts`` parts open at once, each shard cut into ``shuffle_parts`` parts of at most
+        ``part_samples`` samples; or ``"window"`` and the shards the cache holds, for sources that read whole
+        shards only).
 
         Example::
 
@@ -445,7 +461,13 @@ class StreamLoader:
         else:
             out = self._current.stats()
         out["shuffle_mode"] = self.order.shuffle
-        out["shuffle_window_shards"] = self.order.window_shards(len(self._source.shard_sizes))
+        parts = self._parts
+        out["shuffle_window_shards"] = self.order.window_shards(
+            len(self._source.shard_sizes) if parts is None else parts.shards
+        )
+        if parts is not None:
+            out.update(shuffle_window_parts=self.order.shuffle_window, shuffle_parts=parts.parts,
+                       part_samples=parts.part_samples)  # fmt: skip
         source = self._source.stats()
         if source:
             out["source"] = source

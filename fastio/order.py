@@ -19,6 +19,11 @@ number of workers, so any process can recompute any rank's order.
    ``window`` shards are open, each contributing to every batch; one shard opens as another closes, never
    ``2 * window`` at a window's edge. Diversity is bounded by what the cache holds: a batch draws from at
    most ``window + 1`` shards, where a full permutation draws from nearly every shard.
+   ``shuffle="parts"`` is what ``shuffle=True`` becomes instead where the source can read parts of shards
+   (:meth:`fastio.sources.Source.split_shards`: each shard split into contiguous runs of samples, cached one
+   by one): the same sliding window, over the parts, which ``shard_sizes`` then lists. A window of
+   ``window`` parts drawn from a permutation of every part of every shard holds parts of far more shards
+   than ``window`` whole shards would: the cache's bytes spread over most shards.
 2. :func:`rank_indices` splits what remains of an epoch, ``order[start:]``, across ranks exactly like
    ``torch.utils.data.DistributedSampler``: rank ``r`` takes positions ``r, r + W, r + 2W, ...``; with
    ``drop_last=False`` the tail is padded by repeating the epoch's first samples so every rank has
@@ -53,7 +58,7 @@ __all__ = [
     "window_within",
 ]
 
-SHUFFLE_MODES = ("none", "shard", "window", "full")
+SHUFFLE_MODES = ("none", "shard", "window", "parts", "full")
 
 
 def normalize_shuffle(shuffle: bool | str) -> str:
@@ -85,11 +90,11 @@ def epoch_order(
     Args:
         shard_sizes: samples per shard, in storage order.
         seed, epoch: the only sources of randomness.
-        shuffle: ``True``/``"full"``, ``"shard"``, ``"window"`` or ``False``/``"none"`` (see the module
-            docstring).
+        shuffle: ``True``/``"full"``, ``"shard"``, ``"window"``, ``"parts"`` or ``False``/``"none"`` (see the
+            module docstring; for ``"parts"``, ``shard_sizes`` are the parts').
         block: samples per block of the shard-aware shuffle.
         window: ``"shard"``: shards per block-shuffle window, and blocks per sample-shuffle run;
-            ``"window"``: shards open at once.
+            ``"window"``, ``"parts"``: shards (parts) open at once.
 
     Example::
 
@@ -106,7 +111,7 @@ def epoch_order(
     rng = np.random.default_rng([int(seed), int(epoch)])
     if mode == "full":
         return rng.permutation(total).astype(np.int64)
-    if mode == "window":
+    if mode in ("window", "parts"):
         return _sliding_window(sizes, rng, window)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     shard_order = rng.permutation(len(sizes))

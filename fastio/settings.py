@@ -20,8 +20,11 @@ import torch
 
 from fastio.assembly.stages import BatchStage
 from fastio.order import normalize_shuffle, window_within
+from fastio.sources.base import ShardParts, Source
 
-__all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args"]
+__all__ = [
+    "AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args", "order_for_source",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +34,11 @@ class OrderSettings:
 
     Attributes:
         seed: with the epoch, the only source of randomness.
-        shuffle: ``"none"``, ``"full"``, ``"shard"`` or ``"window"`` (``True``/``False`` are turned into
-            these; :meth:`within` makes ``"full"`` a ``"window"`` where the source cannot hold every shard).
-        shuffle_block, shuffle_window: block size and window of the shard-aware shuffles.
+        shuffle: ``"none"``, ``"full"``, ``"shard"``, ``"window"`` or ``"parts"`` (``True``/``False`` are
+            turned into these; :meth:`within` makes ``"full"`` a ``"window"`` where the source cannot hold
+            every shard, :meth:`in_parts` a ``"parts"`` where it reads parts of shards instead).
+        shuffle_block, shuffle_window: block size and window (shards, or parts) of the shard-aware shuffles.
+        shuffle_parts: ``"parts"``: the parts each shard is split into (else 1).
         rank, world_size: this rank and the number of ranks.
         drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
 
@@ -49,6 +54,7 @@ class OrderSettings:
     rank: int = 0
     world_size: int = 1
     drop_last: bool = False
+    shuffle_parts: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shuffle", normalize_shuffle(self.shuffle))
@@ -73,8 +79,21 @@ class OrderSettings:
         window = window_within(max(1, int(shards_held)), shard_sizes, reach)
         return dataclasses.replace(self, shuffle="window", shuffle_window=window)
 
+    def in_parts(self, split: ShardParts) -> OrderSettings:
+        """These settings for a source that split its shards into parts (``split``, from
+        :meth:`fastio.sources.Source.split_shards`): the sliding window of ``split.window`` parts.
+
+        Example::
+
+            OrderSettings(shuffle=True).in_parts(ShardParts(8, 31, 64, 16)).shuffle == "parts"
+        """
+        return dataclasses.replace(
+            self, shuffle="parts", shuffle_window=split.window, shuffle_parts=split.parts
+        )
+
     def window_shards(self, num_shards: int) -> int:
-        """Shards the order mixes at once: every shard (full), the window (shard, window), or one (none).
+        """Shards the order mixes at once: every shard (full), the window (shard, window), or one (none);
+        ``"parts"``: the shards a window of that many parts can draw from, at most.
 
         Example::
 
@@ -89,12 +108,49 @@ class OrderSettings:
 
             OrderSettings(seed=1).identity()["seed"] == 1
         """
+        parts = {"shuffle_parts": self.shuffle_parts} if self.shuffle == "parts" else {}
         return {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_block": self.shuffle_block,
             "shuffle_window": self.shuffle_window,
+            **parts,
         }
+
+
+def order_for_source(
+    order: OrderSettings, source: Source, reach: int, plain: bool, parts: int | None = None
+) -> tuple[OrderSettings, ShardParts | None]:
+    """``order`` for ``source``, and how it split its shards (None: whole shards). On a source read shard by
+    shard (``requires_shard_order``), ``shuffle=True`` in a ``plain`` loader (one source, not packed, no
+    sampler) asks it for parts of shards (:meth:`fastio.sources.Source.split_shards`, with ``reach``), else
+    becomes the window of whole shards (:meth:`OrderSettings.within`); ``shuffle="parts"`` names the split
+    (``parts`` per shard) and its window (``shuffle_window``), to resume a state dict saved under another
+    world size or cache. Anything else is as asked, on whole shards.
+
+    Example::
+
+        order, split = order_for_source(OrderSettings(shuffle=True), source, reach=64, plain=True)
+    """
+    if (parts is not None) != (order.shuffle == "parts"):
+        got = f"shuffle={order.shuffle!r}, shuffle_parts={parts!r}"
+        raise ValueError(f"shuffle_parts= goes with shuffle='parts' and only with it (got {got})")
+    split_shards = getattr(source, "split_shards", None) if source.requires_shard_order else None
+    if order.shuffle == "parts":
+        split = split_shards(reach, parts) if split_shards is not None and plain else None
+        if split is None:
+            raise ValueError(
+                f"shuffle='parts' on {source.name}: only a remote source that reads parts of shards (fastio "
+                "shards, tars with .fidx sidecars), alone and not packed, has them; use shuffle=True"
+            )
+        return order.in_parts(dataclasses.replace(split, window=order.shuffle_window)), split
+    if not source.requires_shard_order:
+        return order, None
+    asked = reach if order.shuffle == "full" and plain else None
+    split = None if split_shards is None else split_shards(asked)
+    if split is not None:
+        return order.in_parts(split), split
+    return order.within(source.shards_held(), source.shard_sizes, reach), None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""Remote shards for :class:`fastio.StreamLoader`: object stores and HTTP through fsspec, brought whole into
-a bounded node-local cache ahead of the read order. This layer moves and keeps bytes; it knows no shard
-format (like Mosaic Streaming's downloader): each format's remote source (:mod:`fastio.format.shards.remote`,
-:mod:`fastio.format.tar.remote`) subclasses :class:`RemoteSource`, says what its shards are, and reads the
-cached files through its own local source.
+"""Remote shards for :class:`fastio.StreamLoader`: object stores and HTTP through fsspec, brought into a
+bounded node-local cache ahead of the read order, whole or in parts (byte ranges a format lists). This
+layer moves and keeps bytes; it knows no shard format (like Mosaic Streaming's downloader): each format's
+remote source (:mod:`fastio.format.shards.remote`, :mod:`fastio.format.tar.remote`) subclasses
+:class:`RemoteSource`, says what its shards are, and reads the cached files through its own local source.
 
 * :mod:`fastio.remote.fetch`: reading objects with a bounded retry policy, errors naming the URL
   (:mod:`fastio.remote.errors`).
@@ -11,9 +11,14 @@ cached files through its own local source.
   :mod:`fastio.remote.locks`: the cache's file locks, safe across forks.
 * :mod:`fastio.remote.working_set`: what a pass keeps pinned at once, checked against ``cache_limit``.
 * :mod:`fastio.remote.progress`: a pass's progress, shared with its worker processes.
-* :mod:`fastio.remote.shard`: one shard (:class:`Shard`) and how its bytes come into the cache.
+* :mod:`fastio.remote.shard`: one shard or part of one (:class:`Shard`) and how its bytes come into the
+  cache; :mod:`fastio.remote.parts`: how many parts ``shuffle=True`` cuts shards into under a small cache.
 * :mod:`fastio.remote.base`: :class:`RemoteSource` (the pass's plan, the cache, the holds, the memoized
-  local sources, the reads); :mod:`fastio.remote.prefetch`: the prefetcher thread of a pass.
+  local sources of :mod:`fastio.remote.entry`, the reads); :mod:`fastio.remote.prefetch`: the prefetcher
+  thread of a pass.
+
+The cache's unit is a :class:`Shard`: a whole shard, or, where a format splits them
+(:meth:`RemoteSource.use_units`), a part of one; below, "shard" means either.
 
 How a pass runs:
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from fastio.remote.cache import ShardCache
+from fastio.remote.entry import LocalEntry
 from fastio.remote.fetch import RetryPolicy, redact
 from fastio.remote.prefetch import Prefetcher, await_turn
 from fastio.remote.progress import COUNTERS, SharedProgress
@@ -41,7 +42,7 @@ from fastio.remote.working_set import check_batch, check_pass, shards_held
 from fastio.sources.base import ReadPlan, Source, StageTimes
 from fastio.sources.buffers import BatchBuffers
 
-__all__ = ["RemoteSource", "cache_for"]
+__all__ = ["RemoteSource"]
 
 _MEMO = 8  # local sources kept for recent shard sets
 _SOURCES: weakref.WeakSet[RemoteSource] = weakref.WeakSet()
@@ -53,18 +54,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class _Entry:
-    """A local source over a set of cached shards; ``delta[s]`` turns a global index of shard ``s`` into
-    the local source's index (the shard's start there minus its global start)."""
-
-    def __init__(self, shards: tuple[int, ...], source: Any, cumulative: np.ndarray) -> None:
-        self.shards, self.source, self.refs = shards, source, 0
-        sizes = cumulative[1:] - cumulative[:-1]
-        starts = np.concatenate([[0], np.cumsum(sizes[list(shards)])[:-1]]).astype(np.int64)
-        self.delta = np.zeros(len(sizes), dtype=np.int64)
-        self.delta[list(shards)] = starts - cumulative[list(shards)]
 
 
 class RemoteSource(Source):
@@ -109,7 +98,7 @@ class RemoteSource(Source):
         self.download_threads, self.ahead = download_threads, ahead
         self.shards: list[Shard] = []
         self._lock = threading.Lock()
-        self._memo: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._memo: OrderedDict[tuple[int, ...], LocalEntry] = OrderedDict()
         self._opened: dict[int, tuple[Any, int]] = {}  # shard -> (opened, inode of the cached file)
         self._holds: dict[int, int] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -128,6 +117,16 @@ class RemoteSource(Source):
         self.num_samples = int(sum(self.shard_sizes))
         self.cumulative = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self._progress = SharedProgress(len(self.shards))
+
+    def use_units(self, units: list[Shard]) -> None:
+        """Cache and read ``units`` from now on: whole shards, or the parts of them a format listed
+        (:mod:`fastio.remote.parts`; storage order, so global indices stay). Between passes only: the pins,
+        mappings and local sources of the units before are let go."""
+        if [u.key for u in units] != [u.key for u in self.shards]:
+            self.close()
+            self._opened = {}
+            self.shards = list(units)
+            self.shards_ready()
 
     @contextlib.contextmanager
     def cached(self, shard: int) -> Iterator[Path]:
@@ -207,7 +206,7 @@ class RemoteSource(Source):
         info = self.shards[shard]
         return info.local_size is not None and self.cache.has(info.key, info.local_size)
 
-    def _whole_set(self) -> _Entry:
+    def _whole_set(self) -> LocalEntry:
         """The local source over every shard (each held for the source's life): what a local loader reads,
         so a cached epoch costs what a local one does."""
         entry = self._entry(tuple(range(len(self.shards))))  # holds every shard while the entry lives
@@ -328,7 +327,7 @@ class RemoteSource(Source):
             self._progress.lock = threading.Lock()
 
     # -- reading -------------------------------------------------------------------------------------------
-    def _entry(self, shards: tuple[int, ...]) -> _Entry:
+    def _entry(self, shards: tuple[int, ...]) -> LocalEntry:
         with self._lock:
             entry = self._memo.get(shards)
             if entry is not None:
@@ -349,12 +348,12 @@ class RemoteSource(Source):
                     with self._lock:
                         self._opened[shard] = kept
                 opened.append(kept[0])
-            entry = _Entry(shards, self.local_source(shards, opened), self.cumulative)
+            entry = LocalEntry(shards, self.local_source(shards, opened), self.cumulative)
         except BaseException:
             for shard in shards:
                 self._release(shard)
             raise
-        dropped: list[_Entry] = []
+        dropped: list[LocalEntry] = []
         with self._lock:
             existing = self._memo.get(shards)
             if existing is not None:  # another thread built it meanwhile
@@ -495,6 +494,3 @@ class RemoteSource(Source):
             "evictions": self.cache.evictions,
         }
 
-
-def cache_for(cache_dir: str | os.PathLike[str] | None, cache_limit: int | str | None) -> ShardCache:
-    return ShardCache(cache_dir, cache_limit)

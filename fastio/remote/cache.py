@@ -1,4 +1,4 @@
-"""A node-local cache of whole shards, shared by every rank, worker and process of one node.
+"""A node-local cache of shards (whole, or parts of them), shared by every rank, worker and process of a node.
 
 Layout under ``cache_dir`` (default ``$FASTIO_CACHE``, else ``~/.cache/fastio``): each entry is a file at
 its key (a relative path the source picks), beside two empty lock files, ``<key>.lock`` (held exclusively

@@ -56,22 +56,10 @@ from fastio.remote.errors import (
 )
 
 __all__ = [
-    "RemoteAccessError",
-    "RemoteError",
-    "RemoteNotFoundError",
-    "RangeReader",
-    "RemoteReadError",
-    "RetryPolicy",
-    "classify",
-    "download",
-    "expand_urls",
-    "filesystem",
-    "is_remote",
-    "read_bytes",
-    "redact",
-    "remote_size",
-    "with_retries",
-]
+    "RemoteAccessError", "RemoteError", "RemoteNotFoundError", "RangeReader", "RemoteReadError",
+    "RetryPolicy", "cat_ranges", "classify", "download", "expand_urls", "filesystem", "is_remote",
+    "read_bytes", "redact", "remote_size", "with_retries",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -338,6 +326,35 @@ def read_bytes(url: str, policy: RetryPolicy, storage_options: dict[str, Any] | 
     return with_retries(cat, url, policy)
 
 
+def cat_ranges(
+    url: str, ranges: Sequence[tuple[int, int]], size: int, policy: RetryPolicy,
+    storage_options: dict[str, Any] | None,
+) -> tuple[list[bytes], bool]:  # fmt: skip
+    """Bytes ``[start, stop)`` of the ``size``-byte object at ``url`` for each of ``ranges`` (concurrently
+    on HTTP and object stores), one attempt (for :func:`with_retries`), and whether the server ignored
+    ``Range`` (sent the whole object, sliced here). Never short: fewer bytes than asked (a body cut short,
+    an object shorter than ``size``) raise a transient error, retried, then :class:`RemoteReadError`.
+
+    Example::
+
+        [head], _ = with_retries(lambda: cat_ranges(url, [(0, 32)], size, policy, None), url, policy)
+    """
+    fs, path = filesystem(url, storage_options, policy.timeout)
+    starts, stops = [int(a) for a, _ in ranges], [int(b) for _, b in ranges]
+    found = fs.cat_ranges([path] * len(ranges), starts, stops, on_error="raise")
+    out, whole = [], False
+    for start, stop, data in zip(starts, stops, found, strict=True):
+        if len(data) > stop - start:
+            if len(data) != size:
+                got = f"asked for bytes [{start}, {stop}) of {size}, got {len(data)} bytes"
+                raise RemoteReadError(url, 1, got)
+            data, whole = data[start:stop], True
+        if len(data) < stop - start:  # a body cut short: transient
+            raise http.client.IncompleteRead(bytes(data[:64]), stop - start - len(data))
+        out.append(bytes(data))
+    return out, whole
+
+
 class RangeReader(io.RawIOBase):
     """A read-only, forward-only file over the ``size`` bytes of ``url``: ranged reads of
     ``policy.chunk_bytes``, each under ``policy`` (a transient failure retries that chunk only, so progress
@@ -381,18 +398,9 @@ class RangeReader(io.RawIOBase):
     def _chunk(self, start: int, stop: int) -> bytes:
         if not self._ranges:
             return self._streamed(start, stop)
-        fs, path = filesystem(self.url, self.storage_options, self.policy.timeout)
-        data = fs.cat_file(path, start=start, end=stop)
-        if len(data) > stop - start:
-            if len(data) != self.size:
-                raise RemoteReadError(
-                    self.url, 1, f"asked for bytes [{start}, {stop}) of {self.size}, got {len(data)} bytes"
-                )
-            self._ranges = False  # the whole object came back: stream the rest with one GET
-            return bytes(data[start:stop])
-        if len(data) < stop - start:  # a body cut short: transient
-            raise http.client.IncompleteRead(bytes(data[:64]), stop - start - len(data))
-        return bytes(data)
+        [data], whole = cat_ranges(self.url, [(start, stop)], self.size, self.policy, self.storage_options)
+        self._ranges = not whole  # the whole object came back: stream the rest with one GET
+        return data
 
     def _streamed(self, start: int, stop: int) -> bytes:
         try:

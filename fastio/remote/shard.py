@@ -1,6 +1,6 @@
-"""One remote shard: where it is, what the cache calls it, its sizes (:class:`Shard`), and how its bytes are
-brought into a cache entry (:func:`write_shard`: a plain download, or the stream unpacked by a function its
-format gave).
+"""One remote shard, or one part of one: where it is, what the cache calls it, its sizes (:class:`Shard`), and
+how its bytes are brought into a cache entry (:func:`write_shard`: a plain download, the stream unpacked by a
+function its format gave, or the byte ranges its format listed, back to back).
 
 Example::
 
@@ -11,13 +11,22 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from fastio.errors import CorruptShardError, FastIOError
-from fastio.remote.fetch import RangeReader, RemoteError, RetryPolicy, download, redact
+from fastio.remote.fetch import (
+    RangeReader,
+    RemoteError,
+    RetryPolicy,
+    cat_ranges,
+    download,
+    redact,
+    with_retries,
+)
 from fastio.remote.progress import SharedProgress
 
 __all__ = ["Shard", "cache_key", "write_shard"]
@@ -31,7 +40,11 @@ class Shard:
 
     ``unpack``: None when the cached file is the remote object's bytes; else ``unpack(raw, out) -> bytes
     written``, which turns the remote stream into the cached file (a compressed tar's decompression, given
-    by its format), ``encoding`` naming what it undoes in errors (``"gzip"``)."""
+    by its format), ``encoding`` naming what it undoes in errors (``"gzip"``).
+
+    ``ranges``: None for a whole object; else the cache entry is these ``[start, stop)`` byte ranges of the
+    remote object (of ``remote_size`` bytes) back to back, ``local_size`` bytes in all: a part of a shard
+    (some of its samples), whose ranges its format computed (:mod:`fastio.remote.parts`)."""
 
     url: str
     key: str
@@ -41,6 +54,7 @@ class Shard:
     index_bytes: int = 0
     encoding: str | None = None
     unpack: Callable[[IO[bytes], IO[bytes]], int] | None = None
+    ranges: tuple[tuple[int, int], ...] | None = None
 
     @property
     def footprint(self) -> int:
@@ -82,7 +96,14 @@ def write_shard(
         if progress is not None:
             progress.add("retries", 1)
 
-    if info.unpack is None:
+    if info.ranges is not None:
+        read = functools.partial(cat_ranges, info.url, info.ranges, info.remote_size, retry, storage_options)
+        pieces, _ = with_retries(read, info.url, retry, on_retry=retried)
+        with open(part, "r+b" if part.exists() else "wb") as out:
+            for data in pieces:
+                out.write(data)
+                counted(len(data))
+    elif info.unpack is None:
         download(info.url, part, info.remote_size, retry, storage_options, counted, retried)
     else:
         raw = RangeReader(info.url, info.remote_size, retry, storage_options, counted, retried)

@@ -21,6 +21,7 @@ Example::
 from fastio.registry import OpenOptions, open_source
 from fastio.sources.base import (
     ReadPlan,
+    ShardParts,
     Source,
     StageTimes,
     TokenDocuments,
@@ -37,6 +38,7 @@ __all__ = [
     "DatasetSource",
     "OpenOptions",
     "ReadPlan",
+    "ShardParts",
     "Source",
     "StageTimes",
     "TokenDocuments",

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "REQUIRED_MEMBERS",
     "ReadPlan",
+    "ShardParts",
     "Source",
     "StageTimes",
     "TokenDocuments",
@@ -111,6 +112,24 @@ class ReadPlan:
         return stale + (_RANK_SKEW if self.ranks_share_cache else 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardParts:
+    """How a source read shard by shard split its shards for ``shuffle=True`` (:meth:`Source.split_shards`):
+    each shard into ``parts`` contiguous runs of samples (the last ones one sample shorter where ``parts``
+    does not divide a shard), of which the cache holds ``window`` at once (what the order keeps open), the
+    largest ``part_samples`` samples long, drawn from ``shards`` shards.
+
+    Example::
+
+        ShardParts(parts=8, window=31, part_samples=64, shards=16)
+    """
+
+    parts: int
+    window: int
+    part_samples: int
+    shards: int
+
+
 class StageTimes:
     """Seconds per loader stage, summed over threads, plus bytes and samples produced. Thread-safe.
 
@@ -150,7 +169,8 @@ class Source(Protocol):
             through ``transform`` and ``collate`` (the Python path), as for a map-style ``Dataset``.
         requires_shard_order: True for sources where reading a random sample costs a whole shard (remote
             stores): ``StreamLoader(shuffle=True)`` is a full permutation only where :meth:`shards_held`
-            says every shard fits, else a sliding window of that many shards (:mod:`fastio.order`).
+            says every shard fits, else a sliding window of parts of shards where :meth:`split_shards`
+            splits them, or of that many shards (:mod:`fastio.order`).
             Default False.
 
     Example::
@@ -233,6 +253,23 @@ class Source(Protocol):
         Example::
 
             source.shards_held()   # 4: a cache_limit of four shards
+        """
+        return None
+
+    def split_shards(self, reach: int | None, parts: int | None = None) -> ShardParts | None:
+        """Read parts of shards instead of whole ones, where that lets ``shuffle=True`` mix more shards into
+        a batch than whole shards could: the loader calls it, when the method exists, with ``reach`` (the
+        samples read around each batch, :meth:`ReadPlan.reach`) for ``shuffle=True`` on a source that
+        :meth:`shards_held` says cannot hold every shard, and with None otherwise (whole shards again).
+        Returns the split, after which ``shard_sizes`` lists the parts' samples (global indices unchanged:
+        parts are contiguous and in storage order), or None: whole shards (:mod:`fastio.order`'s ``"parts"``
+        and ``"window"``). ``parts``: split each shard into that many, whatever the cache (what
+        ``StreamLoader(shuffle="parts", shuffle_parts=P)`` asks, to resume a state dict), or None where the
+        source cannot. Default: None (it cannot split).
+
+        Example::
+
+            split = source.split_shards(reach=64)   # ShardParts(parts=8, window=31, ...) or None
         """
         return None
 

@@ -1,6 +1,8 @@
 """``shuffle=True`` on remote shards over a real HTTP server: the local full permutation where the cache holds
-every shard, else a sliding window of the shards it holds (fastio.order's "window"), sized to cache_limit,
-reported in stats(), exact, resumable and split across ranks like every other order."""
+every shard, else, for a source that reads whole shards only (compressed tars, tars without sidecars; a
+fastio shard source told not to split, here), a sliding window of the shards it holds (fastio.order's
+"window"), sized to cache_limit, reported in stats(), exact, resumable and split across ranks like every
+other order. Parts of shards (what fastio shard sources read instead) are test_remote_parts.py's."""
 
 from __future__ import annotations
 
@@ -17,13 +19,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _http_server import FAST_RETRY  # noqa: E402
 
 
+class WholeShards(RemoteShardSource):
+    """A fastio shard source that never splits its shards into parts: what a source of whole shards gets."""
+
+    def split_shards(self, reach: int | None, parts: int | None = None) -> None:
+        return super().split_shards(None)
+
+
 def _source(server, cache_dir: Path, shards_held: int | None) -> RemoteShardSource:
-    """A remote source over the test set whose cache_limit holds ``shards_held`` of its largest shards."""
+    """A whole-shard remote source over the test set whose cache_limit holds ``shards_held`` of its largest
+    shards."""
     probe = RemoteShardSource(server.url("train"), cache_dir=cache_dir, retry=FAST_RETRY)
     largest = max(s.footprint for s in probe.shards)
     probe.close()
     limit = None if shards_held is None else shards_held * largest
-    return RemoteShardSource(server.url("train"), cache_dir=cache_dir, cache_limit=limit, retry=FAST_RETRY)
+    return WholeShards(server.url("train"), cache_dir=cache_dir, cache_limit=limit, retry=FAST_RETRY)
 
 
 def _ys(loader: fastio.StreamLoader, fio) -> list[list[int]]:

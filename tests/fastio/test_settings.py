@@ -8,7 +8,7 @@ import pytest
 
 import fastio
 from fastio.batches import EpochOrders
-from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
+from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, order_for_source
 
 
 @pytest.mark.parametrize(
@@ -81,3 +81,19 @@ def test_shuffle_true_is_sized_to_the_shards_a_source_holds(shuffle, held, reach
     order = OrderSettings(seed=1, shuffle=shuffle).within(held, [1000] * 16, reach)
     assert (order.shuffle, order.shuffle_window) == (mode, window)
     assert order.window_shards(16) == {"full": 16, "none": 1}.get(mode, window)
+
+
+class _WholeShardSource:
+    """A source read shard by shard that cannot split its shards (no split_shards): 4 of 16 shards fit."""
+
+    name, shard_sizes, requires_shard_order = "held", [1000] * 16, True
+
+    def shards_held(self) -> int:
+        return 4
+
+
+def test_shuffle_true_on_a_source_without_parts_is_the_window_of_the_shards_it_holds():
+    order, split = order_for_source(OrderSettings(shuffle=True), _WholeShardSource(), reach=64, plain=True)
+    assert (order.shuffle, order.shuffle_window, split) == ("window", 4, None)
+    with pytest.raises(ValueError, match="only a remote source that reads parts"):
+        order_for_source(OrderSettings(shuffle="parts"), _WholeShardSource(), 64, True, parts=4)

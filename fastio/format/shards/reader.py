@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import zlib
@@ -31,8 +30,9 @@ import numpy as np
 from fastio._gather import read_chunks
 from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError, SchemaMismatchError
-from fastio.format.shards.layout import INDEX_NAME, MAGIC, PREFIX, SHARD_SUFFIX, VERSION
-from fastio.format.shards.schema import Schema, schema_from_json
+from fastio.format.shards.header import check_offsets, get_field, parse_json, parse_schema, read_header
+from fastio.format.shards.layout import INDEX_NAME, SHARD_SUFFIX
+from fastio.format.shards.schema import Schema
 
 __all__ = ["ShardReader", "ShardSet"]
 
@@ -60,74 +60,21 @@ class ShardReader:
         self.verify = verify
         self.file = MappedFile(self.path)
         raw = self.file.array
-        if self.file.size < PREFIX.size:
-            raise CorruptShardError(self.path, "prefix", f">= {PREFIX.size} bytes", f"{self.file.size} bytes")
-        magic, version, header_nbytes, header_crc, _, file_nbytes = PREFIX.unpack(bytes(raw[: PREFIX.size]))
-        if magic != MAGIC:
-            raise CorruptShardError(self.path, "magic", MAGIC, magic, "not a fastio shard")
-        if version != VERSION:
-            raise CorruptShardError(
-                self.path, "version", VERSION, version, "written by another fastio version"
-            )
-        if file_nbytes != self.file.size:
-            raise CorruptShardError(
-                self.path,
-                "file size",
-                f"{file_nbytes} bytes",
-                f"{self.file.size} bytes",
-                "truncated or appended to",
-            )
-        header_bytes = bytes(raw[file_nbytes - header_nbytes : file_nbytes])
-        if zlib.crc32(header_bytes) != header_crc:
-            raise CorruptShardError(
-                self.path, "header", f"crc32 {header_crc:#010x}", f"crc32 {zlib.crc32(header_bytes):#010x}"
-            )
-        header = _parse_json(self.path, "header", header_bytes)
-        self.num_samples = _get(self.path, header, "num_samples", int)
-        self.schema: Schema = _schema(self.path, _get(self.path, header, "schema", dict))
-        self.sections: dict[str, dict[str, list[int]]] = _sections(
-            self.path, _get(self.path, header, "sections", dict), self.schema
-        )
-        if self.num_samples < 0:
-            raise CorruptShardError(self.path, "num_samples", ">= 0", self.num_samples)
+        head = read_header(self.path, self.file.size, lambda start, stop: bytes(raw[start:stop]))
+        self.num_samples, self.schema, self.sections = head.num_samples, head.schema, head.sections
         self._views: dict[str, Any] = {}
         for name, field in self.schema.items():
-            sec = self.sections[name]
-            for part, (start, nbytes, _) in sec.items():
-                if start < 0 or nbytes < 0 or start + nbytes > file_nbytes - header_nbytes:
-                    raise CorruptShardError(
-                        self.path,
-                        f"{name}.{part}",
-                        f"bytes [{start}, {start + nbytes}) inside the data area",
-                        f"data area ends at {file_nbytes - header_nbytes}",
-                    )
-            start, nbytes, _ = sec["data"]
+            start, nbytes, _ = self.sections[name]["data"]
             if field.kind == "fixed":
-                expected = self.num_samples * field.row_nbytes
-                if nbytes != expected:
-                    raise CorruptShardError(self.path, name, f"{expected} bytes", f"{nbytes} bytes")
                 self._views[name] = (
                     raw[start : start + nbytes].view(field.np_dtype).reshape((self.num_samples, *field.shape))
                 )
             else:
-                ostart, onbytes, _ = sec["offsets"]
-                if onbytes != 8 * (self.num_samples + 1):
-                    raise CorruptShardError(
-                        self.path,
-                        f"{name}.offsets",
-                        f"{8 * (self.num_samples + 1)} bytes",
-                        f"{onbytes} bytes",
-                    )
+                ostart, onbytes, _ = self.sections[name]["offsets"]
                 # A copy, not a view: the loader indexes it every batch, and a copy cannot fault (SIGBUS) if
                 # the file is truncated while mapped. 8 bytes per sample.
                 offsets = raw[ostart : ostart + onbytes].view(np.int64).copy()
-                if offsets[0] != 0 or offsets[-1] != nbytes or (np.diff(offsets) < 0).any():
-                    raise CorruptShardError(
-                        self.path,
-                        f"{name}.offsets",
-                        f"monotone from 0 to {nbytes}",
-                        f"from {offsets[0]} to {offsets[-1]}",
-                    )
+                check_offsets(self.path, name, offsets, nbytes)
                 self._views[name] = (offsets, start)
         if verify:
             self.ensure_verified()
@@ -207,47 +154,6 @@ class ShardReader:
         return data.view(field.np_dtype).reshape((-1, *field.shape))
 
 
-def _parse_json(path: str, field: str, raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
-        raise CorruptShardError(path, field, "UTF-8 JSON", f"{type(exc).__name__}: {exc}") from None
-
-
-def _get(path: str, mapping: dict[str, Any], key: str, kind: type) -> Any:
-    """``mapping[key]``, which must exist and be a ``kind`` (a bool is no int here)."""
-    if key not in mapping:
-        raise CorruptShardError(path, key, f"a {kind.__name__}", "no such key")
-    value = mapping[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise CorruptShardError(path, key, f"a {kind.__name__}", f"{type(value).__name__} {value!r:.60}")
-    return value
-
-
-def _schema(path: str, data: dict[str, Any]) -> Schema:
-    try:
-        return schema_from_json(data)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptShardError(path, "schema", "{field: {kind, dtype, shape}}", f"{exc!r:.200}") from None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _sections(path: str, data: dict[str, Any], schema: Schema) -> dict[str, dict[str, list[int]]]:
-    for name, field in schema.items():
-        parts = ("data",) if field.kind == "fixed" else ("data", "offsets")
-        sec = data.get(name)
-        ok = isinstance(sec, dict) and all(
-            isinstance(sec.get(p), list) and len(sec[p]) == 3 and all(map(_is_int, sec[p])) for p in parts
-        )
-        if not ok:
-            expected = "{" + ", ".join(f"{p!r}: [offset, nbytes, crc32]" for p in parts) + "}"
-            raise CorruptShardError(path, f"sections.{name}", expected, f"{sec!r:.120}")
-    return data
-
-
 def _shard_paths(directory: Path, index_path: str, entries: list[Any]) -> list[Path]:
     """The shard file of every ``index.json`` entry: a relative name inside ``directory`` (after resolving
     symlinks), listed once, with integer ``num_samples`` and ``file_nbytes``."""
@@ -258,9 +164,9 @@ def _shard_paths(directory: Path, index_path: str, entries: list[Any]) -> list[P
         label = f"shards[{i}]"
         if not isinstance(entry, dict):
             raise CorruptShardError(index_path, label, "an object", type(entry).__name__)
-        name = _get(index_path, entry, "file", str)
+        name = get_field(index_path, entry, "file", str)
         for key in ("num_samples", "file_nbytes"):
-            _get(index_path, entry, key, int)
+            get_field(index_path, entry, key, int)
         path = directory / name
         resolved = path.resolve()
         if os.path.isabs(name) or not resolved.is_relative_to(root) or resolved == root:
@@ -311,12 +217,12 @@ class ShardSet:
                 )
             raise EmptySourceError(f"{self.directory}: empty directory (no {INDEX_NAME} and no shards)")
         where = str(index_path)
-        index = _parse_json(where, "index", index_path.read_bytes())
+        index = parse_json(where, "index", index_path.read_bytes())
         if not isinstance(index, dict) or index.get("format") != "fastio-shards":
             found = index.get("format") if isinstance(index, dict) else type(index).__name__
             raise CorruptShardError(where, "format", "fastio-shards", found)
-        self.schema: Schema = _schema(where, _get(where, index, "schema", dict))
-        entries = _get(where, index, "shards", list)
+        self.schema: Schema = parse_schema(where, get_field(where, index, "schema", dict))
+        entries = get_field(where, index, "shards", list)
         self.readers: list[ShardReader] = []
         for path, entry in zip(_shard_paths(self.directory, where, entries), entries, strict=True):
             if not path.exists():

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -19,16 +20,20 @@ from typing import Any
 import torch
 
 from fastio.errors import CorruptShardError, SchemaMismatchError
+from fastio.format.shards.parts import PartReader, RemoteHead, fetch_head, part_ranges
 from fastio.format.shards.reader import ShardReader, ShardSet
-from fastio.format.shards.schema import schema_from_json
+from fastio.format.shards.schema import Schema, schema_from_json
 from fastio.format.shards.source import ShardSource, fixed_specs_of
-from fastio.remote.base import RemoteSource, cache_for
+from fastio.remote.base import RemoteSource
+from fastio.remote.cache import ShardCache
 from fastio.remote.fetch import (
     RetryPolicy,
     read_bytes,
     redact,
 )
+from fastio.remote.parts import choose_parts, part_bounds, part_key, parts_of
 from fastio.remote.shard import Shard, cache_key
+from fastio.sources.base import ShardParts
 
 __all__ = ["RemoteShardSource", "open_remote_shards"]
 
@@ -67,7 +72,7 @@ class RemoteShardSource(RemoteSource):
     ) -> None:
         root = url.rstrip("/")
         super().__init__(
-            root, cache_for(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
+            root, ShardCache(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
             download_threads, ahead,
         )  # fmt: skip
         self.verify = verify
@@ -106,11 +111,59 @@ class RemoteShardSource(RemoteSource):
             self.shards.append(Shard(shard_url, cache_key(shard_url, name), size, size, entry["num_samples"]))
             self._checksums.append({k: entry[k] for k in ("crc32", "sha256") if k in entry})
         self.shards_ready()
+        self._files = list(self.shards)  # the whole shards, whichever units are read
+        self._heads: list[RemoteHead] | None = None  # fetched by range at the first split
+        self._part_of: dict[str, tuple[int, int, int]] = {}  # a part's cache key -> (shard, first, stop)
+
+    def split_shards(self, reach: int | None, parts: int | None = None) -> ShardParts | None:
+        """Parts of shards for ``shuffle=True`` under a cache that cannot hold every shard
+        (:mod:`fastio.remote.parts` chooses how many; ``reach``: see
+        :meth:`fastio.sources.Source.split_shards`); whole shards again for None, for a cache that holds
+        every shard, and with ``verify=True`` (a part's bytes cannot be checked against its section's crc32);
+        ``parts``: that many per shard, whatever the cache.
+
+        Example::
+
+            source.split_shards(reach=64)   # ShardParts(parts=8, window=31, part_samples=64, shards=16)
+        """
+        chosen = None
+        if reach is not None and not self.verify:
+            limit, resident = self.cache.limit, self.resident_bytes()
+            chosen = choose_parts(self._files, limit, resident, reach, self._parts, parts)
+        self._part_of = {} if chosen is None else parts_of(self._files, chosen)
+        self.use_units(self._files if chosen is None else chosen[1])
+        return None if chosen is None else chosen[0]
+
+    def _parts(self, parts: int) -> list[Shard]:
+        """Every non-empty part of every shard split into ``parts`` (:func:`part_bounds`), storage order."""
+        if self._heads is None:
+            with concurrent.futures.ThreadPoolExecutor(self.download_threads) as pool:
+                heads = list(pool.map(self._head, range(len(self._files))))
+            self._heads = heads
+        units = []
+        for shard, info in enumerate(self._files):
+            for first, stop in part_bounds(info.num_samples, parts):
+                ranges = part_ranges(self._heads[shard], first, stop)
+                nbytes = sum(hi - lo for lo, hi in ranges)
+                units.append(Shard(
+                    info.url, part_key(info, first, stop), info.remote_size, nbytes, stop - first,
+                    ranges=tuple((lo, hi) for lo, hi in ranges if hi > lo),
+                ))  # fmt: skip
+        return units
+
+    def _head(self, shard: int) -> RemoteHead:
+        """Shard ``shard``'s header and offsets (:func:`fetch_head`), checked against ``index.json``."""
+        info = self._files[shard]
+        head = fetch_head(info.url, info.remote_size, self.retry, self.storage_options)
+        self._check_reader(shard, info.url, head.header.num_samples, head.header.schema)
+        return head
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return fixed_specs_of(self.schema)
 
     def check_download(self, shard: int, part: Path) -> None:
+        if self.shards[shard].key in self._part_of:
+            return  # a part: its size is checked; index.json's checksums cover the whole file
         wanted = self._checksums[shard]
         if wanted:
             crc, sha = 0, hashlib.sha256()
@@ -131,20 +184,25 @@ class RemoteShardSource(RemoteSource):
                 )
         ShardReader(part, verify=False)  # the header, sizes and sections: a wrong file never gets its name
 
-    def open_shard(self, shard: int, path: Path) -> ShardReader:
+    def open_shard(self, shard: int, path: Path) -> ShardReader | PartReader:
+        part = self._part_of.get(self.shards[shard].key)
+        if part is not None and self._heads is not None:
+            return PartReader(path, self._heads[part[0]], part[1], part[2])
         reader = ShardReader(path, verify=self.verify)
-        info = self.shards[shard]
-        if reader.num_samples != info.num_samples:
-            raise CorruptShardError(
-                str(path), "num_samples", f"{info.num_samples} (index.json)", reader.num_samples
-            )
-        for name, field in self.schema.items():
-            if reader.schema.get(name) != field:
-                found = reader.schema[name].describe() if name in reader.schema else "no such field"
-                raise SchemaMismatchError(info.url, name, f"{field.describe()} (index.json)", found)
+        self._check_reader(shard, str(path), reader.num_samples, reader.schema)
         return reader
 
-    def local_source(self, shards: tuple[int, ...], opened: list[ShardReader]) -> ShardSource:
+    def _check_reader(self, shard: int, where: str, num_samples: int, schema: Schema) -> None:
+        """Raise unless a shard's header agrees with ``index.json`` (its samples, its fields)."""
+        info = self._files[shard]
+        if num_samples != info.num_samples:
+            raise CorruptShardError(where, "num_samples", f"{info.num_samples} (index.json)", num_samples)
+        for name, field in self.schema.items():
+            if schema.get(name) != field:
+                found = schema[name].describe() if name in schema else "no such field"
+                raise SchemaMismatchError(info.url, name, f"{field.describe()} (index.json)", found)
+
+    def local_source(self, shards: tuple[int, ...], opened: list[Any]) -> ShardSource:
         return ShardSource(ShardSet.from_readers(self.name, self.schema, opened))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -37,8 +38,10 @@ from fastio.format.tar.compression import compression_of, decompress, decompress
 from fastio.format.tar.decode import npy_layout
 from fastio.format.tar.index import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
 from fastio.format.tar.npy import load_npz
+from fastio.format.tar.parts import parse_sidecar, part_index, part_range
 from fastio.format.tar.source import NpySpec, TarLayout, TarSource, decide_layout
-from fastio.remote.base import RemoteSource, cache_for
+from fastio.remote.base import RemoteSource
+from fastio.remote.cache import ShardCache
 from fastio.remote.fetch import (
     RemoteNotFoundError,
     RetryPolicy,
@@ -48,7 +51,9 @@ from fastio.remote.fetch import (
     remote_size,
     with_retries,
 )
+from fastio.remote.parts import choose_parts, part_bounds, part_key, parts_of
 from fastio.remote.shard import Shard, cache_key
+from fastio.sources.base import ShardParts
 
 __all__ = ["RemoteTarSource", "open_remote_tars"]
 
@@ -127,13 +132,16 @@ class RemoteTarSource(RemoteSource):
             raise RemoteNotFoundError(str(urls), "the pattern names no shard")
         name = listed[0] if len(listed) == 1 else f"{listed[0]} (+{len(listed) - 1})"
         super().__init__(
-            name, cache_for(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
+            name, ShardCache(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
             download_threads, ahead,
         )  # fmt: skip
         if decode is not None and decode != "pil" and not callable(decode):
             raise ValueError(f"decode must be None, 'pil' or a callable, got {decode!r}")
         self.decode, self.tar_strict = decode, tar_strict
         self._sidecars: dict[int, bytes] = {}
+        self._files = self.shards  # the whole tars, whichever units are read (use_units makes a new list)
+        self._indexes: list[TarIndex] | None = None  # from the sidecars, at the first split into parts
+        self._part_of: dict[str, tuple[int, int, int]] = {}  # a part's cache key -> (tar, first, stop)
         # Sizes, sidecars and (without sidecars) whole downloads at open go download_threads at a time.
         with concurrent.futures.ThreadPoolExecutor(
             download_threads, thread_name_prefix="fastio-open"
@@ -152,11 +160,11 @@ class RemoteTarSource(RemoteSource):
 
     # -- opening -------------------------------------------------------------------------------------------
     def _meta_path(self, shard: int) -> Path:
-        return Path(f"{self.cache.path(self.shards[shard].key)}.meta.json")
+        return Path(f"{self.cache.path(self._files[shard].key)}.meta.json")
 
     def resident_bytes(self) -> int:
         """The metas: kept for good, so that the next run opens without downloading."""
-        paths = [self._meta_path(s) for s in range(len(self.shards))]
+        paths = [self._meta_path(s) for s in range(len(self._files))]
         return sum(p.stat().st_size for p in paths if p.exists())
 
     def _meta(self, shard: int) -> _TarMeta:
@@ -191,23 +199,71 @@ class RemoteTarSource(RemoteSource):
 
     def _meta_from_sidecar(self, shard: int, sidecar: bytes) -> _TarMeta | None:
         info = self.shards[shard]
-        try:
-            data = load_npz(io.BytesIO(sidecar))
-            identity = data["identity"]
-            index = TarIndex(info.url, data["keys"], [str(f) for f in data["fields"]],
-                             data["offsets"], data["sizes"])  # fmt: skip
-        except (OSError, ValueError, KeyError):
-            return None  # not a sidecar this fastio reads: index the shard instead
-        if int(identity[1]) != info.remote_size:
-            return None  # the sidecar describes another version of the tar
+        index = parse_sidecar(info.url, sidecar, info.remote_size)
+        if index is None:
+            return None  # not a sidecar this fastio reads, or of another tar: index the shard instead
         self._sidecars[shard] = sidecar
         return _meta_of(index, info.remote_size, info.remote_size, len(sidecar))
+
+    # -- parts ---------------------------------------------------------------------------------------------
+    def split_shards(self, reach: int | None, parts: int | None = None) -> ShardParts | None:
+        """Parts of tars for ``shuffle=True`` under a cache that cannot hold every tar
+        (:mod:`fastio.remote.parts`, :mod:`fastio.format.tar.parts`), where every tar is plain and has its
+        ``.fidx`` sidecar published beside it; else (and for None) whole tars. ``parts``: that many per tar,
+        whatever the cache.
+
+        Example::
+
+            source.split_shards(reach=64)   # ShardParts(parts=8, ...), or None: whole tars
+        """
+        indexes = None if reach is None else self._part_indexes()
+        chosen = None
+        if indexes is not None:
+            limit, resident = self.cache.limit, self.resident_bytes()
+            units_for = functools.partial(self._parts, indexes=indexes)
+            chosen = choose_parts(self._files, limit, resident, reach, units_for, parts)
+        self._part_of = {} if chosen is None else parts_of(self._files, chosen)
+        self.use_units(self._files if chosen is None else chosen[1])
+        return None if chosen is None else chosen[0]
+
+    def _part_indexes(self) -> list[TarIndex] | None:
+        """Every tar's index from its sidecar (fetched where the source opened without it), or None when a
+        tar is compressed or has none: then no tar is split, so the order is the same on every run."""
+        if self._indexes is None:
+            if any(info.encoding is not None for info in self._files):
+                return None
+            indexes = []
+            for shard, info in enumerate(self._files):
+                sidecar = self._sidecars.get(shard)
+                if sidecar is None:
+                    try:
+                        sidecar = read_bytes(info.url + INDEX_SUFFIX, self.retry, self.storage_options)
+                    except RemoteNotFoundError:
+                        return None
+                index = parse_sidecar(info.url, sidecar, info.remote_size)
+                if index is None or index.num_samples != info.num_samples:
+                    return None
+                indexes.append(index)
+            self._indexes = indexes
+        return self._indexes
+
+    def _parts(self, parts: int, indexes: list[TarIndex]) -> list[Shard]:
+        """Every non-empty part of every tar split into ``parts`` (:func:`part_bounds`), storage order."""
+        units = []
+        for shard, info in enumerate(self._files):
+            for first, stop in part_bounds(info.num_samples, parts):
+                lo, hi = part_range(indexes[shard], first, stop)
+                key, size = part_key(info, first, stop), info.remote_size
+                units.append(Shard(info.url, key, size, hi - lo, stop - first, ranges=((lo, hi),)))
+        return units
 
     def after_download(self, shard: int, path: Path) -> None:
         """Put the tar's index beside it, in the room the cache reserved for it: the remote sidecar, with the
         tar's mtime set to what the sidecar recorded so the tar is not re-scanned
         (:func:`fastio.format.tar.index.load_tar_index` still checks its fingerprint of the bytes and
         rebuilds on any mismatch), else the index built from the cached tar."""
+        if self.shards[shard].key in self._part_of:
+            return  # a part: its index is the tar's, kept in memory
         sidecar = self._sidecars.get(shard)
         if sidecar is None:
             load_tar_index(path, strict=self.tar_strict)
@@ -275,6 +331,9 @@ class RemoteTarSource(RemoteSource):
 
     # -- reading -------------------------------------------------------------------------------------------
     def open_shard(self, shard: int, path: Path) -> tuple[TarIndex, MappedFile]:
+        part = self._part_of.get(self.shards[shard].key)
+        if part is not None and self._indexes is not None:
+            return part_index(self._indexes[part[0]], str(path), part[1], part[2]), MappedFile(path)
         index = load_tar_index(path, strict=self.tar_strict)
         info = self.shards[shard]
         if index.num_samples != info.num_samples:
