@@ -412,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         speed = _speed(train_lm, args.speed_methods.split(","), args.links.split(","), settings)
         speed_file.write_text(json.dumps(speed))
     if args.speed_only:
+        if not speed:
+            raise SystemExit(f"[{NAME}] --speed-only: no speed run was made ({reason or 'skipped'})")
         return ""
     jobs = [(method, settings) for method in args.methods.split(",")]
     if args.long_steps:
