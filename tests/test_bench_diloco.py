@@ -158,3 +158,10 @@ def test_each_phase_is_timed_apart_and_the_step_time_is_their_weighted_mean(tmp_
     assert calls[1][2] == {"warmup_steps": 2}  # the compressed phase's run skips the warm-up
     assert len({c[3] for c in calls}) == len({c[4] for c in calls}) == 2
     assert timed["s_per_step"] == pytest.approx((2.0 * warmup + 1.0 * (500 - warmup)) / 500)
+
+
+def test_every_default_method_is_a_train_lm_method_and_every_timed_one_has_a_loss_run():
+    methods = set(bench_diloco.conv.load_example().METHODS)
+    overlapped = set(bench_diloco.OVERLAPPED) | set(bench_diloco.OVERLAPPED.values())
+    assert set(bench_diloco.LOSS_METHODS) | overlapped <= methods
+    assert set(bench_diloco.SPEED_METHODS) <= set(bench_diloco.LOSS_METHODS)
