@@ -387,6 +387,16 @@ METHODS: dict[str, Method] = {
     "diloco_q4_h15": Method("fastcomm.DiLoCo H=15, 4-bit pseudo-gradients with error feedback, outer "
                             "Nesterov lr 0.7 momentum 0.5, AdamW inner", optimizer="diloco",
                             options=_diloco(sync_every=15, **_Q4)),
+    "diloco_q4_h15_d3": Method("diloco_q4_h15 with each sync overlapped with the next 3 inner steps "
+                               "(applied 3 steps late, keeping them)", optimizer="diloco",
+                               options=_diloco(sync_every=15, delay=3, **_Q4)),
+    "diloco_q4_d2": Method("diloco_q4 with each sync overlapped with the next 2 inner steps (applied 2 "
+                           "steps late, keeping them)", optimizer="diloco", options=_diloco(delay=2, **_Q4)),
+    "diloco_q4_d1": Method("diloco_q4 with each sync overlapped with the next inner step (applied 1 step "
+                           "late, keeping it)", optimizer="diloco", options=_diloco(delay=1, **_Q4)),
+    "diloco_q4_h15_d1": Method("diloco_q4_h15 with each sync overlapped with the next inner step (applied "
+                               "1 step late, keeping it)", optimizer="diloco",
+                               options=_diloco(sync_every=15, delay=1, **_Q4)),
     "diloco_m09": Method("fastcomm.DiLoCo H=10, fp32, outer Nesterov lr 0.7 momentum 0.9 (the paper's), "
                          "AdamW inner", optimizer="diloco", options=_diloco(outer_momentum=0.9)),
     "diloco_avg": Method("fastcomm.DiLoCo H=10, fp32, plain averaging (outer lr 1, no momentum), AdamW inner",

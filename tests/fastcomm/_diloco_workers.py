@@ -190,6 +190,7 @@ def _train_steps(
 
 RESUME_CONFIGS = {
     "q4-streaming": {"compressor": "quantize", "bits": 4, "block": 16, "fragments": 2},
+    "q4-delayed": {"compressor": "quantize", "bits": 4, "block": 16, "delay": 3},  # one fragment, overlapped
     "fp32": {"compressor": None},
 }
 
@@ -204,8 +205,8 @@ def resume_worker(rank: int, world: int, workdir: str, phase: str) -> None:
         if phase == "resumed":
             first = ckpt.restore() + 1  # type: ignore[attr-defined]
             assert first == SAVE_AT + 1, first
-            streaming = config.get("fragments", 1) > 1
-            assert outer.in_flight or not streaming, "the checkpoint held no exchange in flight"
+            overlapped = config.get("fragments", 1) > 1 or config.get("delay", 0) > 0
+            assert outer.in_flight or not overlapped, "the checkpoint held no exchange in flight"
         _train_steps(rank, model, outer, ckpt, first, save=phase == "whole")
         final = {k: v.clone() for k, v in model.state_dict().items()}
         torch.save({"model": final, "outer": outer.state_dict()},
