@@ -29,7 +29,7 @@ _SHORT = {
         "--pack-docs", "10000",
     ],
     "bench_images": ["--quick"],
-    "bench_shuffle": [],
+    "bench_shuffle": ["--epochs", "1"],
     "bench_hooks": ["--quick", "--network", "both", "--configs", _HOOKS],
     "bench_convergence": [
         "--methods", "none,cadam,diloco_q4", "--steps", "250", "--warmup-steps", "2", "--timed-steps", "6",
@@ -112,7 +112,7 @@ def test_without_root_netlab_parts_are_skipped_with_one_line_each(ran, monkeypat
         "bench_kernels": _SHORT["bench_kernels"],
         "bench_loader": _SHORT["bench_loader"],
         "bench_images": _SHORT["bench_images"],
-        "bench_shuffle": [],
+        "bench_shuffle": _SHORT["bench_shuffle"],
         "bench_hooks": ["--quick", "--network", "loopback", "--configs", _HOOKS],
         "bench_convergence": [*_SHORT["bench_convergence"], "--skip-speed"],
         "bench_fsdp": [*_SHORT["bench_fsdp"][:-1], "loopback"],
