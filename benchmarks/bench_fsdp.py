@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -304,11 +305,13 @@ def _hsdp_rows(results: dict[str, Any]) -> list[harness.Row]:
 
 def _lm_rows(results: dict[str, Any]) -> list[harness.Row]:
     """The validation loss of each LM method (ratios by :func:`_lm_rated`)."""
-    return [
-        harness.Row("lm", method, "val_loss", r["val_loss"], "nats/byte", None, None,
-                    {"params": r["params"], "optimizer": r["optimizer"], "s/step": round(r["step_s"], 3)})
-        for method, r in results.items()
-    ]  # fmt: skip
+    rows = []
+    for method, r in results.items():
+        extra = {"params": r["params"], "optimizer": r["optimizer"], "s/step": round(r["step_s"], 3)}
+        if r.get("diverged"):
+            extra["diverged"] = r["diverged"]
+        rows.append(harness.Row("lm", method, "val_loss", r["val_loss"], "nats/byte", None, None, extra))
+    return rows
 
 
 def _lm_rated(rows: Sequence[harness.Row]) -> list[harness.Row]:
@@ -318,7 +321,7 @@ def _lm_rated(rows: Sequence[harness.Row]) -> list[harness.Row]:
     rated = []
     for row in rows:
         base = dense.get(row.extra.get("optimizer")) if row.case == "lm" else None
-        if base is not None:
+        if base is not None and math.isfinite(row.value or math.nan):
             row = dataclasses.replace(row, ratio=row.value / base.value, ratio_to=base.backend)
         rated.append(row)
     return rated
@@ -375,7 +378,12 @@ def _notes(rows: Sequence[harness.Row]) -> list[str]:
         ("sign", "lm sign-ef (AdamW)", 0.02),
         ("sign_sgd", "lm sign-ef (SGD momentum)", 0.02),
     ):
-        notes += _gap_note(_find(rows, "lm", method, "val_loss"), label, target)
+        row = _find(rows, "lm", method, "val_loss")
+        if row is not None and row.extra.get("diverged"):
+            notes.append(
+                f"{label} diverged ({row.extra['diverged']}): misses the target of at most {target:.1%} above"
+            )
+        notes += _gap_note(row, label, target)
     return notes
 
 

@@ -316,11 +316,19 @@ def load_example() -> Any:
 
 
 def lm_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
-    """``examples/train_lm.py``'s method ``method`` under FSDP2 for ``spec["steps"]`` steps."""
+    """``examples/train_lm.py``'s method ``method`` under FSDP2 for ``spec["steps"]`` steps; a run whose
+    training loss turns non-finite ends there, with ``val_loss`` NaN and ``diverged`` saying where."""
     train_lm = load_example()
     paths = train_lm.prepare_data(train_lm.default_data_dir())
     config = train_lm.TrainConfig(method=method, steps=spec["steps"], fsdp=True, eval_every=50, log_every=25)
-    result = train_lm.train(config, paths, log=lambda line: print(line, flush=True))
+    try:
+        result = train_lm.train(config, paths, log=lambda line: print(line, flush=True))
+    except FloatingPointError as error:  # every rank holds the same weights: all of them stop at this step
+        chosen = train_lm.METHODS[method]
+        params = sum(p.numel() for p in train_lm.GPT(config.model).parameters())
+        return {"val_loss": float("nan"), "diverged": str(error), "val_steps": [], "val_losses": [],
+                "step_s": float("nan"), "params": params, "optimizer": chosen.optimizer,
+                "description": chosen.description, "stats": None}  # fmt: skip
     return {
         "val_loss": result.val_losses[-1],
         "val_steps": result.val_steps,

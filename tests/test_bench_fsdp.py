@@ -137,3 +137,13 @@ def test_every_method_is_a_compressor_and_compress_options(method):
 @pytest.mark.parametrize("method", bench_fsdp.LM_METHODS)
 def test_every_lm_method_runs_under_fsdp(method):
     assert fsdp_jobs.load_example().fsdp_unavailable(method) is None
+
+
+def test_a_diverged_lm_run_is_a_row_without_a_ratio_and_a_note_that_says_so():
+    diverged = {**_lm(float("nan"), "sgd"), "diverged": "sign_sgd: training loss nan at step 162"}
+    rows = bench_fsdp._lm_rated(bench_fsdp._lm_rows({"sgd": _lm(2.5, "sgd"), "sign_sgd": diverged}))
+    row = next(r for r in rows if r.backend == "sign_sgd")
+    assert row.ratio is None and row.extra["diverged"].endswith("step 162")
+    notes = bench_fsdp._notes(rows)
+    assert notes == ["lm sign-ef (SGD momentum) diverged (sign_sgd: training loss nan at step 162): misses "
+                     "the target of at most 2.0% above"]  # fmt: skip
