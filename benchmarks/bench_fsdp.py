@@ -27,8 +27,9 @@ Parts (``--parts``, all by default; rank-side code in :mod:`benchmarks.fsdp_jobs
    beside dense's. Targets: q8 within 0.5%, sign with error feedback within 2% (of the same optimizer's
    dense run).
 
-``--merge FILE`` keeps the rows of the parts not run from an earlier ``bench_fsdp.json`` (and their
-setting notes), so one part can be run again on its own.
+``--merge FILE`` keeps the rows of an earlier ``bench_fsdp.json`` that this run did not measure again,
+and the setting notes (those that start with a part's name) of the parts not run, so one part, or one LM
+method, can be run again on its own; the verdict notes are computed again from the merged rows.
 
 Example::
 
@@ -460,7 +461,7 @@ def _run_parts(args: argparse.Namespace, parts: Sequence[str]) -> tuple[list[har
             results.update(_launch(spec, None, f"memory {method}", args.timeout))
         rows += _memory_rows(results)
         notes.append(
-            f"memory-peak: 2 gloo ranks, {args.memory_width} x {args.depth} MLP, Adam, {args.memory_steps} "
+            f"memory: 2 gloo ranks, {args.memory_width} x {args.depth} MLP, Adam, {args.memory_steps} "
             "steps, a fresh pair of processes per method; bytes per rank = the sharded parameters + the "
             "resident size the steps added (Linux VmHWM, reset before the first step; glibc's mmap threshold "
             "fixed at 64 KiB so a freed tensor leaves the resident size): the peak, and persistent = after "
@@ -482,7 +483,7 @@ def _run_parts(args: argparse.Namespace, parts: Sequence[str]) -> tuple[list[har
             with netlab.Nodes(ranks_per_node=2, rate=LINK_RATE) as nodes:
                 rows += _hsdp_rows(_launch(spec, nodes, "hsdp", args.timeout))
             notes.append(
-                f"hsdp-nodes: netlab.Nodes, 2 nodes x 2 gloo ranks, {LINK_RATE} tbf between them; "
+                f"hsdp: netlab.Nodes, 2 nodes x 2 gloo ranks, {LINK_RATE} tbf between them; "
                 f"{args.width} x {args.depth} MLP, mesh 2 replicas x 2 shards (shards inside a node), "
                 "SGD; dense = FSDP2's native HSDP (2-D mesh), others = sharded on mesh['shard'] with "
                 "fastcomm.fsdp.compress(replicate_group=); cross_node_bytes = both veths' tx counters "

@@ -95,7 +95,9 @@ def test_notes_say_which_targets_were_met():
 def test_merge_keeps_what_was_not_measured_again(tmp_path: Path):
     earlier = _all_rows()
     notes = ["loss: earlier loss settings", "lm: earlier lm settings", "lm: sign: earlier sign curve",
-             "lm: q8: earlier q8 curve", "q8 validation loss +0.20% vs dense: a verdict"]  # fmt: skip
+             "lm: q8: earlier q8 curve", "q8 validation loss +0.20% vs dense: a verdict",
+             "hsdp: earlier hsdp settings", "hsdp-nodes: q8 sends 0.254: a verdict",
+             "memory: earlier memory settings", "memory-peak: q8 peaks at 15: a verdict"]  # fmt: skip
     previous = tmp_path / "bench_fsdp.json"
     previous.write_text(json.dumps({"rows": [r.__dict__ for r in earlier], "notes": notes}))
     new = bench_fsdp._lm_rows({"q8": _lm(2.2, "adamw")})
@@ -104,6 +106,7 @@ def test_merge_keeps_what_was_not_measured_again(tmp_path: Path):
     q8 = next(r for r in rows if (r.case, r.backend) == ("lm", "q8"))
     assert (q8.value, q8.ratio) == (2.2, pytest.approx(1.1))
     assert kept_notes == ["loss: earlier loss settings", "lm: sign: earlier sign curve",
+                          "hsdp: earlier hsdp settings", "memory: earlier memory settings",
                           "lm: new lm settings", "lm: q8: new curve"]  # fmt: skip
     assert [bench_fsdp.PARTS.index(bench_fsdp.CASE_PART[r.case]) for r in rows] == sorted(
         bench_fsdp.PARTS.index(bench_fsdp.CASE_PART[r.case]) for r in rows
