@@ -343,6 +343,22 @@ def _gap_note(row: harness.Row | None, label: str, target: float) -> list[str]:
     ]
 
 
+def _byte_bound_note(rows: Sequence[harness.Row]) -> list[str]:
+    """Why q8 alone cannot make a step 2x faster on the link, from the link bytes of the speed rows."""
+    link = {m: _find(rows, "speed-1gbit", m, "step_time") for m in ("dense", "q8", "q8-qwz")}
+    if any(r is None or "link_MB/step" not in r.extra for r in link.values()):
+        return []
+    dense, q8, qwz = (link[m].extra["link_MB/step"] for m in ("dense", "q8", "q8-qwz"))  # type: ignore[union-attr]
+    return [
+        f"1gbit bytes on the link per step: dense {dense:.1f} MB, q8 {q8:.1f} MB ({q8 / dense:.3f}), "
+        f"q8-qwz {qwz:.1f} MB ({qwz / dense:.3f}). q8 compresses the gradient's reduce-scatter only; "
+        "FSDP2's parameter all-gathers (for forward, and again for backward) stay dense, so a q8 step still "
+        f"moves {q8 / dense:.2f} of dense's bytes and cannot be more than {dense / q8:.2f}x faster even if "
+        "the link were all of the step; with the all-gathers in 8-bit too (q8-qwz) it could be "
+        f"{dense / qwz:.1f}x"
+    ]
+
+
 def _notes(rows: Sequence[harness.Row]) -> list[str]:
     """Each target's verdict, computed from the rows."""
     notes = []
@@ -357,6 +373,7 @@ def _notes(rows: Sequence[harness.Row]) -> list[str]:
                     f"{case.removeprefix('speed-')}: {method} is {1 / row.ratio:.2f}x dense's speed "
                     f"(target {target})"
                 )
+    notes += _byte_bound_note(rows)
     for method in ("q8", "q4"):
         row = _find(rows, "hsdp-nodes", method, "cross_node_bytes")
         if row is not None and row.ratio is not None:
@@ -542,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     if args.rank_spec:
         _rank_main(json.loads(args.rank_spec))
         return ""
-    parts = args.parts.split(",")
+    parts = [part for part in args.parts.split(",") if part]  # none: re-render --merge's rows
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")

@@ -20,9 +20,9 @@ LOSS = {
 }  # fmt: skip
 SPEEDS = {
     "loopback": {"dense": {"step_s": 1.0, "params": 9}, "q8": {"step_s": 1.05, "params": 9}},
-    "1gbit": {"dense": {"step_s": 3.0, "params": 9, "link_bytes_per_step": 300.0},
-              "q8": {"step_s": 2.0, "params": 9, "link_bytes_per_step": 225.0},
-              "q8-qwz": {"step_s": 1.25, "params": 9, "link_bytes_per_step": 75.0}},
+    "1gbit": {"dense": {"step_s": 3.0, "params": 9, "link_bytes_per_step": 300e6},
+              "q8": {"step_s": 2.0, "params": 9, "link_bytes_per_step": 225e6},
+              "q8-qwz": {"step_s": 1.25, "params": 9, "link_bytes_per_step": 75e6}},
 }  # fmt: skip
 HSDP = {
     "dense": {"step_s": 1.0, "params": 9, "link_bytes_per_step": 4e6, "payload_bytes_per_step": 3.9e6},
@@ -90,6 +90,9 @@ def test_notes_say_which_targets_were_met():
     assert any(n.startswith("lm q8 (AdamW) validation loss +0.30% vs none") and "meets" in n for n in notes)
     assert any(n.startswith("lm sign-ef (SGD momentum) validation loss +0.80% vs sgd") for n in notes)
     assert "memory-peak: q8 peaks at 15.00 B/param per rank, dense FSDP2 at 10.00 (+5.00)" in notes
+    bound = next(n for n in notes if n.startswith("1gbit bytes on the link per step"))
+    assert "q8 225.0 MB (0.750)" in bound and "cannot be more than 1.33x faster" in bound, bound
+    assert bound.endswith("it could be 4.0x"), bound
 
 
 def test_merge_keeps_what_was_not_measured_again(tmp_path: Path):
@@ -111,6 +114,15 @@ def test_merge_keeps_what_was_not_measured_again(tmp_path: Path):
     assert [bench_fsdp.PARTS.index(bench_fsdp.CASE_PART[r.case]) for r in rows] == sorted(
         bench_fsdp.PARTS.index(bench_fsdp.CASE_PART[r.case]) for r in rows
     )
+
+
+def test_no_parts_renders_the_merged_file_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    previous = tmp_path / "previous.json"
+    previous.write_text(json.dumps({"rows": [r.__dict__ for r in _all_rows()], "notes": ["hsdp: settings"]}))
+    monkeypatch.setenv(harness.OUTPUT_ENV, str(tmp_path / "out"))
+    table = bench_fsdp.main(["--parts", "", "--merge", str(previous)])
+    assert "| hsdp-nodes | q8 | cross_node_bytes |" in table and "- hsdp: settings" in table
+    assert "1gbit bytes on the link per step" in table
 
 
 def test_an_unknown_part_is_named(capsys: pytest.CaptureFixture[str]):
