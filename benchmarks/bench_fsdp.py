@@ -62,7 +62,7 @@ LOSS_METHODS = ("dense", "q8", "q8-bf16-residual", "q8-stochastic-no-ef", "q4", 
 SPEED_METHODS = ("dense", "q8", "q8-qwz")
 MEMORY_METHODS = ("dense", "q8-stochastic-no-ef", "q8", "q8-bf16-residual")
 HSDP_METHODS = ("dense", "q8", "q4")
-LM_METHODS = ("none", "q8", "sign", "sgd", "sign_sgd")
+LM_METHODS = ("none", "q8", "sign", "sign_c64", "sgd", "sign_sgd")
 PARTS = ("loss", "speed", "memory", "hsdp", "lm")
 # the part each case's rows come from (for --merge)
 CASE_PART = {
@@ -394,6 +394,7 @@ def _notes(rows: Sequence[harness.Row]) -> list[str]:
     for method, label, target in (
         ("q8", "lm q8 (AdamW)", 0.005),
         ("sign", "lm sign-ef (AdamW)", 0.02),
+        ("sign_c64", "lm sign-ef chunk 64 (AdamW)", 0.02),
         ("sign_sgd", "lm sign-ef (SGD momentum)", 0.02),
     ):
         row = _find(rows, "lm", method, "val_loss")

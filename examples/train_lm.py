@@ -353,6 +353,8 @@ METHODS: dict[str, Method] = {
     "q4": Method("fastcomm quantize_hook 4-bit, AdamW", hook="quantize", options={"bits": 4}),
     "topk": Method("fastcomm topk_hook ratio 0.01, AdamW", hook="topk", options={"ratio": 0.01}),
     "sign": Method("fastcomm sign_hook (1-bit, error feedback), AdamW", hook="sign"),
+    "sign_c64": Method("fastcomm sign_hook (1-bit, a scale per 64 values, error feedback), AdamW",
+                       hook="sign", options={"chunk": 64}),
     "sign_sgd": Method("fastcomm sign_hook (1-bit, error feedback), SGD momentum 0.9", optimizer="sgd",
                        hook="sign"),
     "powersgd": Method("fastcomm PowerSGD rank 4 (error feedback, warm start; the hook's start_iter 0 and "

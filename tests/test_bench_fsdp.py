@@ -41,7 +41,7 @@ def _lm(val_loss: float, optimizer: str) -> dict:
 
 
 LM = {"none": _lm(2.0, "adamw"), "q8": _lm(2.006, "adamw"), "sign": _lm(3.0, "adamw"),
-      "sgd": _lm(2.5, "sgd"), "sign_sgd": _lm(2.52, "sgd")}  # fmt: skip
+      "sign_c64": _lm(2.5, "adamw"), "sgd": _lm(2.5, "sgd"), "sign_sgd": _lm(2.52, "sgd")}  # fmt: skip
 
 
 def _all_rows() -> list[harness.Row]:
@@ -89,6 +89,7 @@ def test_notes_say_which_targets_were_met():
     assert any(n.startswith("hsdp-nodes: q4 replicate-only sends 0.150") and "meets" in n for n in notes)
     assert any(n.startswith("lm q8 (AdamW) validation loss +0.30% vs none") and "meets" in n for n in notes)
     assert any(n.startswith("lm sign-ef (SGD momentum) validation loss +0.80% vs sgd") for n in notes)
+    assert any(n.startswith("lm sign-ef chunk 64 (AdamW) validation loss +25.00% vs none") for n in notes)
     assert "memory-peak: q8 peaks at 15.00 B/param per rank, dense FSDP2 at 10.00 (+5.00)" in notes
     bound = next(n for n in notes if n.startswith("1gbit bytes on the link per step"))
     assert "q8 225.0 MB (0.750)" in bound and "cannot be more than 1.33x faster" in bound, bound
