@@ -77,12 +77,16 @@ class Benchmark:
 #   twin runs), and the nodes network (4 min, its own bench_hooks_nodes.*).
 # convergence: 3 methods x 250 steps on loopback at ~0.33 s/step + ~20 s of start and evaluation (~1.75 min
 #   each; none and cadam took 69 s and 116 s at a load of 3-4, cadam +0.48% of dense's loss), then 9 speed
-#   runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 18 methods x 500 steps (~1.8 h).
+#   runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 18 methods x 500 steps
+#   (~1.8 h).
 # loader: the mixing case (3 streams against one, 2 worker settings) adds ~30 s.
 # remote: 0.5 GB of each shard kind (1/2), one run per configuration (of 2): ~1/4 of its ~5 min.
 # fsdp: 2 launches of 2 ranks (~7 s of start each on idle cores, 20-27 s under a load of ~30): 40 loss
 #   steps x 2 methods of a 39k-parameter MLP, then 3 methods x 3 steps of a 6.3M-parameter MLP on the
-#   1 Gbit/s link (or loopback without root); measured 48 s at a load of ~10.
+#   1 Gbit/s link (or loopback without root); measured 48 s at a load of ~10. With root, one launch of 4
+#   ranks on netlab.Nodes: HSDP dense and q8, 3 steps each of the same MLP (3 methods of a 1M-parameter
+#   one took 20 s at a load of ~9): ~0.4 min more. The memory part (a fresh launch per method) and the LM
+#   part (7 min per method) run in the full profile only.
 SUITE = (
     Benchmark("bench_kernels", ("--numel", "5000000", "--repeat", "3"), (0.5, 0.5)),
     Benchmark(
@@ -117,11 +121,12 @@ SUITE = (
     Benchmark(
         "bench_fsdp",
         (
-            "--loss-steps", "40", "--loss-methods", "dense,q8", "--width", "1024", "--depth", "6",
-            "--warmup", "1", "--timed", "2", "--network", "1gbit",
+            "--parts", "loss,speed,hsdp", "--loss-steps", "40", "--loss-methods", "dense,q8",
+            "--width", "1024", "--depth", "6", "--warmup", "1", "--timed", "2", "--network", "1gbit",
+            "--hsdp-methods", "dense,q8",
         ),
-        (0.8, 0.6),
-        "1gbit link",
+        (1.2, 0.6),
+        "1gbit link and HSDP nodes",
         ("--network", "loopback"),
     ),
     Benchmark(

@@ -15,9 +15,11 @@ A user's script and the one source of the model, data and training loop that
    one global permutation, the order fixed by the seed.
 3. Model: a GPT (pre-norm blocks, causal self-attention, GELU MLP, learned positions, untied head);
    the default (d_model 192, 3 layers, 4 heads, context 128) has 1,457,856 parameters.
-4. Training: DDP over gloo, the method's optimizer (AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1;
-   or SGD lr 0.1), a linear warm-up of 30 steps then cosine decay to 0 at ``--steps``, batch 16 x 128
-   tokens per rank, and the method's communication hook (``--hook``, see :data:`METHODS`).
+4. Training: DDP over gloo (or, with ``--fsdp``, FSDP2: ``fully_shard`` on every block and the root, the
+   method's compressor through ``fastcomm.fsdp.compress``), the method's optimizer (AdamW lr 2e-3, betas
+   (0.9, 0.95), weight decay 0.1; or SGD lr 0.1), a linear warm-up of 30 steps then cosine decay to 0 at
+   ``--steps``, batch 16 x 128 tokens per rank, and the method's communication hook (``--hook``, see
+   :data:`METHODS`).
 5. Every ``--eval-every`` steps and at the end: validation loss on ``--val-rows`` rows per rank of the
    held-out files (their bytes cut into 129-byte windows, read in one fixed shuffled order, so every
    run sees the same rows, drawn from all the files), averaged over ranks.
@@ -30,6 +32,7 @@ Run::
     torchrun --standalone --nproc-per-node 2 examples/train_lm.py --hook sign --steps 500
     torchrun --standalone --nproc-per-node 2 examples/train_lm.py --hook q8 --checkpoint-every 100 --resume
     torchrun --standalone --nproc-per-node 2 examples/train_lm.py --hook dgc --opt warmup_steps=50
+    torchrun --standalone --nproc-per-node 2 examples/train_lm.py --fsdp --hook q8 --steps 500
 
 Example::
 
@@ -350,6 +353,10 @@ METHODS: dict[str, Method] = {
     "q4": Method("fastcomm quantize_hook 4-bit, AdamW", hook="quantize", options={"bits": 4}),
     "topk": Method("fastcomm topk_hook ratio 0.01, AdamW", hook="topk", options={"ratio": 0.01}),
     "sign": Method("fastcomm sign_hook (1-bit, error feedback), AdamW", hook="sign"),
+    "sign_c64": Method("fastcomm sign_hook (1-bit, a scale per 64 values, error feedback), AdamW",
+                       hook="sign", options={"chunk": 64}),
+    "sign_sgd": Method("fastcomm sign_hook (1-bit, error feedback), SGD momentum 0.9", optimizer="sgd",
+                       hook="sign"),
     "powersgd": Method("fastcomm PowerSGD rank 4 (error feedback, warm start; the hook's start_iter 0 and "
                        "min_compress_numel 1024), AdamW", hook="powersgd", options={"rank": 4}),
     "cadam": Method("fastcomm.CompressedAdam (sign compressor) after an AdamW warm-up on 8-bit quantized "
@@ -468,6 +475,45 @@ def _build_method(
     return optimizer, fastcomm.register(ddp, method.hook, **options)
 
 
+# Under FSDP2 a method's hook is a compressor name of fastcomm.fsdp.compress, its options the compressor's
+_FSDP_HOOKS = ("quantize", "sign", "cast")
+
+
+def fsdp_unavailable(name: str) -> str | None:
+    """Why method ``name`` cannot run under FSDP2 (``--fsdp``), or None: dense, or an AdamW/SGD method whose
+    hook is a compressor of :func:`fastcomm.fsdp.compress`."""
+    method = METHODS[name]
+    if method.optimizer not in ("adamw", "sgd"):
+        return f"{name}: its optimizer {method.optimizer!r} has no FSDP2 form here (AdamW or SGD only)"
+    if method.hook is not None and method.hook not in _FSDP_HOOKS:
+        names = ", ".join(_FSDP_HOOKS)
+        return f"{name}: its hook {method.hook!r} is not a compressor of fastcomm.fsdp ({names})"
+    return None
+
+
+def _build_fsdp_method(
+    name: str, model: GPT, lr: float, options: dict[str, Any]
+) -> tuple[torch.optim.Optimizer, Any]:
+    """Shard ``model`` with FSDP2 (every block, then the root), compress its gradient reduce-scatter with
+    the method's compressor (none: dense FSDP2), and build the optimizer over the sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fastcomm.fsdp
+
+    reason = fsdp_unavailable(name)
+    if reason:
+        raise ValueError(reason)
+    method = METHODS[name]
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    compression = None if method.hook is None else fastcomm.fsdp.compress(model, method.hook, **options)
+    params = list(model.parameters())
+    if method.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY), compression
+    return torch.optim.SGD(params, lr=lr, momentum=0.9), compression
+
+
 def _lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
     if step < warmup:
@@ -573,6 +619,7 @@ class TrainConfig:
     final_state: Path | None = None  # rank 0 saves the final model and optimizer state here
     stop_after: int | None = None  # end the run after this step (as if killed), for resume tests
     schedule_steps: int | None = None  # the cosine's length (default: steps)
+    fsdp: bool = False  # FSDP2 (fully_shard on every block and the root) instead of DDP
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -587,6 +634,13 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
         if self.checkpoint_keep < 1:
             raise ValueError(f"TrainConfig.checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
+        if self.fsdp:
+            reason = fsdp_unavailable(self.method)
+            if reason:
+                raise ValueError(f"TrainConfig.fsdp: {reason}")
+            if self.checkpoint_every or self.resume is not None or self.final_state is not None:
+                raise ValueError("TrainConfig.fsdp: checkpoints and final_state are DDP-only here (FSDP2 "
+                                 "saves through DCP, see docs/fsdp.md)")
 
 
 @dataclasses.dataclass
@@ -670,6 +724,9 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         outer = fastcomm.DiLoCo(model, optimizer, **options)
         hook_state: Any = outer
+    elif config.fsdp:
+        net = model
+        optimizer, hook_state = _build_fsdp_method(config.method, model, lr, options)
     else:
         net = DistributedDataParallel(model)
         optimizer, hook_state = _build_method(config.method, net, lr, options)
@@ -702,7 +759,8 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
             say(f"[train_lm] no checkpoint in {directory}: starting at step 0")
     samples = _SampleLog(config.sample_log, rank)
 
-    say(f"[train_lm] {config.method}: {method.description}; options {options}; {parameters:,} parameters; "
+    say(f"[train_lm] {config.method}{' under FSDP2' if config.fsdp else ''}: {method.description}; "
+        f"options {options}; {parameters:,} parameters; "
         f"{world} ranks x {config.batch_size} x {context} tokens; lr {lr} (warm-up {config.warmup_steps}, "
         f"cosine to step {schedule_steps}); data {paths.train_files} train / {paths.val_files} val files")
 
@@ -818,6 +876,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sample-log", type=Path, default=None, help="log each batch's sample ids here")
     parser.add_argument("--final-state", type=Path, default=None,
                         help="rank 0 saves the final model and optimizer state_dicts here")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="FSDP2 (fully_shard every block and the root; the hook's compressor through "
+                             "fastcomm.fsdp.compress) instead of DDP")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -840,7 +901,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_dir=args.checkpoint_dir if args.checkpoint_every else None,
             checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, resume=resume,
             stop_after=args.stop_after, sample_log=args.sample_log, final_state=args.final_state,
-            schedule_steps=args.schedule_steps,
+            schedule_steps=args.schedule_steps, fsdp=args.fsdp,
         )
         with fastcomm.fault.peer_guard():
             result = train(config, paths, log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -98,3 +98,26 @@ def test_model_config_names_the_bad_value(bad: dict) -> None:
     train_lm = _load_example()
     with pytest.raises(ValueError, match="d_model|n_layer|context"):
         train_lm.ModelConfig(**bad)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_train_lm_trains_under_fsdp2_with_a_compressed_reduce_scatter(tmp_path: Path) -> None:
+    result = _torchrun(tmp_path, "--fsdp", "--hook", "q8", "--steps", "4", "--eval-every", "4",
+                       "--json", str(tmp_path / "fsdp.json"))
+    run = json.loads((tmp_path / "fsdp.json").read_text())
+    assert "q8 under FSDP2" in result.stderr
+    assert len(run["train_losses"]) == 4 and all(math.isfinite(x) for x in run["train_losses"])
+    assert run["hook_stats"]["steps"] == 4 and run["hook_stats"]["compression_ratio"] > 3
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "message"),
+    [("cadam", {}, "optimizer 'compressed_adam' has no FSDP2 form"),
+     ("topk", {}, "hook 'topk' is not a compressor of fastcomm.fsdp"),
+     ("q8", {"checkpoint_dir": Path("c"), "checkpoint_every": 2}, "checkpoints and final_state are DDP")],
+)
+def test_fsdp_refuses_what_it_cannot_run(method: str, options: dict, message: str) -> None:
+    train_lm = _load_example()
+    with pytest.raises(ValueError, match=message):
+        train_lm.TrainConfig(method=method, fsdp=True, **options)

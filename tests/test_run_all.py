@@ -35,8 +35,9 @@ _SHORT = {
         "--methods", "none,cadam,diloco_q4", "--steps", "250", "--warmup-steps", "2", "--timed-steps", "6",
     ],
     "bench_fsdp": [
-        "--loss-steps", "40", "--loss-methods", "dense,q8", "--width", "1024", "--depth", "6",
-        "--warmup", "1", "--timed", "2", "--network", "1gbit",
+        "--parts", "loss,speed,hsdp", "--loss-steps", "40", "--loss-methods", "dense,q8",
+        "--width", "1024", "--depth", "6", "--warmup", "1", "--timed", "2", "--network", "1gbit",
+        "--hsdp-methods", "dense,q8",
     ],
     "bench_remote": ["--gigabytes", "0.5", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"],
 }
@@ -115,13 +116,13 @@ def test_without_root_netlab_parts_are_skipped_with_one_line_each(ran, monkeypat
         "bench_shuffle": _SHORT["bench_shuffle"],
         "bench_hooks": ["--quick", "--network", "loopback", "--configs", _HOOKS],
         "bench_convergence": [*_SHORT["bench_convergence"], "--skip-speed"],
-        "bench_fsdp": [*_SHORT["bench_fsdp"][:-1], "loopback"],
+        "bench_fsdp": [*_SHORT["bench_fsdp"][:-3], "loopback", *_SHORT["bench_fsdp"][-2:]],
     }
     skips = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skip ")]
     assert skips == [
         f"skip bench_hooks netlab and nodes networks (1gbit links): {_NOT_ROOT}",
         f"skip bench_convergence speed runs (shaped links): {_NOT_ROOT}",
-        f"skip bench_fsdp 1gbit link: {_NOT_ROOT}",
+        f"skip bench_fsdp 1gbit link and HSDP nodes: {_NOT_ROOT}",
         f"skip bench_remote entirely (HTTP behind a 1gbit link): {_NOT_ROOT}",
     ]
 

@@ -48,10 +48,13 @@ class ErrorFeedback:
         return self.residual
 
     def keep(self) -> None:
-        """After a call: keep the residual in ``dtype`` and free the working copies (no-op without one)."""
+        """After a call: let go of the finished exchange (its code buffers), keep the residual in ``dtype``
+        and free the working copies (without a ``dtype``, the residual stays as the call left it)."""
+        # Until settled, the residual holds the exchange's future and, through it, every code buffer it
+        # sent and received: a byte per parameter each way at 8 bits, held between steps for nothing.
+        self.residual.settle()
         if self.dtype is None:
             return
-        self.residual.settle()
         for name in _NAMES:
             working = getattr(self.residual, name)
             if working is not None:

@@ -5,8 +5,10 @@ The ranks run every case of ``_fsdp_workers.cases`` in one process group (a modu
 its own test here. The arguments' checks run in this process.
 """
 
+import gc
 import json
 import sys
+import weakref
 import zlib
 from pathlib import Path
 
@@ -100,6 +102,23 @@ def test_a_full_precision_residual_is_lent_as_is():
     restored = ErrorFeedback()
     restored.load_state_dict(feedback.state_dict())
     assert torch.equal(restored.lend().worker, _residual("fp32", 13))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_keep_lets_go_of_the_finished_exchange_and_its_code_buffers(dtype):
+    feedback = ErrorFeedback(dtype)
+    residual = feedback.lend()
+    residual.worker = _residual("settle", 11)
+    codes = torch.zeros(1 << 10, dtype=torch.uint8)  # a code buffer the exchange's future still holds
+    exchange: torch.futures.Future = torch.futures.Future()
+    exchange.set_result(codes)
+    residual._pending = exchange  # what an async exchange leaves on the residual until it is settled
+    watcher = weakref.ref(codes)
+    del codes, exchange
+    feedback.keep()
+    gc.collect()
+    assert watcher() is None
+    assert feedback.nbytes() == (4 if dtype is None else 2) * 11
 
 
 def test_a_state_without_error_feedback_refuses_one_with_it():
