@@ -80,7 +80,8 @@ class Benchmark:
 #   runs of 8 steps (~21 s each) on the shaped and 1gbit links; the full run is 18 methods x 500 steps
 #   (~1.8 h).
 # loader: the mixing case (3 streams against one, 2 worker settings) adds ~30 s.
-# remote: 0.5 GB of each shard kind (1/2), one run per configuration (of 2): ~1/4 of its ~5 min.
+# remote: 0.25 GB of each shard kind (1/4, 8 shards of 32 MB), one run per configuration (of 2): ~1/8 of its
+#   ~5 min plus data writing and the link probes.
 # fsdp: 2 launches of 2 ranks (~7 s of start each on idle cores, 20-27 s under a load of ~30): 40 loss
 #   steps x 2 methods of a 39k-parameter MLP, then 3 methods x 3 steps of a 6.3M-parameter MLP on the
 #   1 Gbit/s link (or loopback without root); measured 48 s at a load of ~10. With root, one launch of 4
@@ -131,8 +132,8 @@ SUITE = (
     ),
     Benchmark(
         "bench_remote",
-        ("--gigabytes", "0.5", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"),
-        (2.0, 0.0),
+        ("--gigabytes", "0.25", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"),
+        (1.2, 0.0),
         "entirely (HTTP behind a 1gbit link)",
         None,
     ),
