@@ -39,7 +39,7 @@ _SHORT = {
         "--width", "1024", "--depth", "6", "--warmup", "1", "--timed", "2", "--network", "1gbit",
         "--hsdp-methods", "dense,q8",
     ],
-    "bench_remote": ["--gigabytes", "0.25", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"],
+    "bench_remote": ["--gigabytes", "0.5", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"],
 }
 
 
