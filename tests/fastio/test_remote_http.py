@@ -4,10 +4,7 @@ what is left."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import io
-import os
 import sys
 import tarfile
 import threading
@@ -32,7 +29,7 @@ from fastio.remote import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import FAST_RETRY, Faults, HttpServer  # noqa: E402
+from _http_server import FAST_RETRY, Faults, HttpServer, cache_folder_bytes  # noqa: E402
 
 
 def _shard_files(shard_dir: Path) -> list[Path]:
@@ -397,20 +394,6 @@ def test_tar_shards_over_http_equal_local_tars(tmp_path, sidecars):
         assert served == path.stat().st_size if not sidecars else served <= 4096
 
 
-def _folder_bytes(directory: Path) -> int:
-    """Every byte the cache folder holds, by its own walk (not the cache's accounting), under the cache's
-    lock (``.fastio-cache.lock``, which every admission, eviction and rename takes): a walk without it could
-    count an evicted shard and the one admitted after it, which never were there together."""
-    total = 0
-    with open(directory / ".fastio-cache.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for root, _, files in os.walk(directory):
-            for name in files:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.stat(os.path.join(root, name)).st_size
-    return total
-
-
 @pytest.mark.parametrize("sidecars", [False, True])
 def test_the_cache_folder_never_holds_more_than_the_limit_plus_one_shard(tmp_path, sidecars):
     # 8 tar shards, cache_limit 3 shards, shuffle="shard" over 2-shard windows (then shuffle=True): sidecar
@@ -427,7 +410,7 @@ def test_the_cache_folder_never_holds_more_than_the_limit_plus_one_shard(tmp_pat
     def sample() -> None:
         while not stop.is_set():
             if cache_dir.exists():
-                peaks.append(_folder_bytes(cache_dir))
+                peaks.append(cache_folder_bytes(cache_dir))
             stop.wait(0.001)
 
     sampler = threading.Thread(target=sample)
@@ -446,7 +429,7 @@ def test_the_cache_folder_never_holds_more_than_the_limit_plus_one_shard(tmp_pat
                                                      seed=epoch, num_workers=2)  # fmt: skip
                         seen = Counter()
                         for batch in loader:
-                            peaks.append(_folder_bytes(cache_dir))
+                            peaks.append(cache_folder_bytes(cache_dir))
                             seen.update(batch["__key__"])
                         assert len(seen) == source.num_samples and set(seen.values()) == {1}
                 finally:

@@ -5,10 +5,7 @@ cache within its promise, short reads and corrupt headers named errors."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import io
-import os
 import sys
 import tarfile
 from collections import Counter
@@ -28,7 +25,7 @@ from fastio.remote.parts import MAX_PARTS, choose_parts, expected_shards, part_b
 from fastio.remote.shard import Shard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import FAST_RETRY, HttpServer  # noqa: E402
+from _http_server import FAST_RETRY, HttpServer, cache_folder_bytes  # noqa: E402
 
 
 def _source(url: str, cache_dir: Path, shards_held: float | None, **kwargs) -> RemoteShardSource:
@@ -38,19 +35,6 @@ def _source(url: str, cache_dir: Path, shards_held: float | None, **kwargs) -> R
     probe.close()
     limit = None if shards_held is None else int(shards_held * largest)
     return RemoteShardSource(url, cache_dir=cache_dir, cache_limit=limit, retry=FAST_RETRY, **kwargs)
-
-
-def _folder_bytes(directory: Path) -> int:
-    """Every file's bytes in the cache folder, walked under the cache's lock (so no eviction and admission
-    are seen half done)."""
-    total = 0
-    with open(directory / ".fastio-cache.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for root, _, files in os.walk(directory):
-            for name in files:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.stat(os.path.join(root, name)).st_size
-    return total
 
 
 @pytest.mark.parametrize("num_samples, parts", [(10, 4), (13, 4), (3, 5), (12, 3), (1, 1)])
@@ -195,7 +179,7 @@ def test_the_cache_folder_never_holds_more_than_its_limit_and_one_part(
         peak = 0
         for batch in loader:
             fio.check_batch(batch)
-            peak = max(peak, _folder_bytes(tmp_path / "cache"))
+            peak = max(peak, cache_folder_bytes(tmp_path / "cache"))
         assert loader.stats()["shuffle_mode"] == "parts"
         assert 0 < peak <= source.cache.limit + largest_part
     finally:
