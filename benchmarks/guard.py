@@ -52,6 +52,8 @@ __all__ = [
 ]
 
 DROP_LIMIT = 0.10  # a drop of more than this fraction is flagged
+# the short profile's committed baseline, a folder of the results (a quiet `make bench` run's JSON)
+SHORT_BASELINE = "short"
 SAME_RUN = "same-run ratio"
 ACROSS_RUNS = "absolute, across runs"
 
@@ -283,13 +285,33 @@ def markdown(checks: Sequence[Check], pair_commit: str = "the committed results'
     return "\n".join(lines)
 
 
+def baseline(full: bool) -> Path:
+    """The committed figures a run is compared with: the full results for a full run; for the short profile,
+    ``results/short/`` (a quiet short-profile run's JSON, same settings) where it exists, so that a figure
+    is compared with one taken at the same sizes and steps, else the full results.
+
+    Example::
+
+        guard.read_figures(guard.HEADLINES, guard.baseline(full=False))
+    """
+    short = harness.RESULTS_DIR / SHORT_BASELINE
+    if not full and any(short.glob("*.json")):
+        return short
+    return harness.RESULTS_DIR
+
+
 def write_report(
-    checks: Sequence[Check], out: Path, pair_commit: str = "the committed results' commit"
+    checks: Sequence[Check],
+    out: Path,
+    pair_commit: str = "the committed results' commit",
+    against: Path | None = None,
 ) -> str:
-    """Write ``guard.md`` and ``guard.json`` into ``out``; return the Markdown."""
+    """Write ``guard.md`` and ``guard.json`` into ``out``; return the Markdown. ``against``: the folder the
+    committed figures came from (default: the full results)."""
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(checks, pair_commit)
-    (out / "guard.md").write_text(f"# guard: this run against {harness.RESULTS_DIR.name}/\n\n{text}\n")
+    against = harness.RESULTS_DIR if against is None else against
+    (out / "guard.md").write_text(f"# guard: this run against {against.name}/\n\n{text}\n")
     payload = {"drop_limit": DROP_LIMIT, "checks": [c.to_dict() for c in checks]}
     (out / "guard.json").write_text(json.dumps(payload, indent=2))
     return text

@@ -14,7 +14,9 @@
    (or, for one that has no other part, not at all), rather than failing.
 4. One benchmark failing does not stop the others; the exit status is 1 if any failed.
 5. At the end, :mod:`benchmarks.guard` compares each headline figure of this run with the committed results
-   (read before the run) and prints and writes ``guard.md`` / ``guard.json`` into the run folder: a drop of
+   (read before the run; the short profile with ``benchmarks/results/short/``, a quiet short-profile run's
+   JSON, so that like is compared with like: :func:`benchmarks.guard.baseline`) and prints and writes
+   ``guard.md`` / ``guard.json`` into the run folder: a drop of
    more than 10% is flagged, and each figure says whether it is a same-run ratio (evidence) or an absolute
    figure across runs (a hint). Flags do not change the exit status.
 
@@ -235,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "make bench FULL=1 runs everything (about 2 h)",
             flush=True,
         )
-    committed = guard.read_figures(guard.HEADLINES, harness.RESULTS_DIR)  # before --update-results writes
+    against = guard.baseline(full)
+    committed = guard.read_figures(guard.HEADLINES, against)  # before --update-results writes
     failed = []
     for step in plan(SUITE, netlab_unavailable, full=full):
         if step.skip:
@@ -252,8 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{step.name} FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         print(f"({step.name} took {time.perf_counter() - start:.0f} s)", flush=True)
     checks = guard.compare(guard.HEADLINES, committed, guard.read_figures(guard.HEADLINES, out))
-    print(f"\nGuard: headline figures against the committed {harness.RESULTS_DIR} (also {out}/guard.md)")
-    print(guard.write_report(checks, out, guard.results_commit(harness.RESULTS_DIR)))
+    print(f"\nGuard: headline figures against the committed {against} (also {out}/guard.md)")
+    print(guard.write_report(checks, out, guard.results_commit(harness.RESULTS_DIR), against))
     print(f"\nResults: {out}/*.json, *.md, *.png")
     if not args.update_results:
         print(f"(left as they were: {harness.RESULTS_DIR}; make bench UPDATE_RESULTS=1 updates them)")

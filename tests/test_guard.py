@@ -143,3 +143,29 @@ def test_make_bench_prints_and_writes_the_guard(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| bench_x: fixed / ours vs theirs (samples/s) | same-run ratio | 3 | 2.5 | -17% | DROP |" in out
     assert json.loads((tmp_path / "run" / "guard.json").read_text())["checks"][0]["status"] == "DROP"
+
+
+def test_the_short_profile_is_compared_with_the_short_baseline_where_there_is_one(monkeypatch, tmp_path):
+    results = tmp_path / "results"
+    monkeypatch.setattr(harness, "RESULTS_DIR", results)
+    results.mkdir()
+    assert guard.baseline(full=False) == results  # no short baseline yet: the full results
+    short = results / guard.SHORT_BASELINE
+    short.mkdir()
+    (short / "README.md").write_text("no figures")
+    assert guard.baseline(full=False) == results  # a folder without JSON is no baseline
+    _write(short, "bench_x", _rates(300.0, 100.0))
+    assert guard.baseline(full=False) == short
+    assert guard.baseline(full=True) == results  # a full run is always compared with the full results
+    assert guard.read_figures((_RATE,), guard.baseline(full=False))[_RATE] == 3.0
+
+
+def test_the_committed_short_baseline_holds_the_short_profile_headlines():
+    short = harness.RESULTS_DIR / guard.SHORT_BASELINE
+    found = guard.read_figures(guard.HEADLINES, short)
+    missing = sorted(h.label for h, value in found.items() if value is None)
+    # bench_remote is left out on purpose (results/short/README.md); the short profile times FSDP2 on the
+    # 1 Gbit link only, so its loopback headline is a full-profile row
+    expected = sorted(h.label for h in guard.HEADLINES if h.result == "bench_remote" or "loopback" in h.label
+                      and h.result == "bench_fsdp")  # fmt: skip
+    assert missing == expected and len(missing) < len(guard.HEADLINES) // 4, missing
