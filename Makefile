@@ -74,12 +74,17 @@ install:
 # the suite's workers spend waiting on their ranks' start-up, a peer's timeout or a torchrun restart; its
 # output follows the suite's. TEST_WORKERS=0 runs the suite in one process. The bytecode of our own modules is
 # written first: every rank and torchrun worker imports them, and where PYTHONDONTWRITEBYTECODE is set
-# (this machine) each would compile them again (~0.1 s of CPU a process).
+# (this machine) each would compile them again (~0.1 s of CPU a process). Every process runs TEST_THREADS
+# intra-op threads (tests/conftest.py reads FASTLIB_TEST_THREADS; spawned ranks OMP_NUM_THREADS): with the
+# processes side by side on 2 cores, a second thread per process only spins at the end of each parallel
+# loop waiting for a thread the scheduler took away (test_ops_into's top-k grid: half the CPU time on 1).
+# test_ops.py runs the native loops on 1, 2 and 3 threads itself.
 TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 NO_NATIVE_TESTS := tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
 test: install
 	@$(PY) -m compileall -q fastcomm fastio examples benchmarks tests >/dev/null
-	@log=$$(mktemp); \
+	@log=$$(mktemp); export FASTLIB_TEST_THREADS=$(TEST_THREADS) OMP_NUM_THREADS=$(TEST_THREADS); \
 	FASTCOMM_NO_NATIVE=1 FASTIO_NO_NATIVE=1 $(PY) -m pytest -q -p no:cacheprovider -m "not large" \
 	    $(NO_NATIVE_TESTS) >$$log 2>&1 & fallback=$$!; \
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist loadfile \

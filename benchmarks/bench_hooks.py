@@ -94,12 +94,11 @@ class Config:
     node_size: int | None = None
 
 
-# auto runs as register(ddp, "auto") does: 4 dense warm-up steps (its baseline, the first left out as
-# start-up work), the measurement, then 3 trial steps of its choice after which it keeps the choice or
-# reverts to dense. Its timed steps come after all of that, so it gets these steps on top of the common
-# warm-up: the table shows the state a long job runs in, not the trial. (With 1 warm-up step its only dense
-# baseline period would be the first one, DDP's start-up work included.)
-AUTO_SETTLE_STEPS = 4 + 3
+# auto runs as register(ddp, "auto") does: 4 dense warm-up steps, the measurement, then 3 trial steps of
+# its choice and 3 dense steps to compare them with, after which it keeps the choice or reverts to dense.
+# Its timed steps come after all of that, so it gets these steps on top of the common warm-up: the table
+# shows the state a long job runs in, not the trial.
+AUTO_SETTLE_STEPS = 4 + 3 + 3
 
 CONFIGS = (
     Config("allreduce", "dense fp32 allreduce, no hook"),
@@ -118,8 +117,8 @@ CONFIGS = (
     Config("powersgd_r4", f"fastcomm.powersgd_hook, PowerSGDState(rank={POWERSGD_RANK}), default buckets",
            ("powersgd_hook", "PowerSGDState")),
     Config("auto", "fastcomm.register(ddp, 'auto'): 4 dense steps, its measurement, 3 trial steps of "
-           f"its choice (kept or reverted), before the warm-up ({AUTO_SETTLE_STEPS} extra steps); "
-           "q8, q4, cast, dense",
+           "its choice and 3 dense ones (kept or reverted), before the warm-up "
+           f"({AUTO_SETTLE_STEPS} extra steps); q8, q4, cast, dense",
            ("auto_hook", "AutoState")),
 )
 _FASTCOMM_CONFIGS = tuple(c.name for c in CONFIGS if c.fastcomm_names)

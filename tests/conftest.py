@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tests share 2 cores with each other's worker processes; more intra-op threads than cores only thrash.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# `make test` sets FASTLIB_TEST_THREADS=1 (see the Makefile); test_ops.py varies the count itself.
+torch.set_num_threads(int(os.environ.get("FASTLIB_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
 
 # `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile), in the order

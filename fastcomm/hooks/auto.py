@@ -10,10 +10,11 @@ hook call of bucket 0 (so every rank does it at the same point):
 The slowest rank's figures are agreed on by one allreduce (MAX of times), so every rank makes the same
 choice. Each bucket size then gets the candidate of least predicted time (``fastcomm.advise``'s model of
 its collectives plus its compression), or dense allreduce unless a candidate is predicted at least
-``margin`` faster. The model predicts; the clock checks: after 3 trial steps under the choice, if their
-median step time (slowest rank) is above the dense warm-up steps', every bucket goes back to dense until
-the next measurement, so auto is never the reason a job got slower for more than its trial. The choice is
-made again every ``recheck_every`` steps.
+``margin`` faster. The model predicts; the clock checks: 3 trial steps under the choice, then 3 dense
+steps at the same point of the job (not the warm-up's, which still hold its start-up work); if the trial's
+median step time is above the dense steps' (the last two: the first pays what compression owed), on the
+slowest rank's clock, every bucket stays dense until the next measurement, so auto is never the reason a
+job got slower for more than its trial. The choice is made again every ``recheck_every`` steps.
 
 All candidates go through one two-phase exchange with error feedback and one bucket store, segments of
 the same length (whole blocks of every candidate), so what a bucket owes under one method is owed under
@@ -42,7 +43,7 @@ from fastcomm.hooks.engine.twophase import TwoPhaseState, two_phase_bucket
 
 __all__ = ["CANDIDATES", "AutoState", "auto_hook", "choose"]
 
-_TRIAL_STEPS = 3  # steps run under a new choice before its step time is compared with dense's
+_TRIAL_STEPS = 3  # steps under a new choice, then as many dense ones, before their times are compared
 
 # candidate name -> the advisor's method (its exchange and compressor)
 CANDIDATES: dict[str, Method] = {
@@ -133,8 +134,10 @@ class AutoState(TwoPhaseState):
         self.choices: dict[int, str] = {}
         self._measured_at = -1
         self._iteration_start: float | None = None
-        # step periods (seconds) under dense allreduce and under the current choice, and whether the
-        # choice was tried and found slower than dense (then every bucket is dense until the next check)
+        # After a measurement: "chosen" (trial steps under the choice), then "dense" (as many dense steps),
+        # then "settled". The step periods (seconds) of each; whether the choice was found slower than dense
+        # (then every bucket is dense until the next measurement).
+        self._phase = "settled"
         self._periods: dict[str, list[float]] = {"dense": [], "chosen": []}
         self.reverted = False
 
@@ -143,11 +146,8 @@ class AutoState(TwoPhaseState):
         if bucket.index() != 0 or dist.get_world_size(self.process_group) == 1:
             return key
         steps = self.accounting.steps
-        now = time.perf_counter()
-        if self._iteration_start is not None:
-            compressing = self.measured is not None and not self.reverted and "dense" != self._any_choice()
-            self._periods["chosen" if compressing else "dense"].append(now - self._iteration_start)
-        self._iteration_start = now
+        if self._iteration_start is not None and self._phase != "settled":
+            self._periods[self._phase].append(time.perf_counter() - self._iteration_start)
         due = steps >= self.warmup_steps and (
             self._measured_at < 0 or steps - self._measured_at >= self.recheck_every
         )
@@ -155,15 +155,15 @@ class AutoState(TwoPhaseState):
             self.measured = _agreed(
                 self.link or _probe_link(self.process_group), _local_rates(), self.process_group
             )
-            self.choices, self.reverted = {}, False
-            self._periods["chosen"] = []
-            self._measured_at = steps
-        elif self.measured is not None and not self.reverted and len(self._periods["chosen"]) == _TRIAL_STEPS:
-            self.reverted = _slower_than_dense(self._periods, self.process_group)
-            self._periods["chosen"].append(float("nan"))  # judged once per measurement
-            if self.reverted:
-                self.choices = {}
-        self._iteration_start = time.perf_counter()  # the probes are not the model's time
+            self.choices, self.reverted, self._measured_at = {}, False, steps
+            self._phase, self._periods = "chosen", {"dense": [], "chosen": []}
+        elif self._phase == "chosen" and self._any_choice() == "dense":
+            self._phase = "settled"  # every bucket size chose dense: nothing to try
+        elif self._phase == "chosen" and len(self._periods["chosen"]) == _TRIAL_STEPS:
+            self._phase = "dense"
+        elif self._phase == "dense" and len(self._periods["dense"]) == _TRIAL_STEPS:
+            self._phase, self.reverted = "settled", _slower_than_dense(self._periods, self.process_group)
+        self._iteration_start = time.perf_counter()  # the probes and the judgement are not the model's time
         return key
 
     def _any_choice(self) -> str:
@@ -171,8 +171,9 @@ class AutoState(TwoPhaseState):
 
     def choice(self, numel: int) -> str:
         """The method of a bucket of ``numel`` elements at this step (``"dense"`` before the measurement,
-        and after a trial found the chosen methods slower than dense, until the next measurement)."""
-        if self.measured is None or not self.candidates or self.reverted:
+        during the dense steps that follow a trial, and after a trial found the chosen methods slower than
+        dense, until the next measurement)."""
+        if self.measured is None or not self.candidates or self.reverted or self._phase == "dense":
             return "dense"
         if numel not in self.choices:
             link, rates = self.measured
@@ -196,6 +197,8 @@ class AutoState(TwoPhaseState):
         for method in ("dense", *self.candidates):
             stats[f"auto_{method}_buckets"] = sum(1 for chosen in self.choices.values() if chosen == method)
         stats["auto_reverted"] = int(self.reverted)
+        for phase, periods in self._periods.items():  # the last trial's median step periods (0: none yet)
+            stats[f"auto_trial_{phase}_step_s"] = _median(periods[1:] if phase == "dense" else periods)
         if self.measured is not None:
             stats["auto_link_latency_s"] = self.measured[0].alpha_s
             stats["auto_link_bytes_per_second"] = self.measured[0].bandwidth_Bps
@@ -221,15 +224,19 @@ def _probe_link(group: dist.ProcessGroup | None) -> Link:
     return Link(alpha, 1.0 / per_byte, name="measured")
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
+
+
 def _slower_than_dense(periods: dict[str, list[float]], group: dist.ProcessGroup | None) -> bool:
-    """Whether the trial steps under the choice were slower than the dense ones, on the slowest rank's
-    clock (one MAX allreduce: every rank reverts alike). The model predicts; this checks, so auto is never
-    the reason a job got slower for more than its trial steps."""
-    dense = sorted(periods["dense"][1:] or periods["dense"])  # the first period holds start-up work
-    chosen = sorted(periods["chosen"])
+    """Whether the trial steps under the choice were slower than the dense steps that followed them, on
+    the slowest rank's clock (one MAX allreduce: every rank reverts alike). The first dense step is left
+    out: it pays what the compressed steps owed. The model predicts; this checks, so auto is never the
+    reason a job got slower for more than its trial steps."""
+    dense, chosen = periods["dense"][1:] or periods["dense"], periods["chosen"]
     if not dense or not chosen:
         return False
-    medians = torch.tensor([dense[len(dense) // 2], chosen[len(chosen) // 2]], dtype=torch.float64)
+    medians = torch.tensor([_median(dense), _median(chosen)], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
     return bool(medians[1] > medians[0])
 

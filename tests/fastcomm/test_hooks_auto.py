@@ -67,5 +67,5 @@ def test_register_auto_trains_on_one_rank(small_ddp):
 def test_a_trial_slower_than_dense_reverts(one_rank, chosen, slower):
     from fastcomm.hooks.auto import _slower_than_dense
 
-    periods = {"dense": [2.0, 0.3, 0.31, 0.29], "chosen": list(chosen)}  # the first dense period: start-up
+    periods = {"dense": [2.0, 0.3, 0.31, 0.29], "chosen": list(chosen)}  # the first dense period: what was owed
     assert _slower_than_dense(periods, None) is slower

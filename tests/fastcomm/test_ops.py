@@ -233,6 +233,40 @@ def test_sign_compress_matches_reference(device, dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_results_do_not_depend_on_the_thread_count(dtype):
+    # `make test` runs every process on one intra-op thread (FASTLIB_TEST_THREADS=1: workers side by side on
+    # 2 cores only spin in each other's way with more), so the parallel chunks of the native loops are run
+    # here on 1, 2 and 3 threads: the same bits each time.
+    n = 300_001
+    x = _randn(n, dtype, "cpu", _seed("threads", n))
+    start = _randn(n, dtype, "cpu", _seed("threads-residual", n))
+    threads = torch.get_num_threads()
+    results = []
+    for count in (1, 2, 3):
+        torch.set_num_threads(count)
+        try:
+            out = []
+            for bits in (8, 4):
+                residual = start.clone()
+                codes, scales = ops.quantize_blockwise(x, bits=bits, block=256, stochastic=True, seed=5,
+                                                       residual=residual)  # fmt: skip
+                out += [codes, scales, residual]
+                out.append(ops.dequantize_blockwise(codes, scales, n, bits=bits, dtype=dtype))
+            residual = start.clone()
+            packed, scales = ops.sign_compress(x, residual=residual, chunk=2048)
+            out += [packed, scales, residual, ops.sign_decompress(packed, scales, n, chunk=2048, dtype=dtype)]
+            for exact in (True, False):
+                residual = start.clone()
+                out += [*ops.topk_select(x, n // 100, residual, exact), residual]
+        finally:
+            torch.set_num_threads(threads)
+        results.append(out)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sign_compress_error_feedback_invariant(dtype):
     n = 10007
     x = _randn(n, dtype, "cpu", 9)
