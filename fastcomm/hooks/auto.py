@@ -140,6 +140,7 @@ class AutoState(TwoPhaseState):
         self._phase = "settled"
         self._periods: dict[str, list[float]] = {"dense": [], "chosen": []}
         self.reverted = False
+        self.trial_medians: tuple[float, float] | None = None  # (chosen, dense): the last judged trial's
 
     def begin_bucket(self, bucket: dist.GradBucket) -> Any:
         key = super().begin_bucket(bucket)
@@ -162,7 +163,8 @@ class AutoState(TwoPhaseState):
         elif self._phase == "chosen" and len(self._periods["chosen"]) == _TRIAL_STEPS:
             self._phase = "dense"
         elif self._phase == "dense" and len(self._periods["dense"]) == _TRIAL_STEPS:
-            self._phase, self.reverted = "settled", _slower_than_dense(self._periods, self.process_group)
+            self._phase, self.trial_medians = "settled", _trial_medians(self._periods, self.process_group)
+            self.reverted = self.trial_medians[0] > self.trial_medians[1]
         self._iteration_start = time.perf_counter()  # the probes and the judgement are not the model's time
         return key
 
@@ -197,8 +199,8 @@ class AutoState(TwoPhaseState):
         for method in ("dense", *self.candidates):
             stats[f"auto_{method}_buckets"] = sum(1 for chosen in self.choices.values() if chosen == method)
         stats["auto_reverted"] = int(self.reverted)
-        for phase, periods in self._periods.items():  # the last trial's median step periods (0: none yet)
-            stats[f"auto_trial_{phase}_step_s"] = _median(periods[1:] if phase == "dense" else periods)
+        chosen, dense = self.trial_medians or (0.0, 0.0)  # the last judged trial (0: none yet)
+        stats["auto_trial_chosen_step_s"], stats["auto_trial_dense_step_s"] = chosen, dense
         if self.measured is not None:
             stats["auto_link_latency_s"] = self.measured[0].alpha_s
             stats["auto_link_bytes_per_second"] = self.measured[0].bandwidth_Bps
@@ -228,17 +230,17 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
 
 
-def _slower_than_dense(periods: dict[str, list[float]], group: dist.ProcessGroup | None) -> bool:
-    """Whether the trial steps under the choice were slower than the dense steps that followed them, on
-    the slowest rank's clock (one MAX allreduce: every rank reverts alike). The first dense step is left
-    out: it pays what the compressed steps owed. The model predicts; this checks, so auto is never the
-    reason a job got slower for more than its trial steps."""
-    dense, chosen = periods["dense"][1:] or periods["dense"], periods["chosen"]
-    if not dense or not chosen:
-        return False
-    medians = torch.tensor([_median(dense), _median(chosen)], dtype=torch.float64)
+def _trial_medians(periods: dict[str, list[float]], group: dist.ProcessGroup | None) -> tuple[float, float]:
+    """The median step period of the trial steps under the choice and of the dense steps that followed
+    them, on the slowest rank's clock (one MAX allreduce: every rank judges alike). The first dense step
+    is left out: it pays what the compressed steps owed. The model predicts; this checks: the choice is
+    kept only if its median is not above dense's, so auto is never the reason a job got slower for more
+    than its trial steps."""
+    medians = torch.tensor(
+        [_median(periods["chosen"]), _median(periods["dense"][1:] or periods["dense"])], dtype=torch.float64
+    )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
-    return bool(medians[1] > medians[0])
+    return float(medians[0]), float(medians[1])
 
 
 def _local_rates() -> KernelRates:

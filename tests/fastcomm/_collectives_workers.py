@@ -316,6 +316,37 @@ def _auto_switch_case(rank: int, world: int) -> None:
         auto._local_rates = measured
 
 
+def _auto_trial_case(rank: int, world: int) -> None:
+    """After its measurement, auto runs 3 steps under its choice, then 3 dense ones, then keeps the choice
+    or reverts to dense by the slowest rank's medians of the two, alike on every rank."""
+    from fastcomm.advise.model import Link
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    ddp = DistributedDataParallel(model)
+    state = fastcomm.register(ddp, "auto", warmup_steps=1, min_compress_numel=0, link=Link(1e-4, 1e6))
+    gen = torch.Generator().manual_seed(rank)
+    checks, methods = Mismatches(), []
+    for _ in range(9):
+        before = state.stats()
+        ddp(torch.randn(32, 64, generator=gen)).square().mean().backward()
+        after = state.stats()
+        methods.append("dense" if after["compressed_buckets"] == before["compressed_buckets"] else "chosen")
+    # step 0 warm-up, 1-3 the trial, 4-6 dense, then the verdict
+    expected = ["dense", "chosen", "chosen", "chosen", "dense", "dense", "dense"]
+    expected += ["dense"] * 2 if state.reverted else ["chosen"] * 2
+    if methods != expected:
+        checks.found.append(f"steps ran {methods}, expected {expected}")
+    chosen, dense = state.trial_medians or (0.0, 0.0)
+    if not (chosen > 0 and dense > 0 and state.reverted == (chosen > dense)):
+        checks.found.append(f"medians {state.trial_medians}, reverted {state.reverted}")
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (state.trial_medians, state.reverted))
+    if any(other != everyone[0] for other in everyone):
+        checks.found.append(f"ranks judged differently: {everyone}")
+    checks.raise_any()
+
+
 def cases(world: int) -> dict[str, Callable[[int], None]]:
     """Case id -> the check each rank runs."""
     table: dict[str, Callable[[int], None]] = {}
@@ -345,6 +376,7 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
             table[key] = lambda r, a=(ef, async_op): _powersgd_case(r, world, *a)
     table["hook-diagnosis"] = lambda r: _hook_diagnosis_case(r, world)
     table["auto-switch"] = lambda r: _auto_switch_case(r, world)
+    table["auto-trial"] = lambda r: _auto_trial_case(r, world)
     return table
 
 

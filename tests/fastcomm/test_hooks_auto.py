@@ -65,7 +65,9 @@ def test_register_auto_trains_on_one_rank(small_ddp):
 
 @pytest.mark.parametrize(("chosen", "slower"), [((0.5, 0.45, 0.55), True), ((0.2, 0.25, 0.21), False)])
 def test_a_trial_slower_than_dense_reverts(one_rank, chosen, slower):
-    from fastcomm.hooks.auto import _slower_than_dense
+    from fastcomm.hooks.auto import _trial_medians
 
-    periods = {"dense": [2.0, 0.3, 0.31, 0.29], "chosen": list(chosen)}  # the first dense period: what was owed
-    assert _slower_than_dense(periods, None) is slower
+    periods = {"dense": [2.0, 0.3, 0.31], "chosen": list(chosen)}  # the first dense period: what was owed
+    medians = _trial_medians(periods, None)
+    assert medians == (sorted(chosen)[1], 0.31)
+    assert (medians[0] > medians[1]) is slower
