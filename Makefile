@@ -78,8 +78,10 @@ install:
 # intra-op threads (tests/conftest.py reads FASTLIB_TEST_THREADS; spawned ranks OMP_NUM_THREADS): with the
 # processes side by side on 2 cores, a second thread per process only spins at the end of each parallel
 # loop waiting for a thread the scheduler took away (test_ops_into's top-k grid: half the CPU time on 1).
-# test_ops.py runs the native loops on 1, 2 and 3 threads itself.
-TEST_WORKERS ?= 2
+# test_ops.py runs the native loops on 1, 2 and 3 threads itself. Three workers on 2 cores: a quarter of
+# the suite's wall time is waiting (ranks starting, a peer's timeout, a torchrun restart), which a third
+# worker fills (measured in a cgroup: 549 s of CPU either way, 334 s of wall on 2 workers, 317 s on 3).
+TEST_WORKERS ?= 3
 TEST_THREADS ?= 1
 NO_NATIVE_TESTS := tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
 test: install

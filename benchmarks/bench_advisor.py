@@ -65,6 +65,9 @@ _METHODS = {
     "quant8_hier": ("quant8", "two-level"),
 }
 _TWO_RANKS = [c for c in bench_hooks.CONFIGS if c.name in _METHODS]
+# "auto" runs beside them on the 2-rank networks: measured, not predicted (it is one of the others, chosen)
+_AUTO = [c for c in bench_hooks.CONFIGS if c.name == "auto"]
+_AT_PARITY = ("bf16_cast", "quant8", "quant4")
 _NODES = [c for c in bench_hooks.NODE_CONFIGS if c.name in _METHODS]
 _SHAPES = [
     shape
@@ -99,6 +102,8 @@ def _rows(
     from that floor, the error, and the prediction's parts."""
     rows = []
     for name, (outcome, load) in outcomes.items():
+        if name == "auto":
+            rows.append(_auto_row(network, outcome, load))
         if name not in _METHODS:
             continue
         extra: dict[str, Any] = {"status": outcome.status, "load_1m": round(load, 1)}
@@ -133,6 +138,49 @@ def _rows(
         if flat and flat == flat and row.value == row.value:  # NaN: a crashed run
             row.extra["measured_vs_flat"] = round(flat / row.value, 2)
     return rows
+
+
+def _auto_row(network: str, outcome: Any, load: float) -> Row:
+    """auto's measured step, and what it chose: per method the bucket sizes, whether its trial reverted,
+    the trial's medians."""
+    extra: dict[str, Any] = {"status": outcome.status, "load_1m": round(load, 1)}
+    stats = outcome.stats or {}
+    chose = [f"{k[5:-8]} x{int(v)}" for k, v in stats.items() if k.startswith("auto_") and
+             k.endswith("_buckets") and v]  # fmt: skip
+    if chose:
+        extra["reason"] = f"chose {', '.join(chose)} bucket sizes"
+    if stats.get("auto_trial_chosen_step_s"):
+        verdict = "reverted to dense" if stats.get("auto_reverted") else "kept"
+        extra["reason"] += (f"; trial {stats['auto_trial_chosen_step_s']:.3f} s vs dense "
+                            f"{stats['auto_trial_dense_step_s']:.3f} s per step: {verdict}")  # fmt: skip
+    if outcome.floor_seconds is not None:
+        extra["floor_s"] = round(outcome.floor_seconds, 3)
+    return Row(network, "auto", "step_time", outcome.step_seconds, "s", extra=extra)
+
+
+def _auto_notes(rows: Sequence[Row]) -> list[str]:
+    """The issue's targets for auto, per network: on loopback <= 1.03x dense allreduce; on the shaped links
+    within 5% of the fastest hook at loss parity (bf16 cast, 8-bit, 4-bit)."""
+    notes = []
+    for network in dict.fromkeys(r.case for r in rows):
+        times = {r.backend: r.value for r in rows if r.case == network and r.value == r.value}
+        if "auto" not in times or network == "nodes":
+            continue
+        if network == "loopback":
+            if "allreduce" in times:
+                value = times["auto"] / times["allreduce"]
+                notes.append(f"{network}: auto <= 1.03x allreduce: {'MET' if value <= 1.03 else 'MISSED'} "
+                             f"(auto {times['auto']:.3f} s / allreduce {times['allreduce']:.3f} s = "
+                             f"{value:.2f}x)")  # fmt: skip
+            continue
+        parity = [name for name in _AT_PARITY if name in times]
+        if parity:
+            best = min(parity, key=lambda name: times[name])
+            value = times["auto"] / times[best]
+            notes.append(f"{network}: auto within 5% of the best hook at loss parity: "
+                         f"{'MET' if value <= 1.05 else 'MISSED'} (auto {times['auto']:.3f} s / {best} "
+                         f"{times[best]:.3f} s = {value:.2f}x)")  # fmt: skip
+    return notes
 
 
 def _off_notes(rows: Sequence[Row]) -> list[str]:
@@ -216,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     for network in networks:
         started = time.perf_counter()
         if network == "loopback":
-            outcomes = _measure(network, _TWO_RANKS, settings, None)
+            outcomes = _measure(network, _TWO_RANKS + _AUTO, settings, None)
             kwargs = {**base, "gpus": 2, "gpus_per_node": 2, "link": loopback, "intra": loopback}
         elif reason is not None:
             notes.append(f"{network}: skipped, {reason}")
@@ -242,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         else:
             with netlab.Link(rate=network) as link:
                 throughput = netlab.measure_throughput(link, nbytes=(64 if network == "1gbit" else 16) << 20)
-                outcomes = _measure(network, _TWO_RANKS, settings, link)
+                outcomes = _measure(network, _TWO_RANKS + _AUTO, settings, link)
             kwargs = {
                 **base,
                 "gpus": 2,
@@ -255,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             )
         rows += _rows(network, outcomes, kwargs, args.steps)
         progress(f"[bench_advisor] {network} done in {time.perf_counter() - started:.0f} s")
-    notes += _summary(rows) + _off_notes(rows)
+    notes += _summary(rows) + _auto_notes(rows) + _off_notes(rows)
     table = write_results(args.name, rows, notes=notes, plot_metric="step_time")
     plot(json.loads((output_dir() / f"{args.name}.json").read_text()), output_dir() / f"{args.name}.png")
     return table

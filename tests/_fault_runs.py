@@ -47,11 +47,11 @@ TINY = [
     "1",
 ]
 RUN_TIMEOUT = 300  # seconds for one torchrun (a loaded 2-core machine)
-# The methods of the issue: topk, sign, quantize (8-bit), and compressed Adam past its warm-up.
+# The methods of the issue killed at a random step: topk, sign, and compressed Adam past its warm-up (quantize
+# 8-bit is killed in the middle of a checkpoint write, in test_fault_checkpoints.py).
 METHODS = {
     "topk": [],
     "sign": [],
-    "q8": [],
     "cadam": ["--opt", "warmup_steps=8"],
 }
 

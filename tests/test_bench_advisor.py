@@ -59,3 +59,24 @@ def test_plot_writes_a_png(tmp_path: Path):
     payload = {"rows": [vars(r) for r in rows]}
     bench_advisor.plot(json.loads(json.dumps(payload)), tmp_path / "advisor.png")
     assert (tmp_path / "advisor.png").stat().st_size > 0
+
+
+def test_auto_gets_a_row_with_its_choice_and_the_issue_targets_as_notes():
+    kwargs = {"params": 25_182_208, "rates": RATES, "shapes": bench_advisor._SHAPES, "gpus": 2,
+              "gpus_per_node": 2, "link": LOOPBACK, "intra": LOOPBACK}
+    stats = {"auto_dense_buckets": 0, "auto_quant4_buckets": 2, "auto_reverted": 1,
+             "auto_trial_chosen_step_s": 0.41, "auto_trial_dense_step_s": 0.37}
+    auto = SimpleNamespace(status="ok", step_seconds=0.372, stats=stats, floor_seconds=0.25)
+    outcomes = {"allreduce": (_outcome(0.36), 1.0), "quant4": (_outcome(0.40, 0.05), 1.0), "auto": (auto, 1.0)}
+    rows = bench_advisor._rows("loopback", outcomes, kwargs, timed_steps=4)
+    row = {r.backend: r for r in rows}["auto"]
+    assert row.value == 0.372 and "predicted_s" not in row.extra
+    assert row.extra["reason"] == ("chose quant4 x2 bucket sizes; trial 0.410 s vs dense 0.370 s per step: "
+                                   "reverted to dense")
+    (note,) = bench_advisor._auto_notes(rows)
+    assert note == "loopback: auto <= 1.03x allreduce: MISSED (auto 0.372 s / allreduce 0.360 s = 1.03x)"
+    shaped = [bench_advisor.Row("1gbit", name, "step_time", value, "s")
+              for name, value in (("auto", 0.30), ("quant8", 0.33), ("quant4", 0.29), ("allreduce", 0.9))]
+    assert bench_advisor._auto_notes(shaped) == [
+        "1gbit: auto within 5% of the best hook at loss parity: MET (auto 0.300 s / quant4 0.290 s = 1.03x)"
+    ]

@@ -31,7 +31,8 @@ data_dir, reference = fr.data_dir, fr.reference  # the module-scoped fixtures of
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-# sign and q8 are in test_fault_checkpoints.py, beside the checkpoint tests that share their reference runs.
+# sign and q8 are in test_fault_checkpoints.py, beside the checkpoint tests that share their reference runs
+# (q8's is the kill in the middle of a checkpoint write).
 @pytest.mark.parametrize("method", ["topk", "cadam"])
 def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(
     method: str, data_dir: Path, tmp_path: Path, reference
