@@ -281,10 +281,12 @@ def _hook_stats(state: object) -> dict[str, float] | None:
 
 
 def _stats_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
-    """The hook's counters over the timed steps only (warm-up allocates residuals and rebuilds buckets)."""
+    """The hook's counters over the timed steps only (warm-up allocates residuals and rebuilds buckets);
+    auto's state (``auto_*``: its choice, its trial's medians) as it stands after them."""
     if before is None or after is None:
         return None
-    delta = {k: after[k] - before[k] for k in after if k != "compression_ratio"}
+    delta = {k: after[k] if k.startswith("auto_") else after[k] - before[k]
+             for k in after if k != "compression_ratio"}  # fmt: skip
     if delta.get("bytes_sent"):
         delta["compression_ratio"] = delta.get("dense_bytes", 0.0) / delta["bytes_sent"]
     return delta

@@ -1,4 +1,4 @@
-"""bench_hooks' verdicts on the nodes network, on made-up rows (no ranks are started)."""
+"""bench_hooks' verdicts on the nodes network, on made-up rows (no ranks are started), and its stats delta."""
 
 from __future__ import annotations
 
@@ -44,3 +44,13 @@ def test_bound_names_the_cpu_floor_when_the_row_has_one():
     bound = next(n for n in bench_hooks._check_node_targets(rows) if "bound: a sign_hier" in n)
     assert "the ranks' CPU time over the cores alone is 0.650 s" in bound
     assert "out of reach here (1.17x it)" in bound
+
+
+def test_stats_delta_counts_the_timed_steps_and_keeps_autos_state():
+    before = {"steps": 4.0, "bytes_sent": 100.0, "dense_bytes": 400.0, "compression_ratio": 4.0,
+              "auto_quant4_buckets": 3.0, "auto_trial_chosen_step_s": 0.3}
+    after = {"steps": 9.0, "bytes_sent": 150.0, "dense_bytes": 800.0, "compression_ratio": 5.33,
+             "auto_quant4_buckets": 3.0, "auto_trial_chosen_step_s": 0.3}
+    delta = bench_hooks._stats_delta(before, after)
+    assert delta["steps"] == 5.0 and delta["bytes_sent"] == 50.0 and delta["compression_ratio"] == 8.0
+    assert delta["auto_quant4_buckets"] == 3.0 and delta["auto_trial_chosen_step_s"] == 0.3

@@ -33,18 +33,27 @@ __all__ = ["AllreduceCompressor", "AllreducePlan", "Compressor", "all_finite"]
 
 
 def all_finite(tensor: Tensor) -> bool:
-    """Whether every element is finite, by one min/max pass (NaN propagates into both, inf into one).
+    """Whether every element is finite.
 
+    fp32: first by its sum, one pass at a third of a min/max pass's cost on CPU (25M elements: 4.5 ms
+    against 12.5 on one core). A NaN or inf element makes the sum NaN or inf, so a finite sum settles it; a
+    sum that is not finite (a non-finite element, or finite elements whose sum overflows) is decided by
+    the min/max pass, as every other dtype is (NaN propagates into both, inf into one).
     ``torch.isfinite(t).all()`` allocates a mask and makes several passes: tens of times slower on CPU.
 
     Example::
 
         >>> all_finite(torch.tensor([1.0, float("inf")]))
         False
+        >>> all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows; the elements are finite
+        True
     """
     if tensor.numel() == 0:
         return True
-    low, high = torch.aminmax(tensor.reshape(-1))
+    flat = tensor.reshape(-1)
+    if flat.dtype == torch.float32 and bool(torch.isfinite(flat.sum())):
+        return True
+    low, high = torch.aminmax(flat)
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 

@@ -52,3 +52,29 @@ def test_may_owe_reads_the_segment_only_when_asked():
     entry.tensors = {"residual": torch.zeros(10), SEGMENT_TENSOR: torch.tensor([0.0, 0.0, 2.5, 0.0, 0.0])}
     assert entry.may_owe(segment=True) and not entry.may_owe(segment=False)
     assert entry.owed()[6] == 5.0  # W * segment value at bucket offset 4 + 2
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_what_a_dense_step_pays_is_dropped_when_it_commits_and_kept_when_it_is_skipped(finite):
+    # BucketStore.take_owed: the owed sum goes out with the dense allreduce; a committed step then holds no
+    # residual (nothing owed, no memory, no read on the next dense step); a skipped step (GradScaler) keeps
+    # what was owed, to be paid by the next one.
+    from fastcomm.hooks.engine.store import BucketStore
+
+    g = torch.Generator().manual_seed(7)
+    store, key, numels = BucketStore(), (0, 1), (6, 5)
+    entry = store.entry(key, numels, world_size=2)
+    store.set_segment(entry, 6, 2)
+    residual, segment = torch.randn(11, generator=g), torch.randn(6, generator=g)
+    entry.tensors.update({"residual": residual.clone(), SEGMENT_TENSOR: segment.clone()})
+    expected = entry.owed()
+    owed = store.take_owed(key, numels, 2, segment=True)
+    assert torch.equal(owed, expected)
+    store.end_iteration(finite)
+    if finite:
+        assert entry.tensors == {} and not entry.may_owe()
+        assert store.take_owed(key, numels, 2, segment=True) is None
+        assert torch.equal(store.current(entry, "residual", torch.empty(11)), torch.zeros(11))
+    else:
+        assert torch.equal(entry.tensors["residual"], residual)
+        assert torch.equal(store.take_owed(key, numels, 2, segment=True), expected)

@@ -74,6 +74,24 @@ def test_blockwise_payload_matches_the_reference_ops(case):
     assert not compressor.payload_finite(payload.view(1, -1), x.numel(), x.dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(6))
+def test_all_finite_agrees_with_isfinite(dtype, seed):
+    from fastcomm.compress import all_finite
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 5000, (1,), generator=g))
+    big = torch.finfo(dtype).max / 4
+    scale = big if seed % 3 == 0 else 1.0  # big: sums that overflow
+    x = (torch.randn(n, generator=g).clamp(-3, 3) * scale).to(dtype)
+    assert all_finite(x) is True
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[int(torch.randint(0, n, (1,), generator=g))] = bad
+        assert all_finite(y) is bool(torch.isfinite(y).all()) is False
+    assert all_finite(torch.full((3, 7), big, dtype=dtype)) is True  # every partial sum overflows
+
+
 def test_topk_payload_holds_the_k_largest_magnitudes():
     x = _input("topk-largest", 1000)
     compressor = TopKCompressor(k=10, exact=True)

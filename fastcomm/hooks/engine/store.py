@@ -139,7 +139,8 @@ class BucketStore:
         self._entries: dict[BucketKey, BucketEntry] = {}
         # parameter key -> (bucket key, offset of the parameter in that bucket)
         self._param_loc: dict[int, tuple[BucketKey, int]] = {}
-        self._staged: dict[tuple[BucketKey, str], Tensor] = {}
+        # None: the tensor is dropped at the commit (paid: nothing owed, and no memory held for it)
+        self._staged: dict[tuple[BucketKey, str], Tensor | None] = {}
         # tensors replaced at the last commit, reused as the next staged copies (no allocation per step)
         self._spares: dict[tuple[BucketKey, str], Tensor] = {}
         # every bucket of the iteration in progress and of the one before it (dense ones too), by key
@@ -269,8 +270,9 @@ class BucketStore:
             return torch.empty_like(current)
         return spare
 
-    def stage(self, key: BucketKey, name: str, tensor: Tensor) -> None:
-        """Keep ``tensor`` as the bucket's new ``name`` if this iteration turns out finite."""
+    def stage(self, key: BucketKey, name: str, tensor: Tensor | None) -> None:
+        """Keep ``tensor`` as the bucket's new ``name`` if this iteration turns out finite; ``None``: drop
+        ``name`` then (it reads as zeros, :meth:`current`, and is no longer held)."""
         self._staged[(key, name)] = tensor
 
     def set_segment(self, entry: BucketEntry, start: int, world_size: int) -> None:
@@ -284,11 +286,16 @@ class BucketStore:
             return
         for (key, name), tensor in staged.items():
             entry = self._entries.get(key)
-            if entry is not None:
-                old = entry.tensors.get(name)
-                entry.tensors[name] = tensor
-                if old is not None and old.data_ptr() != tensor.data_ptr():
-                    self._spares[(key, name)] = old
+            if entry is None:
+                continue
+            if tensor is None:
+                entry.tensors.pop(name, None)
+                self._spares.pop((key, name), None)
+                continue
+            old = entry.tensors.get(name)
+            entry.tensors[name] = tensor
+            if old is not None and old.data_ptr() != tensor.data_ptr():
+                self._spares[(key, name)] = old
 
     def take_owed(
         self, key: BucketKey, numels: tuple[int, ...], world_size: int, segment: bool = False
@@ -298,19 +305,20 @@ class BucketStore:
         Such residuals exist after a bucket rebuild put compressed parameters into a bucket that goes
         dense, or (``segment``) where a hook switches a bucket from a two-phase exchange to dense: then
         the phase-2 segment residual is owed too (:meth:`BucketEntry.owed`). They are sent with the dense
-        allreduce instead of being stranded.
+        allreduce instead of being stranded, and dropped once that step commits: a bucket that stays dense
+        then holds no residual, and its next dense steps find nothing owed without reading one.
         """
         if not self.knows_any(key):
             return None
         entry = self.entry(key, numels, world_size)
-        if not entry.may_owe(segment):  # a dense step after a paid switch: one read, no sum built
+        if not entry.may_owe(segment):  # e.g. a dense step after a paid switch: nothing held, no sum built
             return None
         owed = entry.owed() if segment else entry.tensors.get("residual")
         if owed is None or not bool(owed.any()):
             return None
         for name in ("residual", SEGMENT_TENSOR) if segment else ("residual",):
             if name in entry.tensors:
-                self.stage(key, name, torch.zeros_like(entry.tensors[name]))
+                self.stage(key, name, None)
         return owed
 
     def scale(self, factor: float) -> None:
