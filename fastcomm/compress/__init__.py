@@ -27,7 +27,7 @@ Example::
 
 from fastcomm.compress.cast import CastCompressor
 from fastcomm.compress.powersgd import PowerSGDCompressor, orthogonalize_
-from fastcomm.compress.protocol import AllreduceCompressor, Compressor, all_finite
+from fastcomm.compress.protocol import AllreduceCompressor, Compressor, all_finite, scale_all_finite_
 from fastcomm.compress.quantize import QuantCompressor
 from fastcomm.compress.sign import SignCompressor
 from fastcomm.compress.topk import TopKCompressor, fit_to_k
@@ -41,6 +41,7 @@ __all__ = [
     "SignCompressor",
     "TopKCompressor",
     "all_finite",
+    "scale_all_finite_",
     "fit_to_k",
     "orthogonalize_",
 ]

@@ -734,6 +734,7 @@ def _check_checkpoint_resume(rank: int, name: str) -> None:
 def training_modes_worker(rank: int, world_size: int) -> None:
     for name in HOOK_CASES:
         _check_grad_scaler_skip(rank, name)
+    _check_dense_steps_count_a_skip(rank, world_size)
     _check_half_precision_models(rank, world_size)
     _check_no_sync(rank, world_size)
 
@@ -773,6 +774,30 @@ def _check_grad_scaler_skip(rank: int, name: str) -> None:
     assert stats["steps"] == 4 and stats["skipped_steps"] == 1, stats
     assert all(torch.isfinite(state.residual_of(p)).all() for p in model.parameters())
 
+
+
+def _check_dense_steps_count_a_skip(rank: int, world_size: int) -> None:
+    """Dense buckets (before ``start_iter``): the mean is the sum divided after it arrives, checked in the
+    same pass; an inf on one rank is a skipped step on every rank, finite steps are the plain mean."""
+    model = make_mlp(41)
+    local = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = fastcomm.register(ddp, "quantize", bits=8, start_iter=100)
+    for step in range(4):
+        ddp.zero_grad()
+        local.zero_grad()
+        loss = loss_of(ddp, rank, step)
+        (loss * float("inf") if step == 2 and rank == 1 else loss).backward()
+        if step == 2:
+            assert all(not torch.isfinite(p.grad).all() for p in model.parameters()), "the inf did not spread"
+            continue
+        loss_of(local, rank, step).backward()
+        for p, q in zip(model.parameters(), local.parameters(), strict=True):
+            grads = [torch.empty_like(q.grad) for _ in range(world_size)]
+            dist.all_gather(grads, q.grad)
+            torch.testing.assert_close(p.grad, torch.stack(grads).sum(0) / world_size)
+    stats = state.stats()
+    assert stats["steps"] == 3 and stats["skipped_steps"] == 1 and stats["compressed_buckets"] == 0, stats
 
 def _check_half_precision_models(rank: int, world_size: int) -> None:
     """DDP over fp16 and bf16 models: every hook returns finite buckets of that dtype near the dense mean."""

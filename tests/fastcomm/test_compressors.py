@@ -92,6 +92,30 @@ def test_all_finite_agrees_with_isfinite(dtype, seed):
     assert all_finite(torch.full((3, 7), big, dtype=dtype)) is True  # every partial sum overflows
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_scale_all_finite_is_mul_then_all_finite(dtype, seed):
+    """The one-pass scale-and-check equals ``mul_`` by the fp32 factor then :func:`all_finite`, bit for bit,
+    on odd sizes, with and without a non-finite element."""
+    from fastcomm.compress import all_finite, scale_all_finite_
+
+    g = torch.Generator().manual_seed(100 + seed)
+    n = int(torch.randint(1, 70_000, (1,), generator=g))
+    factor = (1.0 / 3.0, 0.5, 1.0 / 7.0, 3.0)[seed]
+    x = (torch.randn(n, generator=g) * 10).to(dtype)
+    for bad in (None, float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        if bad is not None:
+            y[int(torch.randint(0, n, (1,), generator=g))] = bad
+        expected = y.clone().mul_(torch.tensor(factor, dtype=torch.float32))
+        finite = all_finite(y)
+        assert scale_all_finite_(y, factor) is finite is (bad is None)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    assert scale_all_finite_(torch.empty(0, dtype=dtype), 0.5) is True
+    with pytest.raises(TypeError, match="floating-point"):
+        scale_all_finite_(torch.ones(3, dtype=torch.int32), 0.5)
+
 def test_topk_payload_holds_the_k_largest_magnitudes():
     x = _input("topk-largest", 1000)
     compressor = TopKCompressor(k=10, exact=True)

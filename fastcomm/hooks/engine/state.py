@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fastcomm.collectives._layout import completed
 from fastcomm.collectives._threads import then
 from fastcomm.collectives.errors import collective_value
-from fastcomm.compress.protocol import all_finite
+from fastcomm.compress.protocol import all_finite, scale_all_finite_
 from fastcomm.hooks.engine.accounting import COUNTERS, StepAccounting
 from fastcomm.hooks.engine.options import OptionTypeError
 from fastcomm.hooks.engine.reshard import describe, keep_if_same_world, merge_counters
@@ -146,18 +146,24 @@ class HookState:
         """An iteration closed: a step (``finite``) or a skipped one. Subclasses commit or drop here."""
 
     def dense_allreduce(self, buffer: Tensor, world_size: int, bucket: int) -> torch.futures.Future[Tensor]:
-        """Mean over ranks by one async allreduce (divided first, so fp16 cannot overflow in the sum).
+        """Mean over ranks by one async allreduce.
 
-        ``bucket`` (the DDP bucket index) names the bucket in the error a failed allreduce raises.
+        fp32: the sum is divided by the world size when it arrives, in the same pass that checks it for
+        non-finite values (:func:`~fastcomm.compress.protocol.scale_all_finite_`, off the backward's
+        thread): one pass where dividing first and checking after took two. fp16 and bf16 are divided
+        first, so the sum cannot overflow. ``bucket`` (the DDP bucket index) names the bucket in the error
+        a failed allreduce raises.
         """
-        tensor = buffer.div_(world_size)
+        after = buffer.dtype == torch.float32
+        tensor = buffer if after else buffer.div_(world_size)
         work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
         dense = ring_bytes(tensor.numel(), tensor.element_size(), world_size)
         self.accounting.count(dense, dense, 0.0, compressed=False)
 
         def finish(future: torch.futures.Future[list[Tensor]]) -> Tensor:
             result = collective_value(future, f"{type(self).__name__} dense allreduce", bucket)[0]
-            self.accounting.note_output(all_finite(result))
+            finite = scale_all_finite_(result, 1.0 / world_size) if after else all_finite(result)
+            self.accounting.note_output(finite)
             return result
 
         return then(work.get_future(), finish)
