@@ -19,7 +19,8 @@ The question: can ``python -m fastcomm.advise`` be trusted where this machine ca
      a :class:`~fastcomm.advise.Link` fitted to gloo allreduce timed between two local processes
      (:mod:`fastcomm.advise.calibrate`), which does not overlap compute (its copies run on the computing
      cores); the two-node network's inside-node link is that loopback;
-   - kernel rates measured in this process with one thread (each rank has one), halved where 4 ranks share
+   - kernel rates measured in this process with one thread (each rank has one) on 16M elements (the hooks'
+     working set, past an L3 slice), halved where 4 ranks share
      2 cores, as is the loopback's bandwidth there.
 3. Rows: ``value`` is the measured step, ``predicted_s`` beside it, ``error`` = predicted / measured - 1.
    Where a row is off by more than 25% the notes say so and which part of the prediction is off, from the
@@ -75,6 +76,9 @@ _SHAPES = [
     for shape in ((fan_out, fan_in), (fan_out,))
 ]
 _FIT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 26)
+# kernel rates at the size of the hooks' work (a 25 MB bucket and its residual, codes and output), past a
+# 32 MB L3 slice: at 4M elements 8-bit quantization ran 1.5x faster here, in cache
+_RATE_NUMEL = 1 << 24
 
 
 def _measure(
@@ -244,12 +248,12 @@ def main(argv: Sequence[str] | None = None) -> str:
     if unknown:
         parser.error(f"unknown networks {unknown}; known: {NETWORKS}")
     cores = os.cpu_count() or 1
-    rates = measure_rates("cpu", threads=1)
+    rates = measure_rates("cpu", numel=_RATE_NUMEL, threads=1)
     loopback, loopback_note = _loopback_link(1.0)
     notes = [
         "model: MLP 1024-4096-4096-1024, 25.18M fp32 parameters; DDP's 25 MB buckets; "
         f"{args.warmup} warm-up + {args.steps} timed steps per configuration, slower rank's median",
-        f"kernel rates: measured here with 1 thread, e.g. quantize8 {rates.rates['quantize8'] / 1e9:.2f}, "
+        f"kernel rates: measured here with 1 thread on {_RATE_NUMEL >> 20}M elements, e.g. quantize8 {rates.rates['quantize8'] / 1e9:.2f}, "
         f"sign_compress {rates.rates['sign_compress'] / 1e9:.2f} GB/s of fp32 input",
         loopback_note,
         "advisor inputs: step_compute = floor_s, the no-op step timed beside each step of the row (their "

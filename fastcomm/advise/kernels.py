@@ -13,6 +13,7 @@ per second. :func:`kernel_rates` picks the source:
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import time
@@ -139,71 +140,94 @@ def _median_seconds(fn: Callable[[], object], device: str, repeat: int) -> float
 
 
 def measure_rates(
-    device: str = "cpu", numel: int = 1 << 22, repeat: int = 5, threads: int | None = None
+    device: str = "cpu",
+    numel: int = 1 << 22,
+    repeat: int = 5,
+    threads: int | None = None,
+    kernels: tuple[str, ...] | None = None,
 ) -> KernelRates:
     """Time each kernel of :data:`KERNELS` on ``numel`` fp32 elements of ``device`` (median of ``repeat``).
 
     Args:
         device: ``"cpu"`` or ``"cuda"``.
-        numel: elements per call; 4M (16 MB) is past the CPU caches and takes about 2 s on one core.
+        numel: elements per call; 4M (16 MB) takes about 2 s for every kernel on one core. Measure at the
+            size the hooks run (a DDP bucket: 25 MB and up) where that matters: 16 MB still fits one
+            32 MB L3 slice of a server CPU, and 8-bit quantization ran 1.5x faster there than at 64 MB.
         repeat: timed calls per kernel.
         threads: CPU threads to measure with (``torch.set_num_threads``; restored after), e.g. 1 for
             ranks that each use one core; ``None`` keeps the current setting.
+        kernels: keys of :data:`KERNELS` to time (``None``: all); the rates hold only these (and
+            ``sparse_entries_per_s`` is measured only with ``"topk_select"``, else ``nan``).
 
     Example::
 
         rates = measure_rates("cpu", numel=1 << 20, repeat=2, threads=1)
         rates.seconds("quantize8", 4 * 25_000_000)   # one 8-bit pass over 25M fp32 gradients
     """
+    unknown = sorted(set(kernels or ()) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"unknown kernels {unknown}; known: {', '.join(KERNELS)}")
     before = torch.get_num_threads()
     if threads is not None and device == "cpu":
         torch.set_num_threads(threads)
     try:
-        return _measure(device, numel, repeat)
+        return _measure(device, numel, repeat, tuple(KERNELS) if kernels is None else tuple(kernels))
     finally:
         torch.set_num_threads(before)
 
 
-def _measure(device: str, numel: int, repeat: int) -> KernelRates:
+def _measure(device: str, numel: int, repeat: int, kernels: tuple[str, ...]) -> KernelRates:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=g).to(device)
-    residual, written, into, out = (
-        torch.randn_like(x) * 0.01,
-        torch.empty_like(x),
-        torch.zeros_like(x),
-        torch.empty_like(x),
-    )
-    q8, q4 = ops.quantize_blockwise(x, bits=8), ops.quantize_blockwise(x, bits=4)
-    packed, sign_scales = ops.sign_compress(x)
-    cols = min(numel, 4096)
-    rows = numel // cols
-    matrix, feedback = x[: rows * cols].view(rows, cols), residual[: rows * cols].view(rows, cols)
-    formed, approx, owed = torch.empty_like(matrix), torch.empty_like(matrix), matrix.clone()
-    q_t = torch.randn(4, cols, generator=g).to(device)
-    p_mat = torch.randn(rows, 4, generator=g).to(device)
-    p_out, q_out = torch.empty_like(p_mat), torch.empty_like(q_t)
-    k = max(1, numel // 100)
-    calls: dict[str, Callable[[], object]] = {
-        "copy": lambda: out.copy_(x),
-        "quantize8": lambda: ops.quantize_blockwise(x, 8, 256, True, 1, written, residual),
-        "quantize4": lambda: ops.quantize_blockwise(x, 4, 256, True, 1, written, residual),
-        "dequantize8": lambda: ops.dequantize_blockwise_into(into, q8[0], q8[1], 8, 256, True),
-        "dequantize4": lambda: ops.dequantize_blockwise_into(into, q4[0], q4[1], 4, 256, True),
-        "sign_compress": lambda: ops.sign_compress(x, written, 2048, residual),
-        "sign_decompress": lambda: ops.sign_decompress_into(into, packed, sign_scales, 2048, True),
-        "topk_select": lambda: ops.topk_select(x, k, written, False, residual),
-        "powersgd_project": lambda: ops.powersgd_project(p_out, formed, q_t, matrix, feedback),
-        "powersgd_back_project": lambda: ops.powersgd_back_project(q_out, p_mat, matrix),
-        "powersgd_expand": lambda: ops.powersgd_expand(approx, p_mat, q_t, owed),
-    }
-    nbytes = 4 * numel
-    rates = {key: nbytes / _median_seconds(call, device, repeat) for key, call in calls.items()}
-    entries = 2 * k
-    idx = torch.randint(0, numel, (entries,), generator=g, dtype=torch.int32).to(device)
-    vals = torch.randn(entries, generator=g).to(device)
-    sparse_s = _median_seconds(lambda: ops.sparse_accumulate(into, idx, vals), device, repeat)
+    residual, written, into = torch.randn_like(x) * 0.01, torch.empty_like(x), torch.zeros_like(x)
+    rates = {key: 4 * numel / _median_seconds(_call(key, x, residual, written, into), device, repeat)
+             for key in kernels}  # fmt: skip
+    sparse = math.nan
+    if "topk_select" in kernels:
+        entries = 2 * max(1, numel // 100)
+        idx = torch.randint(0, numel, (entries,), generator=g, dtype=torch.int32).to(device)
+        vals = torch.randn(entries, generator=g).to(device)
+        sparse = entries / _median_seconds(lambda: ops.sparse_accumulate(into, idx, vals), device, repeat)
     threads = torch.get_num_threads() if device == "cpu" else None
-    return KernelRates(rates, entries / sparse_s, device, threads, "measured")
+    return KernelRates(rates, sparse, device, threads, "measured")
+
+
+def _call(key: str, x: torch.Tensor, residual: torch.Tensor, written: torch.Tensor,
+          into: torch.Tensor) -> Callable[[], object]:  # fmt: skip
+    """The call that times kernel ``key`` on ``x`` (its inputs made here, only for it)."""
+    if key == "copy":
+        out = torch.empty_like(x)
+        return lambda: out.copy_(x)
+    if key in ("quantize8", "quantize4"):
+        bits = int(key[-1])
+        return lambda: ops.quantize_blockwise(x, bits, 256, True, 1, written, residual)
+    if key in ("dequantize8", "dequantize4"):
+        bits = int(key[-1])
+        codes, scales = ops.quantize_blockwise(x, bits=bits)
+        return lambda: ops.dequantize_blockwise_into(into, codes, scales, bits, 256, True)
+    if key == "sign_compress":
+        return lambda: ops.sign_compress(x, written, 2048, residual)
+    if key == "sign_decompress":
+        packed, scales = ops.sign_compress(x)
+        return lambda: ops.sign_decompress_into(into, packed, scales, 2048, True)
+    if key == "topk_select":
+        k = max(1, x.numel() // 100)
+        return lambda: ops.topk_select(x, k, written, False, residual)
+    cols = min(x.numel(), 4096)
+    rows = x.numel() // cols
+    matrix, feedback = x[: rows * cols].view(rows, cols), residual[: rows * cols].view(rows, cols)
+    g = torch.Generator().manual_seed(1)
+    q_t = torch.randn(4, cols, generator=g).to(x.device)
+    p_mat = torch.randn(rows, 4, generator=g).to(x.device)
+    if key == "powersgd_project":
+        p_out, formed = torch.empty_like(p_mat), torch.empty_like(matrix)
+        return lambda: ops.powersgd_project(p_out, formed, q_t, matrix, feedback)
+    if key == "powersgd_back_project":
+        q_out = torch.empty_like(q_t)
+        return lambda: ops.powersgd_back_project(q_out, p_mat, matrix)
+    assert key == "powersgd_expand", key
+    approx, owed = torch.empty_like(matrix), matrix.clone()
+    return lambda: ops.powersgd_expand(approx, p_mat, q_t, owed)
 
 
 def kernel_rates(device: str = "cpu", path: str | Path | None = None) -> KernelRates:

@@ -37,7 +37,7 @@ from fastcomm.compress import (
 )
 from fastcomm.compress.protocol import Compressor
 
-__all__ = ["METHODS", "Cost", "Method", "method_cost"]
+__all__ = ["METHODS", "Cost", "Method", "codec_kernels", "method_cost"]
 
 _FP32 = 4
 
@@ -126,6 +126,18 @@ def _codec_passes(method: Method) -> tuple[str, str]:
         return "sign_compress", "sign_decompress"
     return "copy", "copy"  # a cast: about one memory pass each way
 
+
+
+def codec_kernels(method: Method) -> tuple[str, ...]:
+    """The :data:`~fastcomm.advise.kernels.KERNELS` keys :func:`method_cost` prices ``method``'s compression
+    with (none for dense allreduce), e.g. to measure only those (:func:`~fastcomm.advise.measure_rates`)."""
+    if method.exchange == "two_phase":
+        return tuple(dict.fromkeys(_codec_passes(method)))
+    if method.exchange == "all_gather":
+        return ("topk_select",)
+    if method.exchange == "powersgd":
+        return ("powersgd_project", "powersgd_back_project", "powersgd_expand")
+    return () if method.hook is None else ("copy",)
 
 def _two_phase(method: Method, topology: Topology, numel: int, rates: KernelRates) -> Cost:
     """One bucket of ``numel`` through the flat two-phase exchange over ``topology``'s ranks."""

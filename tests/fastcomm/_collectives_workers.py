@@ -272,7 +272,7 @@ def _auto_switch_case(rank: int, world: int) -> None:
     names = ("copy", "quantize8", "quantize4", "dequantize8", "dequantize4", "sign_compress",
              "sign_decompress", "topk_select", "powersgd_project", "powersgd_back_project", "powersgd_expand")
     fixed = KernelRates(dict.fromkeys(names, 4e9), 1e9, "cpu", 1, "given")  # fmt: skip
-    measured, auto._local_rates = auto._local_rates, lambda: fixed
+    measured, auto._local_rates = auto._local_rates, lambda *_: fixed
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))

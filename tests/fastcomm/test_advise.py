@@ -236,6 +236,26 @@ def test_committed_kernel_results_load():
 def test_kernel_rates_can_be_measured_here():
     rates = measure_rates("cpu", numel=1 << 16, repeat=1, threads=1)
     assert set(rates.rates) == set(KERNELS) and all(v > 0 for v in rates.rates.values())
+    assert rates.sparse_entries_per_s > 0
+
+
+def test_kernel_rates_of_the_methods_that_are_priced():
+    """``kernels=`` times only those (what auto measures); every method's cost needs only its own."""
+    from fastcomm.advise.methods import codec_kernels
+
+    quant8 = next(m for m in METHODS if m.name == "quant8")
+    rates = measure_rates("cpu", numel=3 * 4096 + 256, repeat=1, kernels=codec_kernels(quant8))
+    assert set(rates.rates) == {"quantize8", "dequantize8"} and all(v > 0 for v in rates.rates.values())
+    assert math.isnan(rates.sparse_entries_per_s)
+    topology = Topology(2, 1, inter=Link(1e-4, 1e8), intra=Link(1e-4, 1e8))
+    for method in METHODS:
+        if method.exchange == "powersgd":
+            continue  # priced from the model's matrix shapes
+        own = measure_rates("cpu", numel=1 << 14, repeat=1, kernels=codec_kernels(method))
+        assert method_cost(method, topology, 100_000, 2, own, []).codec_s >= 0, method.name
+    assert codec_kernels(METHODS[0]) == ()
+    with pytest.raises(ValueError, match="unknown kernels"):
+        measure_rates("cpu", numel=1024, kernels=("quantise8",))
 
 
 def test_fit_link_recovers_alpha_and_bandwidth():
