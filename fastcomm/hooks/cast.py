@@ -44,11 +44,30 @@ class CastState(HookState):
         self.dtype = dtype
         super().__init__(process_group)
 
+    def _reset_internal(self) -> None:
+        super()._reset_internal()
+        # bucket index -> its wire tensor, kept across steps: a fresh 50 MB tensor per step costs its page
+        # faults (25M elements: 35 ms to divide and cast into a new one, 11 ms into a kept one, on one core)
+        self._wires: dict[int, Tensor] = {}
+
+    def wire_for(self, bucket_index: int, buffer: Tensor) -> Tensor:
+        """The kept wire tensor of bucket ``bucket_index`` (``state.dtype``, ``buffer``'s shape and device).
+
+        Reused from step to step: DDP finishes a step's buckets before the next step's hook calls start.
+        """
+        wire = self._wires.get(bucket_index)
+        wanted = (buffer.shape, buffer.device, self.dtype)
+        if wire is None or (wire.shape, wire.device, wire.dtype) != wanted:
+            wire = self._wires[bucket_index] = buffer.new_empty(buffer.shape, dtype=self.dtype)
+        return wire
+
 
 def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP comm hook: mean over ranks computed by an allreduce in ``state.dtype``.
 
-    1. ``wire = (bucket / W).to(dtype)`` in one pass: divided first, so the sum cannot overflow.
+    1. ``wire = (bucket / W).to(dtype)``: divided in place first (so the sum cannot overflow), then cast
+       into the bucket's kept wire tensor (:meth:`CastState.wire_for`): the same bits as a fused
+       divide-and-cast, which torch runs 5x slower on CPU.
     2. One async allreduce of ``wire``.
     3. Cast the result back into the bucket's buffer; record whether it is finite (for step accounting).
 
@@ -73,7 +92,10 @@ def cast_hook(state: CastState | None, bucket: dist.GradBucket) -> torch.futures
         return state.local(buffer)
     timer = Timer()
     with timer:
-        wire = torch.div(buffer, world_size, out=buffer.new_empty(buffer.shape, dtype=state.dtype))
+        if buffer.dtype == state.dtype:
+            wire = buffer.div_(world_size)
+        else:
+            wire = state.wire_for(bucket.index(), buffer).copy_(buffer.div_(world_size))
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
     state.accounting.count(
         ring_bytes(wire.numel(), wire.element_size(), world_size),

@@ -735,6 +735,7 @@ def training_modes_worker(rank: int, world_size: int) -> None:
     for name in HOOK_CASES:
         _check_grad_scaler_skip(rank, name)
     _check_dense_steps_count_a_skip(rank, world_size)
+    _check_cast_steps_are_the_bf16_mean(rank, world_size)
     _check_half_precision_models(rank, world_size)
     _check_no_sync(rank, world_size)
 
@@ -798,6 +799,27 @@ def _check_dense_steps_count_a_skip(rank: int, world_size: int) -> None:
             torch.testing.assert_close(p.grad, torch.stack(grads).sum(0) / world_size)
     stats = state.stats()
     assert stats["steps"] == 3 and stats["skipped_steps"] == 1 and stats["compressed_buckets"] == 0, stats
+
+
+def _check_cast_steps_are_the_bf16_mean(rank: int, world_size: int) -> None:
+    """cast (bf16) over several steps, across DDP's bucket rebuild (its wire tensors are kept per bucket):
+    each gradient is exactly the bf16 allreduce of bf16(g_r / W) (2 ranks: one rounded sum, any order)."""
+    assert world_size == 2
+    model = make_mlp(42)
+    local = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)
+    fastcomm.register(ddp, "cast")
+    for step in range(4):
+        ddp.zero_grad()
+        local.zero_grad()
+        loss_of(ddp, rank, step).backward()
+        loss_of(local, rank, step).backward()
+        for p, q in zip(model.parameters(), local.parameters(), strict=True):
+            grads = [torch.empty_like(q.grad) for _ in range(world_size)]
+            dist.all_gather(grads, q.grad)
+            wire = [(g / world_size).to(torch.bfloat16) for g in grads]
+            expected = (wire[0] + wire[1]).float()
+            assert torch.equal(p.grad, expected), f"cast step {step}: not the bf16 mean"
 
 def _check_half_precision_models(rank: int, world_size: int) -> None:
     """DDP over fp16 and bf16 models: every hook returns finite buckets of that dtype near the dense mean."""
