@@ -5,8 +5,8 @@ hook call of bucket 0 (so every rank does it at the same point):
 
 1. The link: two timed allreduces of probe tensors (small and large) give its latency and bandwidth.
 2. Each candidate's compression and decoding on the buckets' device (:func:`fastcomm.advise.measure_rates`
-   of the candidates' kernels on 16M elements, the size of a DDP bucket and past a CPU's L3 slice: in
-   cache they ran 1.5x faster and made compression look cheaper than it is).
+   of the candidates' kernels on as many elements as the largest bucket, up to 16M: on a small tensor, in
+   a CPU's cache, they ran 1.5x faster and made compression look cheaper than it is).
 
 The slowest rank's figures are agreed on by one allreduce (MAX of times), so every rank makes the same
 choice. Each bucket size then gets the candidate of least predicted time (``fastcomm.advise``'s model of
@@ -52,7 +52,9 @@ CANDIDATES: dict[str, Method] = {
 }
 _DEFAULT = ("cast16", "quant8", "quant4")
 _PROBE_NUMELS = (1024, 1 << 20)
-_RATE_NUMEL = 1 << 24  # 64 MB of fp32: a DDP bucket's size, past a CPU's L3 slice
+# kernels are timed on as many elements as the largest bucket seen, within these bounds (64 MB of fp32 at
+# the most: DDP's 25 MB buckets and the hooks' residuals and codes beside them are past a CPU's L3 slice)
+_RATE_NUMELS = (1 << 16, 1 << 24)
 
 
 def choose(numel: int, world_size: int, link: Link, rates: KernelRates, candidates: tuple[str, ...],
@@ -136,6 +138,7 @@ class AutoState(TwoPhaseState):
         self.choices: dict[int, str] = {}
         self._measured_at = -1
         self._iteration_start: float | None = None
+        self._largest = 0  # the largest bucket seen (elements): the kernels are timed at its size
         # After a measurement: "chosen" (trial steps under the choice), then "dense" (as many dense steps),
         # then "settled". The step periods (seconds) of each; whether the choice was found slower than dense
         # (then every bucket is dense until the next measurement).
@@ -146,6 +149,7 @@ class AutoState(TwoPhaseState):
 
     def begin_bucket(self, bucket: dist.GradBucket) -> Any:
         key = super().begin_bucket(bucket)
+        self._largest = max(self._largest, bucket.buffer().numel())
         if bucket.index() != 0 or dist.get_world_size(self.process_group) == 1:
             return key
         steps = self.accounting.steps
@@ -157,7 +161,7 @@ class AutoState(TwoPhaseState):
         if due:
             self.measured = _agreed(
                 self.link or _probe_link(self.process_group),
-                _local_rates(bucket.buffer().device.type, self.candidates),
+                _local_rates(bucket.buffer().device.type, self.candidates, self._largest),
                 self.process_group,
             )
             self.choices, self.reverted, self._measured_at = {}, False, steps
@@ -247,10 +251,12 @@ def _trial_medians(periods: dict[str, list[float]], group: dist.ProcessGroup | N
     return float(medians[0]), float(medians[1])
 
 
-def _local_rates(device: str, candidates: tuple[str, ...]) -> KernelRates:
-    """The candidates' compression kernels timed on ``device`` (every rank measures the same keys)."""
+def _local_rates(device: str, candidates: tuple[str, ...], largest: int) -> KernelRates:
+    """The candidates' compression kernels timed on ``device`` at the largest bucket's size, within
+    :data:`_RATE_NUMELS` (every rank measures the same keys; the slowest rank's figures are agreed on)."""
     kernels = tuple(dict.fromkeys(k for name in candidates for k in codec_kernels(CANDIDATES[name])))
-    return measure_rates(device, numel=_RATE_NUMEL, repeat=3, kernels=kernels)
+    low, high = _RATE_NUMELS
+    return measure_rates(device, numel=min(max(largest, low), high), repeat=3, kernels=kernels)
 
 
 def _agreed(link: Link, rates: KernelRates, group: dist.ProcessGroup | None) -> tuple[Link, KernelRates]:
