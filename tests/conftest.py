@@ -16,15 +16,16 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ.get("FASTLIB_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
 
-# `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile), in the order
-# collected: these files take a minute or more each on 2 cores, so they start first, one per worker, and the
-# short files fill in around them. Only the order changes; a run without xdist runs them first too.
+# `make test` runs the suite on three pytest-xdist workers, a file to a worker (--dist loadfile), in the order
+# collected: these files take 40 s to 3 min each on 2 cores (--durations=0, summed per file), so they start
+# first, longest first, and the short files fill in around them. Only the order changes; a run without xdist runs them first too.
 LONG_FIRST = (
     "tests/test_fault_tolerance.py",
     "tests/test_fault_checkpoints.py",
+    "tests/fastio/test_remote_parts.py",
+    "tests/test_examples.py",
     "tests/fastcomm/test_clean_exit.py",
     "tests/fastcomm/test_hooks_stress.py",
-    "tests/test_examples.py",
 )
 
 
