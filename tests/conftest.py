@@ -18,7 +18,8 @@ torch.set_num_threads(int(os.environ.get("FASTLIB_TEST_THREADS", min(2, os.cpu_c
 
 # `make test` runs the suite on three pytest-xdist workers, a file to a worker (--dist loadfile), in the order
 # collected: these files take 40 s to 3 min each on 2 cores (--durations=0, summed per file), so they start
-# first, longest first, and the short files fill in around them. Only the order changes; a run without xdist runs them first too.
+# first, longest first, and the short files fill in around them. Only the order changes; a run without
+# xdist runs them first too.
 LONG_FIRST = (
     "tests/test_fault_tolerance.py",
     "tests/test_fault_checkpoints.py",
