@@ -253,8 +253,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     notes = [
         "model: MLP 1024-4096-4096-1024, 25.18M fp32 parameters; DDP's 25 MB buckets; "
         f"{args.warmup} warm-up + {args.steps} timed steps per configuration, slower rank's median",
-        f"kernel rates: measured here with 1 thread on {_RATE_NUMEL >> 20}M elements, e.g. quantize8 {rates.rates['quantize8'] / 1e9:.2f}, "
-        f"sign_compress {rates.rates['sign_compress'] / 1e9:.2f} GB/s of fp32 input",
+        f"kernel rates: measured here with 1 thread on {_RATE_NUMEL >> 20}M elements, e.g. quantize8 "
+        f"{rates.rates['quantize8'] / 1e9:.2f}, sign_compress {rates.rates['sign_compress'] / 1e9:.2f} GB/s "
+        "of fp32 input",
         loopback_note,
         "advisor inputs: step_compute = floor_s, the no-op step timed beside each step of the row (their "
         "median); links as the CLI parses them (1gbit -> 119.5 MB/s of TCP payload), loopback fitted; "

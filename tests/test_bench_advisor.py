@@ -67,7 +67,8 @@ def test_auto_gets_a_row_with_its_choice_and_the_issue_targets_as_notes():
     stats = {"auto_dense_buckets": 0, "auto_quant4_buckets": 2, "auto_reverted": 1,
              "auto_trial_chosen_step_s": 0.41, "auto_trial_dense_step_s": 0.37}
     auto = SimpleNamespace(status="ok", step_seconds=0.372, stats=stats, floor_seconds=0.25)
-    outcomes = {"allreduce": (_outcome(0.36), 1.0), "quant4": (_outcome(0.40, 0.05), 1.0), "auto": (auto, 1.0)}
+    outcomes = {"allreduce": (_outcome(0.36), 1.0), "quant4": (_outcome(0.40, 0.05), 1.0),
+                "auto": (auto, 1.0)}
     rows = bench_advisor._rows("loopback", outcomes, kwargs, timed_steps=4)
     row = {r.backend: r for r in rows}["auto"]
     assert row.value == 0.372 and "predicted_s" not in row.extra
