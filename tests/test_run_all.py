@@ -213,6 +213,19 @@ def test_make_bench_passes_full_and_update_results(variables, flags):
     assert line.split("benchmarks.run_all", 1)[1].split() == flags.split()
 
 
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_bench_installs_what_the_benchmarks_import(tmp_path):
+    """From nothing (a venv that does not exist yet), ``make bench`` installs the remote extras too: without
+    aiohttp bench_shuffle and bench_remote failed on a fresh clone (their shards are read over HTTP)."""
+    dry = subprocess.run(
+        ["make", "-n", "bench", f"VENV={tmp_path / 'venv'}"], cwd=_REPO, capture_output=True, text=True
+    )
+    installs = [line for line in dry.stdout.splitlines() if "pip install" in line]
+    for needed in ("aiohttp", "fsspec", "torchdata", "numpy", "-e ."):
+        assert any(needed in line for line in installs), f"make bench does not install {needed}: {installs}"
+    assert dry.stdout.rstrip().splitlines()[-1].split()[-1] == "benchmarks.run_all"
+
 def test_progress_prints_the_elapsed_time_to_stderr(capsys):
     harness.progress("loss run 1 of 3")
     err = capsys.readouterr().err
