@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shutil
 import subprocess
 import time
@@ -218,13 +219,18 @@ def test_make_bench_passes_full_and_update_results(variables, flags):
 def test_make_bench_installs_what_the_benchmarks_import(tmp_path):
     """From nothing (a venv that does not exist yet), ``make bench`` installs the remote extras too: without
     aiohttp bench_shuffle and bench_remote failed on a fresh clone (their shards are read over HTTP)."""
+    # not as a sub-make of `make test` (whose MAKEFLAGS would add "Entering directory" lines)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     dry = subprocess.run(
-        ["make", "-n", "bench", f"VENV={tmp_path / 'venv'}"], cwd=_REPO, capture_output=True, text=True
-    )
-    installs = [line for line in dry.stdout.splitlines() if "pip install" in line]
+        ["make", "-n", "bench", f"VENV={tmp_path / 'venv'}"],
+        cwd=_REPO, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    lines = dry.stdout.splitlines()
+    installs = [line for line in lines if "pip install" in line]
     for needed in ("aiohttp", "fsspec", "torchdata", "numpy", "-e ."):
         assert any(needed in line for line in installs), f"make bench does not install {needed}: {installs}"
-    assert dry.stdout.rstrip().splitlines()[-1].split()[-1] == "benchmarks.run_all"
+    runs = [i for i, line in enumerate(lines) if "-m benchmarks.run_all" in line]
+    assert runs and all(i < runs[0] for i, line in enumerate(lines) if "pip install" in line), lines
 
 def test_progress_prints_the_elapsed_time_to_stderr(capsys):
     harness.progress("loss run 1 of 3")
