@@ -276,6 +276,7 @@ TOLERANCE = 0.25
 ATTEMPTS = 3
 
 
+@pytest.mark.alone
 def test_ring_model_matches_gloo_allreduce_on_loopback():
     cores = os.cpu_count() or 1
     for _ in range(ATTEMPTS):
