@@ -6,7 +6,7 @@ Before the exit wait of :mod:`fastcomm.collectives._threads`, a rank aborted wit
 active exception" in up to a few of every 50 runs (topk 1, sign 2, quantize 0 of 50 here; under torchrun
 sign 3 of 25), whenever the interpreter began finalizing while a gloo thread still had to drop a finished
 collective's Python callback. ``test_collectives_threads.py`` holds that window open deterministically; this
-file is the sampled guard of a real exit (40 runs: at the old rates, about two chances in three of a failure;
+file is the sampled guard of a real exit (40 runs: at the old rates, about 0.8 expected failures;
 the deterministic test is the one that holds the fix, and this one costs about 0.8 s of CPU per run; 60 runs
 took 41 s of a 2-core CI run's worker).
 
