@@ -214,7 +214,6 @@ def test_make_bench_passes_full_and_update_results(variables, flags):
     assert line.split("benchmarks.run_all", 1)[1].split() == flags.split()
 
 
-
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_bench_installs_what_the_benchmarks_import(tmp_path):
     """From nothing (a venv that does not exist yet), ``make bench`` installs the remote extras too: without
@@ -231,6 +230,7 @@ def test_make_bench_installs_what_the_benchmarks_import(tmp_path):
         assert any(needed in line for line in installs), f"make bench does not install {needed}: {installs}"
     runs = [i for i, line in enumerate(lines) if "-m benchmarks.run_all" in line]
     assert runs and all(i < runs[0] for i, line in enumerate(lines) if "pip install" in line), lines
+
 
 def test_progress_prints_the_elapsed_time_to_stderr(capsys):
     harness.progress("loss run 1 of 3")

@@ -127,7 +127,6 @@ def _codec_passes(method: Method) -> tuple[str, str]:
     return "copy", "copy"  # a cast: about one memory pass each way
 
 
-
 def codec_kernels(method: Method) -> tuple[str, ...]:
     """The :data:`~fastcomm.advise.kernels.KERNELS` keys :func:`method_cost` prices ``method``'s compression
     with (none for dense allreduce), e.g. to measure only those (:func:`~fastcomm.advise.measure_rates`)."""
@@ -138,6 +137,7 @@ def codec_kernels(method: Method) -> tuple[str, ...]:
     if method.exchange == "powersgd":
         return ("powersgd_project", "powersgd_back_project", "powersgd_expand")
     return () if method.hook is None else ("copy",)
+
 
 def _two_phase(method: Method, topology: Topology, numel: int, rates: KernelRates) -> Cost:
     """One bucket of ``numel`` through the flat two-phase exchange over ``topology``'s ranks."""

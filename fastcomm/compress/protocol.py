@@ -57,7 +57,6 @@ def all_finite(tensor: Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
-
 def scale_all_finite_(tensor: Tensor, factor: float) -> bool:
     """Multiply ``tensor`` by ``factor`` in place and say whether every element was finite, in one pass.
 
@@ -80,6 +79,7 @@ def scale_all_finite_(tensor: Tensor, factor: float) -> bool:
     scale = torch.full((1,), factor, dtype=torch.float32, device=tensor.device)
     torch._amp_foreach_non_finite_check_and_unscale_([tensor], found, scale)
     return not bool(found.item())
+
 
 @runtime_checkable
 class Compressor(Protocol):

@@ -776,7 +776,6 @@ def _check_grad_scaler_skip(rank: int, name: str) -> None:
     assert all(torch.isfinite(state.residual_of(p)).all() for p in model.parameters())
 
 
-
 def _check_dense_steps_count_a_skip(rank: int, world_size: int) -> None:
     """Dense buckets (before ``start_iter``): the mean is the sum divided after it arrives, checked in the
     same pass; an inf on one rank is a skipped step on every rank, finite steps are the plain mean."""
@@ -820,6 +819,7 @@ def _check_cast_steps_are_the_bf16_mean(rank: int, world_size: int) -> None:
             wire = [(g / world_size).to(torch.bfloat16) for g in grads]
             expected = (wire[0] + wire[1]).float()
             assert torch.equal(p.grad, expected), f"cast step {step}: not the bf16 mean"
+
 
 def _check_half_precision_models(rank: int, world_size: int) -> None:
     """DDP over fp16 and bf16 models: every hook returns finite buckets of that dtype near the dense mean."""

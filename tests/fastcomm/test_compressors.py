@@ -92,7 +92,6 @@ def test_all_finite_agrees_with_isfinite(dtype, seed):
     assert all_finite(torch.full((3, 7), big, dtype=dtype)) is True  # every partial sum overflows
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
 def test_scale_all_finite_is_mul_then_all_finite(dtype, seed):
@@ -115,6 +114,7 @@ def test_scale_all_finite_is_mul_then_all_finite(dtype, seed):
     assert scale_all_finite_(torch.empty(0, dtype=dtype), 0.5) is True
     with pytest.raises(TypeError, match="floating-point"):
         scale_all_finite_(torch.ones(3, dtype=torch.int32), 0.5)
+
 
 def test_topk_payload_holds_the_k_largest_magnitudes():
     x = _input("topk-largest", 1000)
