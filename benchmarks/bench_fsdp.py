@@ -2,13 +2,16 @@
 
 Parts (``--parts``, all by default; rank-side code in :mod:`benchmarks.fsdp_jobs`):
 
-1. ``loss``: a student MLP (nested ``fully_shard`` on every layer and the root) fits a fixed random teacher
+1. ``loss``: a student MLP (nested ``fully_shard`` on every layer and the root, each of ``--loss-layouts``)
+   fits a fixed random teacher
    MLP with Adam for ``--loss-steps`` steps on 2 ranks, each method from the same weights and batches; the
    row is the validation MSE on 2,048 held-out samples, beside dense FSDP2's. From the same runs: each
    method's first reduced gradient's error against dense's, its error-feedback bytes per parameter and its
    reduce-scatter's compression ratio (``stats()``).
 2. ``speed``: a ``--width`` x ``--depth`` MLP (2048 x 6: 25M parameters), every layer and the root sharded
-   (FSDP2's defaults: weights all-gathered for forward and again for backward), SGD, 2 ranks; the slower
+   in each of ``--speed-layouts`` (:data:`benchmarks.fsdp_jobs.LAYOUTS`: FSDP2's defaults, fp32 weights
+   all-gathered for forward and again for backward; bf16 compute weights with fp32 gradient reduction;
+   each with ``reshard_after_forward`` True or False), SGD, 2 ranks; the slower
    rank's median step time over ``--timed`` steps after ``--warmup``, on loopback and, where
    :mod:`benchmarks.netlab` works (root, ``ip``, ``tc``), over a 1 Gbit/s tbf link between two namespaces,
    where the veths' byte counters give the bytes per step. Targets: 8-bit no slower than 1.1x dense on
@@ -41,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -52,8 +54,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fsdp_jobs, harness, netlab
-from benchmarks.fsdp_jobs import METHODS
+from benchmarks import fsdp_jobs, fsdp_rows, harness, netlab
+from benchmarks.fsdp_jobs import LAYOUTS, METHODS
+from benchmarks.fsdp_rows import speed_case, verdicts
 
 __all__ = ["METHODS", "PARTS", "main"]
 
@@ -64,7 +67,8 @@ MEMORY_METHODS = ("dense", "q8-stochastic-no-ef", "q8", "q8-bf16-residual")
 HSDP_METHODS = ("dense", "q8", "q4")
 LM_METHODS = ("none", "q8", "sign", "sign_c64", "sgd", "sign_sgd")
 PARTS = ("loss", "speed", "memory", "hsdp", "lm")
-# the part each case's rows come from (for --merge)
+SPEED_LAYOUTS = ("fp32", "fp32-keep", "bf16", "bf16-keep")
+# the part each case's rows come from (for --merge), by the case's first word
 CASE_PART = {
     "loss": "loss",
     "correctness": "loss",
@@ -76,6 +80,13 @@ CASE_PART = {
     "hsdp-nodes": "hsdp",
     "lm": "lm",
 }
+
+
+def case_part(case: str) -> str:
+    """The part whose run gives ``case``'s rows (``speed-1gbit bf16-keep`` -> ``speed``)."""
+    return CASE_PART[case.split()[0]]
+
+
 LINK_RATE = "1gbit"
 _JOBS = {
     "loss": fsdp_jobs.loss_run,
@@ -201,211 +212,6 @@ def _launch(spec: dict[str, Any], link: netlab.Link | None, label: str, timeout_
         return json.loads(out.read_text())
 
 
-def _loss_rows(loss: dict[str, Any]) -> list[harness.Row]:
-    dense = loss["dense"]["val_loss"]
-    rows = [
-        harness.Row(
-            "loss",
-            m,
-            "val_loss",
-            r["val_loss"],
-            "mse",
-            r["val_loss"] / dense,
-            "dense",
-            {"params": r["params"]},
-        )
-        for m, r in loss.items()
-    ]
-    rows += [
-        harness.Row("correctness", m, "first_grad_rel_error", r["grad_rel_error"], "relative L2")
-        for m, r in loss.items()
-    ]
-    rows += [
-        harness.Row("memory", m, "residual_bytes_per_param", r["residual_bytes_per_param"], "B/param")
-        for m, r in loss.items()
-    ]
-    rows += [
-        harness.Row("traffic", m, "reduce_scatter_compression", r["compression_ratio"], "x")
-        for m, r in loss.items()
-    ]
-    return rows
-
-
-def _speed_rows(results: dict[str, Any], case: str) -> list[harness.Row]:
-    dense = results["dense"]
-    rows = []
-    for method, r in results.items():
-        extra: dict[str, Any] = {"params": r["params"]}
-        if r.get("link_bytes_per_step") is not None:
-            extra["link_MB/step"] = round(r["link_bytes_per_step"] / 1e6, 2)
-            extra["link_vs_dense"] = round(r["link_bytes_per_step"] / dense["link_bytes_per_step"], 3)
-        rows.append(
-            harness.Row(
-                case, method, "step_time", r["step_s"], "s", r["step_s"] / dense["step_s"], "dense", extra
-            )
-        )
-    return rows
-
-
-def _memory_rows(results: dict[str, Any]) -> list[harness.Row]:
-    rows = []
-    for metric in ("peak_bytes", "persistent_bytes"):
-        dense = results["dense"][metric]
-        rows += [
-            harness.Row(
-                "memory-peak",
-                m,
-                f"{metric}_per_param",
-                r[metric] / r["params"],
-                "B/param",
-                r[metric] / dense,
-                "dense",
-                {"params": r["params"], "residual_B/param": round(r["residual_bytes"] / r["params"], 3)},
-            )
-            for m, r in results.items()
-        ]
-    return rows
-
-
-def _hsdp_rows(results: dict[str, Any]) -> list[harness.Row]:
-    dense = results["dense"]
-    rows = []
-    for method, r in results.items():
-        extra = {
-            "params": r["params"],
-            "payload_MB/step": round(r["payload_bytes_per_step"] / 1e6, 3),
-            "payload_vs_dense": round(r["payload_bytes_per_step"] / dense["payload_bytes_per_step"], 4),
-        }
-        if r.get("link_bytes_per_step") is not None:
-            rows.append(
-                harness.Row(
-                    "hsdp-nodes",
-                    method,
-                    "cross_node_bytes",
-                    r["link_bytes_per_step"] / 1e6,
-                    "MB/step",
-                    r["link_bytes_per_step"] / dense["link_bytes_per_step"],
-                    "dense",
-                    extra,
-                )
-            )
-        rows.append(
-            harness.Row(
-                "hsdp-nodes",
-                method,
-                "step_time",
-                r["step_s"],
-                "s",
-                r["step_s"] / dense["step_s"],
-                "dense",
-                {"params": r["params"]},
-            )
-        )
-    return rows
-
-
-def _lm_rows(results: dict[str, Any]) -> list[harness.Row]:
-    """The validation loss of each LM method (ratios by :func:`_lm_rated`)."""
-    rows = []
-    for method, r in results.items():
-        extra = {"params": r["params"], "optimizer": r["optimizer"], "s/step": round(r["step_s"], 3)}
-        if r.get("diverged"):
-            extra["diverged"] = r["diverged"]
-        rows.append(harness.Row("lm", method, "val_loss", r["val_loss"], "nats/byte", None, None, extra))
-    return rows
-
-
-def _lm_rated(rows: Sequence[harness.Row]) -> list[harness.Row]:
-    """``rows`` with each LM row's ratio to the dense run of its optimizer (``none`` for AdamW, ``sgd`` for
-    SGD), where that run is among them."""
-    dense = {r.extra["optimizer"]: r for r in rows if r.case == "lm" and r.backend in ("none", "sgd")}
-    rated = []
-    for row in rows:
-        base = dense.get(row.extra.get("optimizer")) if row.case == "lm" else None
-        if base is not None and math.isfinite(row.value or math.nan):
-            row = dataclasses.replace(row, ratio=row.value / base.value, ratio_to=base.backend)
-        rated.append(row)
-    return rated
-
-
-def _find(rows: Sequence[harness.Row], case: str, backend: str, metric: str) -> harness.Row | None:
-    return next((r for r in rows if (r.case, r.backend, r.metric) == (case, backend, metric)), None)
-
-
-def _gap_note(row: harness.Row | None, label: str, target: float) -> list[str]:
-    if row is None or row.ratio is None:
-        return []
-    gap = row.ratio - 1
-    verdict = "meets" if gap <= target else "misses"
-    return [
-        f"{label} validation loss {gap:+.2%} vs {row.ratio_to} (lower is better): {verdict} the target of "
-        f"at most {target:.1%} above"
-    ]
-
-
-def _byte_bound_note(rows: Sequence[harness.Row]) -> list[str]:
-    """Why q8 alone cannot make a step 2x faster on the link, from the link bytes of the speed rows."""
-    link = {m: _find(rows, "speed-1gbit", m, "step_time") for m in ("dense", "q8", "q8-qwz")}
-    if any(r is None or "link_MB/step" not in r.extra for r in link.values()):
-        return []
-    dense, q8, qwz = (link[m].extra["link_MB/step"] for m in ("dense", "q8", "q8-qwz"))  # type: ignore[union-attr]
-    return [
-        f"1gbit bytes on the link per step: dense {dense:.1f} MB, q8 {q8:.1f} MB ({q8 / dense:.3f}), "
-        f"q8-qwz {qwz:.1f} MB ({qwz / dense:.3f}). q8 compresses the gradient's reduce-scatter only; "
-        "FSDP2's parameter all-gathers (for forward, and again for backward) stay dense, so a q8 step still "
-        f"moves {q8 / dense:.2f} of dense's bytes and cannot be more than {dense / q8:.2f}x faster even if "
-        "the link were all of the step; with the all-gathers in 8-bit too (q8-qwz) it could be "
-        f"{dense / qwz:.1f}x"
-    ]
-
-
-def _notes(rows: Sequence[harness.Row]) -> list[str]:
-    """Each target's verdict, computed from the rows."""
-    notes = []
-    for method, target in (("q8", 0.005), ("sign-ef", 0.02)):
-        notes += _gap_note(_find(rows, "loss", method, "val_loss"), method, target)
-    for case in ("speed-loopback", "speed-1gbit"):
-        for method in ("q8", "q8-qwz"):
-            row = _find(rows, case, method, "step_time")
-            if row is not None and row.ratio:
-                target = "1/1.1x (loopback)" if case == "speed-loopback" else "2x (1 Gbit/s)"
-                notes.append(
-                    f"{case.removeprefix('speed-')}: {method} is {1 / row.ratio:.2f}x dense's speed "
-                    f"(target {target})"
-                )
-    notes += _byte_bound_note(rows)
-    for method in ("q8", "q4"):
-        row = _find(rows, "hsdp-nodes", method, "cross_node_bytes")
-        if row is not None and row.ratio is not None:
-            verdict = "meets" if row.ratio <= 0.25 else "misses"
-            notes.append(
-                f"hsdp-nodes: {method} replicate-only sends {row.ratio:.3f} of dense HSDP's cross-node "
-                f"bytes (veth counters; payload count {row.extra['payload_vs_dense']:.3f}): {verdict} "
-                "the target of at most 1/4"
-            )
-    for method in ("q8-stochastic-no-ef", "q8", "q8-bf16-residual"):
-        row = _find(rows, "memory-peak", method, "peak_bytes_per_param")
-        dense = _find(rows, "memory-peak", "dense", "peak_bytes_per_param")
-        if row is not None and dense is not None:
-            notes.append(
-                f"memory-peak: {method} peaks at {row.value:.2f} B/param per rank, dense FSDP2 at "
-                f"{dense.value:.2f} ({row.value - dense.value:+.2f})"
-            )
-    for method, label, target in (
-        ("q8", "lm q8 (AdamW)", 0.005),
-        ("sign", "lm sign-ef (AdamW)", 0.02),
-        ("sign_c64", "lm sign-ef chunk 64 (AdamW)", 0.02),
-        ("sign_sgd", "lm sign-ef (SGD momentum)", 0.02),
-    ):
-        row = _find(rows, "lm", method, "val_loss")
-        if row is not None and row.extra.get("diverged"):
-            notes.append(
-                f"{label} diverged ({row.extra['diverged']}): misses the target of at most {target:.1%} above"
-            )
-        notes += _gap_note(row, label, target)
-    return notes
-
-
 def _merged(
     previous: Path, parts: Sequence[str], rows: list[harness.Row], notes: list[str]
 ) -> tuple[list[harness.Row], list[str]]:
@@ -427,8 +233,56 @@ def _merged(
         return part not in parts
 
     order = {part: i for i, part in enumerate(PARTS)}
-    merged = sorted([*kept, *rows], key=lambda r: order[CASE_PART[r.case]])
-    return _lm_rated(merged), [*(n for n in data["notes"] if keep(n)), *notes]
+    merged = sorted([*kept, *rows], key=lambda r: order[case_part(r.case)])
+    return fsdp_rows.lm_rated(merged), [*(n for n in data["notes"] if keep(n)), *notes]
+
+
+def _layouts(names: str) -> list[str]:
+    """``--*-layouts``'s names, each a key of :data:`~benchmarks.fsdp_jobs.LAYOUTS`."""
+    layouts = [name for name in names.split(",") if name]
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        raise SystemExit(f"bench_fsdp: unknown layouts {unknown}; choose from {', '.join(LAYOUTS)}")
+    return layouts
+
+
+def _speed_part(args: argparse.Namespace, reason: str | None, notes: list[str]) -> list[harness.Row]:
+    """The speed part: one launch per network and layout (:data:`~benchmarks.fsdp_jobs.LAYOUTS`)."""
+    layouts = _layouts(args.speed_layouts)
+    spec = {
+        "job": "speed",
+        "methods": args.speed_methods.split(","),
+        "width": args.width,
+        "depth": args.depth,
+        "warmup": args.warmup,
+        "timed": args.timed,
+    }
+    notes.append(
+        f"speed: 2 gloo ranks; {args.width} x {args.depth} MLP, every layer and the root sharded, SGD, "
+        "batch 16; link_MB/step = both veths' tx counters over the timed steps (headers included). "
+        "Layouts (the case's second word; none: fp32): fp32 = FSDP2's defaults (fp32 parameters, "
+        "resharded after forward, so all-gathered for forward and again for backward); bf16 = "
+        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (parameters all-gathered and computed "
+        "in bf16, gradients reduced in fp32); -keep = reshard_after_forward=False (one all-gather per "
+        "step; the unsharded parameters are held from forward to backward). Dense and compressed run the "
+        "same layout"
+    )
+    rows: list[harness.Row] = []
+    networks = [n for n in ("loopback", LINK_RATE) if args.network in (n, "both")]
+    if LINK_RATE in networks and reason is not None:
+        print(f"skip bench_fsdp {LINK_RATE} link: {reason}", flush=True)
+        networks.remove(LINK_RATE)
+    for network in networks:
+        for layout in layouts:
+            harness.progress(f"bench_fsdp: speed on {network}, layout {layout}")
+            layout_spec = {**spec, "layout": layout}
+            if network == "loopback":
+                results = _launch(layout_spec, None, f"loopback {layout}", args.timeout)
+            else:
+                with netlab.Link(rate=LINK_RATE) as link:
+                    results = _launch(layout_spec, link, f"{LINK_RATE} {layout}", args.timeout)
+            rows += fsdp_rows.speed_rows(results, speed_case(network, layout))
+    return rows
 
 
 def _run_parts(args: argparse.Namespace, parts: Sequence[str]) -> tuple[list[harness.Row], list[str]]:
@@ -436,34 +290,23 @@ def _run_parts(args: argparse.Namespace, parts: Sequence[str]) -> tuple[list[har
     notes: list[str] = []
     reason = netlab.unavailable_reason()
     if "loss" in parts:
-        spec = {"job": "loss", "methods": args.loss_methods.split(","), "steps": args.loss_steps}
-        harness.progress(f"bench_fsdp: loss, {args.loss_steps} steps x {len(spec['methods'])} methods")
-        rows += _loss_rows(_launch(spec, None, "loss", args.timeout))
-        notes.append(f"loss: 2 gloo ranks, a 39k-parameter student MLP, Adam, {args.loss_steps} steps")
-    if "speed" in parts:
-        spec = {
-            "job": "speed",
-            "methods": args.speed_methods.split(","),
-            "width": args.width,
-            "depth": args.depth,
-            "warmup": args.warmup,
-            "timed": args.timed,
-        }
+        for layout in _layouts(args.loss_layouts):
+            spec = {
+                "job": "loss",
+                "methods": args.loss_methods.split(","),
+                "steps": args.loss_steps,
+                "layout": layout,
+            }
+            harness.progress(
+                f"bench_fsdp: loss, {args.loss_steps} steps x {len(spec['methods'])} methods, {layout}"
+            )
+            rows += fsdp_rows.loss_rows(_launch(spec, None, f"loss {layout}", args.timeout), layout)
         notes.append(
-            f"speed: 2 gloo ranks; {args.width} x {args.depth} MLP, every layer and the root sharded, "
-            "SGD, batch 16; link_MB/step = both veths' tx counters over the timed steps (headers "
-            "included)"
+            f"loss: 2 gloo ranks, a 39k-parameter student MLP, Adam, {args.loss_steps} steps; a case's "
+            "second word is the layout (as for speed; none: fp32)"
         )
-        if args.network in ("loopback", "both"):
-            harness.progress("bench_fsdp: speed on loopback")
-            rows += _speed_rows(_launch(spec, None, "loopback", args.timeout), "speed-loopback")
-        if args.network in ("1gbit", "both"):
-            if reason is not None:
-                print(f"skip bench_fsdp 1gbit link: {reason}", flush=True)
-            else:
-                harness.progress(f"bench_fsdp: speed over a {LINK_RATE} link")
-                with netlab.Link(rate=LINK_RATE) as link:
-                    rows += _speed_rows(_launch(spec, link, LINK_RATE, args.timeout), "speed-1gbit")
+    if "speed" in parts:
+        rows += _speed_part(args, reason, notes)
     if "memory" in parts:
         results = {}
         for method in MEMORY_METHODS:  # a fresh pair of processes each: nothing left from the one before
@@ -477,7 +320,7 @@ def _run_parts(args: argparse.Namespace, parts: Sequence[str]) -> tuple[list[har
                 "env": {"MALLOC_MMAP_THRESHOLD_": "65536"},
             }
             results.update(_launch(spec, None, f"memory {method}", args.timeout))
-        rows += _memory_rows(results)
+        rows += fsdp_rows.memory_rows(results)
         notes.append(
             f"memory: 2 gloo ranks, {args.memory_width} x {args.depth} MLP, Adam, {args.memory_steps} "
             "steps, a fresh pair of processes per method; bytes per rank = the sharded parameters + the "
@@ -499,7 +342,7 @@ def _run_parts(args: argparse.Namespace, parts: Sequence[str]) -> tuple[list[har
             }
             harness.progress("bench_fsdp: HSDP on two netlab nodes")
             with netlab.Nodes(ranks_per_node=2, rate=LINK_RATE) as nodes:
-                rows += _hsdp_rows(_launch(spec, nodes, "hsdp", args.timeout))
+                rows += fsdp_rows.hsdp_rows(_launch(spec, nodes, "hsdp", args.timeout))
             notes.append(
                 f"hsdp: netlab.Nodes, 2 nodes x 2 gloo ranks, {LINK_RATE} tbf between them; "
                 f"{args.width} x {args.depth} MLP, mesh 2 replicas x 2 shards (shards inside a node), "
@@ -517,7 +360,7 @@ def _run_parts(args: argparse.Namespace, parts: Sequence[str]) -> tuple[list[har
             harness.progress(f"bench_fsdp: lm {method}, {args.lm_steps} steps")
             spec = {"job": "lm", "methods": [method], "steps": args.lm_steps}
             results.update(_launch(spec, None, f"lm {method}", args.timeout))
-        rows += _lm_rows(results)
+        rows += fsdp_rows.lm_rows(results)
         notes.append(
             f"lm: examples/train_lm.py --fsdp (GPT d_model 192, 3 layers, 1.46M parameters; FSDP2 on "
             f"every block and the root), 2 gloo ranks x 16 x 128 tokens, {args.lm_steps} steps, warm-up 30 "
@@ -541,7 +384,15 @@ def main(argv: Sequence[str] | None = None) -> str:
     )
     parser.add_argument("--loss-steps", type=int, default=400)
     parser.add_argument("--loss-methods", default=",".join(LOSS_METHODS))
+    parser.add_argument(
+        "--loss-layouts", default="fp32,bf16-keep", help="as --speed-layouts, for the loss part"
+    )
     parser.add_argument("--speed-methods", default=",".join(SPEED_METHODS))
+    parser.add_argument(
+        "--speed-layouts",
+        default=",".join(SPEED_LAYOUTS),
+        help=f"comma-separated, of {', '.join(LAYOUTS)}: how FSDP2 holds the parameters in the speed part",
+    )
     parser.add_argument("--hsdp-methods", default=",".join(HSDP_METHODS))
     parser.add_argument("--lm-methods", default=",".join(LM_METHODS))
     parser.add_argument("--lm-steps", type=int, default=500)
@@ -565,10 +416,12 @@ def main(argv: Sequence[str] | None = None) -> str:
     if unknown:
         parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
     rows, notes = _run_parts(args, parts)
-    rows = _lm_rated(rows)
+    rows = fsdp_rows.lm_rated(rows)
     if args.merge is not None:
         rows, notes = _merged(args.merge, parts, rows, notes)
-    table = harness.write_results("bench_fsdp", rows, notes=[*notes, *_notes(rows)], plot_metric="step_time")
+    table = harness.write_results(
+        "bench_fsdp", rows, notes=[*notes, *verdicts(rows)], plot_metric="step_time"
+    )
     print(table)
     return table
 

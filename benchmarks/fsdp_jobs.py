@@ -23,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "EXAMPLE",
+    "LAYOUTS",
     "METHODS",
     "hsdp_run",
     "lm_run",
@@ -51,6 +52,13 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "q8-qwz": {"compressor": "quantize", "bits": 8, "stochastic": False, "quantized_all_gather": True},
 }
 IN_DIM, OUT_DIM, HIDDEN, BATCH, VAL = 32, 8, 129, 64, 2048
+# speed layout -> (the parameters' compute dtype, reshard_after_forward); gradients are reduced in fp32
+LAYOUTS: dict[str, tuple[str | None, bool]] = {
+    "fp32": (None, True),  # FSDP2's defaults: fp32 all-gathered for forward and again for backward
+    "fp32-keep": (None, False),  # one fp32 all-gather per step, unsharded from forward to backward
+    "bf16": ("bfloat16", True),  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    "bf16-keep": ("bfloat16", False),
+}
 
 
 def _compress(model: Any, method: str, **extra: Any) -> Any:
@@ -78,14 +86,20 @@ def _mlp(widths: Sequence[int]) -> Any:
     return nn.Sequential(*layers)
 
 
-def _shard(model: Any, mesh: Any) -> None:
+def _shard(model: Any, mesh: Any, layout: str = "fp32") -> None:
+    """``fully_shard`` every ``Linear`` and the root, parameters held as :data:`LAYOUTS` says."""
+    import torch
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    param_dtype, reshard = LAYOUTS[layout]
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype is None else getattr(torch, param_dtype), reduce_dtype=torch.float32
+    )
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
 
 
 _DENSE_FIRST_GRAD: dict[str, Any] = {}
@@ -109,7 +123,8 @@ def _first_grad_error(model: Any, method: str) -> float:
 
 
 def loss_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
-    """Student MLP vs a fixed teacher, Adam, ``spec["steps"]`` steps; validation MSE and bytes."""
+    """Student MLP vs a fixed teacher, Adam, ``spec["steps"]`` steps, sharded as ``spec["layout"]`` says
+    (:data:`LAYOUTS`); validation MSE and bytes."""
     import torch
 
     steps = spec["steps"]
@@ -117,7 +132,7 @@ def loss_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[st
     teacher = _mlp([IN_DIM, 64, 64, OUT_DIM])
     torch.manual_seed(1)
     model = _mlp([IN_DIM, HIDDEN, HIDDEN, HIDDEN, OUT_DIM])
-    _shard(model, mesh)
+    _shard(model, mesh, spec.get("layout", "fp32"))
     compression = _compress(model, method)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     val_x = torch.randn(VAL, IN_DIM, generator=torch.Generator().manual_seed(99))
@@ -128,7 +143,7 @@ def loss_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[st
         x = torch.randn(BATCH, IN_DIM, generator=torch.Generator().manual_seed(step * 7 + rank))
         with torch.no_grad():
             y = teacher(x) + 0.05 * torch.randn(BATCH, OUT_DIM, generator=torch.Generator().manual_seed(step))
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
         if step == 0:
             grad_error = _first_grad_error(model, method)
         optimizer.step()
@@ -136,7 +151,7 @@ def loss_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[st
         if step % 50 == 0 and rank == 0:
             print(f"{method} step {step}/{steps}", flush=True)
     with torch.no_grad():
-        val = torch.nn.functional.mse_loss(model(val_x), val_y).item()
+        val = torch.nn.functional.mse_loss(model(val_x).float(), val_y).item()
     params = sum(p.numel() for p in _mlp([IN_DIM, HIDDEN, HIDDEN, HIDDEN, OUT_DIM]).parameters())
     stats = compression.stats() if compression is not None else {}
     return {
@@ -184,12 +199,13 @@ def _timed_steps(model: Any, optimizer: Any, x: Any, spec: dict[str, Any], label
 
 
 def speed_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
-    """A ``width x depth`` MLP, every layer and the root sharded, SGD: step time and link bytes."""
+    """A ``width x depth`` MLP, every layer and the root sharded as ``spec["layout"]`` says (:data:`LAYOUTS`),
+    SGD: step time and link bytes."""
     import torch
 
     torch.manual_seed(1)
     model = _mlp([spec["width"]] * (spec["depth"] + 1))
-    _shard(model, mesh)
+    _shard(model, mesh, spec.get("layout", "fp32"))
     compression = _compress(model, method)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(16, spec["width"], generator=torch.Generator().manual_seed(rank))

@@ -138,6 +138,7 @@ HEADLINES: tuple[Headline, ...] = (
     _step_time("bench_hooks", "netlab", "topk_0.01", "allreduce"),
     _step_time("bench_fsdp", "speed-loopback", "q8", "dense"),
     _step_time("bench_fsdp", "speed-1gbit", "q8", "dense"),
+    _step_time("bench_fsdp", "speed-1gbit bf16-keep", "q8", "dense"),
     Headline("bench_remote", "fastio shards", "fastio http workers=0 epoch 1", "MB/s over the link",
              versus=("link", "curl download of 256 MB (link rate)")),
     Headline("bench_remote", "fastio shards", "fastio http workers=0 cache epochs 2-4", "MB/s local",

@@ -88,9 +88,10 @@ class Benchmark:
 #   epoch 1 read 0.67x the link rate against 0.93x in full: the open and the ramp-up weigh more).
 # fsdp: 2 launches of 2 ranks (~7 s of start each on idle cores, 20-27 s under a load of ~30): 40 loss
 #   steps x 2 methods of a 39k-parameter MLP, then 3 methods x 3 steps of a 6.3M-parameter MLP on the
-#   1 Gbit/s link (or loopback without root); measured 48 s at a load of ~10. With root, one launch of 4
-#   ranks on netlab.Nodes: HSDP dense and q8, 3 steps each of the same MLP (3 methods of a 1M-parameter
-#   one took 20 s at a load of ~9): ~0.4 min more. The memory part (a fresh launch per method) and the LM
+#   1 Gbit/s link (or loopback without root) in 2 layouts (FSDP2's defaults, and bf16 compute weights
+#   kept unsharded from forward to backward: a launch each); measured 48 s at a load of ~10 with 1 layout.
+#   With root, one launch of 4 ranks on netlab.Nodes: HSDP dense and q8, 3 steps each of the same MLP
+#   (3 methods of a 1M-parameter one took 20 s at a load of ~9): ~0.4 min more. The memory part (a fresh launch per method) and the LM
 #   part (7 min per method) run in the full profile only.
 SUITE = (
     Benchmark("bench_kernels", ("--numel", "5000000", "--repeat", "3"), (0.5, 0.5)),
@@ -127,8 +128,8 @@ SUITE = (
         "bench_fsdp",
         (
             "--parts", "loss,speed,hsdp", "--loss-steps", "40", "--loss-methods", "dense,q8",
-            "--width", "1024", "--depth", "6", "--warmup", "1", "--timed", "2", "--network", "1gbit",
-            "--hsdp-methods", "dense,q8",
+            "--loss-layouts", "fp32", "--width", "1024", "--depth", "6", "--warmup", "1", "--timed", "2",
+            "--speed-layouts", "fp32,bf16-keep", "--network", "1gbit", "--hsdp-methods", "dense,q8",
         ),
         (1.2, 0.6),
         "1gbit link and HSDP nodes",

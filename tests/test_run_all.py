@@ -37,8 +37,8 @@ _SHORT = {
     ],
     "bench_fsdp": [
         "--parts", "loss,speed,hsdp", "--loss-steps", "40", "--loss-methods", "dense,q8",
-        "--width", "1024", "--depth", "6", "--warmup", "1", "--timed", "2", "--network", "1gbit",
-        "--hsdp-methods", "dense,q8",
+        "--loss-layouts", "fp32", "--width", "1024", "--depth", "6", "--warmup", "1", "--timed", "2",
+        "--speed-layouts", "fp32,bf16-keep", "--network", "1gbit", "--hsdp-methods", "dense,q8",
     ],
     "bench_remote": ["--gigabytes", "0.5", "--shard-mb", "32", "--probe-mb", "128", "--repeats", "1"],
 }
