@@ -256,6 +256,13 @@ TRAIN_CASES: dict[str, dict] = {
     "no-reshard": {"compressor": Q8, "reshard": False},
     "nested": {"compressor": Q8, "nested": True, "residual_bytes": (4.0, 4.3)},
     "nested-no-reshard": {"compressor": Q8, "nested": True, "reshard": False},
+    # the layout bench_fsdp's 2x over 1 Gbit/s is measured in (bf16 weights kept unsharded, fp32 reduction)
+    "mp-bf16-fp32-nested-no-reshard": {
+        "compressor": Q8,
+        "mp": MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+        "nested": True,
+        "reshard": False,
+    },
 }
 
 
