@@ -60,11 +60,20 @@ class CastCompressor:
     def compress_into(
         self, payload: Tensor, x: Tensor, residual_out: Tensor | None, residual_in: Tensor | None, seed: int
     ) -> None:
-        acc = x.float() if residual_in is None else x.float() + residual_in.float()
         narrow = payload[: self.wire_bytes(x.numel(), x.dtype)].view(self.dtype)
-        narrow.copy_(acc)
-        if residual_out is not None:
-            residual_out.copy_(acc - narrow.float())
+        if residual_out is None or residual_out.dtype != torch.float32:
+            acc = x.float() if residual_in is None else x.float() + residual_in.float()
+            narrow.copy_(acc)
+            if residual_out is not None:
+                residual_out.copy_(acc - narrow.float())
+            return
+        # the fp32 sum is built in residual_out (no temporary); elementwise: residual_in may be residual_out
+        if residual_in is None:
+            residual_out.copy_(x)
+        else:
+            torch.add(x, residual_in, out=residual_out)
+        narrow.copy_(residual_out)
+        residual_out.sub_(narrow)
 
     def decompress_into(
         self, out: Tensor, payload: Tensor, payload_numel: int, accumulate: bool = False, divisor: int = 1

@@ -14,7 +14,7 @@ import torch
 
 import fastcomm
 from fastcomm import reference
-from fastcomm.compress import Compressor, QuantCompressor, SignCompressor, TopKCompressor
+from fastcomm.compress import CastCompressor, Compressor, QuantCompressor, SignCompressor, TopKCompressor
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _compressor_workers  # noqa: E402
@@ -50,6 +50,34 @@ def test_compressor_error_feedback_keeps_the_input(case):
     again = torch.empty_like(x).fill_(1.0)
     compressor.decompress_into(again, payload, x.numel(), accumulate=True, divisor=2)
     torch.testing.assert_close(again, 1.0 + decoded / 2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residuals", ["none", "in-only", "out-only", "both", "same-tensor", "bf16-residual"])
+def test_cast_compress_into_is_the_fp32_sum_rounded_and_its_remainder(wire, x_dtype, residuals):
+    """The cast compressor against its reference twin (the sum in fp32, rounded to the wire dtype, the
+    remainder kept), odd size, for every way its residuals can come, the same tensor in and out too."""
+    compressor = CastCompressor(wire)
+    numel = 1001
+    x = _input("cast-x", numel).to(x_dtype)
+    residual_dtype = torch.bfloat16 if residuals == "bf16-residual" else torch.float32
+    given = (_input("cast-residual", numel) * 0.01).to(residual_dtype)
+    residual_in = None if residuals in ("none", "out-only") else given.clone()
+    if residuals in ("same-tensor", "bf16-residual"):
+        residual_out = residual_in
+    else:
+        residual_out = None if residuals in ("none", "in-only") else torch.full((numel,), 7.0)
+    acc = x.float() if residual_in is None else x.float() + residual_in.float()  # the reference twin
+    expected_wire = acc.to(wire)
+    expected_residual = (acc - expected_wire.float()).to(residual_dtype)
+    payload = torch.empty(compressor.wire_bytes(numel, x.dtype), dtype=torch.uint8)
+    compressor.compress_into(payload, x, residual_out, residual_in, seed=0)
+    assert torch.equal(payload.view(wire), expected_wire)
+    if residual_out is not None:
+        assert torch.equal(residual_out, expected_residual)  # the 7.0 it held is gone too
+        if not torch.equal(expected_wire.float(), acc):  # rounding left something: a lost remainder shows
+            assert residual_out.abs().max() > 0
 
 
 @pytest.mark.parametrize("case", ["sign", "q8", "q4"])
