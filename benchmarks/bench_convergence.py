@@ -238,6 +238,7 @@ class _Settings:
     work: Path
     reuse: bool
     reuse_only: bool = False
+    seed: int = 0  # train_lm's --seed (initial weights and data order); loss runs only
 
 
 def _time_phase(
@@ -411,7 +412,8 @@ def _shaped_rate(noop_seconds: float, payload_bytes: int) -> str:
 def _loss_run(train_lm: Any, method: str, settings: _Settings, available: dict[str, str | None]) -> _Run:
     if available.get(method):
         return _Run(f"skipped: {available[method]}")
-    cached = settings.work / f"loss-{method}-{settings.steps}.json"
+    tag = f"loss-{method}-{settings.steps}" + (f"-s{settings.seed}" if settings.seed else "")
+    cached = settings.work / f"{tag}.json"
     if settings.reuse and cached.exists():
         found = json.loads(cached.read_text())
         wanted = json.loads(json.dumps(train_lm.METHODS[method].options))
@@ -435,15 +437,10 @@ def _loss_run(train_lm: Any, method: str, settings: _Settings, available: dict[s
         "50",
         "--data-dir",
         str(settings.data_dir),
+        "--seed",
+        str(settings.seed),
     ]
-    run = _launch(
-        args,
-        None,
-        _free_port(),
-        120.0 + 6.0 * settings.steps,
-        settings.work,
-        f"loss-{method}-{settings.steps}",
-    )
+    run = _launch(args, None, _free_port(), 120.0 + 6.0 * settings.steps, settings.work, tag)
     return run
 
 

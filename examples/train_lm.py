@@ -410,6 +410,17 @@ METHODS: dict[str, Method] = {
                          optimizer="diloco", options=_diloco(outer_lr=1.0, outer_momentum=0.0)),
     "diloco_lr1": Method("fastcomm.DiLoCo H=10, fp32, outer Nesterov lr 1.0 momentum 0.5, AdamW inner",
                          optimizer="diloco", options=_diloco(outer_lr=1.0)),
+    "diloco_q4_lr05": Method("diloco_q4 with outer Nesterov lr 0.5 (momentum 0.5)", optimizer="diloco",
+                             options=_diloco(outer_lr=0.5, **_Q4)),
+    "diloco_q4_lr1": Method("diloco_q4 with outer Nesterov lr 1.0 (momentum 0.5)", optimizer="diloco",
+                            options=_diloco(outer_lr=1.0, **_Q4)),
+    "diloco_q4_avg": Method("diloco_q4 with plain averaging (outer lr 1, no momentum)", optimizer="diloco",
+                            options=_diloco(outer_lr=1.0, outer_momentum=0.0, **_Q4)),
+    "diloco_q4_h5": Method("diloco_q4 with H=5", optimizer="diloco", options=_diloco(sync_every=5, **_Q4)),
+    "diloco_q4_h2": Method("diloco_q4 with H=2", optimizer="diloco", options=_diloco(sync_every=2, **_Q4)),
+    "diloco_h1_avg": Method("fastcomm.DiLoCo H=1, fp32, plain averaging: the replicas' AdamW steps averaged "
+                            "every step (what averaging alone costs)", optimizer="diloco",
+                            options=_diloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0)),
     "streaming_q4": Method("fastcomm.DiLoCo streaming: H=10 in 5 fragments (one every 2 steps, applied 2 "
                            "steps late), 4-bit pseudo-gradients with error feedback, outer lr 0.7 "
                            "momentum 0.5",
