@@ -2,20 +2,20 @@
 
 Parts (``--parts``, all by default; rank-side code in :mod:`benchmarks.fsdp_jobs`):
 
-1. ``loss``: a student MLP (nested ``fully_shard`` on every layer and the root, each of ``--loss-layouts``)
-   fits a fixed random teacher
-   MLP with Adam for ``--loss-steps`` steps on 2 ranks, each method from the same weights and batches; the
-   row is the validation MSE on 2,048 held-out samples, beside dense FSDP2's. From the same runs: each
-   method's first reduced gradient's error against dense's, its error-feedback bytes per parameter and its
-   reduce-scatter's compression ratio (``stats()``).
+1. ``loss``: a student MLP (nested ``fully_shard`` on every layer and the root, in each of
+   ``--loss-layouts``) fits a fixed random teacher MLP with Adam for ``--loss-steps`` steps on 2 ranks,
+   each method from the same weights and batches; the row is the validation MSE on 2,048 held-out
+   samples, beside dense FSDP2's. From the same runs: each method's first reduced gradient's error
+   against dense's, its error-feedback bytes per parameter and its reduce-scatter's compression ratio
+   (``stats()``).
 2. ``speed``: a ``--width`` x ``--depth`` MLP (2048 x 6: 25M parameters), every layer and the root sharded
-   in each of ``--speed-layouts`` (:data:`benchmarks.fsdp_jobs.LAYOUTS`: FSDP2's defaults, fp32 weights
-   all-gathered for forward and again for backward; bf16 compute weights with fp32 gradient reduction;
-   each with ``reshard_after_forward`` True or False), SGD, 2 ranks; the slower
-   rank's median step time over ``--timed`` steps after ``--warmup``, on loopback and, where
-   :mod:`benchmarks.netlab` works (root, ``ip``, ``tc``), over a 1 Gbit/s tbf link between two namespaces,
-   where the veths' byte counters give the bytes per step. Targets: 8-bit no slower than 1.1x dense on
-   loopback, at least 2x faster on the 1 Gbit/s link.
+   in each of ``--speed-layouts`` (:data:`benchmarks.fsdp_jobs.LAYOUTS`: fp32 weights all-gathered for
+   forward and again for backward, as FSDP2's defaults do, or bf16 compute weights with an fp32 gradient
+   reduction; each with ``reshard_after_forward`` True or False), SGD, 2 ranks; the slower rank's median
+   step time over ``--timed`` steps after ``--warmup``, on loopback and, where :mod:`benchmarks.netlab`
+   works (root, ``ip``, ``tc``), over a 1 Gbit/s tbf link between two namespaces, where the veths' byte
+   counters give the bytes per step. Targets: 8-bit no slower than 1.1x dense on loopback, at least 2x
+   faster on the 1 Gbit/s link.
 3. ``memory``: the same MLP at ``--memory-width``, Adam, ``--memory-steps`` steps, each method in a fresh
    pair of processes: peak and between-step bytes per model parameter on the fuller rank (the sharded
    parameters plus the resident size the steps added, from Linux's ``VmHWM``), for dense FSDP2 and
