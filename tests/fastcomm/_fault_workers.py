@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -61,15 +62,21 @@ ADAM_CASES = {
 FAULTS = ("kill", "stop", "stop-before-phase2")
 
 
-def _stop_before_phase2() -> None:
-    """Make this rank stop itself just before it issues its first phase-2 all-gather (two-phase hooks)."""
-    issue = _twophase.all_gather_flat
+def _stop_before_phase2(workdir: str, step: list[int]) -> None:
+    """Make this rank stop itself just before it issues its first phase-2 all-gather (two-phase hooks),
+    writing the step it stops in (``step[0]`` then) to ``peer_stopped.json`` first, for the report.
 
-    def stop_then_issue(*args: object, **kwargs: object) -> object:
+    The thread that would issue it never does: a SIGSTOP a process sends itself can land late under load
+    (seen: both of the step's all-gathers went out, and the peer stopped in the next step), so the thread
+    also waits forever, and the collective is never issued whenever the stop lands."""
+
+    def stop_instead_of_issuing(*args: object, **kwargs: object) -> object:
+        Path(workdir, "peer_stopped.json").write_text(json.dumps({"step": step[0]}))
         os.kill(os.getpid(), signal.SIGSTOP)
-        return issue(*args, **kwargs)
+        threading.Event().wait()  # the test's parent SIGKILLs this process at the end
+        raise AssertionError("unreachable")
 
-    _twophase.all_gather_flat = stop_then_issue
+    _twophase.all_gather_flat = stop_instead_of_issuing
 
 
 def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, timeout_s: float) -> None:
@@ -91,12 +98,15 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
         if hook != "dense":
             name, options = HOOK_CASES[hook]
             fastcomm.register(ddp, name, **options, **({} if hierarchical else {"process_group": group}))
+    current = [0]  # the step the loop is in, for _stop_before_phase2's report
     for step in range(MAX_STEPS):
+        current[0] = step
         if rank == 1 and step == FAULT_STEP:
             if fault == "stop-before-phase2":
-                _stop_before_phase2()
+                _stop_before_phase2(workdir, current)
             else:
                 os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                threading.Event().wait()  # a signal sent to oneself can land late: never go on
         started = time.monotonic()
         phase = "forward"
         try:
@@ -187,7 +197,11 @@ def run_with_fault(workdir: Path, hook: str, fault: str, timeout_s: float, limit
         raise AssertionError("a rank failed before the fault:\n" + "\n".join(errors))
     if not report_file.exists():
         raise AssertionError(f"the survivor neither raised nor finished within {limit_s} s (hang)")
-    return json.loads(report_file.read_text())
+    report = json.loads(report_file.read_text())
+    stopped = workdir / "peer_stopped.json"  # "stop-before-phase2": where rank 1 really stopped
+    if stopped.exists():
+        report["peer_stopped_step"] = json.loads(stopped.read_text())["step"]
+    return report
 
 
 # ------------------------------------------------------------------------------------------ options

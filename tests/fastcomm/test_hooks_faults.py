@@ -45,6 +45,8 @@ def test_survivor_raises_when_peer_fails(tmp_path, hook, fault):
     report = faults.run_with_fault(tmp_path, hook, fault, TIMEOUT_S, LIMIT_S)
     assert report["phase"] != "finished", f"{hook}: the survivor trained on after its peer died: {report}"
     assert report["step"] == faults.FAULT_STEP, f"{hook}: raised at another step than the fault: {report}"
+    if fault == "stop-before-phase2":  # the peer stopped where it was told to
+        assert report["peer_stopped_step"] == faults.FAULT_STEP, report
     assert report["phase"] == "backward", report
     assert report["seconds"] < TIMEOUT_S + SLACK_S, report
     if hook == "dense":  # DDP's own allreduce: gloo's error as is
