@@ -67,7 +67,7 @@ MEMORY_METHODS = ("dense", "q8-stochastic-no-ef", "q8", "q8-bf16-residual")
 HSDP_METHODS = ("dense", "q8", "q4")
 LM_METHODS = ("none", "q8", "sign", "sign_c64", "sgd", "sign_sgd")
 PARTS = ("loss", "speed", "memory", "hsdp", "lm")
-SPEED_LAYOUTS = ("fp32", "fp32-keep", "bf16", "bf16-keep")
+SPEED_LAYOUTS = tuple(LAYOUTS)  # every layout
 # the part each case's rows come from (for --merge), by the case's first word
 CASE_PART = {
     "loss": "loss",

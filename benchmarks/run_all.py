@@ -91,8 +91,8 @@ class Benchmark:
 #   1 Gbit/s link (or loopback without root) in 2 layouts (FSDP2's defaults, and bf16 compute weights
 #   kept unsharded from forward to backward: a launch each); measured 48 s at a load of ~10 with 1 layout.
 #   With root, one launch of 4 ranks on netlab.Nodes: HSDP dense and q8, 3 steps each of the same MLP
-#   (3 methods of a 1M-parameter one took 20 s at a load of ~9): ~0.4 min more. The memory part (a fresh launch per method) and the LM
-#   part (7 min per method) run in the full profile only.
+#   (3 methods of a 1M-parameter one took 20 s at a load of ~9): ~0.4 min more. The memory part (a fresh
+#   launch per method) and the LM part (7 min per method) run in the full profile only.
 SUITE = (
     Benchmark("bench_kernels", ("--numel", "5000000", "--repeat", "3"), (0.5, 0.5)),
     Benchmark(

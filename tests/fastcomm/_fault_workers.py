@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -66,15 +65,12 @@ def _stop_before_phase2(workdir: str, step: list[int]) -> None:
     """Make this rank stop itself just before it issues its first phase-2 all-gather (two-phase hooks),
     writing the step it stops in (``step[0]`` then) to ``peer_stopped.json`` first, for the report.
 
-    The thread that would issue it never does: a SIGSTOP a process sends itself can land late under load
-    (seen: both of the step's all-gathers went out, and the peer stopped in the next step), so the thread
-    also waits forever, and the collective is never issued whenever the stop lands."""
+    The thread that would issue it never does, whenever the stop lands (:func:`_hooks_workers.signal_self`).
+    """
 
     def stop_instead_of_issuing(*args: object, **kwargs: object) -> object:
         Path(workdir, "peer_stopped.json").write_text(json.dumps({"step": step[0]}))
-        os.kill(os.getpid(), signal.SIGSTOP)
-        threading.Event().wait()  # the test's parent SIGKILLs this process at the end
-        raise AssertionError("unreachable")
+        workers.signal_self(signal.SIGSTOP)
 
     _twophase.all_gather_flat = stop_instead_of_issuing
 
@@ -105,8 +101,7 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
             if fault == "stop-before-phase2":
                 _stop_before_phase2(workdir, current)
             else:
-                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-                threading.Event().wait()  # a signal sent to oneself can land late: never go on
+                workers.signal_self(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         started = time.monotonic()
         phase = "forward"
         try:

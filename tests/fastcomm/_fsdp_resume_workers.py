@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -95,8 +94,7 @@ def train_with_fault(rank: int, world: int, workdir: str, fault: str, timeout_s:
         try:
             loss = model(fsdp.batch("fault", step, rank)).square().mean()
             if rank == 1 and step == FAULT_STEP:
-                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-                threading.Event().wait()  # a signal sent to oneself can land late: never go on
+                workers.signal_self(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             phase = "backward"
             loss.backward()
             phase = "optimizer step"

@@ -13,8 +13,10 @@ import gc
 import io
 import json
 import math
+import os
 import pickle
 import random
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -130,6 +132,15 @@ class FakeBucket:
 
     def is_last(self) -> bool:
         return self.last
+
+
+def signal_self(signum: int) -> None:
+    """Send ``signum`` (SIGKILL, SIGSTOP) to this process, and never return: a signal a process sends itself
+    can land late under load (a SIGSTOP let a peer's collectives of that step go out), so the calling thread
+    waits forever instead of going on; the test's parent SIGKILLs the process at the end."""
+    os.kill(os.getpid(), signum)
+    threading.Event().wait()
+    raise AssertionError("unreachable")
 
 
 def grad_for(rank: int, bucket: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
