@@ -346,6 +346,27 @@ def _diloco(**options: Any) -> dict[str, Any]:
     return {"sync_every": 10, "outer_lr": 0.7, "outer_momentum": 0.5, "compressor": "none", **options}
 
 
+RAMP = [0.5, 1.0, 100, 500]  # outer lr 0.5 to step 100, then linear to 1.0 at step 500 (docs/diloco.md)
+
+
+def _ramped(**options: Any) -> dict[str, Any]:
+    """:func:`_diloco`'s options with the outer lr of :data:`RAMP` instead of a constant 0.7."""
+    found = _diloco(outer_lr_ramp=RAMP, **options)
+    del found["outer_lr"]
+    return found
+
+
+def _diloco_arguments(options: dict[str, Any]) -> dict[str, Any]:
+    """DiLoCo's keyword arguments from a method's options: ``outer_lr_ramp=[start, end, hold, until]``
+    (a list, so that the options stay JSON) becomes ``outer_lr=fastcomm.outer_lr_ramp(...)``."""
+    arguments = dict(options)
+    ramp = arguments.pop("outer_lr_ramp", None)
+    if ramp is not None:
+        start, end, hold, until = ramp
+        arguments["outer_lr"] = fastcomm.outer_lr_ramp(start, end, hold=hold, until=until)
+    return arguments
+
+
 METHODS: dict[str, Method] = {
     "none": Method("dense allreduce, AdamW"),
     "cast": Method("fastcomm cast_hook (bf16), AdamW", hook="cast"),
@@ -418,6 +439,16 @@ METHODS: dict[str, Method] = {
                             options=_diloco(outer_lr=1.0, outer_momentum=0.0, **_Q4)),
     "diloco_q4_h5": Method("diloco_q4 with H=5", optimizer="diloco", options=_diloco(sync_every=5, **_Q4)),
     "diloco_q4_h2": Method("diloco_q4 with H=2", optimizer="diloco", options=_diloco(sync_every=2, **_Q4)),
+    "diloco_ramp": Method("fastcomm.DiLoCo H=10, fp32, outer Nesterov momentum 0.5, outer lr 0.5 to step 100 "
+                          "then rising to 1.0 at step 500 (fastcomm.outer_lr_ramp), AdamW inner",
+                          optimizer="diloco", options=_ramped()),
+    "diloco_q4_ramp": Method("diloco_ramp with 4-bit pseudo-gradients and error feedback", optimizer="diloco",
+                             options=_ramped(**_Q4)),
+    "diloco_q4_h15_ramp": Method("diloco_q4_ramp at H=15", optimizer="diloco",
+                                 options=_ramped(sync_every=15, **_Q4)),
+    "diloco_q4_h15_d3_ramp": Method("diloco_q4_h15_ramp with each sync overlapped with the next 3 inner "
+                                    "steps (applied 3 steps late, keeping them)", optimizer="diloco",
+                                    options=_ramped(sync_every=15, delay=3, **_Q4)),
     "diloco_h1_avg": Method("fastcomm.DiLoCo H=1, fp32, plain averaging: the replicas' AdamW steps averaged "
                             "every step (what averaging alone costs)", optimizer="diloco",
                             options=_diloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0)),
@@ -733,7 +764,7 @@ def train(config: TrainConfig, paths: DataPaths, log: Callable[[str], None] | No
     if method.optimizer == "diloco":  # no DDP: each rank trains on its own batches between syncs
         net: nn.Module = model
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
-        outer = fastcomm.DiLoCo(model, optimizer, **options)
+        outer = fastcomm.DiLoCo(model, optimizer, **_diloco_arguments(options))
         hook_state: Any = outer
     elif config.fsdp:
         net = model

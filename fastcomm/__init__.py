@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from fastcomm import collectives, compress, fault, integrations, ops
 from fastcomm.checkpoint import Checkpointer, CheckpointError
-from fastcomm.diloco import DiLoCo
+from fastcomm.diloco import DiLoCo, outer_lr_ramp
 from fastcomm.hooks import (
     AutoState,
     CastState,
@@ -67,6 +67,7 @@ __all__ = [
     "fsdp",
     "integrations",
     "ops",
+    "outer_lr_ramp",
     "powersgd_hook",
     "quantize_hook",
     "register",

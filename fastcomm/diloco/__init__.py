@@ -9,6 +9,6 @@ Example::
                             compressor="quantize", bits=4)
 """
 
-from fastcomm.diloco.outer import DiLoCo
+from fastcomm.diloco.outer import DiLoCo, outer_lr_ramp
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "outer_lr_ramp"]

@@ -23,9 +23,44 @@ from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.diloco.fragments import Exchange, Fragment, split_parameters, wire_bytes
 from fastcomm.hooks import compressor_of
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "outer_lr_ramp"]
 
 _FORMAT = 1
+
+
+def _check_outer_lr(value: Any, where: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"outer_lr must be a number > 0 or a function of the step returning one, got "
+                         f"{value!r}{where}")
+    return float(value)
+
+
+def outer_lr_ramp(start: float, end: float, hold: int, until: int) -> Callable[[int], float]:
+    """An outer lr schedule for :class:`DiLoCo`: ``start`` up to inner step ``hold``, then linear to ``end``
+    at step ``until``, then ``end``.
+
+    Why: from scratch, a full outer step on the first syncs (when the replicas move far apart in ``H``
+    steps) can start a loss spike that a short run never recovers from; a lower outer lr then, rising
+    later while the inner LR decays, kept 4-bit DiLoCo near dense on the LM task (docs/diloco.md).
+
+    Example::
+
+        outer = fastcomm.DiLoCo(model, inner, sync_every=15, outer_momentum=0.5,
+                                outer_lr=fastcomm.outer_lr_ramp(0.5, 1.0, hold=100, until=500))
+    """
+    for name, value in (("start", start), ("end", end)):
+        _check_outer_lr(value, f" for {name}")
+    if isinstance(hold, bool) or not isinstance(hold, int) or not 0 <= hold < until:
+        raise ValueError(f"outer_lr_ramp needs 0 <= hold < until (ints), got hold={hold!r}, until={until!r}")
+
+    def lr(step: int) -> float:
+        if step <= hold:
+            return float(start)
+        if step >= until:
+            return float(end)
+        return start + (end - start) * (step - hold) / (until - hold)
+
+    return lr
 
 
 class DiLoCo:
@@ -70,7 +105,9 @@ class DiLoCo:
         inner_optimizer: the optimizer of those parameters (AdamW in the paper); its state is never reset.
         sync_every: ``H``, inner steps between two syncs of a fragment.
         outer_lr: the outer SGD's learning rate (0.7 in the paper; 1.0 with ``outer_momentum=0`` is plain
-            averaging).
+            averaging), or a function of the inner step at which an exchange is applied that returns it,
+            e.g. :func:`outer_lr_ramp` (a lower outer lr for the first syncs of a run from scratch, then
+            a higher one: see docs/diloco.md).
         outer_momentum: the outer momentum (0.9 in the paper; see docs/diloco.md for short runs).
         nesterov: Nesterov momentum (the paper's) or heavy ball.
         compressor: ``None`` or ``"none"`` (plain fp32 all-reduce), a name of
@@ -103,7 +140,7 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         *,
         sync_every: int = 50,
-        outer_lr: float = 0.7,
+        outer_lr: float | Callable[[int], float] = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         compressor: str | Compressor | AllreduceCompressor | None = None,
@@ -125,8 +162,8 @@ class DiLoCo:
             raise ValueError(f"delay must be an int in [0, sync_every={sync_every}], got {delay!r}")
         if mixing is not None and not 0 <= mixing < 1:
             raise ValueError(f"mixing must be None or in [0, 1), got {mixing!r}")
-        if not outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
+        if not callable(outer_lr):
+            _check_outer_lr(outer_lr)
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -146,7 +183,8 @@ class DiLoCo:
             self.compressor = compressor
         self.inner = inner_optimizer
         self.sync_every, self.delay, self.mixing = sync_every, delay, mixing
-        self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
+        self.outer_lr = outer_lr if callable(outer_lr) else float(outer_lr)
+        self.outer_momentum, self.nesterov = float(outer_momentum), nesterov
         self.process_group, self.chunk_bytes = process_group, chunk_bytes
         self.fragments = [
             Fragment.of(index, group, (index + 1) * period % sync_every)
@@ -208,7 +246,10 @@ class DiLoCo:
         delta = exchange.mean
         momentum = fragment.momentum.mul_(self.outer_momentum).add_(delta)
         update = delta.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
-        fragment.global_weights.add_(update, alpha=-self.outer_lr)
+        lr = self.outer_lr
+        if callable(lr):
+            lr = _check_outer_lr(lr(self.inner_steps), f" (outer_lr({self.inner_steps}))")
+        fragment.global_weights.add_(update, alpha=-lr)
         if exchange.sent_local is None:
             fragment.write_local(fragment.global_weights)
         elif self.mixing is not None:

@@ -51,7 +51,8 @@ def gradient(case: object, step: int, rank: int, numel: int) -> torch.Tensor:
 
 def _simulate(
     case: object, world: int, numel: int, bounds: list[tuple[int, int]], offsets: list[int], *,
-    sync_every: int, delay: int, lr: float, momentum: float, compressor: str, mixing: float | None,
+    sync_every: int, delay: int, lr: float | Callable[[int], float], momentum: float, compressor: str,
+    mixing: float | None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Every rank's flat weights after ``STEPS`` steps of the simulated run."""
     start = torch.cat([p.detach().reshape(-1) for p in Params(case).parameters()])
@@ -62,10 +63,10 @@ def _simulate(
     sims = [None if make is None else SimulatedAllReduce(make(), b - a, world, True) for a, b in bounds]
     pending: list[tuple[int, int, torch.Tensor, list[torch.Tensor]]] = []  # due, fragment, mean, sent
 
-    def apply(fragment: int, mean: torch.Tensor, sent: list[torch.Tensor] | None) -> None:
+    def apply(fragment: int, mean: torch.Tensor, sent: list[torch.Tensor] | None, step: int) -> None:
         a, b = bounds[fragment]
         moment[a:b].mul_(momentum).add_(mean)
-        global_[a:b].add_(mean.add(moment[a:b], alpha=momentum), alpha=-lr)
+        global_[a:b].add_(mean.add(moment[a:b], alpha=momentum), alpha=-(lr(step) if callable(lr) else lr))
         for r in range(world):
             if sent is None:
                 local[r][a:b] = global_[a:b]
@@ -79,7 +80,7 @@ def _simulate(
             local[r].add_(gradient(case, step, r, numel), alpha=-INNER_LR)
         for item in [p for p in pending if p[0] <= step]:
             pending.remove(item)
-            apply(item[1], item[2], item[3])
+            apply(item[1], item[2], item[3], step)
         for fragment, (a, b) in enumerate(bounds):
             if step % sync_every != offsets[fragment]:
                 continue
@@ -87,17 +88,23 @@ def _simulate(
             sim = sims[fragment]
             mean = sum(deltas[1:], deltas[0].clone()) / world if sim is None else sim.step(deltas).clone()
             if delay == 0:
-                apply(fragment, mean, None)
+                apply(fragment, mean, None, step)
             else:
                 pending.append((step + delay, fragment, mean, [local[r][a:b].clone() for r in range(world)]))
     return local
 
 
+def _ramp(step: int) -> float:
+    """An outer lr that differs at every sync of the simulated run (independent of outer_lr_ramp)."""
+    return 0.3 + 0.05 * step
+
+
 def _simulation_case(
-    rank: int, world: int, compressor: str, fragments: int, delay: int | None, mixing: float | None = None
+    rank: int, world: int, compressor: str, fragments: int, delay: int | None, mixing: float | None = None,
+    schedule: bool = False,
 ) -> None:
-    case = ("diloco", world, compressor, fragments, delay, mixing)
-    sync_every, lr, momentum = 6, 0.7, 0.5
+    case = ("diloco", world, compressor, fragments, delay, mixing, schedule)
+    sync_every, lr, momentum = 6, _ramp if schedule else 0.7, 0.5
     model = Params(case)
     params = list(model.parameters())
     inner = torch.optim.SGD(params, lr=INNER_LR, foreach=False)
@@ -136,10 +143,14 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
     """Case id -> the check each rank runs."""
     table: dict[str, Callable[[int], None]] = {}
     for compressor in ("fp32", "q4"):
-        for fragments, delay, mixing in ((1, None, None), (1, 2, None), (3, None, None), (3, 0, None),
-                                         (3, None, 0.5)):  # fmt: skip
+        for fragments, delay, mixing, schedule in ((1, None, None, False), (1, 2, None, False),
+                                                   (3, None, None, False), (3, 0, None, False),
+                                                   (3, None, 0.5, False), (1, None, None, True),
+                                                   (3, None, None, True)):  # fmt: skip
             key = f"{compressor}-F{fragments}-delay{delay}" + ("" if mixing is None else f"-mixing{mixing}")
-            table[key] = lambda r, a=(compressor, fragments, delay, mixing): _simulation_case(r, world, *a)
+            key += "-lr-schedule" if schedule else ""
+            table[key] = lambda r, a=(compressor, fragments, delay, mixing, schedule): _simulation_case(
+                r, world, *a)
     return table
 
 

@@ -208,3 +208,44 @@ def test_low_precision_weights_keep_fp32_global_weights(one_rank):
     local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert torch.equal(local, global_weights.to(torch.bfloat16))
     assert not torch.equal(global_weights.to(torch.bfloat16).float(), global_weights)  # kept finer than bf16
+
+
+def test_outer_lr_ramp_holds_rises_linearly_and_stays():
+    ramp = fastcomm.outer_lr_ramp(0.5, 1.1, hold=100, until=400)
+    assert [ramp(s) for s in (1, 100)] == [0.5, 0.5]
+    assert ramp(250) == pytest.approx(0.8) and ramp(101) == pytest.approx(0.5 + 0.6 / 300)
+    assert [ramp(s) for s in (400, 10_000)] == [1.1, 1.1]
+    assert fastcomm.outer_lr_ramp(0.9, 0.3, hold=0, until=3)(2) == pytest.approx(0.5)  # falling too
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [((0.0, 1.0, 10, 20), "for start"), ((0.5, -1.0, 10, 20), "for end"),
+     ((0.5, 1.0, 20, 20), "hold < until"), ((0.5, 1.0, -1, 20), "hold < until"),
+     ((0.5, 1.0, 2.5, 20), "hold < until")],
+)
+def test_outer_lr_ramp_refuses_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        fastcomm.outer_lr_ramp(*args)
+
+
+def test_an_outer_lr_function_is_called_at_each_sync_and_checked(one_rank):
+    torch.manual_seed(5)
+    model = nn.Linear(6, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    asked = []
+
+    def lr(step):
+        asked.append(step)
+        return 0.5 if step < 6 else 0.0  # 0 is refused, at the sync that asks for it
+
+    outer = fastcomm.DiLoCo(model, inner, sync_every=3, outer_lr=lr, outer_momentum=0.0)
+    for step in range(1, 7):
+        inner.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        if step < 6:
+            outer.step()
+            continue
+        with pytest.raises(ValueError, match=r"outer_lr\(6\)"):
+            outer.step()
+    assert asked == [3, 6]
