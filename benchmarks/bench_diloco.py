@@ -56,15 +56,18 @@ __all__ = ["DILOCO_METHODS", "main"]
 NAME = "bench_diloco"
 DILOCO_METHODS = (
     "diloco", "diloco_q4", "diloco_q4_d1", "diloco_q4_d2", "diloco_q4_h15", "diloco_q4_h15_d1",
-    "diloco_q4_h15_d3", "diloco_q4_h25", "streaming_q4",
+    "diloco_q4_h15_d3", "diloco_q4_h25", "streaming_q4", "diloco_ramp", "diloco_q4_ramp",
+    "diloco_q4_h15_ramp", "diloco_q4_h15_d3_ramp",
 )  # fmt: skip
 LOSS_METHODS = ("none", "cadam", *DILOCO_METHODS)  # the committed result's loss runs
 SPEED_METHODS = (
     "none", "cadam", "diloco_q4", "diloco_q4_d2", "diloco_q4_h15", "diloco_q4_h15_d3", "streaming_q4",
+    "diloco_q4_ramp", "diloco_q4_h15_ramp", "diloco_q4_h15_d3_ramp",
 )  # fmt: skip
 # an overlapped method and the one that sends the same bytes at once: the share of the wait it hides
 OVERLAPPED = {"streaming_q4": "diloco_q4", "diloco_q4_d1": "diloco_q4", "diloco_q4_d2": "diloco_q4",
-              "diloco_q4_h15_d1": "diloco_q4_h15", "diloco_q4_h15_d3": "diloco_q4_h15"}  # fmt: skip
+              "diloco_q4_h15_d1": "diloco_q4_h15", "diloco_q4_h15_d3": "diloco_q4_h15",
+              "diloco_q4_h15_d3_ramp": "diloco_q4_h15_ramp"}  # fmt: skip
 LINKS = ("57mbit", "10mbit")
 LIMIT_SLACK = 1.15  # issue 22: time to target within 1.15x the compute-only limit
 WORLD = 2

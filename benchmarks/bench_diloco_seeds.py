@@ -34,9 +34,14 @@ from benchmarks.harness import Row, output_dir, write_results
 __all__ = ["METHODS", "gap_rows", "main"]
 
 NAME = "bench_diloco_seeds"
-# H=10 in fp32 and 4-bit, 4-bit at outer lr 0.5, 4-bit at H=5, and H=1 averaging (no local steps at all)
-METHODS = ("diloco", "diloco_q4", "diloco_q4_lr05", "diloco_q4_h5", "diloco_h1_avg")
+# H=10 in fp32 and 4-bit, 4-bit at outer lr 0.5, 4-bit at H=5, H=1 averaging (no local steps at all), and
+# the outer lr ramp (0.5, then up to 1.0) at H=10 in fp32 and 4-bit and at H=15 in 4-bit, at once and 3 late
+METHODS = ("diloco", "diloco_q4", "diloco_q4_lr05", "diloco_q4_h5", "diloco_h1_avg", "diloco_ramp",
+           "diloco_q4_ramp", "diloco_q4_h15_ramp", "diloco_q4_h15_d3_ramp")  # fmt: skip
 SEEDS = (0, 1, 2)
+# seeds the outer lr ramp was not chosen on (it was chosen on seeds 0-2): the ramp and H=10 against them
+MORE_SEEDS = (3, 4)
+MORE_METHODS = ("diloco_q4", "diloco_ramp", "diloco_q4_ramp", "diloco_q4_h15_ramp", "diloco_q4_h15_d3_ramp")
 TARGET_PCT = 2.0  # issue 22: within 2% of dense's validation loss
 
 
@@ -86,8 +91,9 @@ def gap_rows(
             )
         if len(gaps) == len(seeds):
             mean, worst = statistics.fmean(gaps), max(gaps)
-            rows.append(Row(f"{steps} steps, over seeds", method, "gap_mean_pct", mean, "% over dense"))
-            rows.append(Row(f"{steps} steps, over seeds", method, "gap_worst_pct", worst, "% over dense"))
+            case = f"{steps} steps, over seeds {','.join(map(str, seeds))}"
+            rows.append(Row(case, method, "gap_mean_pct", mean, "% over dense"))
+            rows.append(Row(case, method, "gap_worst_pct", worst, "% over dense"))
             cells += [f"{mean:+.2f}%", f"{worst:+.2f}%"]
             verdict = (
                 "meets"
@@ -110,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=conv.FULL_STEPS)
     parser.add_argument("--methods", default=",".join(METHODS), help="train_lm methods besides dense (none)")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    parser.add_argument("--more-seeds", default=",".join(map(str, MORE_SEEDS)),
+                        help="further seeds, for --more-methods only: a second table over all the seeds")
+    parser.add_argument("--more-methods", default=",".join(MORE_METHODS))
     parser.add_argument("--parallel", type=int, default=1, help="loss runs at once (2 cores each)")
     parser.add_argument("--reuse-only", action="store_true", help="train nothing: a missing run is a '-'")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep (and reuse) each run's result")
@@ -117,20 +126,29 @@ def main(argv: Sequence[str] | None = None) -> str:
     started = time.monotonic()
     train_lm = conv.load_example()
     methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(train_lm.METHODS))
+    more_methods = [m for m in args.more_methods.split(",") if m]
+    unknown = sorted(set(methods + more_methods) - set(train_lm.METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; see examples/train_lm.py METHODS")
     seeds = [int(s) for s in args.seeds.split(",") if s]
+    more_seeds = [int(s) for s in args.more_seeds.split(",") if s] if more_methods else []
     work = args.work_dir or Path(output_dir()) / "bench_diloco-work"
     work.mkdir(parents=True, exist_ok=True)
     data = train_lm.prepare_data(train_lm.default_data_dir()).train.parent
     found: dict[int, dict[str, Any]] = {}
-    for seed in seeds:
+    for seed in seeds + more_seeds:
         settings = conv._Settings(args.steps, 2, 0, data, work, True, args.reuse_only, seed=seed)
-        found[seed] = _loss_runs(train_lm, [(m, settings) for m in ["none", *methods]], args.parallel)[
+        wanted = ["none", *(methods if seed in seeds else []), *more_methods]
+        found[seed] = _loss_runs(train_lm, [(m, settings) for m in dict.fromkeys(wanted)], args.parallel)[
             args.steps
         ]
-    rows, table, notes = gap_rows(found, methods, args.steps)
+    rows, table, notes = gap_rows({s: found[s] for s in seeds}, methods, args.steps)
+    more_table = ""
+    if more_seeds:
+        more_rows, more_table, more_notes = gap_rows(found, more_methods, args.steps)
+        known = {(r.case, r.backend, r.metric) for r in rows}
+        rows += [r for r in more_rows if (r.case, r.backend, r.metric) not in known]
+        notes += more_notes
     notes.append(
         f"{args.steps} steps of examples/train_lm.py per run (2 gloo ranks, AdamW inner lr 2e-3, warm-up 30, "
         "cosine), the same tokens per rank as dense; a seed sets the initial weights and the data order, the "
@@ -139,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     notes.append(f"benchmark wall time: {time.monotonic() - started:.0f} s")
     text = write_results(NAME, rows, notes=notes, plot_metric="gap_mean_pct")
     text += f"\n## Validation loss over dense's at the same seed, {args.steps} steps\n\n{table}\n"
+    if more_table:
+        text += (f"\n## The same over seeds {seeds + more_seeds} ({more_seeds}: not used to choose the outer "
+                 f"lr ramp)\n\n{more_table}\n")
     (output_dir() / f"{NAME}.md").write_text(text)
     print(text, file=sys.stderr)
     return text

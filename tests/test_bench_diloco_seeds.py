@@ -22,9 +22,10 @@ def test_each_gap_is_against_dense_at_the_same_seed_with_the_mean_and_the_worst(
     rows, table, notes = bench_diloco_seeds.gap_rows(FOUND, ["a", "b"], 500)
     by = {(r.case, r.backend, r.metric): r for r in rows}
     assert by["500 steps, seed 1", "a", "val_loss"].ratio == pytest.approx(1.025)
-    assert by["500 steps, over seeds", "a", "gap_mean_pct"].value == pytest.approx((0.5 + 2.5 + 0.0) / 3)
-    assert by["500 steps, over seeds", "a", "gap_worst_pct"].value == pytest.approx(2.5)
-    assert ("500 steps, over seeds", "b", "gap_mean_pct") not in by  # a seed is missing: no mean
+    over = "500 steps, over seeds 0,1,2"
+    assert by[over, "a", "gap_mean_pct"].value == pytest.approx((0.5 + 2.5 + 0.0) / 3)
+    assert by[over, "a", "gap_worst_pct"].value == pytest.approx(2.5)
+    assert (over, "b", "gap_mean_pct") not in by  # a seed is missing: no mean
     assert "| a | +0.50% | +2.50% | +0.00% | +1.00% | +2.50% |" in table
     assert "| b | +1.00% | +1.00% | not run |  |  |" in table
     expected = "a: +1.00% over dense on average over seeds [0, 1, 2], +2.50% at worst: meets on average only"
@@ -40,4 +41,6 @@ def test_a_method_within_the_target_at_every_seed_meets_it():
 def test_every_default_method_is_a_train_lm_method():
     from benchmarks import bench_convergence
 
-    assert set(bench_diloco_seeds.METHODS) <= set(bench_convergence.load_example().METHODS)
+    methods = set(bench_convergence.load_example().METHODS)
+    assert set(bench_diloco_seeds.METHODS) | set(bench_diloco_seeds.MORE_METHODS) <= methods
+    assert not set(bench_diloco_seeds.SEEDS) & set(bench_diloco_seeds.MORE_SEEDS)
