@@ -4,6 +4,8 @@ sync, the share an overlapped sync hides; time to target per link against the co
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import bench_diloco
@@ -142,13 +144,16 @@ def test_the_plot_has_a_wall_time_panel_per_link(tmp_path):
 
 def test_each_phase_is_timed_apart_and_the_step_time_is_their_weighted_mean(tmp_path, monkeypatch):
     train_lm = bench_diloco.conv.load_example()
-    seconds = iter((2.0, 1.0))
+    # per phase: its runs' step times (the first settings.warmup = 2 untimed), and the median
+    # bench_convergence reports for a phase without syncs; the mean is the step time (2.0, then 1.0)
+    taken = iter((([9.0, 9.0, 1.0, 1.0, 4.0], 1.0), ([9.0, 9.0, 1.0, 1.0, 1.0], 1.0)))
     calls = []
 
     def time_phase(method, phase, link, settings, tag, port):
         calls.append((phase.first, phase.last, dict(phase.options), tag, port))
-        (settings.work / f"{tag}.json").write_text('{"hook_stats": null}')
-        return {"seconds_per_step": next(seconds)}, "ok", None
+        steps, median = next(taken)
+        (settings.work / f"{tag}.json").write_text(json.dumps({"hook_stats": None, "step_seconds": steps}))
+        return {"seconds_per_step": median}, "ok", None
 
     monkeypatch.setattr(bench_diloco.conv, "_time_phase", time_phase)
     settings = bench_diloco.conv._Settings(500, 2, 20, tmp_path, tmp_path, True)
@@ -158,6 +163,7 @@ def test_each_phase_is_timed_apart_and_the_step_time_is_their_weighted_mean(tmp_
     assert calls[1][2] == {"warmup_steps": 2}  # the compressed phase's run skips the warm-up
     assert len({c[3] for c in calls}) == len({c[4] for c in calls}) == 2
     assert timed["s_per_step"] == pytest.approx((2.0 * warmup + 1.0 * (500 - warmup)) / 500)
+    assert [p["median_s_per_step"] for p in timed["phases"]] == [1.0, 1.0]
 
 
 def test_every_default_method_is_a_train_lm_method_and_every_timed_one_has_a_loss_run():
@@ -165,3 +171,25 @@ def test_every_default_method_is_a_train_lm_method_and_every_timed_one_has_a_los
     overlapped = set(bench_diloco.OVERLAPPED) | set(bench_diloco.OVERLAPPED.values())
     assert set(bench_diloco.LOSS_METHODS) | overlapped <= methods
     assert set(bench_diloco.SPEED_METHODS) <= set(bench_diloco.LOSS_METHODS)
+
+
+def test_every_diloco_method_of_train_lm_builds_and_a_ramp_becomes_the_outer_lr_function():
+    import torch
+    from torch import nn
+
+    import fastcomm
+
+    train_lm = bench_diloco.conv.load_example()
+    for name, method in train_lm.METHODS.items():
+        if method.optimizer != "diloco":
+            continue
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))  # 6 parameters: up to 6 fragments
+        outer = fastcomm.DiLoCo(model, torch.optim.AdamW(model.parameters()),
+                                **train_lm._diloco_arguments(method.options))  # fmt: skip
+        ramp = method.options.get("outer_lr_ramp")
+        if ramp is None:
+            assert outer.outer_lr == method.options["outer_lr"], name
+            continue
+        start, end, hold, until = ramp
+        assert [outer.outer_lr(s) for s in (1, hold, until, until + 7)] == [start, start, end, end], name
+        assert start < outer.outer_lr((hold + until) // 2) < end, name
