@@ -447,8 +447,8 @@ METHODS: dict[str, Method] = {
     "diloco_q4_d2_ramp": Method("diloco_q4_ramp with each sync overlapped with the next 2 inner steps "
                                 "(applied 2 steps late, keeping them)", optimizer="diloco",
                                 options=_ramped(delay=2, **_Q4)),
-    "diloco_q2_ramp": Method("diloco_ramp with 2-bit pseudo-gradients and error feedback", optimizer="diloco",
-                             options=_ramped(compressor="quantize", bits=2)),
+    "diloco_sign_ramp": Method("diloco_ramp with 1-bit (sign, scaled) pseudo-gradients and error feedback",
+                               optimizer="diloco", options=_ramped(compressor="sign")),
     "diloco_q4_h15_ramp": Method("diloco_q4_ramp at H=15", optimizer="diloco",
                                  options=_ramped(sync_every=15, **_Q4)),
     "diloco_q4_h15_d3_ramp": Method("diloco_q4_h15_ramp with each sync overlapped with the next 3 inner "

@@ -193,3 +193,17 @@ def test_every_diloco_method_of_train_lm_builds_and_a_ramp_becomes_the_outer_lr_
         start, end, hold, until = ramp
         assert [outer.outer_lr(s) for s in (1, hold, until, until + 7)] == [start, start, end, end], name
         assert start < outer.outer_lr((hold + until) // 2) < end, name
+
+
+def test_a_method_timed_as_its_twin_takes_the_twins_entry_where_it_was_not_timed():
+    ((method, twin),) = list(bench_diloco.TIMED_AS.items())[:1]
+    own = {"s_per_step": 0.5, "blocked_per_step": 0.0}
+    speed = {"57mbit": {twin: {"s_per_step": 0.3, "blocked_per_step": 0.01}},
+             "10mbit": {twin: {"s_per_step": 0.4, "blocked_per_step": 0.02}, method: own},
+             "loopback": {"noop": {"s_per_step": 0.2}}}  # fmt: skip
+    notes = bench_diloco._timed_as_twins(speed)
+    assert speed["57mbit"][method] == speed["57mbit"][twin]
+    assert speed["10mbit"][method] is own  # timed itself: kept
+    assert method not in speed["loopback"] and len(notes) == 1 and twin in notes[0]
+    assert set(bench_diloco.TIMED_AS) <= set(bench_diloco.LOSS_METHODS)
+    assert set(bench_diloco.TIMED_AS.values()) <= set(bench_diloco.SPEED_METHODS)
