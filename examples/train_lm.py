@@ -447,6 +447,8 @@ METHODS: dict[str, Method] = {
     "diloco_q4_d2_ramp": Method("diloco_q4_ramp with each sync overlapped with the next 2 inner steps "
                                 "(applied 2 steps late, keeping them)", optimizer="diloco",
                                 options=_ramped(delay=2, **_Q4)),
+    "diloco_q4_h13_d2_ramp": Method("diloco_q4_d2_ramp at H=13 (about 100x fewer bytes than dense)",
+                                    optimizer="diloco", options=_ramped(sync_every=13, delay=2, **_Q4)),
     "diloco_sign_ramp": Method("diloco_ramp with 1-bit (sign, scaled) pseudo-gradients and error feedback",
                                optimizer="diloco", options=_ramped(compressor="sign")),
     "diloco_q4_h15_ramp": Method("diloco_q4_ramp at H=15", optimizer="diloco",
