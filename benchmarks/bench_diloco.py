@@ -57,12 +57,12 @@ NAME = "bench_diloco"
 DILOCO_METHODS = (
     "diloco", "diloco_q4", "diloco_q4_d1", "diloco_q4_d2", "diloco_q4_h15", "diloco_q4_h15_d1",
     "diloco_q4_h15_d3", "diloco_q4_h25", "streaming_q4", "diloco_ramp", "diloco_q4_ramp",
-    "diloco_q4_d2_ramp", "diloco_q4_h15_ramp",
+    "diloco_q4_d2_ramp", "diloco_q4_h15_ramp", "diloco_q4_h13_d2_ramp",
 )  # fmt: skip
 LOSS_METHODS = ("none", "cadam", *DILOCO_METHODS)  # the committed result's loss runs
 SPEED_METHODS = (
     "none", "cadam", "diloco_q4", "diloco_q4_d2", "diloco_q4_h15", "diloco_q4_h15_d3", "streaming_q4",
-    "diloco_q4_ramp", "diloco_q4_h15_ramp",
+    "diloco_q4_ramp", "diloco_q4_h15_ramp", "diloco_q4_h13_d2_ramp",
 )  # fmt: skip
 # an overlapped method and the one that sends the same bytes at once: the share of the wait it hides
 OVERLAPPED = {"streaming_q4": "diloco_q4", "diloco_q4_d1": "diloco_q4", "diloco_q4_d2": "diloco_q4",
