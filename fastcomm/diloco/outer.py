@@ -45,7 +45,7 @@ def outer_lr_ramp(start: float, end: float, hold: int, until: int) -> Callable[[
 
     Example::
 
-        outer = fastcomm.DiLoCo(model, inner, sync_every=15, outer_momentum=0.5,
+        outer = fastcomm.DiLoCo(model, inner, sync_every=10, outer_momentum=0.5,
                                 outer_lr=fastcomm.outer_lr_ramp(0.5, 1.0, hold=100, until=500))
     """
     for name, value in (("start", start), ("end", end)):
