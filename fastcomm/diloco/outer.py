@@ -29,7 +29,8 @@ _FORMAT = 1
 
 
 def _check_outer_lr(value: Any, where: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    # a number: Python's, numpy's or a one-element tensor (what float() takes without parsing a string)
+    if isinstance(value, bool) or not hasattr(type(value), "__float__") or not float(value) > 0:
         raise ValueError(f"outer_lr must be a number > 0 or a function of the step returning one, got "
                          f"{value!r}{where}")
     return float(value)

@@ -135,6 +135,17 @@ def test_bad_arguments_raise_value_error_naming_them(options, match):
         _outer(**options)
 
 
+def test_a_numpy_or_tensor_outer_lr_is_taken_as_a_float_and_a_string_is_refused():
+    import numpy as np
+
+    for value in (np.float32(0.5), torch.tensor(0.5)):
+        outer = _outer(outer_lr=value)
+        assert type(outer.outer_lr) is float and outer.outer_lr == 0.5
+    with pytest.raises(ValueError, match="outer_lr"):
+        _outer(outer_lr="0.5")
+    assert fastcomm.outer_lr_ramp(np.float64(0.5), np.float32(1.0), hold=1, until=3)(2) == pytest.approx(0.75)
+
+
 def test_an_optimizer_of_other_parameters_is_refused():
     model = nn.Linear(5, 3)
     with pytest.raises(ValueError, match="not in inner_optimizer"):
