@@ -493,4 +493,3 @@ class RemoteSource(Source):
             "cache_limit": self.cache.limit,
             "evictions": self.cache.evictions,
         }
-

@@ -392,6 +392,25 @@ class ShardCache:
             job.finish(check)
         return self.path(key)
 
+    def keep(self, key: str, data: bytes) -> bool:
+        """Write the small file ``key`` (``data``: what a source keeps for good, e.g. a shard's metadata)
+        under the cache's lock, evicting unpinned entries for its room; False, and nothing written, when
+        the cache has no room for it now (every entry pinned): what it saves is then made again next time.
+
+        Example::
+
+            cache.keep("ds/shard-000.tar.meta.json", b'{"num_samples": 60}')
+        """
+        dest = self.path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with flock(self.directory / _GLOBAL_LOCK, fcntl.LOCK_EX):
+            if self.limit is not None and self._evict_until(len(data)) + len(data) > self.limit:
+                return False
+            part = dest.with_name(f".{dest.name}.part-{os.getpid()}-{threading.get_ident()}")
+            part.write_bytes(data)  # named as a download's part: removed as stale if this process dies here
+            os.replace(part, dest)
+        return True
+
     def clear_stale_parts(self) -> int:
         """Remove temporary files of downloads whose process is gone (a crash mid-download); returns how many.
 

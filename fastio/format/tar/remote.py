@@ -6,9 +6,11 @@ remote layer the decompressor). :func:`open_remote_tars` is the opener in :mod:`
 Sample counts come before the order, in this order of preference: (a) a sidecar ``<shard>.fidx`` next to the
 remote tar (what :func:`fastio.index_tar` writes; a small download, and the cached tar then reuses it once its
 bytes are checked against the sidecar's fingerprint); (b) otherwise the shard is downloaded at open and
-indexed (its count, size and index are kept beside the cache entry, so the next run opens without
-downloading). Compressed shards always take (b). (a) is what a publisher should provide: opening then costs
-one small request per shard, not the dataset.
+indexed. Either way a meta (count, sizes, fields) is kept beside the cache entry, ``<entry>.meta.json``, so
+the next run opens without a request: under ``cache_limit``, in the room reserved with the download at (b),
+else through :meth:`fastio.remote.cache.ShardCache.keep` (skipped while the cache is full of pinned
+shards). Compressed shards always take (b). (a) is what a publisher should provide: opening then costs one
+small request per shard, not the dataset.
 
 Example::
 
@@ -87,6 +89,10 @@ def _meta_of(index: TarIndex, tar_size: int, remote_size: int, index_bytes: int)
     ]
     fields = list(index.fields)
     return _TarMeta(remote_size, tar_size, index.num_samples, fields, present.tolist(), uniform, index_bytes)
+
+
+def _meta_bytes(meta: _TarMeta) -> bytes:
+    return json.dumps(dataclasses.asdict(meta)).encode()
 
 
 class RemoteTarSource(RemoteSource):
@@ -185,17 +191,21 @@ class RemoteTarSource(RemoteSource):
                 meta = self._meta_from_sidecar(shard, sidecar)
         if meta is None:  # download (and decompress) the shard now and index it
             info.local_size = None if info.encoding else info.remote_size
-            info.index_bytes = info.local_size or 0  # its index, not known before the scan, is smaller
-            with self.cached(shard) as path:
-                index = load_tar_index(path, strict=self.tar_strict)
-                index_path = Path(f"{path}{INDEX_SUFFIX}")
-                index_bytes = index_path.stat().st_size if index_path.exists() else 0
-                meta = _meta_of(index, path.stat().st_size, info.remote_size, index_bytes)
-        meta_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        tmp.write_text(json.dumps(dataclasses.asdict(meta)))
-        os.replace(tmp, meta_path)
+            # The room of its index and meta (not known before the scan, both smaller than the tar):
+            info.index_bytes = info.local_size or info.remote_size
+            with self.cached(shard) as path:  # after_download writes the meta in that room
+                meta = self._meta_of_cached(shard, path, load_tar_index(path, strict=self.tar_strict))
+        data = _meta_bytes(meta)
+        with contextlib.suppress(OSError):
+            if meta_path.read_bytes() == data:
+                return meta
+        self.cache.keep(f"{self._files[shard].key}.meta.json", data)  # skipped when the cache has no room
         return meta
+
+    def _meta_of_cached(self, shard: int, path: Path, index: TarIndex) -> _TarMeta:
+        index_path = Path(f"{path}{INDEX_SUFFIX}")
+        index_bytes = index_path.stat().st_size if index_path.exists() else 0
+        return _meta_of(index, path.stat().st_size, self.shards[shard].remote_size, index_bytes)
 
     def _meta_from_sidecar(self, shard: int, sidecar: bytes) -> _TarMeta | None:
         info = self.shards[shard]
@@ -266,7 +276,15 @@ class RemoteTarSource(RemoteSource):
             return  # a part: its index is the tar's, kept in memory
         sidecar = self._sidecars.get(shard)
         if sidecar is None:
-            load_tar_index(path, strict=self.tar_strict)
+            index = load_tar_index(path, strict=self.tar_strict)
+            # Opening (no meta kept yet): the meta too, where the room reserved for the index holds it.
+            meta = self._meta_of_cached(shard, path, index)
+            meta_path, data = Path(f"{path}.meta.json"), _meta_bytes(meta)
+            with contextlib.suppress(OSError):
+                if meta_path.read_bytes() == data:
+                    return
+            if meta.index_bytes + len(data) <= self.shards[shard].index_bytes:
+                meta_path.write_bytes(data)
             return
         mtime_ns = int(load_npz(io.BytesIO(sidecar))["identity"][2])
         os.utime(path, ns=(mtime_ns, mtime_ns))
