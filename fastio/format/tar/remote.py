@@ -95,6 +95,13 @@ def _meta_bytes(meta: _TarMeta) -> bytes:
     return json.dumps(dataclasses.asdict(meta)).encode()
 
 
+def _holds(path: Path, data: bytes) -> bool:
+    """True when the file at ``path`` is there with exactly ``data`` in it."""
+    with contextlib.suppress(OSError):
+        return path.read_bytes() == data
+    return False
+
+
 class RemoteTarSource(RemoteSource):
     """WebDataset tar shards at URLs, read through the shard cache: plain tars
     are downloaded whole, compressed ones decompressed once on the way in (see the module docstring for how
@@ -196,10 +203,8 @@ class RemoteTarSource(RemoteSource):
             with self.cached(shard) as path:  # after_download writes the meta in that room
                 meta = self._meta_of_cached(shard, path, load_tar_index(path, strict=self.tar_strict))
         data = _meta_bytes(meta)
-        with contextlib.suppress(OSError):
-            if meta_path.read_bytes() == data:
-                return meta
-        self.cache.keep(f"{self._files[shard].key}.meta.json", data)  # skipped when the cache has no room
+        if not _holds(meta_path, data):  # not written in its download's room: kept now, where there is room
+            self.cache.keep(f"{self._files[shard].key}.meta.json", data)
         return meta
 
     def _meta_of_cached(self, shard: int, path: Path, index: TarIndex) -> _TarMeta:
@@ -280,10 +285,7 @@ class RemoteTarSource(RemoteSource):
             # Opening (no meta kept yet): the meta too, where the room reserved for the index holds it.
             meta = self._meta_of_cached(shard, path, index)
             meta_path, data = Path(f"{path}.meta.json"), _meta_bytes(meta)
-            with contextlib.suppress(OSError):
-                if meta_path.read_bytes() == data:
-                    return
-            if meta.index_bytes + len(data) <= self.shards[shard].index_bytes:
+            if not _holds(meta_path, data) and meta.index_bytes + len(data) <= self.shards[shard].index_bytes:
                 meta_path.write_bytes(data)
             return
         mtime_ns = int(load_npz(io.BytesIO(sidecar))["identity"][2])
