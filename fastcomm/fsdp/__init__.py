@@ -23,7 +23,7 @@ Example::
 """
 
 from fastcomm.fsdp.all_gather import QuantizedAllGather
-from fastcomm.fsdp.compress import FSDPCompression, compress
+from fastcomm.fsdp.compression import FSDPCompression, compress
 from fastcomm.fsdp.reduce_scatter import CompressedReduceScatter
 from fastcomm.fsdp.replicate import CompressedReplicaAllReduce
 
