@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import bench_hooks, netlab
+from benchmarks.common import free_port
 from benchmarks.harness import Row, output_dir, progress, write_results
 from fastcomm.advise import KernelRates, Link, measure_rates, parse_link, predict
 from fastcomm.advise.calibrate import fit_link, measure_allreduce
@@ -87,7 +88,7 @@ def _measure(
     """Each configuration's outcome (bench_hooks's runner) and the load average when it started."""
     outcomes: dict[str, Any] = {}
     for index, config in enumerate(configs):
-        port = 29500 + index if link is not None else bench_hooks._free_loopback_port()
+        port = 29500 + index if link is not None else free_port()
         load = os.getloadavg()[0]
         outcome = bench_hooks._run_config(config, link, port, settings)
         outcomes[config.name] = (outcome, load)

@@ -45,8 +45,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,12 +53,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import netlab
-from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, output_dir, progress, write_results
+from benchmarks.common import REPO_ROOT, free_port, launch, median, rank_env, tail
+from benchmarks.harness import RESULTS_DIR, Row, output_dir, progress, write_results
 
 __all__ = ["LOSS_METHODS", "main"]
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = _REPO_ROOT / "examples" / "train_lm.py"
+EXAMPLE = REPO_ROOT / "examples" / "train_lm.py"
 NAME = "bench_convergence"
 # Rows of the loss comparison, each against its dense reference (AdamW rows: "none"; DGC: dense SGD m0.9).
 LOSS_METHODS = (
@@ -114,76 +112,24 @@ class _Run:
     seconds: float = 0.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _tail(path: Path, lines: int = 3) -> str:
-    text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in text if "Error" in line or "error" in line]
-    return " | ".join((errors or text)[-lines:])[-400:] or "(no output)"
-
-
 def _launch(
     args: Sequence[str], link: netlab.Link | None, port: int, timeout_s: float, work: Path, tag: str
 ) -> _Run:
     """Run ``examples/train_lm.py args`` as ranks 0 and 1 (in the link's namespaces when given)."""
     out = work / f"{tag}.json"
     out.unlink(missing_ok=True)
-    procs: list[subprocess.Popen[bytes]] = []
+    master = link.addresses[0] if link else "127.0.0.1"
+    command = [sys.executable, str(EXAMPLE), *args, "--json", str(out)]
+    commands = [[*link.exec_prefix(r), *command] if link else command for r in range(2)]
+    interfaces = link.interfaces if link else ("lo", "lo")
+    envs = [rank_env(r, 2, port, master, GLOO_SOCKET_IFNAME=interfaces[r]) for r in range(2)]
     logs = [work / f"{tag}.rank{r}.log" for r in range(2)]
-    start = time.monotonic()
-    try:
-        for rank in range(2):
-            pythonpath = os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))))
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK="0",
-                WORLD_SIZE="2",
-                MASTER_PORT=str(port),
-                MASTER_ADDR=link.addresses[0] if link else "127.0.0.1",
-                OMP_NUM_THREADS="1",
-                GLOO_SOCKET_IFNAME=link.interfaces[rank] if link else "lo",
-                PYTHONPATH=pythonpath,
-            )
-            prefix = link.exec_prefix(rank) if link else []
-            command = [*prefix, sys.executable, str(EXAMPLE), *args, "--json", str(out)]
-            with logs[rank].open("wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=_REPO_ROOT,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        failed_at: float | None = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            if now - start > timeout_s or (failed_at is not None and now - failed_at > _FAIL_GRACE_S):
-                break
-            time.sleep(0.5)
-        running = [r for r, p in enumerate(procs) if p.poll() is None]
-    finally:
-        kill_process_groups(procs)
-    seconds = time.monotonic() - start
-    bad = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in running]
-    if bad:
-        return _Run(
-            f"crashed (rank {bad[0]} exit {procs[bad[0]].returncode}): {_tail(logs[bad[0]])}", seconds=seconds
-        )
-    if running:
-        return _Run(f"timed out after {seconds:.0f} s (rank(s) {running} killed)", seconds=seconds)
+    ranks = launch(commands, envs, logs, timeout_s, fail_grace_s=_FAIL_GRACE_S)
+    if not ranks.ok:
+        return _Run(ranks.describe(), seconds=ranks.seconds)
     if not out.exists():
-        return _Run(f"no result written: {_tail(logs[0])}", seconds=seconds)
-    return _Run("ok", json.loads(out.read_text()), seconds)
+        return _Run(f"no result written: {tail(ranks.logs[0])}", seconds=ranks.seconds)
+    return _Run("ok", json.loads(out.read_text()), ranks.seconds)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -221,12 +167,6 @@ def _phases(train_lm: Any, method: str, steps: int) -> list[_Phase]:
     if train_lm.METHODS[method].optimizer == "diloco":
         return [_Phase("all", 1, steps, period=int(options["sync_every"]))]
     return [_Phase("all", 1, steps)]
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,9 +221,9 @@ def _time_phase(
     steps_taken = run.result["step_seconds"][timed]
     return (
         {
-            "seconds_per_step": sum(steps_taken) / len(steps_taken) if phase.period else _median(steps_taken),
-            "backward_s": _median(run.result["backward_seconds"][timed]),
-            "opt_step_s": _median(run.result["optimizer_seconds"][timed]),
+            "seconds_per_step": sum(steps_taken) / len(steps_taken) if phase.period else median(steps_taken),
+            "backward_s": median(run.result["backward_seconds"][timed]),
+            "opt_step_s": median(run.result["optimizer_seconds"][timed]),
         },
         "ok",
         crashed,
@@ -309,7 +249,7 @@ def _time_link(
         status = "ok"
         crashes = []
         for number, phase in enumerate(_phases(train_lm, method, settings.steps)):
-            port = 29600 + 10 * index + number if link else _free_port()
+            port = 29600 + 10 * index + number if link else free_port()
             begin = time.perf_counter()
             measured, phase_status, crashed = _time_phase(
                 method, phase, link, settings, f"time-{link_name}-{method}-{number}", port
@@ -440,7 +380,7 @@ def _loss_run(train_lm: Any, method: str, settings: _Settings, available: dict[s
         "--seed",
         str(settings.seed),
     ]
-    run = _launch(args, None, _free_port(), 120.0 + 6.0 * settings.steps, settings.work, tag)
+    run = _launch(args, None, free_port(), 120.0 + 6.0 * settings.steps, settings.work, tag)
     return run
 
 
@@ -713,7 +653,7 @@ def _assemble(
                 val_steps=run.result["val_steps"],
                 val_losses=run.result["val_losses"],
                 train_losses=run.result["train_losses"],
-                loopback_step_seconds=_median(run.result["step_seconds"]),
+                loopback_step_seconds=median(run.result["step_seconds"]),
                 hook_stats=run.result["hook_stats"],
             )
         for link_name, key in ((shaped_name, "shaped"), (fast_name, "fast")):
@@ -1003,7 +943,7 @@ def _reference_check(kept: _Run, settings: _Settings) -> str:
         "--data-dir",
         str(settings.data_dir),
     ]
-    run = _launch(args, None, _free_port(), 120.0 + 6.0 * check, settings.work, "reference-check-none")
+    run = _launch(args, None, free_port(), 120.0 + 6.0 * check, settings.work, "reference-check-none")
     if run.status != "ok" or run.result is None:
         return f"dense reference check: failed to run ({run.status})"
     same_train = run.result["train_losses"] == kept.result["train_losses"][:check]

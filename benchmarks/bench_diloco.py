@@ -49,6 +49,7 @@ from typing import Any
 
 from benchmarks import bench_convergence as conv
 from benchmarks import netlab
+from benchmarks.common import free_port, median
 from benchmarks.harness import Row, output_dir, progress, write_results
 
 __all__ = ["DILOCO_METHODS", "main"]
@@ -120,7 +121,7 @@ def _time_method(
         taken = result["step_seconds"][settings.warmup :]
         phases.append({"name": phase.name, "first": phase.first, "last": phase.last,
                        "seconds_per_step": sum(taken) / len(taken),
-                       "median_s_per_step": conv._median(taken)})  # fmt: skip
+                       "median_s_per_step": median(taken)})  # fmt: skip
     mean = conv._mean_step({"phases": phases})
     return {"s_per_step": mean, "blocked_per_step": blocked, "phases": phases}
 
@@ -129,7 +130,7 @@ def _speed(train_lm: Any, methods: Sequence[str], links: Sequence[str], settings
     """``{link: {method: _time_method's dict, or None if a run failed}}`` plus ``{"loopback": {"noop":
     ...}}``: the step time per phase and the seconds per step rank 0 waited for DiLoCo's syncs."""
     found: dict[str, dict[str, dict[str, Any] | None]] = {}
-    noop = _time_method(train_lm, None, "loopback", "noop", conv._free_port(), settings)
+    noop = _time_method(train_lm, None, "loopback", "noop", free_port(), settings)
     found["loopback"] = {"noop": noop}
     for number, rate in enumerate(links):
         with netlab.Link(rate=rate) as link:

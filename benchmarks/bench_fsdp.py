@@ -44,23 +44,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from benchmarks import fsdp_jobs, fsdp_rows, harness, netlab
+from benchmarks.common import launch, rank_env, tail
 from benchmarks.fsdp_jobs import LAYOUTS, METHODS
 from benchmarks.fsdp_rows import speed_case, verdicts
 
 __all__ = ["METHODS", "PARTS", "main"]
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
 LOSS_METHODS = ("dense", "q8", "q8-bf16-residual", "q8-stochastic-no-ef", "q4", "sign-ef", "q8-qwz")
 SPEED_METHODS = ("dense", "q8", "q8-qwz")
 MEMORY_METHODS = ("dense", "q8-stochastic-no-ef", "q8", "q8-bf16-residual")
@@ -154,61 +151,33 @@ def _launch(spec: dict[str, Any], link: netlab.Link | None, label: str, timeout_
     places = _places(link)
     with tempfile.TemporaryDirectory(prefix="bench_fsdp_") as tmp:
         out = Path(tmp) / "results.json"
-        procs, logs = [], []
-        pythonpath = os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))))
         rank_spec = json.dumps(
             {**spec, "out": str(out), "timeout_s": timeout_s, "counters": [place.counter for place in places]}
         )
-        try:
-            for rank, place in enumerate(places):
-                env = dict(
-                    os.environ,
-                    **spec.get("env", {}),
-                    OMP_NUM_THREADS="1",
-                    PYTHONPATH=pythonpath,
-                    RANK=str(rank),
-                    WORLD_SIZE=str(len(places)),
-                    MASTER_PORT="29417",
-                    **place.env,
-                )
-                command = [
-                    *place.prefix,
-                    sys.executable,
-                    "-m",
-                    "benchmarks.bench_fsdp",
-                    "--rank-spec",
-                    rank_spec,
-                ]
-                logs.append(Path(tmp) / f"rank{rank}.log")
-                with logs[-1].open("wb") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            command,
-                            cwd=_REPO_ROOT,
-                            env=env,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )
-            deadline, seen = time.monotonic() + timeout_s, 0
-            with harness.heartbeat(f"bench_fsdp {label}"):
-                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                    lines = logs[0].read_text(errors="replace").splitlines()
-                    for line in lines[seen:]:
-                        if " step " in line:
-                            harness.progress(f"{label}: {line}")
-                    seen = len(lines)
-                    if any(p.returncode not in (None, 0) for p in procs):
-                        break
-                    time.sleep(0.5)
-        finally:
-            harness.kill_process_groups(procs)
+        command = [sys.executable, "-m", "benchmarks.bench_fsdp", "--rank-spec", rank_spec]
+        commands = [[*place.prefix, *command] for place in places]
+        master = {"MASTER_ADDR": "127.0.0.1"}  # a place's own env names the link's address
+        envs = [
+            rank_env(rank, len(places), 29417, **{**master, **spec.get("env", {}), **place.env})
+            for rank, place in enumerate(places)
+        ]
+        logs = [Path(tmp) / f"rank{rank}.log" for rank in range(len(places))]
+        seen = 0
+
+        def report(_procs: object) -> bool:
+            nonlocal seen
+            lines = logs[0].read_text(errors="replace").splitlines()
+            for line in lines[seen:]:
+                if " step " in line:
+                    harness.progress(f"{label}: {line}")
+            seen = len(lines)
+            return False
+
+        with harness.heartbeat(f"bench_fsdp {label}"):
+            ranks = launch(commands, envs, logs, timeout_s, fail_grace_s=0.0, stop=report)
         if not out.exists():
-            tail = "\n".join(logs[0].read_text(errors="replace").splitlines()[-5:])
-            raise RuntimeError(
-                f"bench_fsdp {label} failed (exit codes {[p.returncode for p in procs]}):\n{tail}"
-            )
+            codes = list(ranks.returncodes)
+            raise RuntimeError(f"bench_fsdp {label} failed (exit codes {codes}):\n{tail(logs[0], 5)}")
         return json.loads(out.read_text())
 
 

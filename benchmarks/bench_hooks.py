@@ -47,7 +47,6 @@ import json
 import math
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import netlab
+from benchmarks.common import free_port
 from benchmarks.harness import RESULTS_DIR, Row, kill_process_groups, output_dir, time_call, write_results
 
 __all__ = ["CONFIGS", "Config", "main", "plot_results"]
@@ -435,12 +435,6 @@ def _fastcomm_missing(config: Config) -> list[str]:
     return missing
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     """How each configuration is run."""
@@ -726,7 +720,7 @@ def _run_network(
     outcomes: dict[str, _Outcome] = {}
     for index, config in enumerate(configs):
         # Fresh namespaces have no other listeners; on loopback ask the kernel for a free port.
-        port = 29500 + index if link else _free_loopback_port()
+        port = 29500 + index if link else free_port()
         start = time.perf_counter()
         outcome = _run_config(config, link, port, settings)
         outcomes[config.name] = outcome

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -250,9 +249,3 @@ def sigkill_restart(method: str, data_dir: Path, tmp_path: Path, reference) -> N
     if method == "topk":
         assert_each_sample_once_per_epoch(sample_log(tmp_path / "killed", 2), 2, num_samples, steps)
         assert sample_log(tmp_path / "killed", 2) == sample_log(uninterrupted, 2), context
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -12,6 +12,7 @@ import pytest
 import fastcomm
 import fastcomm.fsdp
 from benchmarks import bench_fsdp, fsdp_jobs, fsdp_rows, harness
+from benchmarks.common import free_port
 
 LOSS = {
     m: {"val_loss": v, "grad_rel_error": 0.0, "residual_bytes_per_param": 0.0, "compression_ratio": 1.0,
@@ -83,7 +84,7 @@ def test_every_speed_layout_shards_and_steps(layout, monkeypatch: pytest.MonkeyP
     from torch.distributed.device_mesh import init_device_mesh
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         model = fsdp_jobs._mlp([8, 8, 8])
@@ -95,14 +96,6 @@ def test_every_speed_layout_shards_and_steps(layout, monkeypatch: pytest.MonkeyP
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_hsdp_rows_give_cross_node_bytes_against_dense_and_step_times():

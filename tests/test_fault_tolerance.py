@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import fastio
+from benchmarks.common import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fault_runs as fr  # noqa: E402
@@ -83,7 +84,7 @@ def test_the_survivor_of_a_lost_peer_exits_with_a_clear_error_in_time(
     # Without torchrun: two ranks by hand. After the peer is killed (or stopped), rank 0 must exit on its own
     # with PeerLostError and the documented exit status, within the collective timeout (plus slack).
     timeout = 5.0
-    port = fr.free_port()
+    port = free_port()
     processes = []
     for rank in range(2):
         env = fr.run_env(

@@ -7,7 +7,6 @@ tests/test_fault_tolerance.py; these are the unit-level contracts.
 from __future__ import annotations
 
 import pickle
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import pytest
 
 import fastcomm
 import fastcomm.fault as fault
+from benchmarks.common import free_port
 
 
 def test_timeout_comes_from_the_argument_then_the_environment_then_the_default(monkeypatch) -> None:
@@ -117,17 +117,11 @@ def test_exit_on_peer_loss_lets_other_errors_and_return_values_through() -> None
         broken()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_init_process_group_under_torchrun_uses_a_store_prefix_per_restart_attempt(monkeypatch) -> None:
     # As torchrun's rank 0 of restart attempt 2 would call it (here hosting the store itself, as without
     # TORCHELASTIC_USE_AGENT_STORE): the group is made on a store whose keys carry the attempt's prefix, so
     # addresses written by attempt 1's dead workers under the same names are never read.
-    port = _free_port()
+    port = free_port()
     for key, value in dict(
         RANK="0",
         WORLD_SIZE="1",
