@@ -3,10 +3,12 @@
 ==============================  =====================================================================
 what                            how
 ==============================  =====================================================================
-``compress(model, name, ...)``  every FSDP module's reduce-scatter compressed
+``compress(model, name, ...)``  FSDP (a 1-D mesh): every FSDP module's reduce-scatter compressed
                                 (:class:`CompressedReduceScatter`: one all-to-all of codes)
-``replicate_group=``            HSDP: the in-node reduce-scatter dense, the cross-replica all-reduce of
-                                the shard compressed (:class:`CompressedReplicaAllReduce`)
+the same, 2-D mesh              HSDP, the model on a ``("replicate", "shard")`` mesh: the in-node
+                                reduce-scatter dense, the cross-replica all-reduce of the shard
+                                compressed (:class:`CompressedReplicaAllReduce`, :mod:`fastcomm.fsdp.mesh`)
+``replicate_group=``            the same HSDP for a model sharded on ``mesh["shard"]``
 ``quantized_all_gather=True``   weights unsharded from 8-bit codes (:class:`QuantizedAllGather`, qwZ)
 ==============================  =====================================================================
 
@@ -24,6 +26,7 @@ Example::
 
 from fastcomm.fsdp.all_gather import QuantizedAllGather
 from fastcomm.fsdp.compression import FSDPCompression, compress
+from fastcomm.fsdp.mesh import HSDPMeshError
 from fastcomm.fsdp.reduce_scatter import CompressedReduceScatter
 from fastcomm.fsdp.replicate import CompressedReplicaAllReduce
 
@@ -31,6 +34,7 @@ __all__ = [
     "CompressedReduceScatter",
     "CompressedReplicaAllReduce",
     "FSDPCompression",
+    "HSDPMeshError",
     "QuantizedAllGather",
     "compress",
 ]

@@ -1,4 +1,15 @@
-""":func:`compress`: one call that compresses an FSDP2 model's gradient reduction; the state it returns."""
+""":func:`compress`: one call that compresses an FSDP2 model's gradient reduction; the state it returns.
+
+What is compressed follows the model's mesh: on a 1-D mesh, the reduce-scatter; on a 2-D
+``("replicate", "shard")`` mesh (HSDP as PyTorch users write it) or a 1-D ``mesh["shard"]`` with
+``replicate_group=``, only the cross-replica all-reduce of the shard (see :mod:`fastcomm.fsdp.mesh`).
+
+Example::
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
+    compression = fastcomm.fsdp.compress(model, "quantize", bits=8, stochastic=False)
+"""
 
 from __future__ import annotations
 
@@ -9,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
 from fastcomm.compress.protocol import Compressor
+from fastcomm.fsdp._native_hsdp import hand_all_reduce_to_hook
 from fastcomm.fsdp.all_gather import QuantizedAllGather
+from fastcomm.fsdp.mesh import replicate_group_of
 from fastcomm.fsdp.reduce_scatter import CompressedReduceScatter
 from fastcomm.fsdp.replicate import CompressedReplicaAllReduce
 from fastcomm.hooks import compressor_of
@@ -27,7 +39,7 @@ class FSDPCompression:
 
     Attributes:
         reductions: one compressed reduction per FSDP module (its parameter group's reduce-scatter, or
-            with ``replicate_group`` its cross-replica all-reduce).
+            under HSDP its cross-replica all-reduce).
         gathers: the quantized weight all-gathers (empty unless ``quantized_all_gather=True``).
 
     Example::
@@ -43,7 +55,7 @@ class FSDPCompression:
     def stats(self) -> dict[str, Any]:
         """Steps (gradient syncs), bytes sent vs dense, the ratio, the residual's bytes on this rank.
 
-        ``sent_bytes`` / ``dense_bytes`` count the compressed collective only (with ``replicate_group``:
+        ``sent_bytes`` / ``dense_bytes`` count the compressed collective only (under HSDP:
         the cross-replica all-reduce; the in-node reduce-scatter stays dense). ``gather_*``: the weight
         all-gathers.
         """
@@ -94,15 +106,6 @@ def _fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     return modules
 
 
-def _check_mesh(model: nn.Module, replicate_group: dist.ProcessGroup | None) -> None:
-    meshes = {p.device_mesh.ndim for p in model.parameters() if isinstance(p, DTensor)}
-    if replicate_group is not None and max(meshes, default=1) > 1:
-        raise ValueError(
-            "replicate_group= compresses the cross-replica hop of a model sharded on the shard mesh only: "
-            "fully_shard(model, mesh=mesh['shard']), not the 2-D mesh (FSDP would all-reduce it densely too)"
-        )
-
-
 def compress(
     model: nn.Module,
     compressor: str | Compressor = "quantize",
@@ -119,22 +122,28 @@ def compress(
 
     1. Resolve ``compressor``: a name (``"quantize"``, ``"sign"``, ``"cast"``, or one added with
        :func:`fastcomm.hooks.add_compressor`) built from ``options``, or a compressor instance.
-    2. For each FSDP module (blocks and root): without ``replicate_group``, its reduce-scatter becomes
-       :class:`CompressedReduceScatter` (``set_custom_reduce_scatter``); with it (HSDP), the reduce-scatter
-       stays dense and :class:`CompressedReplicaAllReduce` averages the shard over the replicas
-       (``set_all_reduce_hook``).
-    3. With ``quantized_all_gather``, its parameter all-gather becomes :class:`QuantizedAllGather`.
+    2. Read the model's mesh (:func:`fastcomm.fsdp.mesh.replicate_group_of`): a 1-D mesh is FSDP, or HSDP
+       when ``replicate_group`` is given; a 2-D ``("replicate", "shard")`` mesh is HSDP over its
+       ``"replicate"`` group.
+    3. For each FSDP module (blocks and root): under FSDP, its reduce-scatter becomes
+       :class:`CompressedReduceScatter` (``set_custom_reduce_scatter``); under HSDP, the reduce-scatter over
+       the shard ranks stays dense and :class:`CompressedReplicaAllReduce` averages the shard over the
+       replicas (``set_all_reduce_hook``; on the 2-D mesh in place of FSDP2's dense all-reduce).
+    4. With ``quantized_all_gather``, its parameter all-gather becomes :class:`QuantizedAllGather`.
+
+    The two HSDP spellings run the same reduction: on the same inputs and seed they train bit for bit alike.
 
     Memory: error feedback keeps, per rank, a residual of each group's whole flat gradient (4 bytes per
-    model parameter in fp32, 2 with ``residual_dtype=torch.bfloat16``); with ``replicate_group`` one of
-    the shard only (``4 / shard ranks`` bytes per parameter).
+    model parameter in fp32, 2 with ``residual_dtype=torch.bfloat16``); under HSDP one of the shard only
+    (``4 / shard ranks`` bytes per parameter, plus the all-reduce's segment).
 
     Args:
         model: a module with ``fully_shard`` applied (to it, and maybe to its blocks first).
-        compressor: the compressor's name or instance (blockwise without ``replicate_group``).
+        compressor: the compressor's name or instance (blockwise under FSDP; any under HSDP).
         error_feedback: add what compression left out to the next step's gradient.
         residual_dtype: keep the residual in this dtype between steps (``None``: the reduce dtype's).
-        replicate_group: HSDP: the replicate process group (the model sharded on ``mesh["shard"]``).
+        replicate_group: HSDP on a 1-D ``mesh["shard"]``: the replicate process group. Leave it out for
+            a model on the 2-D mesh, which names its own.
         quantized_all_gather: send weights for unshard as 8-bit codes (ZeRO++ qwZ; off by default).
         seed: base seed of stochastic rounding.
         chunk_bytes: payload bytes per piece of a collective.
@@ -143,11 +152,16 @@ def compress(
     Returns:
         The :class:`FSDPCompression`, for ``stats()`` and ``state_dict()``.
 
+    Raises:
+        fastcomm.fsdp.HSDPMeshError: a mesh that is neither spelling (a 2-D mesh not named
+            ``("replicate", "shard")``, parameters on several meshes), or a 2-D mesh with ``replicate_group``.
+
     Example::
 
+        mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         compression = fastcomm.fsdp.compress(model, "quantize", bits=8, stochastic=False)
     """
     if isinstance(compressor, str):
@@ -159,18 +173,20 @@ def compress(
     if not isinstance(built, Compressor):
         raise TypeError(f"fastcomm.fsdp needs a fastcomm.compress.Compressor, {compressor!r} is not one")
     modules = _fsdp_modules(model)
-    _check_mesh(model, replicate_group)
+    plan = replicate_group_of(model, replicate_group)
     reductions: dict[str, CompressedReduceScatter | CompressedReplicaAllReduce] = {}
     gathers: dict[str, QuantizedAllGather] = {}
     for index, (name, module) in enumerate(modules):
         settings = {"error_feedback": error_feedback, "residual_dtype": residual_dtype, "seed": seed,
                     "index": index, "chunk_bytes": chunk_bytes}  # fmt: skip
-        if replicate_group is None:
+        if plan.group is None:
             reduce_scatter = CompressedReduceScatter(built, **settings)
             module.set_custom_reduce_scatter(reduce_scatter)
             reductions[name] = reduce_scatter
         else:
-            all_reduce = CompressedReplicaAllReduce(built, replicate_group, **settings)
+            if plan.native_2d:
+                hand_all_reduce_to_hook(module)
+            all_reduce = CompressedReplicaAllReduce(built, plan.group, **settings)
             module.set_all_reduce_hook(all_reduce)
             reductions[name] = all_reduce
         if quantized_all_gather:

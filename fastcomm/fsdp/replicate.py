@@ -1,10 +1,10 @@
 """HSDP with only the cross-replica hop compressed: FSDP2's all-reduce hook (``set_all_reduce_hook``).
 
-The model is sharded with ``fully_shard(model, mesh=mesh["shard"])`` (a dense reduce-scatter inside the
-node); the hook then averages the reduced shard over the replicas (``mesh.get_group("replicate")``) with
-:func:`fastcomm.collectives.all_reduce`, error feedback on the shard. FSDP's native 2-D HSDP would issue a
-dense all-reduce of its own, which a hook cannot replace; this is the same reduction with the dense hop
-left out.
+FSDP2 reduce-scatters the gradient densely over the shard ranks (inside a node) and calls the hook with
+the shard; the hook averages it over the replicas (``mesh.get_group("replicate")``) with
+:func:`fastcomm.collectives.all_reduce`, error feedback on the shard. The model sits either on the 2-D
+``("replicate", "shard")`` mesh, whose dense all-reduce :func:`fastcomm.fsdp.compress` hands to this hook
+(:mod:`fastcomm.fsdp._native_hsdp`), or on ``mesh["shard"]`` with the group given: one reduction either way.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class CompressedReplicaAllReduce(Reduction):
 
         compressor = fastcomm.compress.QuantCompressor(bits=8)
         hook = CompressedReplicaAllReduce(compressor, mesh.get_group("replicate"))
-        fsdp_module.set_all_reduce_hook(hook)
+        fsdp_module.set_all_reduce_hook(hook)  # sharded on mesh["shard"]; compress() for the 2-D mesh
     """
 
     def __init__(

@@ -1,5 +1,7 @@
 """fastcomm.fsdp's HSDP mode on 4 gloo ranks (2 replicas x 2 shards): the in-node reduce-scatter dense, the
-cross-replica all-reduce of the shard compressed, within its bound, wired into .grad, the replicas bit-equal.
+cross-replica all-reduce of the shard compressed, within its bound, wired into .grad, the replicas bit-equal;
+asked for with a 2-D ("replicate", "shard") mesh or with replicate_group=, bit for bit the same; other meshes
+refused by name.
 
 The ranks run every case of ``_fsdp_hsdp_workers.cases`` in one process group; each case is its own test.
 """
