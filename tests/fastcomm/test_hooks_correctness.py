@@ -12,19 +12,20 @@ import pytest
 import fastcomm
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _hooks_workers as workers  # noqa: E402
+import _hooks_correctness_workers as workers  # noqa: E402
+import _hooks_workers as harness  # noqa: E402
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_hooks_match_reference_simulation(tmp_path, world_size):
-    workers.spawn(tmp_path, world_size, workers.correctness_worker)
+    harness.spawn(tmp_path, world_size, workers.correctness_worker)
 
 
 @pytest.mark.distributed
 def test_error_feedback_invariant_and_bad_input(tmp_path):
-    workers.spawn(tmp_path, 2, workers.error_feedback_and_validation_worker)
+    harness.spawn(tmp_path, 2, workers.error_feedback_and_validation_worker)
 
 
 def test_warmup_schedule_and_fixed_size_payload():

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _hooks_workers as workers  # noqa: E402
+import _hooks_training_workers as workers  # noqa: E402
+import _hooks_workers as harness  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_collective_order_four_ranks(tmp_path):
-    workers.spawn(tmp_path, 4, workers.stress_worker, 20, timeout_s=170)
+    harness.spawn(tmp_path, 4, workers.stress_worker, 20, timeout_s=170)

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _hooks_workers as workers  # noqa: E402
+import _hooks_correctness_workers as workers  # noqa: E402
+import _hooks_workers as harness  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_topk_momentum_applies_on_dense_steps(tmp_path, nesterov):
-    workers.spawn(tmp_path, 2, workers.dense_momentum_worker, nesterov)
+    harness.spawn(tmp_path, 2, workers.dense_momentum_worker, nesterov)
