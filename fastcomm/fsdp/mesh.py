@@ -54,9 +54,10 @@ class ReplicaPlan:
 
 
 def _meshes(model: nn.Module) -> list[DeviceMesh]:
+    """The distinct meshes (by value: ``fully_shard`` without a mesh makes an equal one per call)."""
     found: list[DeviceMesh] = []
     for parameter in model.parameters():
-        if isinstance(parameter, DTensor) and all(parameter.device_mesh is not m for m in found):
+        if isinstance(parameter, DTensor) and all(parameter.device_mesh != m for m in found):
             found.append(parameter.device_mesh)
     return found
 

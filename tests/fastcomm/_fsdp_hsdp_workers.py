@@ -216,6 +216,17 @@ def mesh_2d_with_group_refused(rank: int, world: int) -> None:
     )
 
 
+def meshes_mixed_refused(rank: int, world: int) -> None:
+    """Blocks on ``mesh["shard"]``, the root on the 2-D mesh: one model, two layouts."""
+    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(1234)
+    model = fsdp.Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh)
+    _refused(lambda: fastcomm.fsdp.compress(model, "quantize", bits=8), "2 device meshes")
+
+
 def mesh_2d_misnamed_refused(rank: int, world: int, names: tuple[str, str]) -> None:
     """A 2-D mesh not named ("replicate", "shard"): the error shows how to build one."""
     mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=names)
@@ -247,6 +258,7 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
         table[key] = lambda r, k=key, s=settings: hsdp_case(r, world, k, s)
     table["hsdp-2d-mesh-q8"] = lambda r: mesh_2d_case(r, world, "hsdp-2d-mesh-q8")
     table["hsdp-2d-mesh-with-replicate-group-refused"] = lambda r: mesh_2d_with_group_refused(r, world)
+    table["hsdp-meshes-mixed-refused"] = lambda r: meshes_mixed_refused(r, world)
     other_names = ("dp_replicate", "dp_shard")
     table["hsdp-2d-mesh-other-names-refused"] = lambda r: mesh_2d_misnamed_refused(r, world, other_names)
     reversed_names = ("shard", "replicate")
