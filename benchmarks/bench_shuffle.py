@@ -10,7 +10,7 @@ whole shard (compressed tars, tars without sidecars) it is a sliding window of t
 1. Data (in a temp dir, removed at the end): 16 fastio shards of ``--shard-samples`` samples (512), one class
    per shard: a class-sorted set, the hardest case for any order that reads shard by shard. Each sample is
    a 3x8x8 ``uint8`` array, its class and its id.
-2. The server: :class:`benchmarks.bench_remote.RangeFileServer` (``Range`` support, which parts need) on
+2. The server: :class:`benchmarks.http_server.HttpServer` (``Range`` support, which parts need) on
    127.0.0.1, in a thread (no shaped link: the question is the order, not the network).
 3. For a cache of 2, 4, 8 and 16 shards (``cache_limit`` = that many of the largest shard's cache bytes),
    from an empty cache, ``--epochs`` epochs (3) of each of:
@@ -49,15 +49,14 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 import fastio
-from benchmarks.bench_remote import RangeFileServer
 from benchmarks.harness import Row, progress, write_results
+from benchmarks.http_server import HttpServer
 from fastio.format.shards.remote import RemoteShardSource
 from fastio.remote import CacheFullError
 
@@ -86,23 +85,6 @@ class WholeShards(RemoteShardSource):
         return super().split_shards(None)
 
 
-@contextlib.contextmanager
-def _server(directory: Path):
-    server = RangeFileServer(("127.0.0.1", 0), directory)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server, f"http://127.0.0.1:{server.server_address[1]}/train/"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _served(server: RangeFileServer) -> int:
-    with server.lock:
-        return sum(entry["bytes"] for entry in server.served.values())
-
-
 def _folder_bytes(directory: Path) -> int:
     """Every file's bytes, walked under the cache's lock (every admission, eviction and rename takes it), so
     the walk never counts an evicted shard together with the one admitted after it."""
@@ -118,7 +100,7 @@ def _folder_bytes(directory: Path) -> int:
 
 def _epochs(
     loader: fastio.StreamLoader, epochs: int, num_samples: int, cache_dir: Path | None,
-    server: RangeFileServer | None = None,
+    server: HttpServer | None = None,
 ) -> dict:  # fmt: skip
     """Mean classes per full batch over ``epochs`` epochs, each checked to hold every sample once; with
     ``cache_dir``, the folder's peak bytes sampled after each batch and the largest unit's file; with
@@ -149,7 +131,7 @@ def _epochs(
         "mode": stats["shuffle_mode"],
         "peak": peak,
         "largest_unit": largest_unit,
-        "served_per_epoch": None if server is None else _served(server) / epochs,
+        "served_per_epoch": None if server is None else server.bytes_served() / epochs,
     }
 
 
@@ -184,7 +166,8 @@ def _measure(root: Path, args: argparse.Namespace) -> list[Row]:
     full = _epochs(local, args.epochs, num_samples, None)["classes"]
     rows = [Row("16 class-sorted shards", "full permutation (local)", "classes_per_batch", full, "classes")]
     progress(f"full permutation: {full:.2f} classes per batch of {BATCH}")
-    with _server(directory.parent) as (server, url):
+    with HttpServer(directory.parent) as server:
+        url = server.url("train/")
         probe = RemoteShardSource(url, cache_dir=cache_dir)
         largest = max(s.footprint for s in probe.shards)
         probe.close()
@@ -198,8 +181,7 @@ def _measure(root: Path, args: argparse.Namespace) -> list[Row]:
                 f"shuffle='shard' window {window}": dict(shuffle="shard", shuffle_window=window),
             }
             for label, options in runs.items():
-                with server.lock:
-                    server.served.clear()
+                server.clear_log()
                 loader = _remote(url, cache_dir, limit, **options)
                 try:
                     got = _epochs(loader, args.epochs, num_samples, cache_dir, server)

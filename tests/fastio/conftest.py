@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import fastio
-
-sys.path.insert(0, str(Path(__file__).parent))  # once, not per use of the fixture below
-from _http_server import HttpServer  # noqa: E402
+from benchmarks.http_server import HttpServer
 
 NUM_SAMPLES = 117
 SHARD_SAMPLES = 13
@@ -77,6 +74,6 @@ def _no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def server(shard_dir: Path):
-    """An HTTP server (tests/fastio/_http_server.py) over the folder that holds ``shard_dir``."""
+    """An HTTP server (benchmarks/http_server.py) over the folder that holds ``shard_dir``."""
     with HttpServer(shard_dir.parent) as running:
         yield running

@@ -27,7 +27,7 @@ from fastio.registry import OpenOptions, open_source
 from fastio.remote import RetryPolicy, ShardCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import HttpServer  # noqa: E402
+from benchmarks.http_server import HttpServer  # noqa: E402
 
 FAST_RETRY = RetryPolicy(retries=4, backoff=0.005, max_backoff=0.05, timeout=5.0, chunk_bytes=4096)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import io
-import sys
 import tarfile
 from pathlib import Path
 
@@ -169,8 +168,7 @@ def test_tar_and_compressed_tar_streams_mix(tmp_path):
 
 
 def test_a_remote_stream_mixes_with_a_local_one(tmp_path, fio):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _http_server import HttpServer
+    from benchmarks.http_server import HttpServer
 
     _shards(tmp_path / "www" / "web", 0, 40, fio)
     local = _shards(tmp_path / "code", 1000, 15, fio)

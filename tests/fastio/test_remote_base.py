@@ -16,7 +16,7 @@ from fastio.sources.base import StageTimes
 from fastio.sources.buffers import BatchBuffers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import FAST_RETRY  # noqa: E402
+from _remote_helpers import FAST_RETRY  # noqa: E402
 
 
 def _fetch(source: RemoteShardSource, indices: np.ndarray) -> dict:

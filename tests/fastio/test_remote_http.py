@@ -1,4 +1,4 @@
-"""Remote sources over a real HTTP server on 127.0.0.1 (tests/fastio/_http_server.py): batches equal the
+"""Remote sources over a real HTTP server on 127.0.0.1 (benchmarks/http_server.py): batches equal the
 local loader's, faults are survived or named, the cache stays bounded and is shared, resume downloads only
 what is left."""
 
@@ -29,7 +29,9 @@ from fastio.remote import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import FAST_RETRY, Faults, HttpServer, cache_folder_bytes  # noqa: E402
+from _remote_helpers import FAST_RETRY, cache_folder_bytes  # noqa: E402
+
+from benchmarks.http_server import Faults, HttpServer  # noqa: E402
 
 
 def _shard_files(shard_dir: Path) -> list[Path]:

@@ -17,7 +17,9 @@ from fastio.format.tar.remote import RemoteTarSource
 from fastio.remote.cache import ShardCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import FAST_RETRY, HttpServer, cache_folder_bytes  # noqa: E402
+from _remote_helpers import FAST_RETRY, cache_folder_bytes  # noqa: E402
+
+from benchmarks.http_server import HttpServer  # noqa: E402
 
 
 def _tars(directory: Path, shards: int, samples: int) -> list[Path]:

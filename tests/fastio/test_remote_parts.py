@@ -25,7 +25,9 @@ from fastio.remote.parts import MAX_PARTS, choose_parts, expected_shards, part_b
 from fastio.remote.shard import Shard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import FAST_RETRY, HttpServer, cache_folder_bytes  # noqa: E402
+from _remote_helpers import FAST_RETRY, cache_folder_bytes  # noqa: E402
+
+from benchmarks.http_server import HttpServer  # noqa: E402
 
 
 def _source(url: str, cache_dir: Path, shards_held: float | None, **kwargs) -> RemoteShardSource:

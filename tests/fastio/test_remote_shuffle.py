@@ -16,7 +16,7 @@ import fastio
 from fastio.format.shards.remote import RemoteShardSource
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _http_server import FAST_RETRY  # noqa: E402
+from _remote_helpers import FAST_RETRY  # noqa: E402
 
 
 class WholeShards(RemoteShardSource):
