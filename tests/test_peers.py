@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import bench_loader, peers
+from benchmarks import bench_loader_cases, bench_loader_data, peers
 
 
 def _skip_without(peer: str) -> None:
@@ -152,11 +152,11 @@ def test_a_peer_that_cannot_run_gets_a_row_with_the_reason(monkeypatch):
     monkeypatch.setattr(peers, "unavailable", lambda peer: f"{peer} does not import (ImportError: test)")
     data = _Tiny()
     args = argparse.Namespace(batch=13, peer_seconds=0.01)
-    rows = bench_loader._peer_rows(data.x, data.y, None, args, limit=1000.0)
-    assert [r.backend for r in rows] == list(bench_loader._PEER_LOADERS)
+    rows = bench_loader_cases.peer_rows(data.x, data.y, None, args, limit=1000.0)
+    assert [r.backend for r in rows] == list(bench_loader_cases.PEER_LOADERS)
     assert all(math.isnan(r.value) for r in rows)
     assert rows[0].extra["status"] == "torchdata.nodes does not import (ImportError: test)"
-    notes = bench_loader._peer_notes(rows)
+    notes = bench_loader_cases.peer_notes(rows)
     assert (
         "fixed: SPDL pipeline threads=2: no value (spdl.pipeline does not import (ImportError: test))"
         in notes
@@ -166,13 +166,13 @@ def test_a_peer_that_cannot_run_gets_a_row_with_the_reason(monkeypatch):
 def test_the_peers_take_turns_with_streamloader_over_the_same_shard(tmp_path):
     _skip_without("torchdata.nodes")
     _skip_without("spdl.pipeline")
-    fixed_dir = bench_loader._write_fixed(tmp_path, 300)
-    x, y, _ = bench_loader._memmap_views(fixed_dir)
+    fixed_dir = bench_loader_data.write_fixed(tmp_path, 300)
+    x, y, _ = bench_loader_data.memmap_views(fixed_dir)
     args = argparse.Namespace(batch=13, peer_seconds=0.01)
-    rows = bench_loader._peer_rows(x, y, fixed_dir, args, limit=1e9)
-    assert [r.backend for r in rows] == [*bench_loader._PEER_LOADERS, bench_loader.IN_TURNS]
+    rows = bench_loader_cases.peer_rows(x, y, fixed_dir, args, limit=1e9)
+    assert [r.backend for r in rows] == [*bench_loader_cases.PEER_LOADERS, bench_loader_cases.IN_TURNS]
     assert all(r.value > 0 and r.extra["status"] == "ok" and r.ratio_to == "memmap" for r in rows)
     ours = rows[-1].value
     ratio = ours / rows[0].value
     expected = f"StreamLoader / torchdata.nodes ParallelMapper threads=2 = {ratio:.2f}x (in turns, same run)"
-    assert f"fixed: {expected}" in bench_loader._peer_notes(rows)
+    assert f"fixed: {expected}" in bench_loader_cases.peer_notes(rows)
