@@ -25,7 +25,7 @@ from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._native_hsdp import hand_all_reduce_to_hook
 from fastcomm.fsdp.all_gather import QuantizedAllGather
-from fastcomm.fsdp.mesh import replicate_group_of
+from fastcomm.fsdp.mesh import replica_plan
 from fastcomm.fsdp.reduce_scatter import CompressedReduceScatter
 from fastcomm.fsdp.replicate import CompressedReplicaAllReduce
 from fastcomm.hooks import compressor_of
@@ -122,7 +122,7 @@ def compress(
 
     1. Resolve ``compressor``: a name (``"quantize"``, ``"sign"``, ``"cast"``, or one added with
        :func:`fastcomm.hooks.add_compressor`) built from ``options``, or a compressor instance.
-    2. Read the model's mesh (:func:`fastcomm.fsdp.mesh.replicate_group_of`): a 1-D mesh is FSDP, or HSDP
+    2. Read the model's mesh (:func:`fastcomm.fsdp.mesh.replica_plan`): a 1-D mesh is FSDP, or HSDP
        when ``replicate_group`` is given; a 2-D ``("replicate", "shard")`` mesh is HSDP over its
        ``"replicate"`` group.
     3. For each FSDP module (blocks and root): under FSDP, its reduce-scatter becomes
@@ -173,7 +173,7 @@ def compress(
     if not isinstance(built, Compressor):
         raise TypeError(f"fastcomm.fsdp needs a fastcomm.compress.Compressor, {compressor!r} is not one")
     modules = _fsdp_modules(model)
-    plan = replicate_group_of(model, replicate_group)
+    plan = replica_plan(model, replicate_group)
     reductions: dict[str, CompressedReduceScatter | CompressedReplicaAllReduce] = {}
     gathers: dict[str, QuantizedAllGather] = {}
     for index, (name, module) in enumerate(modules):

@@ -6,7 +6,7 @@ shard averaged over the replicas through a compressor):
 * the model on the 2-D mesh, as PyTorch users write it: ``fully_shard(model, mesh=mesh)``;
 * the model on ``mesh["shard"]`` and the replicate group given: ``compress(..., replicate_group=...)``.
 
-:func:`replicate_group_of` reads the parameters' meshes and says which group (if any) the cross-replica
+:func:`replica_plan` reads the parameters' meshes and says which group (if any) the cross-replica
 all-reduce runs over; a mesh it cannot read unambiguously raises :class:`HSDPMeshError` saying what to do.
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["MESH_DIM_NAMES", "HSDPMeshError", "ReplicaPlan", "replicate_group_of"]
+__all__ = ["MESH_DIM_NAMES", "HSDPMeshError", "ReplicaPlan", "replica_plan"]
 
 MESH_DIM_NAMES = ("replicate", "shard")
 _MAKE_MESH = (
@@ -87,7 +87,7 @@ def _check_2d(mesh: DeviceMesh, model: nn.Module) -> None:
             )
 
 
-def replicate_group_of(model: nn.Module, replicate_group: dist.ProcessGroup | None) -> ReplicaPlan:
+def replica_plan(model: nn.Module, replicate_group: dist.ProcessGroup | None) -> ReplicaPlan:
     """The cross-replica all-reduce ``model`` asks for: from its 2-D mesh, from ``replicate_group``, or none.
 
     1. Collect the device meshes of the model's (sharded) parameters; more than one is refused.
@@ -109,7 +109,7 @@ def replicate_group_of(model: nn.Module, replicate_group: dist.ProcessGroup | No
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         fully_shard(model, mesh=mesh)
-        assert replicate_group_of(model, None).group is mesh.get_group("replicate")
+        assert replica_plan(model, None).group is mesh.get_group("replicate")
     """
     meshes = _meshes(model)
     if len(meshes) > 1:
