@@ -36,7 +36,7 @@ from fastcomm.advise.model import (
     ring_allreduce,
     tree_allreduce,
 )
-from fastcomm.advise.predict import Prediction, format_table, predict
+from fastcomm.advise.prediction import Prediction, format_table, predict
 
 __all__ = [
     "LINK_PRESETS",

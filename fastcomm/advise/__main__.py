@@ -16,7 +16,7 @@ import torch
 
 from fastcomm.advise.kernels import kernel_rates
 from fastcomm.advise.model import parse_seconds
-from fastcomm.advise.predict import format_table, predict
+from fastcomm.advise.prediction import format_table, predict
 
 __all__ = ["main"]
 
