@@ -154,7 +154,7 @@ def compress(
 
     Raises:
         fastcomm.fsdp.HSDPMeshError: a mesh that is neither spelling (a 2-D mesh not named
-            ``("replicate", "shard")``, parameters on several meshes), or a 2-D mesh with ``replicate_group``.
+            ``("replicate", "shard")``, or beside another mesh), or a 2-D mesh with ``replicate_group``.
 
     Example::
 

@@ -90,10 +90,10 @@ def _check_2d(mesh: DeviceMesh, model: nn.Module) -> None:
 def replica_plan(model: nn.Module, replicate_group: dist.ProcessGroup | None) -> ReplicaPlan:
     """The cross-replica all-reduce ``model`` asks for: from its 2-D mesh, from ``replicate_group``, or none.
 
-    1. Collect the device meshes of the model's (sharded) parameters; more than one is refused.
+    1. Collect the device meshes of the model's (sharded) parameters; all 1-D: ``replicate_group`` as
+       given (``None``: plain FSDP, no cross-replica hop). Otherwise more than one mesh is refused.
     2. A 2-D mesh must be named ``("replicate", "shard")`` with every parameter ``(Replicate(), Shard)``;
        its ``"replicate"`` group is the answer, and ``replicate_group`` must then be left out.
-    3. A 1-D mesh: ``replicate_group`` as given (``None``: plain FSDP, no cross-replica hop).
 
     Args:
         model: a module after ``fully_shard``.
@@ -112,14 +112,14 @@ def replica_plan(model: nn.Module, replicate_group: dist.ProcessGroup | None) ->
         assert replica_plan(model, None).group is mesh.get_group("replicate")
     """
     meshes = _meshes(model)
+    if all(m.ndim == 1 for m in meshes):
+        return ReplicaPlan(replicate_group, native_2d=False)
     if len(meshes) > 1:
         raise HSDPMeshError(
             f"the model's parameters sit on {len(meshes)} device meshes "
-            f"{[m.mesh_dim_names for m in meshes]}; fastcomm.fsdp compresses one layout per model: shard "
-            f"every module on the same mesh"
+            f"{[m.mesh_dim_names for m in meshes]}, one of them 2-D; fastcomm.fsdp compresses HSDP on one "
+            f"mesh per model: shard every module on the same 2-D mesh"
         )
-    if not meshes or meshes[0].ndim == 1:
-        return ReplicaPlan(replicate_group, native_2d=False)
     mesh = meshes[0]
     _check_2d(mesh, model)
     if replicate_group is not None:
