@@ -165,7 +165,7 @@ _PEERS = {
 
 def _peer_makers(pattern: str, train: bool, batch: int) -> dict[str, Callable[[], Iterable[Any]]]:
     """The peers that can run here, by row label (see :data:`_PEERS`)."""
-    from fastio.paths import expand_pattern
+    from fastio.files.paths import expand_pattern
 
     paths = expand_pattern(pattern)
     transform = _PillowTrainTransform() if train else _PillowEvalTransform()
@@ -228,7 +228,7 @@ def _parts(pattern: str, count: int) -> list[Row]:
 
     from fastio.assembly.image import ImageStage
     from fastio.assembly.stages import StageContext
-    from fastio.paths import expand_pattern
+    from fastio.files.paths import expand_pattern
 
     samples = wds.WebDataset(expand_pattern(pattern)[0], shardshuffle=False, empty_check=False)
     encoded = [sample["jpg"] for _, sample in zip(range(count), samples, strict=False)]

@@ -224,7 +224,7 @@ def bench_variable(var_dir: Path, args: argparse.Namespace) -> list[Row]:
 
 def bench_tar(pattern: str, args: argparse.Namespace, notes: list[str]) -> list[Row]:
     import fastio
-    from fastio.paths import expand_pattern
+    from fastio.files.paths import expand_pattern
 
     sample_bytes = IMAGE_BYTES + 8
     wl = {w: webloader_rate(pattern, args.batch, w, args.webloader_samples) for w in (0, 2)}

@@ -2,10 +2,10 @@
 
 The question: a remote source is read through a bounded cache, so ``shuffle=True`` there cannot be a full
 permutation: on fastio shards it is a sliding window over a permutation of *parts* of shards, fetched by
-byte range (:mod:`fastio.order`'s ``"parts"``, :mod:`fastio.remote.parts`); on sources read whole shard by
-whole shard (compressed tars, tars without sidecars) it is a sliding window of the shards the cache holds
-(``"window"``). How close do their batches come to a full permutation's, cache size by cache size, and to
-``shuffle="shard"`` (the shard-aware order the same cache admits)?
+byte range (:mod:`fastio.pipeline.order`'s ``"parts"``, :mod:`fastio.remote.parts`); on sources read
+whole shard by whole shard (compressed tars, tars without sidecars) it is a sliding window of the shards the
+cache holds (``"window"``). How close do their batches come to a full permutation's, cache size by cache
+size, and to ``shuffle="shard"`` (the shard-aware order the same cache admits)?
 
 1. Data (in a temp dir, removed at the end): 16 fastio shards of ``--shard-samples`` samples (512), one class
    per shard: a class-sorted set, the hardest case for any order that reads shard by shard. Each sample is

@@ -3,11 +3,11 @@ deterministic, resumable, rank-split order; a drop-in where ``torch.utils.data.D
 
 How a batch is made:
 
-1. The epoch's order comes from :mod:`fastio.order` (seed, epoch, shuffle mode, world size, rank, and the
-   resume position); it never depends on ``num_workers``, but for ``shuffle=True`` on a remote source whose
-   cache cannot hold every shard: its window (of parts of shards, or of whole shards) leaves room for what
-   worker processes hold (:meth:`fastio.settings.OrderSettings.within`), which matters only for shards or
-   parts small against a batch.
+1. The epoch's order comes from :mod:`fastio.pipeline.order` (seed, epoch, shuffle mode, world size, rank,
+   and the resume position); it never depends on ``num_workers``, but for ``shuffle=True`` on a remote source
+   whose cache cannot hold every shard: its window (of parts of shards, or of whole shards) leaves room for
+   what worker processes hold (:meth:`fastio.pipeline.settings.OrderSettings.within`), which matters only for
+   shards or parts small against a batch.
 2. Batch ``i`` is gathered by its source (:mod:`fastio.sources`) into the output buffers of ring slot
    ``i % (num_workers + prefetch)``: fixed-size fields straight from the mmap by the native multi-threaded
    gather, GIL released.
@@ -54,6 +54,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -64,17 +65,17 @@ import torch
 from fastio.assembly.collate import collate_samples
 from fastio.assembly.pack import Pack, TokenPacker
 from fastio.assembly.stages import BatchStage
-from fastio.batches import Batches, EpochOrders, SampleBatches
 from fastio.mixing import as_streams, mixed_batches, open_streams
-from fastio.registry import OpenOptions, open_source
-from fastio.sampled import SamplerBatches, check_sampler_args, index_batches
-from fastio.settings import (
+from fastio.pipeline.batches import Batches, EpochOrders, SampleBatches
+from fastio.pipeline.sampled import SamplerBatches, check_sampler_args, index_batches
+from fastio.pipeline.settings import (
     AssemblySettings,
     OrderSettings,
     WorkerSettings,
     dataloader_worker_args,
     order_for_source,
 )
+from fastio.registry import OpenOptions, open_source
 from fastio.sources import ReadPlan, StageTimes
 from fastio.workers.batch_pass import BatchPass
 
@@ -107,7 +108,7 @@ class StreamLoader:
         shuffle: ``False`` (the default, as in DataLoader: storage order), ``True`` (a full global
             permutation per epoch, as in DataLoader) or ``"shard"`` (shard-aware, for sources where random
             access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
-            batch, see :mod:`fastio.order`). On sources that declare ``requires_shard_order`` (remote
+            batch, see :mod:`fastio.pipeline.order`). On sources that declare ``requires_shard_order`` (remote
             stores), ``True`` is the full permutation where the cache holds every shard, else a sliding
             window of parts of shards where the source reads parts (``"parts"``, fastio shards and tars
             with sidecars: ``stats()["shuffle_window_parts"]``), else of the shards the cache holds
@@ -147,8 +148,8 @@ class StreamLoader:
         cache_dir, cache_limit: sources that bring shards local (remote stores, compressed tars): where
             they keep them and the most bytes kept (``"50GB"`` or an int).
         storage_options: keyword arguments of the storage client (fsspec's ``storage_options``).
-        sampler, batch_sampler, generator: as in DataLoader (:mod:`fastio.sampled`): exactly the indices the
-            sampler yields, batched as DataLoader batches them, or the batch sampler's batches;
+        sampler, batch_sampler, generator: as in DataLoader (:mod:`fastio.pipeline.sampled`): exactly the
+            indices the sampler yields, batched as DataLoader batches them, or the batch sampler's batches;
             ``generator=`` with ``shuffle=True`` gives DataLoader's order for the same generator state.
             DataLoader's checks apply (``sampler`` excludes ``shuffle``; ``batch_sampler`` excludes
             ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last``); refused with ``shuffle="shard"``,
@@ -223,7 +224,7 @@ class StreamLoader:
             if collate is not None:
                 raise ValueError("pass collate= or DataLoader's name for it, collate_fn=, not both")
             collate = collate_fn
-        # 1. What is asked, checked once and grouped by the part that uses it (fastio.settings).
+        # 1. What is asked, checked once and grouped by the part that uses it (fastio.pipeline.settings).
         if worker_mode not in ("auto", "thread", "process"):
             raise ValueError(f"worker_mode must be 'auto', 'thread' or 'process', got {worker_mode!r}")
         if batch_size is None:
@@ -259,7 +260,10 @@ class StreamLoader:
         streams = as_streams(source)
         if streams is None and (mix != "sample" or epoch_size is not None):
             raise ValueError("mix= and epoch_size= apply to a list of fastio.Stream sources (mixing them)")
-        self._source = open_source(source, options) if streams is None else open_streams(streams, options)
+        if streams is None:
+            self._source = open_source(source, options)
+        else:
+            self._source = open_streams(streams, functools.partial(open_source, options=options))
         if streams is not None and self._source.requires_shard_order and order.shuffle == "full":
             raise ValueError(
                 f"shuffle=True (a full permutation of each stream) on {self._source.name}, which mixes a "
@@ -295,12 +299,13 @@ class StreamLoader:
         assembly = dataclasses.replace(
             assembly, python_path=python_path, pin=pin, reuse_buffers=reuse_buffers, device=device
         )
-        # shuffle=True on a source read shard by shard: a window of what its cache holds (fastio.settings).
+        # shuffle=True on a source read shard by shard: a window of what its cache holds
+        # (fastio.pipeline.settings).
         reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
         plain = streams is None and pack is None and not sampled
         order, self._parts = order_for_source(order, self._source, reach, plain, shuffle_parts)
         self.order, self.workers, self.assembly = order, workers, assembly
-        # 3. How epochs are cut into batches, chosen once (fastio.batches): samples, or packed rows.
+        # 3. How epochs are cut into batches, chosen once (fastio.pipeline.batches): samples, or packed rows.
         orders = EpochOrders(self._source.shard_sizes, order)
         self.pack = pack
         self.sampler, self.batch_sampler, self.generator = sampler, batch_sampler, generator
@@ -329,7 +334,7 @@ class StreamLoader:
         self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
         self._current: BatchPass | None = None
 
-    # -- what was asked, read from the settings it was grouped into (fastio.settings) ---------------------
+    # -- what was asked, read from the settings it was grouped into (fastio.pipeline.settings) ------------
     batch_size = property(lambda self: self.assembly.batch_size, doc="Samples (packed: rows) per batch.")
     stages = property(lambda self: self.assembly.stages, doc="The batch stages, in order.")
     transform = property(lambda self: self.assembly.transform, doc="The per-sample transform, or None.")

@@ -50,14 +50,15 @@ import dataclasses
 import importlib
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastio.errors import EmptySourceError
+from fastio.files.paths import is_path_list
 from fastio.format.shards import is_shard_directory, is_shard_directory_url
 from fastio.format.tar import is_tar, is_tar_url
 from fastio.format.tar.compression import COMPRESSED_SUFFIXES, is_compressed_tar
-from fastio.paths import is_path_list
+from fastio.options import OpenOptions
 from fastio.sources.base import Source, missing_members
 
 __all__ = [
@@ -72,33 +73,6 @@ __all__ = [
     "unregister_scheme",
     "url_scheme",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class OpenOptions:
-    """What a :class:`fastio.StreamLoader` passes every opener besides the target. Each source reads the
-    options it knows and ignores the rest.
-
-    Attributes:
-        decode: tar sources: None, ``"pil"`` or ``decode(field, bytes) -> value``.
-        verify: shard checksums: None (lazily), True (all at open), False.
-        tar_strict: refuse tars without a clean end-of-archive marker.
-        cache_dir: where sources that bring shards local (remote stores, decompressed tars) keep them.
-        cache_limit: the most bytes that cache may hold (an int, or a string such as ``"50GB"``).
-        storage_options: keyword arguments for the storage client (fsspec's ``storage_options``:
-            ``endpoint_url``, ``anon``...).
-
-    Example::
-
-        options = OpenOptions(verify=True, cache_dir="/tmp/fastio-cache")
-    """
-
-    decode: Callable[[str, bytes], Any] | str | None = None
-    verify: bool | None = None
-    tar_strict: bool = True
-    cache_dir: str | None = None
-    cache_limit: int | str | None = None
-    storage_options: Mapping[str, Any] | None = None
 
 
 Opener = Callable[[Any, OpenOptions], Source]
@@ -148,19 +122,18 @@ def _open_file_url(target: Any, options: OpenOptions) -> Source:
     return open_source(local, options)
 
 
-_SHARDS, _TAR = "fastio.format.shards.", "fastio.format.tar."
 _SHARD_DIRECTORY = "a fastio shard directory"
 _COMPRESSED = f"WebDataset {'/'.join(COMPRESSED_SUFFIXES)} shards"
 # One row per format; its matchers live with it and import only the standard library, so matching a target
 # never imports a reader, fastio.remote or fsspec.
 _BUILTIN_FORMATS = (
     Format("source", _is_source, _open_itself),
-    Format("fastio-shards", is_shard_directory, _SHARDS + "source:open_shard_directory", _SHARD_DIRECTORY,
-           is_shard_directory_url, _SHARDS + "remote:open_remote_shards"),
-    Format("compressed-tar", is_compressed_tar, _TAR + "compressed:open_compressed_tars", _COMPRESSED,
-           is_compressed_tar, _TAR + "remote:open_remote_tars"),
-    Format("webdataset-tar", is_tar, _TAR + "source:open_tar_shards", "WebDataset .tar shards",
-           is_tar_url, _TAR + "remote:open_remote_tars"),
+    Format("fastio-shards", is_shard_directory, "fastio.format.shards.source:open_shard_directory",
+           _SHARD_DIRECTORY, is_shard_directory_url, "fastio.format.shards.remote:open_remote_shards"),
+    Format("compressed-tar", is_compressed_tar, "fastio.format.tar.compressed:open_compressed_tars",
+           _COMPRESSED, is_compressed_tar, "fastio.format.tar.remote:open_remote_tars"),
+    Format("webdataset-tar", is_tar, "fastio.format.tar.source:open_tar_shards", "WebDataset .tar shards",
+           is_tar_url, "fastio.format.tar.remote:open_remote_tars"),
     Format("dataset", _is_object, "fastio.sources.dataset:open_dataset"),
 )  # fmt: skip
 _formats: list[Format] = []  # registered by users; consulted before the built-ins

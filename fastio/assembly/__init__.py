@@ -6,6 +6,6 @@ the user's code seeded from ``(seed, epoch, sample)`` around them (:mod:`~fastio
 Packing (:mod:`~fastio.assembly.pack`, its row plan :mod:`~fastio.assembly.pack_rows`) is the other way to
 make a batch: fixed-length rows cut from the token stream of many samples.
 
-Which of the two a loader uses is chosen once, in :mod:`fastio.batches`; who runs them (threads, processes,
-the consumer) is :mod:`fastio.workers`.
+Which of the two a loader uses is chosen once, in :mod:`fastio.pipeline.batches`; who runs them (threads,
+processes, the consumer) is :mod:`fastio.workers`.
 """

@@ -6,9 +6,9 @@ optionally ``"positions"`` (int32 ``[b, L]``) for attention masks. How a batch i
 
 1. The documents of the field (one sample = one document: a variable-length integer array field of a
    fastio shard set, or a ``.npy`` member such as ``"tokens.npy"`` of WebDataset tar shards) are taken in
-   the epoch's order (:func:`fastio.order.epoch_order`: ``shuffle``, ``seed``, ``epoch``), each followed by
-   ``eos`` when given. Their lengths come from the shards' offset tables (tar: each member's ``.npy``
-   header, parsed once when the loader is made); no token is read to plan.
+   the epoch's order (:func:`fastio.pipeline.order.epoch_order`: ``shuffle``, ``seed``, ``epoch``), each
+   followed by ``eos`` when given. Their lengths come from the shards' offset tables (tar: each member's
+   ``.npy`` header, parsed once when the loader is made); no token is read to plan.
 2. Ranks: rank ``r`` of ``W`` takes documents ``r, r + W, r + 2W, ...`` of that order and concatenates them
    into its own token stream (disjoint streams, no padding, no document repeated).
 3. Rows: row ``k`` of a stream is its tokens ``[k * S, k * S + L)``. With ``shift=True`` consecutive rows
@@ -20,7 +20,7 @@ optionally ``"positions"`` (int32 ``[b, L]``) for attention masks. How a batch i
    ``B`` consecutive rows; the last batch may have fewer rows, and ``drop_last=True`` drops it.
 5. Each batch is planned with numpy (``searchsorted`` of the rows' starts in the documents' cumulative
    stream positions gives every ``(document, offset, length)`` run of every row), then filled by one
-   native :func:`fastio._gather.gather_ranges` call straight into the batch buffer, eos slots set after.
+   native :func:`fastio.files.gather.gather_ranges` call straight into the batch buffer, eos slots set after.
    ``document_ids``: the document's number within its row, counting from 0 (a document continued from
    the previous row is 0 in the new row); ``positions``: the token's position within that document's
    piece of the row (0 at each document start and at each row start: the ``position_ids`` and
@@ -54,11 +54,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio._gather import gather_ranges
 from fastio._native import default_threads
 from fastio.assembly.pack_rows import EpochPlan, RowRuns, plan_rows
 from fastio.errors import EmptySourceError
-from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
+from fastio.files.gather import gather_ranges
+from fastio.pipeline.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import BufferPool, ReadPlan, StageTimes, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.threads import ThreadPipeline
@@ -300,8 +300,8 @@ class PackedEpoch(BatchPass):
 
 
 class TokenPacker:
-    """The batches of a :class:`fastio.StreamLoader` with ``pack=`` (a :class:`fastio.batches.Batches`):
-    plans, iterates and resumes the packed rows.
+    """The batches of a :class:`fastio.StreamLoader` with ``pack=`` (a
+    :class:`fastio.pipeline.batches.Batches`): plans, iterates and resumes the packed rows.
 
     Args:
         source: the loader's source; it must offer ``token_documents(field)``

@@ -29,9 +29,9 @@ from fastio.assembly.seeding import (
     seed_global_rngs,
 )
 from fastio.assembly.stages import StageContext
-from fastio.settings import AssemblySettings
+from fastio.assembly.structure import map_tensors
+from fastio.pipeline.settings import AssemblySettings
 from fastio.sources import BatchBuffers, BufferPool, Source, StageTimes
-from fastio.structure import map_tensors
 from fastio.workers.info import WorkerInfo, set_worker_info, worker_info
 
 __all__ = ["BatchProducer"]
@@ -58,7 +58,7 @@ class BatchProducer:
        (reseeding them would change the trainer's draws, and its draws would change the transforms');
        transforms that must reproduce seed their own generator from ``fastio.worker_info().sample_seed``.
 
-    ``bounds`` (a batch sampler's batches, :mod:`fastio.sampled`): batch ``j`` is
+    ``bounds`` (a batch sampler's batches, :mod:`fastio.pipeline.sampled`): batch ``j`` is
     ``indices[bounds[j]:bounds[j + 1]]`` instead of the ``j``-th run of ``batch_size``.
 
     Holds no reference to the iterator, so an abandoned iterator is collected and stops its workers."""

@@ -1,6 +1,7 @@
-"""A mixed :class:`fastio.StreamLoader`'s batches: :class:`StreamBatches` (a :class:`fastio.batches.Batches`)
-walks the epoch's mixed list (:mod:`fastio.mixing.schedule`) with the single-source machinery: the rank
-split and resume arithmetic of :mod:`fastio.order` and one :class:`fastio.epoch.EpochPass` per pass.
+"""A mixed :class:`fastio.StreamLoader`'s batches: :class:`StreamBatches` (a
+:class:`fastio.pipeline.batches.Batches`) walks the epoch's mixed list (:mod:`fastio.mixing.schedule`) with
+the single-source machinery: the rank split and resume arithmetic of :mod:`fastio.pipeline.order` and one
+:class:`fastio.pipeline.epoch.EpochPass` per pass.
 
 Resume: the state dict records the epoch, the position reached and the layout ``(world_size, batch_size)``
 the epoch's list was laid out for. A resumed epoch keeps that list, so at any ``num_workers`` the batches are
@@ -23,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from fastio.assembly.pack import Pack, TokenPacker
-from fastio.batches import Batches, SampleBatches
 from fastio.mixing.schedule import MixedOrders
 from fastio.mixing.source import MixedSource
 from fastio.mixing.stream import MIX_MODES, Stream
-from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
+from fastio.pipeline.batches import Batches, SampleBatches
+from fastio.pipeline.settings import AssemblySettings, OrderSettings, WorkerSettings
 
 __all__ = ["StreamBatches", "mixed_batches", "mixing_identity"]
 
@@ -50,7 +51,7 @@ def mixing_identity(source: MixedSource, orders: MixedOrders) -> dict[str, Any]:
 
 class StreamBatches(SampleBatches):
     """Batches of ``batch_size`` positions of the epoch's mixed list, rank ``rank``'s share: a
-    :class:`fastio.batches.SampleBatches` whose epoch is the mixed list, laid out for ``(world_size,
+    :class:`fastio.pipeline.batches.SampleBatches` whose epoch is the mixed list, laid out for ``(world_size,
     batch_size)``, a resumed epoch keeping its own layout.
 
     Example::

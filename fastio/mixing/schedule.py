@@ -1,21 +1,21 @@
 """The mixed epoch of several weighted streams: a deterministic list of global sample ids that the loader's
-rank split, batching and resume (:mod:`fastio.order`) walk exactly as they walk one source's order.
+rank split, batching and resume (:mod:`fastio.pipeline.order`) walk exactly as they walk one source's order.
 
 1. **Counts**: :func:`epoch_counts` gives stream ``i`` ``round(w_i / sum(w) * epoch_size)`` samples per
    epoch, within 1 (largest remainder, so the counts sum to ``epoch_size``; ties go to the lower index). The
    counts are the same every epoch.
 2. **Each stream's own order**: stream ``i`` walks passes over its samples; pass ``k`` is
-   :func:`fastio.order.epoch_order` of its shards seeded by ``(seed, i)`` and epoch ``k``, so a fresh
+   :func:`fastio.pipeline.order.epoch_order` of its shards seeded by ``(seed, i)`` and epoch ``k``, so a fresh
    permutation per pass (``shuffle`` applies per stream). Epoch ``e`` takes positions
    ``[e * c_i, (e + 1) * c_i)`` of that endless walk: where it stopped, from the epoch number alone.
 3. **Interleave**: :func:`smooth_labels` merges the streams by the keys ``(j + 0.5) / c_i`` of their
    ``j``-th sample, so every stretch of the list holds each stream's share: within 1 for two streams,
    within 2 in general. ``mix="batch"`` interleaves blocks of ``batch_size`` instead (one stream per batch).
-4. **Layout**: ranks take positions ``r, r + W, ...`` (:func:`fastio.order.rank_indices`), so the list is
-   laid out for a world size ``W`` and batch size ``B``: rank ``r`` reads a contiguous stretch of the
-   interleave, and within each of its batches the samples are grouped by stream (stream 0 first), which
-   lets a batch be gathered stream by stream straight into its buffers. The layout is recorded in the state
-   dict: an epoch resumed at another world size keeps its list, so nothing is seen twice or skipped.
+4. **Layout**: ranks take positions ``r, r + W, ...`` (:func:`fastio.pipeline.order.rank_indices`), so the
+   list is laid out for a world size ``W`` and batch size ``B``: rank ``r`` reads a contiguous stretch of the
+   interleave, and within each of its batches the samples are grouped by stream (stream 0 first), which lets a
+   batch be gathered stream by stream straight into its buffers. The layout is recorded in the state dict: an
+   epoch resumed at another world size keeps its list, so nothing is seen twice or skipped.
 
 Example::
 
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fastio.order import epoch_order
-from fastio.settings import OrderSettings
+from fastio.pipeline.order import epoch_order
+from fastio.pipeline.settings import OrderSettings
 
 __all__ = ["MixedOrders", "epoch_counts", "laid_out_labels", "smooth_labels", "stream_walk"]
 

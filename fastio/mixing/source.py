@@ -24,14 +24,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastio._mapped import MappedTable
-from fastio.registry import OpenOptions, open_source
+from fastio.files.mapped import MappedTable
 from fastio.sources.base import ReadPlan, Source, StageTimes, TokenDocuments
 from fastio.sources.buffers import BatchBuffers
 
@@ -237,15 +236,15 @@ class MixedSource(Source):
         )
 
 
-def open_streams(streams: Sequence[Any], options: OpenOptions) -> MixedSource:
-    """Each :class:`fastio.mixing.Stream`'s source opened through :func:`fastio.registry.open_source` with
-    the loader's options, as one :class:`MixedSource`.
+def open_streams(streams: Sequence[Any], open_one: Callable[[Any], Source]) -> MixedSource:
+    """Each :class:`fastio.mixing.Stream`'s source opened by ``open_one`` (the loader passes
+    :func:`fastio.registry.open_source` with its options), as one :class:`MixedSource`.
 
     Example::
 
-        source = open_streams([Stream("data/web", 0.7), Stream("data/code", 0.3)], OpenOptions())
+        source = open_streams([Stream("data/web", 0.7), Stream("data/code", 0.3)], open_source)
     """
-    sources = [open_source(s.source, options) for s in streams]
+    sources = [open_one(s.source) for s in streams]
     names = [s.name or source.name for s, source in zip(streams, sources, strict=True)]
     return MixedSource(sources, names)
 

@@ -1,8 +1,9 @@
 """Remote shards for :class:`fastio.StreamLoader`: object stores and HTTP through fsspec, brought into a
 bounded node-local cache ahead of the read order, whole or in parts (byte ranges a format lists). This
 layer moves and keeps bytes; it knows no shard format (like Mosaic Streaming's downloader): each format's
-remote source (:mod:`fastio.format.shards.remote`, :mod:`fastio.format.tar.remote`) subclasses
-:class:`RemoteSource`, says what its shards are, and reads the cached files through its own local source.
+remote source (``fastio/format/<name>/remote.py``) subclasses :class:`RemoteSource`, says what its shards
+are, passes in what it keeps beside them (sidecar suffixes, a check, an unpacker), and reads the cached files
+through its own local source.
 
 * :mod:`fastio.remote.fetch`: reading objects with a bounded retry policy, errors naming the URL
   (:mod:`fastio.remote.errors`).

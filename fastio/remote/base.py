@@ -135,7 +135,7 @@ class RemoteSource(Source):
         Example::
 
             with source.cached(0) as path:
-                index = load_tar_index(path)
+                header = path.read_bytes()[:64]
         """
         self._hold(shard)
         try:
@@ -156,8 +156,8 @@ class RemoteSource(Source):
         """Refuse downloaded bytes that are not the shard (a header, a checksum); default: none."""
 
     def after_download(self, shard: int, path: Path) -> None:
-        """Write what is kept beside a shard once it is in the cache (a tar's index), at most its
-        ``index_bytes``: the room reserved for it; default: nothing."""
+        """Write what is kept beside a shard once it is in the cache (a format's sidecar, such as an index),
+        at most its ``index_bytes``: the room reserved for it; default: nothing."""
 
     # -- the pass ------------------------------------------------------------------------------------------
     def prepare(self, shard_order: np.ndarray, epoch: int, indices: np.ndarray | None = None) -> None:

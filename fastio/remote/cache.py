@@ -8,8 +8,10 @@ while the entry is downloaded) and ``<key>.pin`` (held shared by every process r
    whether another process already did; if not, it reserves the space (evicting, see 3), writes a temporary
    ``.<name>.part-<pid>-<thread>`` file, verifies it (size, then the caller's check: a checksum, a header)
    and renames it into place, so a partial download is never visible under the entry's name. What is kept
-   beside the entry (a tar's index: ``extra`` bytes) is reserved with it, as a placeholder file
-   ``.<name>.index.part-<pid>-<thread>`` that makes way for the sidecar under ``.fastio-cache.lock``.
+   beside the entry (a format's sidecar, such as an index: ``extra`` bytes) is reserved with it, as a
+   placeholder file ``.<name>.index.part-<pid>-<thread>`` that makes way for the sidecar under
+   ``.fastio-cache.lock``; the sidecars' suffixes (``sidecars=``, given by the format) are evicted with the
+   entry.
 2. A pinned entry (:meth:`ShardCache.pin`: a shared ``flock`` on ``<key>.pin``, held by an open descriptor)
    is never evicted. Pins are per open file, so they hold across processes; a forked worker drops the
    descriptors it inherited (they stay with the parent) and takes its own.
@@ -29,8 +31,8 @@ The recency of an entry is the mtime of its pin file (set on every pin); :meth:`
 Example::
 
     cache = ShardCache("/tmp/fastio-cache", cache_limit="50GB")
-    with cache.pinned("ds/shard-000.tar"):
-        path = cache.fill("ds/shard-000.tar", 4096, lambda tmp: download(url, tmp, 4096, RetryPolicy()))
+    with cache.pinned("ds/shard-000.bin"):
+        path = cache.fill("ds/shard-000.bin", 4096, lambda tmp: download(url, tmp, 4096, RetryPolicy()))
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from fastio.errors import CorruptShardError
-from fastio.paths import LOCAL_COPIES, default_cache_dir
+from fastio.files.paths import LOCAL_COPIES, default_cache_dir
 from fastio.remote.locks import close_lock, flock, open_lock, try_flock
 from fastio.remote.room import CacheFullError, CacheStalledError, RoomWatch, alive, part_owner
 
@@ -119,6 +121,8 @@ class ShardCache:
         wait_s: how long a reservation a batch needs waits for room before :class:`CacheFullError`.
         stall_s: how long such a reservation waits while nothing in the cache can change (every entry pinned,
             no download in progress, no pin taken or let go) before :class:`CacheStalledError`.
+        sidecars: suffixes of the files a format keeps beside an entry (``<entry><suffix>``, an index built
+            from it), evicted with the entry; the cache knows no format, its user names them.
 
     Example::
 
@@ -128,12 +132,13 @@ class ShardCache:
 
     def __init__(
         self, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str | None = None,
-        wait_s: float = 600.0, stall_s: float = 10.0,
+        wait_s: float = 600.0, stall_s: float = 10.0, sidecars: Sequence[str] = (),
     ) -> None:  # fmt: skip
         self.directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.limit = parse_size(cache_limit)
         self.wait_s, self.stall_s = float(wait_s), float(stall_s)
+        self.sidecars = tuple(sidecars)
         self._lock = threading.Lock()
         self._pins: dict[str, tuple[int, int]] = {}  # key -> (descriptor holding the shared flock, count)
         self.evictions = 0
@@ -146,7 +151,7 @@ class ShardCache:
 
         Example::
 
-            cache.path("ds/shard-000.tar").exists()
+            cache.path("ds/shard-000.bin").exists()
         """
         if not key or key.startswith("/") or ".." in Path(key).parts or key.endswith(_LOCK_SUFFIXES):
             raise ValueError(
@@ -168,7 +173,7 @@ class ShardCache:
 
         Example::
 
-            cache.pin("ds/shard-000.tar")
+            cache.pin("ds/shard-000.bin")
         """
         pin_path = Path(str(self.path(key)) + ".pin")
         with self._lock:
@@ -231,7 +236,7 @@ class ShardCache:
 
     # -- space -------------------------------------------------------------------------------------------
     def _walk(self) -> Iterator[tuple[str, list[str]]]:
-        """``(folder, file names)`` of the cache's own tree: not :data:`fastio.paths.LOCAL_COPIES`, the
+        """``(folder, file names)`` of the cache's own tree: not :data:`fastio.files.paths.LOCAL_COPIES`, the
         local copies other parts of fastio keep in the same directory."""
         for root, dirs, files in os.walk(self.directory):
             if root == str(self.directory):
@@ -279,7 +284,7 @@ class ShardCache:
                 if not try_flock(fd):
                     continue  # pinned by some process: being read or about to be
                 freed = 0
-                for victim in (data, Path(f"{data}.fidx")):  # the entry and the tar index built beside it
+                for victim in (data, *(Path(f"{data}{suffix}") for suffix in self.sidecars)):
                     with contextlib.suppress(FileNotFoundError):
                         freed += victim.stat().st_size
                         victim.unlink()
@@ -329,7 +334,7 @@ class ShardCache:
         watch: RoomWatch | None = None,
         extra: int = 0,
     ) -> Reservation | None:
-        """Start making entry ``key`` (``size`` bytes; None: not known yet, e.g. a tar being decompressed,
+        """Start making entry ``key`` (``size`` bytes; None: not known yet, e.g. a shard being decompressed,
         and ``extra`` bytes of what is written beside it, see :meth:`Reservation.finish`):
         None when it is there already (or another process made it while this one waited for the entry's
         download lock), or when ``cancel`` is set while waiting; else a :class:`Reservation` holding that
@@ -340,7 +345,7 @@ class ShardCache:
 
         Example::
 
-            job = cache.reserve("ds/shard-000.tar", 4096)
+            job = cache.reserve("ds/shard-000.bin", 4096)
             if job is not None:
                 download(url, job.part, 4096, RetryPolicy())
                 job.finish()
@@ -380,7 +385,7 @@ class ShardCache:
 
         Example::
 
-            cache.fill("ds/index.json", n, lambda tmp: tmp.write_bytes(data))
+            cache.fill("ds/listing", n, lambda tmp: tmp.write_bytes(data))
         """
         job = self.reserve(key, size)
         if job is not None:
@@ -399,7 +404,7 @@ class ShardCache:
 
         Example::
 
-            cache.keep("ds/shard-000.tar.meta.json", b'{"num_samples": 60}')
+            cache.keep("ds/shard-000.bin.counts", b'{"num_samples": 60}')
         """
         dest = self.path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)

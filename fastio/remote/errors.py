@@ -3,8 +3,8 @@
 
 Example::
 
-    err = RemoteReadError("https://bob:pw@host/a.tar", 6, "HTTP 503")
-    assert err.url == "https://***@host/a.tar" and err.attempts == 6
+    err = RemoteReadError("https://bob:pw@host/a.bin", 6, "HTTP 503")
+    assert err.url == "https://***@host/a.bin" and err.attempts == 6
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def redact(text: str) -> str:
 
     Example::
 
-        assert redact("https://bob:pw@host/a.tar?sig=abc") == "https://***@host/a.tar?sig=***"
+        assert redact("https://bob:pw@host/a.bin?sig=abc") == "https://***@host/a.bin?sig=***"
     """
     text = _USERINFO.sub(r"\1***@", str(text))
     return _QUERY_VALUE.sub(r"\1***", text)
@@ -53,7 +53,7 @@ class RemoteNotFoundError(RemoteError, FileNotFoundError):
     Example::
 
         try:
-            remote_size("http://127.0.0.1:8000/missing.tar", RetryPolicy())
+            remote_size("http://127.0.0.1:8000/missing.bin", RetryPolicy())
         except RemoteNotFoundError as err:
             print(err.url, err.code)
     """
@@ -68,7 +68,7 @@ class RemoteAccessError(RemoteError, PermissionError):
 
     Example::
 
-        err = RemoteAccessError("s3://bucket/a.tar", "403")
+        err = RemoteAccessError("s3://bucket/a.bin", "403")
         assert "403" in str(err)
     """
 
@@ -84,7 +84,7 @@ class RemoteReadError(RemoteError):
 
     Example::
 
-        err = RemoteReadError("http://h/a.tar", 6, "HTTP 503")
+        err = RemoteReadError("http://h/a.bin", 6, "HTTP 503")
         assert err.attempts == 6 and "503" in str(err)
     """
 

@@ -24,9 +24,9 @@ exception's cause for the real HTTP status, so a 503 on a HEAD is retried and on
 Example::
 
     policy = RetryPolicy(retries=5)
-    urls = expand_urls("http://127.0.0.1:8000/data/shard-{000..009}.tar")
+    urls = expand_urls("http://127.0.0.1:8000/data/shard-{000..009}.bin")
     size = remote_size(urls[0], policy)
-    download(urls[0], "/tmp/shard-000.tar", size, policy)
+    download(urls[0], "/tmp/shard-000.bin", size, policy)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from fastio.paths import expand_pattern
+from fastio.files.paths import expand_pattern
 from fastio.remote.errors import (
     RemoteAccessError,
     RemoteError,
@@ -129,7 +129,7 @@ def filesystem(
 
     Example::
 
-        fs, path = filesystem("http://127.0.0.1:8000/data/index.json")
+        fs, path = filesystem("http://127.0.0.1:8000/data/listing")
     """
     import fsspec
 
@@ -270,7 +270,7 @@ def expand_urls(pattern: str | Sequence[str], storage_options: dict[str, Any] | 
 
     Example::
 
-        expand_urls("http://127.0.0.1:8000/shard-{000..002}.tar")   # three URLs, zero padding kept
+        expand_urls("http://127.0.0.1:8000/shard-{000..002}.bin")   # three URLs, zero padding kept
     """
     if not isinstance(pattern, str):
         return [url for item in pattern for url in expand_urls(item, storage_options)]
@@ -298,7 +298,7 @@ def remote_size(url: str, policy: RetryPolicy, storage_options: dict[str, Any] |
 
     Example::
 
-        n = remote_size("s3://bucket/train/shard-000000.tar", RetryPolicy())
+        n = remote_size("s3://bucket/train/shard-000000.bin", RetryPolicy())
     """
 
     def info() -> int:
@@ -312,11 +312,11 @@ def remote_size(url: str, policy: RetryPolicy, storage_options: dict[str, Any] |
 
 
 def read_bytes(url: str, policy: RetryPolicy, storage_options: dict[str, Any] | None = None) -> bytes:
-    """The whole object at ``url`` (for small ones: ``index.json``, sidecars), under ``policy``.
+    """The whole object at ``url`` (for small ones: a listing, sidecars), under ``policy``.
 
     Example::
 
-        index = json.loads(read_bytes("http://127.0.0.1:8000/data/index.json", RetryPolicy()))
+        listing = json.loads(read_bytes("http://127.0.0.1:8000/data/listing", RetryPolicy()))
     """
 
     def cat() -> bytes:
@@ -475,7 +475,7 @@ def download(
 
     Example::
 
-        download("http://127.0.0.1:8000/data/shard-000.tar", "/tmp/shard-000.tar.part", 4096, RetryPolicy())
+        download("http://127.0.0.1:8000/data/shard-000.bin", "/tmp/shard-000.bin.part", 4096, RetryPolicy())
     """
     reader = RangeReader(url, size, policy, storage_options, on_bytes, on_retry)
     done = 0

@@ -5,14 +5,14 @@ part (its :class:`fastio.remote.shard.Shard` with ``ranges``), the cache stores 
 
 Why: a cache of ``k`` whole shards lets a batch mix at most ``k + 1`` shards (one opens as one closes). Cut
 every shard into ``P`` parts, and the same bytes hold about ``k * P`` parts, which a seeded permutation of
-every part of every shard draws from most shards (:mod:`fastio.order`'s ``"parts"``).
+every part of every shard draws from most shards (:mod:`fastio.pipeline.order`'s ``"parts"``).
 
 How many parts:
 
 1. For ``P = 2, 3, ...`` (at most :data:`MAX_PARTS`, and no more than the largest shard has samples), the
    format lists the parts; the cache holds ``held`` of the largest (:func:`fastio.remote.working_set.
    shards_held`), and the order keeps ``window`` open, less what the reads around a batch hold
-   (:func:`fastio.order.window_within`).
+   (:func:`fastio.pipeline.order.window_within`).
 2. The smallest ``P`` whose window is expected to draw from at least :data:`COVER` of the shards (a window
    of ``W`` parts of a permutation of ``U``: a shard of ``p`` parts is missing from it with probability
    ``C(U - p, W) / C(U, W)``) is taken, found by bisection (more parts hold more of them: the share grows
@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from fastio.order import window_within
+from fastio.pipeline.order import window_within
 from fastio.remote.shard import Shard
 from fastio.remote.working_set import shards_held
 from fastio.sources.base import ShardParts
@@ -63,7 +63,7 @@ def part_key(shard: Shard, first: int, stop: int) -> str:
 
     Example::
 
-        part_key(shard, 0, 64)   # "3f0c.../shard-000000.fio@0-64"
+        part_key(shard, 0, 64)   # "3f0c.../shard-000000.bin@0-64"
     """
     return f"{shard.key}@{first}-{stop}"
 

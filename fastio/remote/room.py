@@ -17,7 +17,7 @@ now:
 
 Example::
 
-    watch = RoomWatch(cache_dir, "ds/shard-007.fio", limit=10**8, stall_s=10, wait_s=600)
+    watch = RoomWatch(cache_dir, "ds/shard-007.bin", limit=10**8, stall_s=10, wait_s=600)
     while not admitted():
         watch.check(size=4096)
 """
@@ -125,7 +125,7 @@ def part_owner(name: str) -> int | None:
 
     Example::
 
-        assert part_owner(".shard-000.tar.part-4242-1") == 4242 and part_owner("shard-000.tar") is None
+        assert part_owner(".shard-000.bin.part-4242-1") == 4242 and part_owner("shard-000.bin") is None
     """
     match = _PART.match(name)
     return None if match is None else int(match.group(1))

@@ -4,7 +4,7 @@ function its format gave, or the byte ranges its format listed, back to back).
 
 Example::
 
-    shard = Shard("http://host/train/shard-000000.fio", cache_key(url, "shard-000000.fio"), 4096, 4096, 13)
+    shard = Shard("http://host/train/shard-000000.bin", cache_key(url, "shard-000000.bin"), 4096, 4096, 13)
     write_shard(shard, part, RetryPolicy(), {}, progress=None)
 """
 
@@ -36,11 +36,11 @@ __all__ = ["Shard", "cache_key", "write_shard"]
 class Shard:
     """One shard: where it is, what the cache calls it, and its sizes (``local_size``: bytes of the cached
     file, None until known for a shard stored encoded; ``index_bytes``: what is cached beside it and evicted
-    with it, a tar's index).
+    with it, such as an index its format builds).
 
     ``unpack``: None when the cached file is the remote object's bytes; else ``unpack(raw, out) -> bytes
-    written``, which turns the remote stream into the cached file (a compressed tar's decompression, given
-    by its format), ``encoding`` naming what it undoes in errors (``"gzip"``).
+    written``, which turns the remote stream into the cached file (a decompression, given by its format),
+    ``encoding`` naming what it undoes in errors.
 
     ``ranges``: None for a whole object; else the cache entry is these ``[start, stop)`` byte ranges of the
     remote object (of ``remote_size`` bytes) back to back, ``local_size`` bytes in all: a part of a shard
@@ -67,7 +67,7 @@ def cache_key(url: str, name: str) -> str:
 
     Example::
 
-        cache_key("http://host/train/shard-000.tar", "shard-000.tar")   # "3f0c.../shard-000.tar"
+        cache_key("http://host/train/shard-000.bin", "shard-000.bin")   # "3f0c.../shard-000.bin"
     """
     folder = redact(url).rsplit("/", 1)[0]
     return f"{hashlib.sha256(folder.encode()).hexdigest()[:16]}/{name}"
@@ -112,7 +112,7 @@ def write_shard(
                 written = info.unpack(raw, out)
             except (RemoteError, FastIOError, ImportError):
                 raise
-            except Exception as exc:  # the unpacker's own errors (gzip: OSError/EOFError, ZstdError)
+            except Exception as exc:  # the unpacker's own errors, whatever its format raises
                 raise CorruptShardError(
                     redact(info.url), "compressed stream", f"a whole {info.encoding} stream", repr(exc)
                 ) from None

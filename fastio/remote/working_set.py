@@ -163,7 +163,8 @@ def check_batch(cache_dir: str | os.PathLike[str], limit: int, footprints: list[
 def shards_held(footprints: list[int], limit: int | None, resident: int = 0) -> int | None:
     """How many shards a cache of ``limit`` bytes holds at once beside ``resident`` bytes: None when every
     shard fits (or there is no limit), else how many of the largest fit (at least 1: the cache admits one
-    shard beyond its limit). What ``StreamLoader(shuffle=True)`` sizes its window to (:mod:`fastio.order`).
+    shard beyond its limit). What ``StreamLoader(shuffle=True)`` sizes its window to
+    (:mod:`fastio.pipeline.order`).
 
     Example::
 

@@ -1,7 +1,8 @@
 """Sources of a :class:`fastio.StreamLoader`: each turns global sample indices into one batch.
 
 The contract is :class:`Source` (:mod:`fastio.sources.base`); :mod:`fastio.registry` says which source opens
-what the loader was given. Each shard format's source lives in its folder under :mod:`fastio.format`:
+what the loader was given (this package does not import it: every format's source imports this package). Each
+shard format's source lives in its folder under :mod:`fastio.format`:
 
 * :class:`~fastio.format.shards.source.ShardSource` (a fastio shard directory): fixed fields gathered
   natively into the caller's output tensors, variable fields into one reused payload buffer, as views.
@@ -14,11 +15,10 @@ The reused output memory they fill is :mod:`fastio.sources.buffers`.
 
 Example::
 
-    source = open_source("data/train")
+    source = fastio.registry.open_source("data/train")
     batch = source.fetch(np.arange(8), BatchBuffers(source.fixed_specs(), 8, pin=False), 2, StageTimes())
 """
 
-from fastio.registry import OpenOptions, open_source
 from fastio.sources.base import (
     ReadPlan,
     ShardParts,
@@ -36,14 +36,12 @@ __all__ = [
     "BatchBuffers",
     "BufferPool",
     "DatasetSource",
-    "OpenOptions",
     "ReadPlan",
     "ShardParts",
     "Source",
     "StageTimes",
     "TokenDocuments",
     "missing_members",
-    "open_source",
     "shard_read_order",
     "storage_refs",
     "torch_dtype",

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from fastio._mapped import MappedTable
+    from fastio.files.mapped import MappedTable
     from fastio.sources.buffers import BatchBuffers
 
 __all__ = [
@@ -101,8 +101,8 @@ class ReadPlan:
 
     def reach(self, world_size: int) -> int:
         """Samples of the epoch's global order that the shards pinned around one batch span: the batch,
-        :attr:`lead` and :attr:`lag` batches, on each of ``world_size`` ranks (:mod:`fastio.order`'s window
-        leaves room for them)."""
+        :attr:`lead` and :attr:`lag` batches, on each of ``world_size`` ranks (:mod:`fastio.pipeline.order`'s
+        window leaves room for them)."""
         return (self.lead + self.lag + 1) * self.batch_size * world_size
 
     @property
@@ -163,14 +163,15 @@ class Source(Protocol):
         name: what errors and progress bars call the source (a path, a URL, a class name).
         num_samples: samples in the source, every rank's share together.
         shard_sizes: samples per shard in storage order (global index ``i`` lies in the shard whose
-            cumulative range holds it); the shard-aware shuffle (:mod:`fastio.order`) permutes these shards.
+            cumulative range holds it); the shard-aware shuffle (:mod:`fastio.pipeline.order`) permutes
+            these shards.
         per_sample: False (the default): :meth:`fetch` returns a dict of batched fields (tensors ``[B, ...]``
             or lists); True: it returns a list of ``B`` samples (any Python objects), which the loader passes
             through ``transform`` and ``collate`` (the Python path), as for a map-style ``Dataset``.
         requires_shard_order: True for sources where reading a random sample costs a whole shard (remote
             stores): ``StreamLoader(shuffle=True)`` is a full permutation only where :meth:`shards_held`
             says every shard fits, else a sliding window of parts of shards where :meth:`split_shards`
-            splits them, or of that many shards (:mod:`fastio.order`).
+            splits them, or of that many shards (:mod:`fastio.pipeline.order`).
             Default False.
 
     Example::
@@ -248,7 +249,7 @@ class Source(Protocol):
     def shards_held(self) -> int | None:
         """How many shards a source read shard by shard can hold at once (a remote source: its largest
         shards that fit ``cache_limit``); None: every shard. ``shuffle=True`` mixes that many shards at once
-        where it is not None (:meth:`fastio.settings.OrderSettings.within`). Default: None.
+        where it is not None (:meth:`fastio.pipeline.settings.OrderSettings.within`). Default: None.
 
         Example::
 
@@ -262,8 +263,8 @@ class Source(Protocol):
         samples read around each batch, :meth:`ReadPlan.reach`) for ``shuffle=True`` on a source that
         :meth:`shards_held` says cannot hold every shard, and with None otherwise (whole shards again).
         Returns the split, after which ``shard_sizes`` lists the parts' samples (global indices unchanged:
-        parts are contiguous and in storage order), or None: whole shards (:mod:`fastio.order`'s ``"parts"``
-        and ``"window"``). ``parts``: split each shard into that many, whatever the cache (what
+        parts are contiguous and in storage order), or None: whole shards (:mod:`fastio.pipeline.order`'s
+        ``"parts"`` and ``"window"``). ``parts``: split each shard into that many, whatever the cache (what
         ``StreamLoader(shuffle="parts", shuffle_parts=P)`` asks, to resume a state dict), or None where the
         source cannot. Default: None (it cannot split).
 

@@ -18,7 +18,7 @@ from fastio.sources.base import Source, StageTimes
 from fastio.sources.buffers import BatchBuffers
 
 if TYPE_CHECKING:
-    from fastio.registry import OpenOptions
+    from fastio.options import OpenOptions
 
 __all__ = ["DatasetSource", "open_dataset"]
 

@@ -23,7 +23,7 @@ Example::
     pipeline.stop()
 """
 
-from fastio.structure import map_structure
+from fastio.assembly.structure import map_structure
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.info import WorkerInfo, set_worker_info, worker_info
 from fastio.workers.processes import ProcessPipeline

@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
+from fastio.assembly.structure import map_structure
 from fastio.errors import WorkerTimeoutError
 from fastio.sources import storage_refs
-from fastio.structure import map_structure
 
 __all__ = ["KeptProcesses", "ProcessPipeline"]
 

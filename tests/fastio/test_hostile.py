@@ -29,7 +29,7 @@ from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.tar import scan as tarscan
 from fastio.format.tar.decode import decode_default
 from fastio.format.tar.index import INDEX_SUFFIX, TarShardSet, index_tar, load_tar_index
-from fastio.sources import open_source
+from fastio.registry import open_source
 
 NATIVE = pytest.mark.skipif(not _native.native(), reason=f"needs fastio._C: {fastio.backend()}")
 
@@ -610,20 +610,20 @@ def test_native_gather_turns_sigbus_into_an_error(tmp_path, threads):
         import os, sys
         import numpy as np, torch
         import fastio
-        from fastio import _gather, _mapped
-        f = _mapped.MappedFile({str(path)!r})
-        table = _mapped.MappedTable([f])
+        from fastio.files import gather, mapped
+        f = mapped.MappedFile({str(path)!r})
+        table = mapped.MappedTable([f])
         f.check_size = lambda: None
         os.truncate({str(path)!r}, 4096)
         offsets = np.arange(200, dtype=np.int64) * 4096
         out = torch.empty(200, 4096, dtype=torch.uint8)
         try:
-            _gather.gather_rows(table, np.zeros(200, np.int32), offsets, 4096, out, {threads})
+            gather.gather_rows(table, np.zeros(200, np.int32), offsets, 4096, out, {threads})
         except fastio.CorruptShardError as err:
             print("caught:", err)
         lengths = np.full(200, 4096, np.int64)
         try:
-            _gather.gather_ranges(table, np.zeros(200, np.int32), offsets, lengths, out.view(-1), {threads})
+            gather.gather_ranges(table, np.zeros(200, np.int32), offsets, lengths, out.view(-1), {threads})
         except fastio.CorruptShardError as err:
             print("caught:", err)
     """
@@ -642,15 +642,15 @@ def test_sigbus_in_the_output_is_not_blamed_on_the_shard(tmp_path):
         import mmap, os
         import numpy as np, torch
         import fastio
-        from fastio import _gather, _mapped
-        table = _mapped.MappedTable([_mapped.MappedFile({str(source)!r})])
+        from fastio.files import gather, mapped
+        table = mapped.MappedTable([mapped.MappedFile({str(source)!r})])
         with open({str(target)!r}, "r+b") as fh:
             shared = mmap.mmap(fh.fileno(), 0)
         out = torch.frombuffer(shared, dtype=torch.uint8).view(256, 4096)
         os.truncate({str(target)!r}, 4096)
         offsets = np.arange(256, dtype=np.int64) * 4096
         try:
-            _gather.gather_rows(table, np.zeros(256, np.int32), offsets, 4096, out, 1)
+            gather.gather_rows(table, np.zeros(256, np.int32), offsets, 4096, out, 1)
         except fastio.CorruptShardError as err:
             print("blamed the shard:", err)
         except RuntimeError as err:
@@ -671,10 +671,10 @@ def test_sigbus_outside_a_guarded_copy_still_kills(tmp_path, faulthandler):
         import os, signal
         {"import faulthandler; faulthandler.enable()" if faulthandler else ""}
         import numpy as np, torch
-        from fastio import _gather, _mapped
-        table = _mapped.MappedTable([_mapped.MappedFile({str(path)!r})])
+        from fastio.files import gather, mapped
+        table = mapped.MappedTable([mapped.MappedFile({str(path)!r})])
         out = torch.empty(8, dtype=torch.uint8)
-        _gather.gather_rows(table, np.zeros(1, np.int32), np.zeros(1, np.int64), 8, out)
+        gather.gather_rows(table, np.zeros(1, np.int32), np.zeros(1, np.int64), 8, out)
         os.kill(os.getpid(), signal.SIGBUS)
         print("survived")
     """

@@ -14,7 +14,7 @@ import torch
 
 import fastio
 from fastio.mixing.schedule import epoch_counts, stream_walk
-from fastio.settings import OrderSettings
+from fastio.pipeline.settings import OrderSettings
 from fastio.sources import Source
 
 

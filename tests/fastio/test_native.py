@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fastio
-from fastio import _gather, _native
-from fastio._mapped import MappedFile, MappedTable
+from fastio import _native
+from fastio.files import gather
+from fastio.files.mapped import MappedFile, MappedTable
 from fastio.format.tar import scan as tarscan
 
 pytestmark = pytest.mark.skipif(not _native.native(), reason=f"fastio._C not in use: {fastio.backend()}")
@@ -43,7 +44,7 @@ def test_gather_rows_matches_fallback(monkeypatch, table, row, threads):
 
     def run():
         out = torch.empty(50, row, dtype=torch.uint8)
-        _gather.gather_rows(table, ids, offsets, row, out, threads)
+        gather.gather_rows(table, ids, offsets, row, out, threads)
         return out
 
     native, reference = _with_fallback(monkeypatch, run)
@@ -62,7 +63,7 @@ def test_gather_ranges_matches_fallback(monkeypatch, table):
 
     def run():
         out = torch.zeros(int(lengths.sum()), dtype=torch.uint8)
-        starts = _gather.gather_ranges(table, ids, offsets, lengths, out, 2)
+        starts = gather.gather_ranges(table, ids, offsets, lengths, out, 2)
         return out, starts
 
     (native, starts), (reference, _) = _with_fallback(monkeypatch, run)
@@ -75,11 +76,11 @@ def test_gather_ranges_matches_fallback(monkeypatch, table):
 def test_out_of_bounds_raises_instead_of_reading(table):
     out = torch.empty(2, 10, dtype=torch.uint8)
     with pytest.raises(IndexError, match="maps only 37 bytes"):
-        _gather.gather_rows(table, np.array([0, 1], np.int32), np.array([0, 30], np.int64), 10, out, 1)
+        gather.gather_rows(table, np.array([0, 1], np.int32), np.array([0, 30], np.int64), 10, out, 1)
     with pytest.raises(IndexError, match="shard 5"):
-        _gather.gather_rows(table, np.array([5, 1], np.int32), np.array([0, 0], np.int64), 10, out, 1)
+        gather.gather_rows(table, np.array([5, 1], np.int32), np.array([0, 0], np.int64), 10, out, 1)
     with pytest.raises(ValueError, match="output holds"):
-        _gather.gather_rows(table, np.array([0, 0], np.int32), np.array([0, 0], np.int64), 10, out[:1], 1)
+        gather.gather_rows(table, np.array([0, 0], np.int32), np.array([0, 0], np.int64), 10, out[:1], 1)
 
 
 def test_scan_tar_matches_tarfile(tmp_path):
@@ -122,7 +123,7 @@ def test_parallel_gather_from_many_threads(tmp_path):
         for _ in range(5):
             offsets = local.integers(0, table.limits[0] - row, size=batch).astype(np.int64)
             out = torch.empty(batch, row, dtype=torch.uint8)
-            _gather.gather_rows(table, np.zeros(batch, np.int32), offsets, row, out, 3)
+            gather.gather_rows(table, np.zeros(batch, np.int32), offsets, row, out, 3)
             expected = np.stack([table.files[0].array[o : o + row] for o in offsets])
             if not np.array_equal(out.numpy(), expected):
                 errors.append(seed)
@@ -149,7 +150,7 @@ def test_many_small_parallel_gathers(tmp_path):
         offsets = ((np.arange(batch, dtype=np.int64) * 7919 + k * 31) % (table.limits[0] - row)).astype(
             np.int64
         )
-        _gather.gather_rows(table, ids, offsets, row, out, 2 + k % 3)
+        gather.gather_rows(table, ids, offsets, row, out, 2 + k % 3)
         if k % 2000 == 0:
             np.testing.assert_array_equal(
                 out[-1].numpy(), table.files[0].array[offsets[-1] : offsets[-1] + row]

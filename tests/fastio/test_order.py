@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastio.order import advance, epoch_order, num_batches, rank_indices, window_within
+from fastio.pipeline.order import advance, epoch_order, num_batches, rank_indices, window_within
 
 SIZES = [13] * 9
 

@@ -11,7 +11,7 @@ import torch
 
 import fastio
 from fastio.assembly.pack import Pack
-from fastio.order import epoch_order
+from fastio.pipeline.order import epoch_order
 
 NUM_DOCS = 117
 SHARD_DOCS = 13

@@ -14,7 +14,8 @@ import torch
 
 import fastio
 from fastio import registry
-from fastio.sources import ReadPlan, Source, open_source, shard_read_order
+from fastio.registry import open_source
+from fastio.sources import ReadPlan, Source, shard_read_order
 
 _SHARDS = [13, 7, 1, 13, 9]  # odd sizes: 43 samples
 

@@ -94,6 +94,19 @@ def test_eviction_takes_read_entries_first_then_the_least_recently_used(tmp_path
     assert not cache.has("b") and all(cache.has(k) for k in ("a", "d", "e"))
 
 
+def test_an_entry_is_evicted_with_the_sidecars_its_user_names_and_no_other_file(tmp_path):
+    # The cache knows no format: the suffixes of what is kept beside an entry come from its user.
+    cache = ShardCache(tmp_path, cache_limit=400, sidecars=(".idx",))
+    cache.pin("a")
+    _fill(cache, "a", 100)
+    cache.unpin("a")
+    Path(f"{cache.path('a')}.idx").write_bytes(b"i" * 50)
+    Path(f"{cache.path('a')}.notes").write_bytes(b"n" * 50)
+    _fill(cache, "b", 250)  # needs a's room: a goes, and its .idx with it
+    assert not cache.has("a") and not Path(f"{cache.path('a')}.idx").exists()
+    assert Path(f"{cache.path('a')}.notes").exists()  # not named: kept
+
+
 def test_pinned_entries_are_never_evicted_and_a_full_cache_is_named(tmp_path):
     cache = ShardCache(tmp_path, cache_limit=150, wait_s=0.2)
     cache.pin("a")

@@ -1,7 +1,7 @@
 """``shuffle=True`` on remote fastio shards whose cache cannot hold every shard: parts of shards, fetched by
 byte range and cached one by one, read in a sliding window over a permutation of every part
-(fastio.order's "parts"): each sample once per epoch, deterministic, resumable across a part boundary, the
-cache within its promise, short reads and corrupt headers named errors."""
+(fastio.pipeline.order's "parts"): each sample once per epoch, deterministic, resumable across a part
+boundary, the cache within its promise, short reads and corrupt headers named errors."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import fastio
 from fastio.errors import CorruptShardError
 from fastio.format.shards.remote import RemoteShardSource
 from fastio.format.tar.remote import RemoteTarSource
-from fastio.order import epoch_order, rank_indices
+from fastio.pipeline.order import epoch_order, rank_indices
 from fastio.remote import RemoteReadError
 from fastio.remote.fetch import cat_ranges, with_retries
 from fastio.remote.parts import MAX_PARTS, choose_parts, expected_shards, part_bounds
@@ -80,7 +80,8 @@ def test_shuffle_true_under_a_cache_limit_reads_each_sample_once_from_a_window_o
             assert stats["shuffle_mode"] == "parts" and stats["shuffle_parts"] > 1
             window = stats["shuffle_window_parts"]
             assert window > 3  # more parts open than the 3 whole shards the cache holds
-            # The order is fastio.order's sliding window over the parts (source.shard_sizes lists them).
+            # The order is fastio.pipeline.order's sliding window over the parts (source.shard_sizes lists
+            # them).
             expected = epoch_order(source.shard_sizes, 5, epoch, "parts", window=window)
             assert ys == expected.tolist()
             assert sorted(ys) == list(range(fio.NUM_SAMPLES))

@@ -1,6 +1,6 @@
 """``shuffle=True`` on remote shards over a real HTTP server: the local full permutation where the cache holds
 every shard, else, for a source that reads whole shards only (compressed tars, tars without sidecars; a
-fastio shard source told not to split, here), a sliding window of the shards it holds (fastio.order's
+fastio shard source told not to split, here), a sliding window of the shards it holds (fastio.pipeline.order's
 "window"), sized to cache_limit, reported in stats(), exact, resumable and split across ranks like every
 other order. Parts of shards (what fastio shard sources read instead) are test_remote_parts.py's."""
 
@@ -72,7 +72,8 @@ def test_shuffle_true_under_a_cache_limit_reads_a_window_of_the_shards_it_holds(
         for epoch in (0, 1):
             remote = fastio.StreamLoader(source, batch_size=8, shuffle=True, seed=5, num_workers=num_workers,
                                          worker_mode=worker_mode)  # fmt: skip
-            # The same order as the local set's with the window named explicitly: the mode is fastio.order's.
+            # The same order as the local set's with the window named explicitly: the mode is
+            # fastio.pipeline.order's.
             local = fastio.StreamLoader(
                 shard_dir, batch_size=8, shuffle="window", shuffle_window=window, seed=5
             )

@@ -1,5 +1,6 @@
-"""fastio.settings: what StreamLoader groups its keyword arguments into, each checked once with an error that
-names the bad value; and fastio.batches.EpochOrders, the order each epoch's batches are cut from."""
+"""fastio.pipeline.settings: what StreamLoader groups its keyword arguments into, each checked once with an
+error that names the bad value; and fastio.pipeline.batches.EpochOrders, the order each epoch's batches are
+cut from."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 import fastio
-from fastio.batches import EpochOrders
-from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings, order_for_source
+from fastio.pipeline.batches import EpochOrders
+from fastio.pipeline.settings import AssemblySettings, OrderSettings, WorkerSettings, order_for_source
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fastio
+from fastio.files.paths import expand_pattern
 from fastio.format.tar.index import INDEX_SUFFIX, load_tar_index
-from fastio.paths import expand_pattern
 
 wds = pytest.importorskip("webdataset")
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError
+from fastio.files.mapped import MappedFile
 from fastio.format.shards.header import ShardHeader, check_offsets, read_header
 from fastio.format.shards.layout import PREFIX
 from fastio.remote.fetch import RetryPolicy, cat_ranges, with_retries

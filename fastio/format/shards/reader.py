@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from fastio._gather import read_chunks
-from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError, SchemaMismatchError
+from fastio.files.gather import read_chunks
+from fastio.files.mapped import MappedFile
 from fastio.format.shards.header import check_offsets, get_field, parse_json, parse_schema, read_header
 from fastio.format.shards.layout import INDEX_NAME, SHARD_SUFFIX
 from fastio.format.shards.schema import Schema

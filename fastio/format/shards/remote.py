@@ -208,7 +208,7 @@ class RemoteShardSource(RemoteSource):
 
 def open_remote_shards(url: str, options: Any) -> RemoteShardSource:
     """The registry's opener of a fastio shard directory at a URL (``options``: a
-    :class:`fastio.registry.OpenOptions`; its cache, storage and ``verify`` settings apply).
+    :class:`fastio.options.OpenOptions`; its cache, storage and ``verify`` settings apply).
 
     Example::
 

@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastio._gather import gather_ranges, gather_rows, read_ranges
-from fastio._mapped import MappedTable
 from fastio.errors import CorruptShardError, SchemaMismatchError
+from fastio.files.gather import gather_ranges, gather_rows, read_ranges
+from fastio.files.mapped import MappedTable
 from fastio.format.shards.reader import ShardReader, ShardSet
 from fastio.format.shards.schema import Schema
 from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype
 from fastio.sources.buffers import BatchBuffers
 
 if TYPE_CHECKING:
-    from fastio.registry import OpenOptions
+    from fastio.options import OpenOptions
 
 __all__ = ["ShardSource", "fixed_specs_of", "open_shard_directory"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastio.paths import is_path_list
+from fastio.files.paths import is_path_list
 
 __all__ = ["is_tar", "is_tar_url"]
 

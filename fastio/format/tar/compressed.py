@@ -3,8 +3,8 @@ once, streaming, into a local directory, then indexed and read as a plain tar by
 :class:`~fastio.format.tar.source.TarSource`. No remote code runs (:mod:`fastio.remote` is for URLs).
 
 1. The copy of ``<folder>/shard-000.tgz`` is ``<cache_dir>/local/<digest of the folder>/shard-000.tar``
-   (``cache_dir``: ``OpenOptions.cache_dir``, else :func:`fastio.paths.default_cache_dir`; ``local/`` is
-   :data:`fastio.paths.LOCAL_COPIES`, which the remote cache neither counts nor evicts), beside a
+   (``cache_dir``: ``OpenOptions.cache_dir``, else :func:`fastio.files.paths.default_cache_dir`; ``local/`` is
+   :data:`fastio.files.paths.LOCAL_COPIES`, which the remote cache neither counts nor evicts), beside a
    ``.source.json`` that records the compressed file's size and mtime: a later open with the same file
    reuses the copy, a changed file is decompressed again.
 2. The copy is written to a temporary file and renamed into place, so a cut or corrupt stream (which raises
@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from fastio.errors import CorruptShardError, FastIOError
+from fastio.files.paths import LOCAL_COPIES, default_cache_dir, expand_pattern
 from fastio.format.tar.compression import compression_of, decompress, decompressed_name
 from fastio.format.tar.index import TarShardSet
 from fastio.format.tar.source import TarSource
-from fastio.paths import LOCAL_COPIES, default_cache_dir, expand_pattern
 
 __all__ = ["decompressed_copy", "open_compressed_tars"]
 

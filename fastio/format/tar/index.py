@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError, EmptySourceError, MissingIndexError
+from fastio.files.mapped import MappedFile
+from fastio.files.paths import expand_pattern
 from fastio.format.tar.npy import load_npz
 from fastio.format.tar.scan import scan_tar
-from fastio.paths import expand_pattern
 
 __all__ = ["INDEX_SUFFIX", "TarIndex", "TarShardSet", "index_tar", "load_tar_index"]
 

@@ -34,8 +34,8 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from fastio._mapped import MappedFile
 from fastio.errors import CorruptShardError
+from fastio.files.mapped import MappedFile
 from fastio.format.tar.compression import compression_of, decompress, decompressed_name
 from fastio.format.tar.decode import npy_layout
 from fastio.format.tar.index import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
@@ -145,7 +145,8 @@ class RemoteTarSource(RemoteSource):
             raise RemoteNotFoundError(str(urls), "the pattern names no shard")
         name = listed[0] if len(listed) == 1 else f"{listed[0]} (+{len(listed) - 1})"
         super().__init__(
-            name, ShardCache(cache_dir, cache_limit), retry or RetryPolicy(), storage_options,
+            name, ShardCache(cache_dir, cache_limit, sidecars=(INDEX_SUFFIX,)), retry or RetryPolicy(),
+            storage_options,
             download_threads, ahead,
         )  # fmt: skip
         if decode is not None and decode != "pil" and not callable(decode):
@@ -370,7 +371,7 @@ class RemoteTarSource(RemoteSource):
 
 def open_remote_tars(target: str | list[str], options: Any) -> RemoteTarSource:
     """The registry's opener of tar shards at URLs, plain or compressed (``options``: a
-    :class:`fastio.registry.OpenOptions`; its cache, storage, ``decode`` and ``tar_strict`` settings apply).
+    :class:`fastio.options.OpenOptions`; its cache, storage, ``decode`` and ``tar_strict`` settings apply).
 
     Example::
 

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastio._gather import gather_rows, read_ranges
-from fastio._mapped import MappedTable
 from fastio.errors import CorruptShardError, SchemaMismatchError
+from fastio.files.gather import gather_rows, read_ranges
+from fastio.files.mapped import MappedTable
 from fastio.format.tar.decode import INT_EXTENSIONS, decode_default, last_extension, npy_layout
 from fastio.format.tar.index import TarShardSet
 from fastio.sources.base import Source, StageTimes, TokenDocuments, torch_dtype
 from fastio.sources.buffers import BatchBuffers
 
 if TYPE_CHECKING:
-    from fastio.registry import OpenOptions
+    from fastio.options import OpenOptions
 
 __all__ = ["TarLayout", "TarSource", "decide_layout", "open_tar_shards"]
 

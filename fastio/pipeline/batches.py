@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fastio.epoch import EpochPass
-from fastio.order import epoch_order, num_batches, rank_indices, resume_start
-from fastio.settings import AssemblySettings, OrderSettings, WorkerSettings
+from fastio.pipeline.epoch import EpochPass
+from fastio.pipeline.order import epoch_order, num_batches, rank_indices, resume_start
+from fastio.pipeline.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import Source
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.processes import KeptProcesses
@@ -58,8 +58,8 @@ class Batches(Protocol):
 
 
 class EpochOrders:
-    """The global order of each epoch (:func:`fastio.order.epoch_order`), kept for the latest epoch asked;
-    thread-safe.
+    """The global order of each epoch (:func:`fastio.pipeline.order.epoch_order`), kept for the latest epoch
+    asked; thread-safe.
 
     Example::
 
@@ -82,8 +82,9 @@ class EpochOrders:
 
 
 class SampleBatches:
-    """Batches of ``batch_size`` samples of the epoch's order, rank ``rank``'s share (:mod:`fastio.order`),
-    each made by a :class:`fastio.assembly.producer.BatchProducer` in an :class:`fastio.epoch.EpochPass`.
+    """Batches of ``batch_size`` samples of the epoch's order, rank ``rank``'s share
+    (:mod:`fastio.pipeline.order`), each made by a :class:`fastio.assembly.producer.BatchProducer` in an
+    :class:`fastio.pipeline.epoch.EpochPass`.
 
     What an epoch's order is comes from four methods a subclass may replace (a mixed loader's
     :class:`fastio.mixing.batches.StreamBatches` does): :meth:`epoch_size`, :meth:`epoch_ids`,

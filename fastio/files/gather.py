@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fastio import _native
-from fastio._mapped import MappedFile, MappedTable
+from fastio.files.mapped import MappedFile, MappedTable
 
 __all__ = ["gather_ranges", "gather_rows", "read_chunks", "read_ranges"]
 

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from fastio.batches import STATE_FORMAT, STATE_VERSION
-from fastio.epoch import EpochPass
-from fastio.settings import AssemblySettings, WorkerSettings
+from fastio.pipeline.batches import STATE_FORMAT, STATE_VERSION
+from fastio.pipeline.epoch import EpochPass
+from fastio.pipeline.settings import AssemblySettings, WorkerSettings
 from fastio.sources import Source
 from fastio.workers.processes import KeptProcesses
 
@@ -124,7 +124,7 @@ def index_batches(
 
 class SamplerBatches:
     """Batches of exactly the indices a batch sampler yields (see the module docstring); a
-    :class:`fastio.batches.Batches`.
+    :class:`fastio.pipeline.batches.Batches`.
 
     Example::
 

@@ -20,10 +20,10 @@ import torch
 
 from fastio._native import default_threads
 from fastio.assembly.producer import BatchProducer
-from fastio.order import num_batches
-from fastio.settings import AssemblySettings, WorkerSettings
+from fastio.assembly.structure import map_tensors
+from fastio.pipeline.order import num_batches
+from fastio.pipeline.settings import AssemblySettings, WorkerSettings
 from fastio.sources import ReadPlan, Source, shard_read_order
-from fastio.structure import map_tensors
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.processes import KeptProcesses, ProcessPipeline
 from fastio.workers.threads import ThreadPipeline

@@ -11,19 +11,19 @@ number of workers, so any process can recompute any rank's order.
    runs of ``window`` blocks. It trades batch diversity for locality: a batch draws from about
    ``window`` blocks, so on a class-sorted set it holds far fewer classes than a full shuffle.
    ``shuffle="window"`` is what ``shuffle=True`` becomes on a source read shard by shard whose cache holds
-   ``window`` shards but not the whole set (:meth:`fastio.settings.OrderSettings.within`): a sliding window
-   of shards. Shards are permuted; the shard in place ``p`` spreads its samples uniformly at random over
-   the stretch ``[p, p + window)`` of the epoch (in units of one shard's turn), and samples are read in the
-   order of where they fell, the stretches clamped to ``[window - 1, shards)`` so that the first
+   ``window`` shards but not the whole set (:meth:`fastio.pipeline.settings.OrderSettings.within`): a sliding
+   window of shards. Shards are permuted; the shard in place ``p`` spreads its samples uniformly at random
+   over the stretch ``[p, p + window)`` of the epoch (in units of one shard's turn), and samples are read in
+   the order of where they fell, the stretches clamped to ``[window - 1, shards)`` so that the first
    ``window`` shards open together and the last ``window`` close together. So at every point of the epoch
    ``window`` shards are open, each contributing to every batch; one shard opens as another closes, never
-   ``2 * window`` at a window's edge. Diversity is bounded by what the cache holds: a batch draws from at
-   most ``window + 1`` shards, where a full permutation draws from nearly every shard.
-   ``shuffle="parts"`` is what ``shuffle=True`` becomes instead where the source can read parts of shards
+   ``2 * window`` at a window's edge. Diversity is bounded by what the cache holds: a batch draws from at most
+   ``window + 1`` shards, where a full permutation draws from nearly every shard. ``shuffle="parts"`` is what
+   ``shuffle=True`` becomes instead where the source can read parts of shards
    (:meth:`fastio.sources.Source.split_shards`: each shard split into contiguous runs of samples, cached one
-   by one): the same sliding window, over the parts, which ``shard_sizes`` then lists. A window of
-   ``window`` parts drawn from a permutation of every part of every shard holds parts of far more shards
-   than ``window`` whole shards would: the cache's bytes spread over most shards.
+   by one): the same sliding window, over the parts, which ``shard_sizes`` then lists. A window of ``window``
+   parts drawn from a permutation of every part of every shard holds parts of far more shards than ``window``
+   whole shards would: the cache's bytes spread over most shards.
 2. :func:`rank_indices` splits what remains of an epoch, ``order[start:]``, across ranks exactly like
    ``torch.utils.data.DistributedSampler``: rank ``r`` takes positions ``r, r + W, r + 2W, ...``; with
    ``drop_last=False`` the tail is padded by repeating the epoch's first samples so every rank has

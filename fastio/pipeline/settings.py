@@ -1,6 +1,6 @@
 """The settings a :class:`fastio.StreamLoader` groups its keyword arguments into, each handed whole to the
 part that uses it: which samples each rank reads in which order (:class:`OrderSettings`, for
-:mod:`fastio.order`), who makes batches and how far ahead (:class:`WorkerSettings`, for
+:mod:`fastio.pipeline.order`), who makes batches and how far ahead (:class:`WorkerSettings`, for
 :mod:`fastio.workers`), and how one batch is made (:class:`AssemblySettings`, for
 :mod:`fastio.assembly.producer` and :mod:`fastio.assembly.pack`). Checked once, when the loader is built.
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fastio.assembly.stages import BatchStage
-from fastio.order import normalize_shuffle, window_within
+from fastio.pipeline.order import normalize_shuffle, window_within
 from fastio.sources.base import ShardParts, Source
 
 __all__ = [
@@ -29,8 +29,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class OrderSettings:
-    """Which samples each rank reads, in which order: the epoch's order (:func:`fastio.order.epoch_order`)
-    split across ranks.
+    """Which samples each rank reads, in which order: the epoch's order
+    (:func:`fastio.pipeline.order.epoch_order`) split across ranks.
 
     Attributes:
         seed: with the epoch, the only source of randomness.
@@ -67,8 +67,9 @@ class OrderSettings:
     def within(self, shards_held: int | None, shard_sizes: Sequence[int], reach: int = 0) -> OrderSettings:
         """These settings for a source read shard by shard that holds ``shards_held`` shards at once (its
         cache's room; None: every shard): ``shuffle=True`` stays the full permutation where every shard fits,
-        else becomes the sliding window (``"window"``, :mod:`fastio.order`) of the shards it holds, less
-        what the ``reach`` samples read around each point hold (:func:`fastio.order.window_within`).
+        else becomes the sliding window (``"window"``, :mod:`fastio.pipeline.order`) of the shards it holds,
+        less what the ``reach`` samples read around each point hold
+        (:func:`fastio.pipeline.order.window_within`).
 
         Example::
 
