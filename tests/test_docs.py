@@ -131,12 +131,12 @@ NOT_RUN = [b for b in PYTHON_BLOCKS if b.mark == "not-run"]
 
 # Blocks run in processes forked from one server that has imported torch, fastcomm and fastio once (and done
 # nothing else): each block still gets a fresh process and namespace, without paying the imports again. The
-# server also imports what DDP's constructor (torch._dynamo) and fastcomm.fsdp import on first use, ~2 s of
-# CPU a block otherwise, and freezes its heap: a collection in a block then leaves those pages unwritten
-# (shared with the server) instead of copying them.
+# server also imports what DDP's constructor (torch._dynamo), fastcomm.fsdp and fastcomm.hooks import on first
+# use, ~2 s of CPU a block otherwise, and freezes its heap: a collection in a block then leaves those pages
+# unwritten (shared with the server) instead of copying them.
 _SERVER = r"""
 import gc, json, os, signal, sys, time, traceback
-import numpy, torch, torch._dynamo, fastcomm, fastcomm.fsdp, fastio
+import numpy, torch, torch._dynamo, fastcomm, fastcomm.fsdp, fastcomm.hooks, fastio
 gc.freeze()
 for line in sys.stdin:
     job = json.loads(line)

@@ -1,26 +1,36 @@
-"""Gradient compressors usable outside a hook: the :class:`Compressor` protocol and its implementations.
+"""Gradient compressors: the :class:`Compressor` protocol, its implementations and the table of their names.
 
-=====================  ==========================================================  =========
-compressor             payload                                                     blockwise
-=====================  ==========================================================  =========
-``SignCompressor``     1 bit per element + one fp32 mean magnitude per chunk       yes
-``QuantCompressor``    8/4/2-bit codes + one fp32 absmax per block                 yes
-``TopKCompressor``     k int32 indices + k values                                  no
-``PowerSGDCompressor`` rank-r factors P, Q of each matrix (two allreduces)         no
-``CastCompressor``     values as bf16/fp16 (2 bytes each)                          yes (block 1)
-=====================  ==========================================================  =========
+Every compressor has one name (:mod:`fastcomm.compress.registry`), the same for DDP hooks, FSDP, DiLoCo and
+the collectives; ``fastcomm.compressor(name, **options)`` builds one:
+
+============  ======================  ===================================  =================================
+name          class                   options (defaults)                   payload
+============  ======================  ===================================  =================================
+``topk``      ``TopKCompressor``      ``k`` (required), ``exact=False``    k int32 indices + k values
+``quantize``  ``QuantCompressor``     ``bits=8`` (8, 4 or 2),              bits-wide codes + one fp32 absmax
+                                      ``block=256``, ``stochastic=True``   per block (blockwise)
+``sign``      ``SignCompressor``      ``chunk=2048``                       1 bit per element + one fp32 mean
+                                                                           magnitude per chunk (blockwise)
+``cast``      ``CastCompressor``      ``dtype=torch.bfloat16``             2 bytes per element (blockwise,
+                                      (or ``torch.float16``)               block 1)
+``powersgd``  ``PowerSGDCompressor``  ``rank=4``, ``warm_start=True``,     rank-r factors P, Q of each
+                                      ``orthogonalization="qr"``           matrix (two allreduces, summed)
+============  ======================  ===================================  =================================
+
+Renamed names still resolve for one release with a ``DeprecationWarning`` naming the new one: ``"cast16"``
+is ``"cast"``. ``"auto"``, ``"compressor"`` and ``"none"`` are reserved (the hooks and DiLoCo give them other
+meanings).
 
 ``PowerSGDCompressor`` is an :class:`AllreduceCompressor`: its payloads are summed over ranks, not decoded
 per rank, so it has its own protocol (two allreduces per bucket, sizes from the parameter shapes).
 
 A new compressor is one file here implementing :class:`Compressor` and one row in
-``fastcomm.hooks.HOOKS`` (or a call to ``fastcomm.hooks.add_compressor``); the hooks'
-bucket store gives it error feedback, rebuild inheritance, skipped-step staging and checkpoints.
+:data:`~fastcomm.compress.registry.BUILT_IN` (or, from user code, a call to :func:`add_compressor`); the
+hooks' bucket store gives it error feedback, rebuild inheritance, skipped-step staging and checkpoints.
 
 Example::
 
-    from fastcomm.compress import QuantCompressor
-    q = QuantCompressor(bits=8, block=256)
+    q = fastcomm.compressor("quantize", bits=8, block=256)
     payload = torch.empty(q.wire_bytes(x.numel(), x.dtype), dtype=torch.uint8)
     q.compress_into(payload, x, residual, residual, seed=0)
 """
@@ -29,6 +39,7 @@ from fastcomm.compress.cast import CastCompressor
 from fastcomm.compress.powersgd import PowerSGDCompressor, orthogonalize_
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor, all_finite, scale_all_finite_
 from fastcomm.compress.quantize import QuantCompressor
+from fastcomm.compress.registry import add_compressor, compressor, compressor_of
 from fastcomm.compress.sign import SignCompressor
 from fastcomm.compress.topk import TopKCompressor, fit_to_k
 
@@ -40,7 +51,10 @@ __all__ = [
     "QuantCompressor",
     "SignCompressor",
     "TopKCompressor",
+    "add_compressor",
     "all_finite",
+    "compressor",
+    "compressor_of",
     "scale_all_finite_",
     "fit_to_k",
     "orthogonalize_",

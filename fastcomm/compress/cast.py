@@ -2,8 +2,8 @@
 
 The compressor form of ``cast_hook`` (an allreduce in bf16): as a blockwise :class:`Compressor` it goes
 through the two-phase exchange, with error feedback, and through hierarchical compression
-(``fastcomm.register(ddp, "cast16", node_size=L)``: dense inside the node, bf16 between nodes), which
-``cast_hook``'s state, not a compressing state, does not take.
+(``fastcomm.register(ddp, fastcomm.compressor("cast"), node_size=L)``: dense inside the node, bf16 between
+nodes), which ``cast_hook``'s state, not a compressing state, does not take.
 """
 
 from __future__ import annotations

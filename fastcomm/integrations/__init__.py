@@ -51,8 +51,8 @@ def register_accelerate(accelerator: Any, model: nn.Module, name: Any, **options
     Args:
         accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
         model: what ``accelerator.prepare(model)`` returned.
-        name: as for :func:`fastcomm.register`: ``"topk"``, ``"quantize"``, ``"sign"``, ``"cast"``, a state,
-            or a ``fastcomm.CompressedAdam``.
+        name: as for :func:`fastcomm.register`: ``"topk"``, ``"quantize"``, ``"sign"``, ``"cast"``, a
+            compressor (``fastcomm.compressor(...)``), a state, or a ``fastcomm.CompressedAdam``.
         **options: as for :func:`fastcomm.register`.
 
     Returns:

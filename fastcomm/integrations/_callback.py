@@ -40,8 +40,8 @@ class CommHookLogic:
        run; otherwise ``RuntimeError`` (the DDP model was replaced after fit start).
 
     Args:
-        name: ``"topk"``, ``"quantize"``, ``"sign"``, ``"cast"``, a hook state, or a
-            ``fastcomm.CompressedAdam`` (as for :func:`fastcomm.register`).
+        name: ``"topk"``, ``"quantize"``, ``"sign"``, ``"cast"``, a compressor (``fastcomm.compressor(...)``),
+            a hook state, or a ``fastcomm.CompressedAdam`` (as for :func:`fastcomm.register`).
         **options: the state's options (for a name) or ``register``'s options (for an optimizer).
 
     Example::

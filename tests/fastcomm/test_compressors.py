@@ -22,9 +22,9 @@ import _hooks_workers as workers  # noqa: E402
 
 CASES = {
     "sign": lambda: SignCompressor(chunk=64),
-    "q8": lambda: QuantCompressor(bits=8, block=64, stochastic=False),
-    "q4": lambda: QuantCompressor(bits=4, block=32, stochastic=False),
-    "q2_stochastic": lambda: QuantCompressor(bits=2, block=64, stochastic=True),
+    "quantize8": lambda: QuantCompressor(bits=8, block=64, stochastic=False),
+    "quantize4": lambda: QuantCompressor(bits=4, block=32, stochastic=False),
+    "quantize2_stochastic": lambda: QuantCompressor(bits=2, block=64, stochastic=True),
     "topk": lambda: TopKCompressor(k=37, exact=True),
 }
 
@@ -80,7 +80,7 @@ def test_cast_compress_into_is_the_fp32_sum_rounded_and_its_remainder(wire, x_dt
             assert residual_out.abs().max() > 0
 
 
-@pytest.mark.parametrize("case", ["sign", "q8", "q4"])
+@pytest.mark.parametrize("case", ["sign", "quantize8", "quantize4"])
 def test_blockwise_payload_matches_the_reference_ops(case):
     compressor = CASES[case]()
     x = _input(case, 512)

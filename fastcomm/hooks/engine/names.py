@@ -1,26 +1,27 @@
-"""The one table of hook names: each name gives one state class and one hook (:data:`HOOKS`).
+"""The table of hook names: each name gives one state class and one hook (:data:`HOOKS`).
 
-A built-in hook is a row naming its state class; a compressor served by
-:func:`~fastcomm.hooks.compressor.compressor_hook` is a row naming its factory, and
-:func:`add_compressor` adds such rows. :func:`fastcomm.register`, ``CompressedAdam``'s hook and the
-Lightning callback all read this table, so a name means the same thing everywhere.
+What is hook-specific lives here: the built-in hooks by name (:class:`HookName`), each with its state class
+and hook function. Compressor names live in :mod:`fastcomm.compress.registry`, the only table that knows
+them; a compressor name without a hook of its own (one added by :func:`fastcomm.add_compressor`) is served
+by :func:`~fastcomm.hooks.compressor.compressor_hook` with a
+:class:`~fastcomm.hooks.compressor.CompressorState`, and :data:`HOOKS` shows it as such a row, read from that
+table. :func:`fastcomm.register`, ``CompressedAdam``'s hook and the Lightning callback all read
+:data:`HOOKS`, so a name means the same thing everywhere.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fastcomm.compress.cast import CastCompressor
-from fastcomm.compress.powersgd import PowerSGDCompressor
-from fastcomm.compress.protocol import AllreduceCompressor, Compressor
-from fastcomm.compress.quantize import QuantCompressor
-from fastcomm.compress.sign import SignCompressor
+from fastcomm.compress import registry
+from fastcomm.compress.registry import CompressorFactory
 from fastcomm.hooks.auto import AutoState, auto_hook
 from fastcomm.hooks.cast import CastState, cast_hook
 from fastcomm.hooks.compressor import CompressorState, compressor_hook
@@ -30,10 +31,9 @@ from fastcomm.hooks.quantize import QuantState, quantize_hook
 from fastcomm.hooks.sign import SignState, sign_hook
 from fastcomm.hooks.topk import TopKState, topk_hook
 
-__all__ = ["HOOKS", "HookName", "Registered", "add_compressor", "build_state", "compressor_of", "hook_of"]
+__all__ = ["HOOKS", "HookName", "Registered", "build_state", "hook_of"]
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-CompressorFactory = Callable[..., Compressor | AllreduceCompressor]
 
 
 class HookName(str, enum.Enum):
@@ -45,6 +45,7 @@ class HookName(str, enum.Enum):
     CAST = "cast"
     POWERSGD = "powersgd"
     AUTO = "auto"
+    COMPRESSOR = "compressor"  # any compressor object: register(ddp, "compressor", compressor=...)
 
 
 # the options a compressor row's CompressorState takes; the others go to the compressor's factory
@@ -53,13 +54,11 @@ _STATE_OPTIONS = frozenset((*CompressorState._OPTIONS, "process_group")) - {"com
 
 @dataclass(frozen=True)
 class Registered:
-    """What a name resolves to: its state class and hook, and for a compressor row its factory."""
+    """What a name resolves to: its state class and hook, and for a compressor's name its factory."""
 
     state: type[HookState]
     hook: Hook
     compressor: CompressorFactory | None = None
-    # a built-in hook's exchange as a compressor of flat tensors (fastcomm.collectives), from its options
-    flat: CompressorFactory | None = None
 
     def build(self, name: str, options: dict[str, Any]) -> HookState:
         """The state for ``register(ddp, name, **options)``; a bad option: ``TypeError`` naming ``name``."""
@@ -84,55 +83,60 @@ class Registered:
         return CompressorState(compressor, **state_options)
 
 
-def _quantize(bits: int = 8, block: int = 256, stochastic: bool = True) -> QuantCompressor:
-    return QuantCompressor(bits, block, stochastic)
-
-
-def _sign(chunk: int = 2048) -> SignCompressor:
-    return SignCompressor(chunk)
-
-
-def _cast(dtype: torch.dtype = torch.bfloat16) -> CastCompressor:
-    return CastCompressor(dtype)
-
-
-def _powersgd(rank: int = 4, warm_start: bool = True, orthogonalization: str = "qr") -> PowerSGDCompressor:
-    return PowerSGDCompressor(rank, warm_start, orthogonalization)
-
-
-HOOKS: dict[str, Registered] = {
+_HOOK_ROWS: dict[str, Registered] = {
     HookName.TOPK.value: Registered(TopKState, topk_hook),
-    HookName.QUANTIZE.value: Registered(QuantState, quantize_hook, flat=_quantize),
-    HookName.SIGN.value: Registered(SignState, sign_hook, flat=_sign),
-    HookName.CAST.value: Registered(CastState, cast_hook, flat=_cast),
-    HookName.POWERSGD.value: Registered(PowerSGDState, powersgd_hook, flat=_powersgd),
+    HookName.QUANTIZE.value: Registered(QuantState, quantize_hook),
+    HookName.SIGN.value: Registered(SignState, sign_hook),
+    HookName.CAST.value: Registered(CastState, cast_hook),
+    HookName.POWERSGD.value: Registered(PowerSGDState, powersgd_hook),
     HookName.AUTO.value: Registered(AutoState, auto_hook),
-    # cast_hook's bf16/fp16 as a compressor: error feedback, node_size
-    "cast16": Registered(CompressorState, compressor_hook, CastCompressor),
+    HookName.COMPRESSOR.value: Registered(CompressorState, compressor_hook),
 }
 
 
-def add_compressor(name: str, factory: CompressorFactory) -> None:
-    """Make ``fastcomm.register(ddp, name, **options)`` serve ``factory(**options)`` by ``compressor_hook``.
+def _key(name: Any) -> Any:
+    return name.value if isinstance(name, HookName) else name
 
-    Args:
-        name: the name to register under (not a built-in hook's).
-        factory: the compressor class (or any callable returning a :class:`~fastcomm.compress.Compressor`).
 
-    Raises:
-        ValueError: ``name`` is a built-in hook's or already taken by another factory.
+class _HookTable(Mapping[str, Registered]):
+    """The hook rows, then one row per compressor name that has no hook of its own (read, not copied)."""
 
-    Example::
+    def __getitem__(self, name: str) -> Registered:
+        key = _key(name)
+        row = _HOOK_ROWS.get(key) if isinstance(key, str) else None
+        if row is not None:
+            return row
+        if isinstance(key, str) and key in registry.names():
+            return Registered(CompressorState, compressor_hook, registry.factory_of(key)[1])
+        raise KeyError(name)
 
-        fastcomm.hooks.add_compressor("half", HalfCompressor)
-        state = fastcomm.register(ddp, "half", min_compress_numel=0)
-    """
-    if name in {h.value for h in HookName}:
-        raise ValueError(f"{name!r} is a built-in hook's name")
-    taken = HOOKS.get(name)
-    if taken is not None and taken.compressor is not factory:
-        raise ValueError(f"a compressor is already registered as {name!r}: {taken.compressor!r}")
-    HOOKS[name] = Registered(CompressorState, compressor_hook, factory)
+    def __iter__(self) -> Iterator[str]:
+        yield from _HOOK_ROWS
+        yield from (name for name in registry.names() if name not in _HOOK_ROWS)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"HOOKS({', '.join(map(repr, self))})"
+
+
+HOOKS: Mapping[str, Registered] = _HookTable()
+
+
+def _renamed_row(key: str) -> Registered:
+    """The row of a renamed compressor name (``"cast16"``): its compressor through ``compressor_hook``."""
+    new = registry.RENAMED[key]
+    message = (
+        f"register(ddp, {key!r}) is deprecated and goes in the next release: use "
+        f"register(ddp, fastcomm.compressor({new!r}, ...), **options), which serves that compressor by "
+        f"compressor_hook as {key!r} did"
+    )
+    if new in _HOOK_ROWS:
+        message += f" (register(ddp, {new!r}) is {_HOOK_ROWS[new].hook.__name__}, another exchange)"
+    # stacklevel 4: the caller of register(), which called build_state
+    warnings.warn(message, DeprecationWarning, stacklevel=4)
+    return Registered(CompressorState, compressor_hook, registry.factory_of(new)[1])
 
 
 def build_state(name: str, options: dict[str, Any]) -> tuple[HookState, Hook]:
@@ -142,43 +146,14 @@ def build_state(name: str, options: dict[str, Any]) -> tuple[HookState, Hook]:
         ValueError: ``name`` is in no row, listing the names there are.
         TypeError: an option the state (or the compressor) does not take.
     """
-    key = name.value if isinstance(name, HookName) else name
+    key = _key(name)
     registered = HOOKS.get(key) if isinstance(key, str) else None
+    if registered is None and isinstance(key, str) and key in registry.RENAMED:
+        registered = _renamed_row(key)
     if registered is None:
         known = ", ".join(repr(n) for n in HOOKS)
         raise ValueError(f"unknown hook {name!r}; known hooks: {known}")
     return registered.build(key, options), registered.hook
-
-
-def compressor_of(name: str | HookName, options: dict[str, Any]) -> Compressor | AllreduceCompressor:
-    """The compressor of flat tensors that ``name`` stands for (for :mod:`fastcomm.collectives` users).
-
-    A built-in hook gives its exchange's compressor from its compression options (``"quantize"``:
-    ``bits``, ``block``, ``stochastic``; ``"sign"``: ``chunk``; ``"cast"``: ``dtype``; ``"powersgd"``:
-    ``rank``, ``warm_start``, ``orthogonalization``); a compressor row, its factory's.
-
-    Raises:
-        ValueError: ``name`` is in no row, or is ``"topk"`` (its k is a fraction of a bucket).
-        TypeError: an option the compressor does not take, naming ``name``.
-
-    Example::
-
-        compressor = fastcomm.hooks.compressor_of("quantize", {"bits": 4})
-    """
-    key = name.value if isinstance(name, HookName) else name
-    registered = HOOKS.get(key) if isinstance(key, str) else None
-    if registered is None:
-        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(repr(n) for n in HOOKS)}")
-    factory = registered.compressor or registered.flat
-    if factory is None:
-        raise ValueError(
-            f"{key!r} has no compressor of flat tensors (top-k keeps a fraction of each bucket): pass "
-            f"fastcomm.compress.TopKCompressor(k=...) itself"
-        )
-    try:
-        return factory(**options)
-    except TypeError as error:
-        raise TypeError(f"compressor {key!r}: {error}") from error
 
 
 def hook_of(state: HookState) -> Hook:
