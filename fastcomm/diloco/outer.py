@@ -20,8 +20,8 @@ from torch import nn
 
 from fastcomm.collectives import Residual
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
+from fastcomm.compress.registry import compressor_of
 from fastcomm.diloco.fragments import Exchange, Fragment, split_parameters, wire_bytes
-from fastcomm.hooks import compressor_of
 
 __all__ = ["DiLoCo", "outer_lr_ramp"]
 

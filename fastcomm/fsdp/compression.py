@@ -23,12 +23,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
 from fastcomm.compress.protocol import Compressor
+from fastcomm.compress.registry import compressor_of
 from fastcomm.fsdp._native_hsdp import hand_all_reduce_to_hook
 from fastcomm.fsdp.all_gather import QuantizedAllGather
 from fastcomm.fsdp.mesh import replica_plan
 from fastcomm.fsdp.reduce_scatter import CompressedReduceScatter
 from fastcomm.fsdp.replicate import CompressedReplicaAllReduce
-from fastcomm.hooks import compressor_of
 
 __all__ = ["FSDPCompression", "compress"]
 

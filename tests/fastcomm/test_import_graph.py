@@ -6,12 +6,21 @@ there is one, or when ``a/__init__.py`` binds no ``b`` (a compiled submodule suc
 is no edge); else an edge to ``a``. Importing ``a.b`` also runs ``a/__init__.py``, but that edge is left
 out: every module of a package would otherwise sit in a circle with its ``__init__``, which is what
 re-exporting means.
+
+Also checked, in fresh interpreters: what ``import fastcomm.fsdp`` and ``import fastcomm.diloco`` load (not
+the DDP hooks); and in both packages, that no exported name hides a submodule of the same name.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
+import types
 from pathlib import Path
+
+import pytest
 
 import fastcomm
 
@@ -124,3 +133,49 @@ def test_find_cycle_names_the_circle():
 def test_fastcomm_has_no_import_circle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+# ------------------------------------------------------------------------- what an import brings in
+def _modules_loaded_by(statement: str) -> set[str]:
+    """The ``fastcomm`` modules in ``sys.modules`` after ``statement`` in a fresh interpreter."""
+    script = (
+        f"import sys\n{statement}\n"
+        "print('\\n'.join(m for m in sys.modules if m == 'fastcomm' or m.startswith('fastcomm.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+@pytest.mark.parametrize("package", ["fastcomm.fsdp", "fastcomm.diloco"])
+def test_fsdp_and_diloco_do_not_load_the_ddp_hooks(package):
+    # they take their compressors from fastcomm.compress; the hooks (and the advisor they import) stay out
+    loaded = _modules_loaded_by(f"import {package}")
+    assert package in loaded and "fastcomm.compress.registry" in loaded
+    assert not {m for m in loaded if m.startswith(("fastcomm.hooks", "fastcomm.advise"))}
+
+
+def test_the_hooks_load_on_first_use_of_a_name_they_give():
+    loaded = _modules_loaded_by("import fastcomm\nfastcomm.register")
+    assert "fastcomm.hooks.registry" in loaded
+
+
+# ---------------------------------------------------------------------------- names that hide others
+def _packages(top: str) -> list[str]:
+    root = Path(importlib.import_module(top).__file__).parent
+    return [
+        ".".join((top, *init.parent.relative_to(root).parts)) for init in sorted(root.rglob("__init__.py"))
+    ]
+
+
+@pytest.mark.parametrize("package", _packages("fastcomm") + _packages("fastio"))
+def test_no_exported_name_hides_a_submodule_of_the_same_name(package):
+    # `from pkg import x` must not give a function where `import pkg.x` gives a module
+    module = importlib.import_module(package)
+    folder = Path(module.__file__).parent
+    submodules = {p.stem for p in folder.glob("*.py")} | {p.parent.name for p in folder.glob("*/__init__.py")}
+    for name in set(getattr(module, "__all__", ())) & submodules:
+        value = getattr(module, name)
+        assert isinstance(value, types.ModuleType) and value.__name__ == f"{package}.{name}", (
+            f"{package}.{name} is a {type(value).__name__}, hiding the module {package}.{name}"
+        )
