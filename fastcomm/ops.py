@@ -11,7 +11,7 @@ kernels). Backends are picked once, at import:
   against a CUDA torch, a ``CUDA`` top-k selection kernel. ``FASTCOMM_NO_NATIVE=1`` skips loading it.
 * Triton kernels (:mod:`fastcomm.triton`) are registered for ``CUDA`` when triton imports and CUDA is there.
 
-:func:`backend` reports what each op runs on and why, as data (:class:`OpBackend`). The public ops below
+:func:`backend` reports what each op runs on and why, as data (:class:`Backend`). The public ops below
 (``fastcomm.ops.<name>``) take their signature, defaults and docstring from their reference twin, check
 their arguments (raising ``TypeError``/``ValueError`` that name the argument) and then dispatch through
 ``torch.ops.fastcomm``.
@@ -29,19 +29,19 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
 from fastcomm import reference
+from fastcomm._backend import Backend, DeviceBackend, OpBackend
 from fastcomm._op_checks import (
     check_dequantize_blockwise,
     check_dequantize_blockwise_into,
@@ -219,6 +219,7 @@ OP_NAMES: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
 __all__ = [
     "OP_NAMES",
     "OP_SPECS",
+    "Backend",
     "DeviceBackend",
     "OpBackend",
     "OpSpec",
@@ -262,85 +263,6 @@ def native_error() -> str | None:
     return _native_error
 
 
-Implementation = Literal["native-cpp", "cuda-cpp", "triton", "reference"]
-# How each implementation reads in a sentence.
-_IMPLEMENTATION_PROSE = {
-    "native-cpp": "native C++",
-    "cuda-cpp": "native CUDA C++",
-    "triton": "triton",
-    "reference": "reference",
-}
-
-
-@dataclass(frozen=True)
-class DeviceBackend:
-    """What one op runs on for tensors of one device type.
-
-    Args:
-        device: ``"cpu"`` or ``"cuda"``.
-        implementation: ``"native-cpp"`` (``fastcomm._C`` on CPU), ``"cuda-cpp"`` (``fastcomm._C`` on CUDA),
-            ``"triton"`` or ``"reference"`` (the plain-PyTorch twin).
-        reason: why the reference runs; ``None`` for any other implementation.
-        threads: OpenMP threads of the native CPU kernels, else ``None``.
-        isa: which build of the native CPU loops runs (``"avx2"`` or ``"baseline"``), else ``None``.
-
-    Example::
-
-        >>> print(DeviceBackend("cuda", "reference", reason="no CUDA device"))
-        cuda: reference (no CUDA device)
-    """
-
-    device: str
-    implementation: Implementation
-    reason: str | None = None
-    threads: int | None = None
-    isa: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.implementation not in _IMPLEMENTATION_PROSE:
-            raise ValueError(
-                f"implementation must be one of {tuple(_IMPLEMENTATION_PROSE)}, got {self.implementation!r}"
-            )
-        if (self.implementation == "reference") != (self.reason is not None):
-            raise ValueError(
-                f"reason must be given exactly when implementation is 'reference': got implementation "
-                f"{self.implementation!r} with reason {self.reason!r}"
-            )
-
-    def __str__(self) -> str:
-        if self.reason is not None:
-            detail = f" ({self.reason})"
-        elif self.threads is not None:
-            detail = f" (OpenMP, {self.threads} threads, {self.isa} loops)"
-        else:
-            detail = ""
-        return f"{self.device}: {_IMPLEMENTATION_PROSE[self.implementation]}{detail}"
-
-
-@dataclass(frozen=True)
-class OpBackend:
-    """What one op runs on, per device type; ``str()`` gives the prose, :meth:`to_dict` the JSON form.
-
-    Example::
-
-        >>> entry = fastcomm.backend()["quantize_blockwise"]
-        >>> entry.cpu.implementation, entry.cuda.reason
-        ('native-cpp', 'no CUDA device')
-        >>> print(entry)
-        cpu: native C++ (OpenMP, 2 threads, avx2 loops); cuda: reference (no CUDA device)
-    """
-
-    cpu: DeviceBackend
-    cuda: DeviceBackend
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain dicts and strings, for ``json.dumps``: ``{"cpu": {"device": "cpu", ...}, "cuda": {...}}``."""
-        return dataclasses.asdict(self)
-
-    def __str__(self) -> str:
-        return f"{self.cpu}; {self.cuda}"
-
-
 def _has_kernel(spec: OpSpec, key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(spec.qualname, key)
 
@@ -361,11 +283,12 @@ def _cuda_backend(spec: OpSpec) -> DeviceBackend:
     return DeviceBackend("cuda", "triton" if spec.triton is not None else "cuda-cpp")
 
 
-def backend() -> dict[str, OpBackend]:
-    """Which implementation each op runs on CPU and on CUDA tensors, and why, keyed by op name.
+def backend() -> Backend:
+    """Which implementation each op runs on CPU and on CUDA tensors, and why, as a :class:`Backend`.
 
-    The entries are data (:class:`OpBackend`: per device, the implementation, the reason when it is the
-    reference, the CPU kernels' threads and loop build); print one for a sentence, ``to_dict()`` it for JSON.
+    The report is data: whether ``fastcomm._C`` is loaded (and why not), and per op an :class:`OpBackend`
+    (per device, the implementation, the reason when it is the reference, the CPU kernels' threads and loop
+    build). It is a mapping by op name; print it for sentences, ``to_dict()`` it for JSON.
 
     Example::
 
@@ -374,10 +297,11 @@ def backend() -> dict[str, OpBackend]:
         'native-cpp'
         >>> print(report["quantize_blockwise"])
         cpu: native C++ (OpenMP, 2 threads, avx2 loops); cuda: reference (no CUDA device)
-        >>> json.dumps({op: entry.to_dict() for op, entry in report.items()})[:30]
-        '{"topk_select": {"cpu": {"devi'
+        >>> json.dumps(report.to_dict())[:40]
+        '{"package": "fastcomm", "native": true, '
     """
-    return {spec.name: OpBackend(_cpu_backend(spec), _cuda_backend(spec)) for spec in OP_SPECS}
+    ops = {spec.name: OpBackend(_cpu_backend(spec), _cuda_backend(spec)) for spec in OP_SPECS}
+    return Backend("fastcomm", _native_module is not None, _native_error, ops)
 
 
 _warned_slow = False
