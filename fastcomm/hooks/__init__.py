@@ -11,6 +11,10 @@ hook                 state                on the wire (per bucket, per rank)
 ``powersgd_hook``    ``PowerSGDState``    two allreduces (sum) of fp32: dense elements + rank-r P's, then Q's
 ===================  ===================  ===========================================================
 
+:func:`register` takes a hook's name (:data:`HOOKS`), a compressor's name or a compressor object
+(``fastcomm.compressor("cast")``, served by ``compressor_hook``); the compressor names and their options are
+:mod:`fastcomm.compress`'s, the same for FSDP and DiLoCo.
+
 Every compressing state takes ``node_size=L`` (``fastcomm.hooks.hierarchical``): a dense reduction inside
 the node, the hook's own exchange between nodes on this rank's 1/L shard, a gather inside the node.
 
