@@ -77,6 +77,7 @@ class Request:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # a body's last byte goes on its own (see _serve), at once
     server: _Server
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
@@ -131,22 +132,36 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        # Every answer is logged before its last byte goes out, so a client that has its whole answer finds
+        # it in the log (a body cut short by the client is not logged; one cut at its last byte is).
+        if not body:
+            owner._log(Request(self.command, path, start, end, status, 0))
+            self.end_headers()
+            return None
         self.end_headers()
-        sent = 0
-        if body:
-            count = (end - start) // 2 if fault == "drop_after" else end - start
-            self.wfile.flush()
-            with open(file, "rb") as fh:
-                try:
-                    sent = self.connection.sendfile(fh, offset=start, count=count) if count else 0
-                except ConnectionError:  # the client gave up (a timeout of its own): nothing to log
-                    self.close_connection = True
-                    return None
-            if fault == "drop_after":
+        if fault == "drop_after":
+            sent = self._send(file, start, (end - start) // 2)
+            if sent is not None:
+                owner._log(Request(self.command, path, start, end, 0, sent))
                 self._drop()
-                status = 0
-        owner._log(Request(self.command, path, start, end, status, sent))
+            return None
+        sent = self._send(file, start, end - start - 1)
+        if sent is not None:
+            owner._log(Request(self.command, path, start, end, status, sent + 1))
+            self._send(file, start + sent, 1)
         return None
+
+    def _send(self, file: Path, offset: int, count: int) -> int | None:
+        """Send ``count`` bytes of ``file`` from ``offset``; how many went, or None if the client hung up."""
+        if not count:
+            return 0
+        self.wfile.flush()
+        with open(file, "rb") as fh:
+            try:
+                return self.connection.sendfile(fh, offset=offset, count=count)
+            except ConnectionError:  # the client gave up (a timeout of its own)
+                self.close_connection = True
+                return None
 
     def _drop(self) -> None:
         self.close_connection = True
@@ -157,8 +172,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if size is not None:
             self.send_header("Content-Range", f"bytes */{size}")
         self.send_header("Content-Length", "0")
-        self.end_headers()
         self.server.owner._log(Request(self.command, path, 0, 0, status, 0))
+        self.end_headers()
 
     def _stats(self) -> None:
         body = json.dumps(self.server.owner.stats()).encode()
