@@ -10,10 +10,30 @@ function            what travels (per rank)
 ``all_gather``      one all-gather of the compressed input
 ==================  ==========================================================================
 
-Error feedback is the caller's: a :class:`Residual` per tensor, passed to every call. Failures raise
-:class:`~fastcomm.PeerCollectiveError`. Modules: :mod:`.two_phase`, :mod:`.gather` and :mod:`.rounds`
-hold the exchanges (used as they are by :mod:`fastcomm.hooks`), :mod:`._layout` how tensors are cut,
-:mod:`._lane` where a second collective is issued, :mod:`._threads` the callbacks' bookkeeping.
+Error feedback is the caller's: a :class:`Residual` per tensor, passed to every call; the DDP hooks, FSDP
+and DiLoCo keep theirs in it too (:mod:`.residual`: what a rank owes, ``residual_dtype``, re-sharding).
+Failures raise :class:`~fastcomm.PeerCollectiveError`. Modules: :mod:`.two_phase`, :mod:`.gather` and
+:mod:`.rounds` hold the exchanges (used as they are by :mod:`fastcomm.hooks`).
+
+What the hooks, FSDP and DiLoCo build on besides the three calls is public here too, one place each:
+
+======================================  ================================================================
+name                                    what it is
+======================================  ================================================================
+``DEFAULT_CHUNK_BYTES``                 the payload of one piece of a chunked exchange
+``block_unit``, ``segment_layout``      how a blockwise exchange cuts a tensor into ranks' segments
+``all_gather_flat``                     ``torch.distributed``'s flat all-gather, whatever this torch names it
+``completed``                           a future that already holds a tensor
+``Residual``, ``mean_over_ranks``      the error-feedback store every mode keeps, and how it re-shards
+``Traffic``                             the byte counter every mode reports (``sent_bytes``, ``dense_bytes``)
+``exchange_seed``, ``piece_seed``,      the one seed formula of every mode, and each mode's stream
+``bucket_stream``, ``group_stream``     (:mod:`.seeds`)
+``Timer``                               the wall time of the ``with`` blocks it guards
+``then``, ``when_done``                 future callbacks that a clean interpreter exit waits for
+``OrderedWorker``                       a thread that runs jobs in submission order
+``SecondCollective``, ``lane_for``,     the lane: where an exchange's second collective is issued
+``finish_on_lane``, ``timeout_of``
+======================================  ================================================================
 
 Example::
 
@@ -23,7 +43,46 @@ Example::
     fastcomm.collectives.all_reduce(tensor, compressor, residual=residual)
 """
 
-from fastcomm.collectives.api import CompressedWork, Residual, all_gather, all_reduce, reduce_scatter
+from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_for, timeout_of
+from fastcomm.collectives._layout import (
+    DEFAULT_CHUNK_BYTES,
+    Timer,
+    all_gather_flat,
+    block_unit,
+    completed,
+    segment_layout,
+)
+from fastcomm.collectives._threads import OrderedWorker, then, when_done
+from fastcomm.collectives.api import CompressedWork, all_gather, all_reduce, reduce_scatter
 from fastcomm.collectives.errors import PeerCollectiveError
+from fastcomm.collectives.residual import Residual, mean_over_ranks
+from fastcomm.collectives.seeds import bucket_stream, exchange_seed, group_stream, piece_seed
+from fastcomm.collectives.traffic import Traffic
 
-__all__ = ["CompressedWork", "PeerCollectiveError", "Residual", "all_gather", "all_reduce", "reduce_scatter"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "CompressedWork",
+    "OrderedWorker",
+    "PeerCollectiveError",
+    "Residual",
+    "SecondCollective",
+    "Timer",
+    "Traffic",
+    "all_gather",
+    "all_gather_flat",
+    "all_reduce",
+    "block_unit",
+    "bucket_stream",
+    "completed",
+    "exchange_seed",
+    "finish_on_lane",
+    "group_stream",
+    "lane_for",
+    "mean_over_ranks",
+    "piece_seed",
+    "reduce_scatter",
+    "segment_layout",
+    "then",
+    "timeout_of",
+    "when_done",
+]

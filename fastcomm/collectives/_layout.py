@@ -33,7 +33,6 @@ __all__ = [
     "chunk_edges",
     "completed",
     "piece_ranges",
-    "piece_seed",
     "profiled",
     "scratch_of",
     "segment_layout",
@@ -132,11 +131,6 @@ def chunk_edges(length: int, chunk_bytes: int, max_chunks: int = MAX_CHUNKS) -> 
         return [0, max(length, 0)]
     count = max(1, min(max_chunks, -(-length // max(1, chunk_bytes))))
     return [length * i // count for i in range(count + 1)]
-
-
-def piece_seed(base: int, index: int) -> int:
-    """The stochastic-rounding seed of piece ``index`` of an exchange seeded ``base``."""
-    return (base ^ (index * 0x9E3779B97F4A7C15)) % (2**62)
 
 
 def profiled(name: str, bucket: int | None, what: str) -> torch.profiler.record_function:

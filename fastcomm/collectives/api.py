@@ -15,7 +15,7 @@ group over the same ranks, :mod:`._lane`) as soon as the first arrives, else fro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,64 +26,13 @@ from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_fo
 from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES, FreshBuffers, block_unit, segment_layout
 from fastcomm.collectives._threads import when_done
 from fastcomm.collectives.errors import collective_value
+from fastcomm.collectives.residual import Residual
+from fastcomm.collectives.seeds import exchange_seed
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 
-__all__ = ["CompressedWork", "Residual", "all_gather", "all_reduce", "reduce_scatter"]
+__all__ = ["CompressedWork", "all_gather", "all_reduce", "reduce_scatter"]
 
 _OPS = (dist.ReduceOp.AVG, dist.ReduceOp.SUM)
-
-
-@dataclass
-class Residual:
-    """Error feedback owned by the caller, for one tensor of one size reduced again and again.
-
-    The tensors are made (zeros) at the first call that needs them: ``worker`` like the tensor (fp32 for an
-    :class:`~fastcomm.compress.AllreduceCompressor`), ``server`` this rank's segment of a two-phase
-    all-reduce (fp32), ``compressor_state`` for a compressor that ``keeps_state`` (PowerSGD's warm start).
-    Save and load it with ``state_dict()`` / ``load_state_dict()``.
-
-    Example::
-
-        residual = fastcomm.collectives.Residual()
-        for step in range(steps):
-            fastcomm.collectives.all_reduce(pseudo_gradient, compressor, residual=residual)
-    """
-
-    worker: Tensor | None = None
-    server: Tensor | None = None
-    compressor_state: Tensor | None = None
-    _pending: torch.futures.Future | None = field(default=None, repr=False)
-
-    def settle(self) -> None:
-        """Wait for the exchange that last wrote these tensors (a call's second collective may still run)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
-
-    def take(self, name: str, like: Tensor, numel: int) -> Tensor:
-        """Tensor ``name`` (zeros at first); ``ValueError`` if it was made for another size or dtype."""
-        self.settle()
-        current = getattr(self, name)
-        if current is None:
-            current = torch.zeros(numel, dtype=like.dtype, device=like.device)
-            setattr(self, name, current)
-        elif (current.numel(), current.dtype) != (numel, like.dtype):
-            raise ValueError(
-                f"Residual.{name} holds {current.numel()} {current.dtype} elements, this call needs {numel} "
-                f"{like.dtype}: use one Residual per tensor, compressor and world size"
-            )
-        return current
-
-    def state_dict(self) -> dict[str, Tensor | None]:
-        """The tensors (``None`` where not made yet)."""
-        self.settle()
-        return {"worker": self.worker, "server": self.server, "compressor_state": self.compressor_state}
-
-    def load_state_dict(self, state_dict: dict[str, Tensor | None]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.settle()
-        self.worker, self.server = state_dict["worker"], state_dict["server"]
-        self.compressor_state = state_dict["compressor_state"]
 
 
 class CompressedWork:
@@ -149,10 +98,6 @@ def _check(tensor: Tensor, name: str, op: dist.ReduceOp | None = None) -> Tensor
     return tensor.view(-1)
 
 
-def _seed(seed: int, rank: int, phase: int) -> int:
-    return ((seed * 4_099 + rank) * 4 + phase) % (2**62)
-
-
 def _finish(
     future: torch.futures.Future, pending: SecondCollective | None, flat: Tensor, op: dist.ReduceOp,
     async_op: bool, residual: Residual | None, group: dist.ProcessGroup | None,
@@ -166,7 +111,7 @@ def _finish(
 
         future = _chain(future, scaled)
     if residual is not None:
-        residual._pending = future
+        residual.hold_until(future)
     if pending is not None and async_op and flat.device.type == "cpu":
         lane = lane_for(group)
         if lane is not None:
@@ -239,7 +184,7 @@ def all_reduce(
             x.add_(flat)  # x, turned into the new residual by the second round's finish
         pending = rounds.start_rounds(
             compressor, plan, x, flat, residual=None if residual is None else x, state=state,
-            seed=_seed(seed, 0, 1), group=group, buffers=buffers, name=name,
+            seed=exchange_seed(seed, 0, 1), group=group, buffers=buffers, name=name,
         )  # fmt: skip
         return _finish(pending.future, pending, flat, op, async_op, residual, group)
     if not isinstance(compressor, Compressor):
@@ -250,7 +195,7 @@ def all_reduce(
     worker = None if residual is None else residual.take("worker", flat, flat.numel())
     world_size = dist.get_world_size(group)
     if compressor.block == 0:
-        row = gather.compress_row(compressor, flat, worker, worker, buffers, _seed(seed, rank, 1))
+        row = gather.compress_row(compressor, flat, worker, worker, buffers, exchange_seed(seed, rank, 1))
         gathered = gather.gather_row(row, world_size=world_size, group=group, chunk_bytes=chunk_bytes,
                                      buffers=buffers)  # fmt: skip
 
@@ -263,12 +208,13 @@ def all_reduce(
     layout = two_phase.TwoPhaseLayout.of_blocks(compressor, flat.numel(), world_size)
     phase1 = two_phase.start_phase1(
         flat, layout, residual_out=worker, residual_in=worker, group=group, chunk_bytes=chunk_bytes,
-        seed=_seed(seed, rank, 1), buffers=buffers, name=name,
+        seed=exchange_seed(seed, rank, 1), buffers=buffers, name=name,
     )  # fmt: skip
     server = None
     if residual is not None:
         server = residual.take("server", torch.empty(0, device=flat.device), layout.segment)
-    pending = _PhaseTwo(phase1, flat, server, rank, group, _seed(seed, rank, 2))
+        residual.place_segment(rank * layout.segment, world_size)
+    pending = _PhaseTwo(phase1, flat, server, rank, group, exchange_seed(seed, rank, 2))
     future = _chain(phase1.future, lambda done: _then_return(done, tensor))
     return _finish(future, pending, flat, op, async_op, residual, group)
 
@@ -348,7 +294,7 @@ def reduce_scatter(
     worker = None if residual is None else residual.take("worker", flat, flat.numel())
     phase1 = two_phase.start_phase1(
         flat, layout, residual_out=worker, residual_in=worker, group=group, chunk_bytes=chunk_bytes,
-        seed=_seed(seed, rank, 1), buffers=FreshBuffers(), name="fastcomm.collectives.reduce_scatter",
+        seed=exchange_seed(seed, rank, 1), buffers=FreshBuffers(), name="fastcomm.collectives.reduce_scatter",
         stride=shard,
     )  # fmt: skip
     pieces = list(phase1.pieces)
@@ -405,7 +351,7 @@ def all_gather(
         residual.settle()
     worker = None if residual is None else residual.take("worker", flat, flat.numel())
     buffers = FreshBuffers()
-    row = gather.compress_row(compressor, flat, worker, worker, buffers, _seed(seed, rank, 1))
+    row = gather.compress_row(compressor, flat, worker, worker, buffers, exchange_seed(seed, rank, 1))
     gathered = gather.gather_row(row, world_size=world_size, group=group, chunk_bytes=chunk_bytes,
                                  buffers=buffers)  # fmt: skip
 

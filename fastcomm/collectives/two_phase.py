@@ -36,13 +36,13 @@ from fastcomm.collectives._layout import (
     all_gather_flat,
     block_unit,
     piece_ranges,
-    piece_seed,
     profiled,
     scratch_of,
     segment_layout,
 )
 from fastcomm.collectives._threads import then, when_done
 from fastcomm.collectives.errors import PeerCollectiveError
+from fastcomm.collectives.seeds import piece_seed
 from fastcomm.compress.protocol import Compressor
 
 __all__ = [

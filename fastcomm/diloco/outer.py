@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastcomm.collectives import Residual
+from fastcomm.collectives import Residual, Traffic
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.compress.registry import compressor_of
 from fastcomm.diloco.fragments import Exchange, Fragment, split_parameters, wire_bytes
@@ -194,7 +194,7 @@ class DiLoCo:
         self.inner_steps = 0
         self.in_flight: list[Exchange] = []
         self.syncs = 0
-        self.bytes_sent = 0
+        self.traffic = Traffic()
         self.blocked_s = 0.0
 
     # -------------------------------------------------------------------------------------------- loop
@@ -229,7 +229,8 @@ class DiLoCo:
                 continue
             exchange = Exchange.start(fragment, step=step, due=step + self.delay, compressor=self.compressor,
                                       group=self.process_group, chunk_bytes=self.chunk_bytes)  # fmt: skip
-            self.bytes_sent += wire_bytes(self.compressor, fragment.numel, world)
+            self.traffic.add(wire_bytes(self.compressor, fragment.numel, world),
+                             wire_bytes(None, fragment.numel, world))  # fmt: skip
             if self.delay == 0:
                 self._apply(exchange)
             else:
@@ -260,14 +261,20 @@ class DiLoCo:
         self.syncs += 1
 
     def stats(self) -> dict[str, float]:
-        """Inner steps, syncs applied, bytes this rank sent (payload estimate) and seconds spent waiting.
+        """Inner steps, syncs applied, traffic and seconds spent waiting.
+
+        The traffic as every mode reports it (:meth:`fastcomm.collectives.Traffic.stats`): ``sent_bytes``
+        (this rank's payload estimate, :func:`~fastcomm.diloco.fragments.wire_bytes`), ``dense_bytes`` (a
+        plain fp32 all-reduce's) and ``compression_ratio``; ``bytes_sent`` is ``sent_bytes`` under the name
+        of earlier releases.
 
         Example::
 
-            print(outer.stats()["bytes_sent"] / outer.stats()["inner_steps"], "bytes per step")
+            print(outer.stats()["sent_bytes"] / outer.stats()["inner_steps"], "bytes per step")
         """
-        return {"inner_steps": self.inner_steps, "syncs": self.syncs, "bytes_sent": self.bytes_sent,
-                "blocked_s": self.blocked_s}
+        traffic = self.traffic.stats()
+        return {"inner_steps": self.inner_steps, "syncs": self.syncs, **traffic,
+                "bytes_sent": traffic["sent_bytes"], "blocked_s": self.blocked_s}  # fmt: skip
 
     # ---------------------------------------------------------------------------------------- checkpoint
     def _config(self) -> dict[str, Any]:
@@ -285,10 +292,9 @@ class DiLoCo:
         """
         return {
             "format": _FORMAT, "config": self._config(), "inner_steps": self.inner_steps,
-            "syncs": self.syncs, "bytes_sent": self.bytes_sent,
+            "syncs": self.syncs, "bytes_sent": self.traffic.sent_bytes, "traffic": self.traffic.state_dict(),
             "fragments": [{"global_weights": f.global_weights.clone(), "momentum": f.momentum.clone(),
-                           "residual": {k: None if v is None else v.clone()
-                                        for k, v in f.residual.state_dict().items()}}
+                           "residual": f.residual.state_dict()}
                           for f in self.fragments],
             "in_flight": [exchange.state_dict() for exchange in self.in_flight],
         }  # fmt: skip
@@ -307,7 +313,8 @@ class DiLoCo:
             fragment.residual.load_state_dict(saved["residual"])
         self.in_flight = [Exchange.from_state_dict(e) for e in state_dict["in_flight"]]
         self.inner_steps, self.syncs = int(state_dict["inner_steps"]), int(state_dict["syncs"])
-        self.bytes_sent = int(state_dict["bytes_sent"])
+        # a checkpoint without "traffic" (older) holds the sent bytes alone
+        self.traffic.load_state_dict(state_dict.get("traffic", {"sent_bytes": state_dict["bytes_sent"]}))
 
     @classmethod
     def merge_state_dicts(

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from fastcomm.collectives.residual import Residual
+from fastcomm.collectives.seeds import group_stream
+from fastcomm.collectives.traffic import Traffic
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
-from fastcomm.fsdp._feedback import ErrorFeedback
-from fastcomm.fsdp._traffic import Traffic
 
 __all__ = ["Reduction"]
 
@@ -55,13 +56,14 @@ class Reduction:
         if residual_dtype is not None and not error_feedback:
             raise ValueError("residual_dtype needs error_feedback=True")
         self.compressor = compressor
-        self.feedback = ErrorFeedback(residual_dtype) if error_feedback else None
+        self.feedback = Residual(residual_dtype) if error_feedback else None
         self.traffic = Traffic()
         self.seed, self.index = seed, index
 
     def step_seed(self) -> int:
-        """The seed of the next call: base seed, group index and step counter, equal on every rank."""
-        return ((self.seed * 7_919 + self.index) * 1_000_003 + self.traffic.calls) % (2**61)
+        """The stream of the next call (:func:`~fastcomm.collectives.seeds.group_stream`: base seed, group
+        index and step counter, equal on every rank), the ``seed`` the collective is called with."""
+        return group_stream(self.seed, self.index, self.traffic.calls)
 
     def residual_bytes(self) -> int:
         """Bytes of error feedback this rank keeps for this group between steps."""

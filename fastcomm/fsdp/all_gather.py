@@ -15,11 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives import all_gather
-from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
+from fastcomm.collectives import DEFAULT_CHUNK_BYTES, Traffic, all_gather
 from fastcomm.compress import QuantCompressor
 from fastcomm.compress.protocol import Compressor
-from fastcomm.fsdp._traffic import Traffic
 from fastcomm.fsdp._wait import wait_named
 
 __all__ = ["QuantizedAllGather"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
+from fastcomm.collectives import DEFAULT_CHUNK_BYTES
 from fastcomm.compress.protocol import Compressor
 from fastcomm.compress.registry import compressor_of
 from fastcomm.fsdp._native_hsdp import hand_all_reduce_to_hook

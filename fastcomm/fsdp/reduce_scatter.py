@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives import reduce_scatter
-from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES, block_unit
+from fastcomm.collectives import DEFAULT_CHUNK_BYTES, block_unit, reduce_scatter
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._reduction import Reduction
 from fastcomm.fsdp._wait import wait_named

@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives import all_reduce
-from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
+from fastcomm.collectives import DEFAULT_CHUNK_BYTES, all_reduce
 from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._reduction import Reduction

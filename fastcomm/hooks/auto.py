@@ -36,7 +36,7 @@ from torch import Tensor
 from fastcomm.advise.kernels import KernelRates, measure_rates
 from fastcomm.advise.methods import METHODS, Method, codec_kernels, method_cost
 from fastcomm.advise.model import Link, Topology
-from fastcomm.collectives._layout import segment_layout
+from fastcomm.collectives import segment_layout
 from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.hooks.engine.compression import run_compressed
 from fastcomm.hooks.engine.options import require_int, require_real

@@ -5,8 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._layout import Timer
-from fastcomm.collectives._threads import then
+from fastcomm.collectives import Timer, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import all_finite
 from fastcomm.hooks.engine.defaults import resolve_state

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._layout import Timer
-from fastcomm.collectives._threads import then
+from fastcomm.collectives import Timer, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.collectives.gather import compress_row, decode_mean
 from fastcomm.collectives.two_phase import TwoPhaseLayout

@@ -31,8 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from fastcomm.collectives._layout import completed
-from fastcomm.collectives._threads import then
+from fastcomm.collectives import completed, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.hooks.engine.names import HOOKS, HookName
 from fastcomm.hooks.engine.reshard import describe, keep_if_same_world
@@ -175,19 +174,20 @@ class CompressedAdamState:
         """The compressor's counters (compressed phase) plus the warm-up's dense traffic.
 
         Returns:
-            The wrapped state's ``stats()`` with ``bytes_sent`` and ``dense_bytes`` including warm-up
-            allreduces, ``compression_ratio`` over the whole run, ``phase`` (``"warmup"`` or
-            ``"compressed"``), ``warmup_buckets`` and ``optimizer_steps``.
+            The wrapped state's ``stats()`` with ``sent_bytes`` (and its other name ``bytes_sent``) and
+            ``dense_bytes`` including warm-up allreduces, ``compression_ratio`` over the whole run,
+            ``phase`` (``"warmup"`` or ``"compressed"``), ``warmup_buckets`` and ``optimizer_steps``.
         """
         stats: dict[str, Any] = dict(self.inner.stats())
-        stats["bytes_sent"] += self._counters.warmup_bytes
+        stats["sent_bytes"] += self._counters.warmup_bytes
         stats["dense_bytes"] += self._counters.warmup_bytes
         if self.warmup is not None:
             warmup = self.warmup[0].stats()
-            stats["bytes_sent"] += warmup["bytes_sent"]
+            stats["sent_bytes"] += warmup["sent_bytes"]
             stats["dense_bytes"] += warmup["dense_bytes"]
+        stats["bytes_sent"] = stats["sent_bytes"]
         stats["compression_ratio"] = (
-            stats["dense_bytes"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
+            stats["dense_bytes"] / stats["sent_bytes"] if stats["sent_bytes"] else 1.0
         )
         stats["phase"] = "compressed" if self.optimizer.compressing else "warmup"
         stats["warmup_buckets"] = self._counters.warmup_buckets

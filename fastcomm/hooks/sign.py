@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._layout import block_unit, segment_layout
+from fastcomm.collectives import block_unit, segment_layout
 from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.sign import SignCompressor
 from fastcomm.hooks.engine.compression import run_compressed

@@ -11,8 +11,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fastcomm import ops
-from fastcomm.collectives._layout import Timer
-from fastcomm.collectives._threads import then
+from fastcomm.collectives import Timer, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import all_finite
 from fastcomm.compress.topk import TopKCompressor

@@ -12,9 +12,12 @@ import threading
 import time
 from typing import Any
 
+from fastcomm.collectives.traffic import Traffic
+
 __all__ = ["COUNTERS", "NodeTraffic", "ShardAccounting", "StepAccounting", "StepTimes"]
 
-# the counters a checkpoint keeps, with their types
+# the counters a checkpoint keeps, with their types (``bytes_sent`` is the traffic's ``sent_bytes``, under
+# the name checkpoints have always used)
 COUNTERS: dict[str, type] = {
     "steps": int,
     "skipped_steps": int,
@@ -24,6 +27,8 @@ COUNTERS: dict[str, type] = {
     "compressed_buckets": int,
     "dense_buckets": int,
 }
+# the counters of COUNTERS that the traffic holds
+_TRAFFIC = ("bytes_sent", "dense_bytes")
 
 
 class StepTimes:
@@ -89,12 +94,16 @@ class StepAccounting:
         accounting.open_iteration()
         accounting.count(bytes_sent=100, dense_bytes=400, seconds=0.001, compressed=True)
         accounting.close_iteration()  # True: a finite step was counted
-        print(accounting.stats()["compression_ratio"])  # 4.0
+        print(accounting.stats()["sent_bytes"], accounting.stats()["compression_ratio"])  # 100 4.0
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counters: dict[str, int | float] = {name: kind() for name, kind in COUNTERS.items()}
+        # the bytes, counted as every mode counts them; the other counters here
+        self.traffic = Traffic()
+        self._counters: dict[str, int | float] = {
+            name: kind() for name, kind in COUNTERS.items() if name not in _TRAFFIC
+        }
         self.iterations_seen = 0
         self._open = False
         self._nonfinite = False
@@ -145,9 +154,8 @@ class StepAccounting:
     def count(self, bytes_sent: int, dense_bytes: int, seconds: float, compressed: bool) -> None:
         """Add one hook call's traffic, its dense equivalent and its compression time."""
         with self._lock:
-            self._counters["bytes_sent"] += bytes_sent
+            self.traffic.add(bytes_sent, dense_bytes)
             self.times.bytes += bytes_sent
-            self._counters["dense_bytes"] += dense_bytes
             self._counters["compress_seconds"] += seconds
             self._counters["compressed_buckets" if compressed else "dense_buckets"] += 1
 
@@ -157,27 +165,32 @@ class StepAccounting:
             self._counters["compress_seconds"] += seconds
 
     def stats(self) -> dict[str, float | int]:
-        """The counters, ``compression_ratio`` (``dense_bytes / bytes_sent``, 1.0 if nothing was sent) and
-        :class:`StepTimes`' figures."""
+        """The counters, the traffic as every mode reports it (:meth:`~fastcomm.collectives.Traffic.stats`:
+        ``sent_bytes``, ``dense_bytes``, ``compression_ratio``), ``bytes_sent`` (the same number as
+        ``sent_bytes``, under the name earlier releases reported) and :class:`StepTimes`' figures."""
         with self._lock:
             counters: dict[str, float | int] = dict(self._counters)
+            traffic = self.traffic.stats()
             counters.update(self.times.stats())
-        sent = counters["bytes_sent"]
-        counters["compression_ratio"] = counters["dense_bytes"] / sent if sent else 1.0
-        ordered = {name: counters[name] for name in ("steps", "skipped_steps", "bytes_sent", "dense_bytes")}
+        ordered = {"steps": counters["steps"], "skipped_steps": counters["skipped_steps"], **traffic}
+        ordered["bytes_sent"] = traffic["sent_bytes"]
         ordered.update(counters)
         return ordered
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters, as plain Python values."""
+        """The counters :data:`COUNTERS` names, as plain Python values."""
         with self._lock:
-            return dict(self._counters)
+            traffic = {"bytes_sent": self.traffic.sent_bytes, "dense_bytes": self.traffic.dense_bytes}
+            return {name: traffic[name] if name in _TRAFFIC else self._counters[name] for name in COUNTERS}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the counters :meth:`state_dict` returned."""
         with self._lock:
             for name, kind in COUNTERS.items():
-                self._counters[name] = kind(state_dict[name])
+                if name not in _TRAFFIC:
+                    self._counters[name] = kind(state_dict[name])
+            calls = self._counters["compressed_buckets"] + self._counters["dense_buckets"]
+            self.traffic.load_state_dict({**state_dict, "calls": calls})
 
 
 class NodeTraffic:

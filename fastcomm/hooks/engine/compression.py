@@ -15,9 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._lane import SecondCollective
-from fastcomm.collectives._layout import DEFAULT_CHUNK_BYTES
-from fastcomm.collectives._threads import then
+from fastcomm.collectives import DEFAULT_CHUNK_BYTES, SecondCollective, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.collectives.gather import gather_row
 from fastcomm.hooks.engine.defaults import resolve_state

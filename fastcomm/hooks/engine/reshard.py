@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastcomm.collectives.residual import mean_over_ranks
 from fastcomm.hooks.engine.accounting import COUNTERS
 from fastcomm.hooks.engine.store import SEGMENT_TENSOR, BucketEntry
 
@@ -303,19 +304,19 @@ def _tensor_names(column: list[BucketEntry]) -> list[str]:
 
 def _mean(column: list[BucketEntry], key: tuple[int, ...], name: str) -> Tensor:
     """The mean over old ranks of one entry's tensor ``name`` (``residual``: what each owed), in fp32, cast
-    to the dtype of the first old rank's that holds it; a rank without it counts as zeros."""
-    numel, dtype, total = column[0].numel, torch.float32, None
+    to the dtype of the first old rank's that holds it; a rank without it counts as zeros
+    (:func:`~fastcomm.collectives.mean_over_ranks`, the rule every error-feedback store re-shards by)."""
+    numel = column[0].numel
+    values, dtypes = [], []
     for old_rank, entry in enumerate(column):
         held = entry.tensors.get(name)
-        if held is not None:
-            if held.numel() != numel:
-                raise ValueError(
-                    f"old rank {old_rank}'s {name!r} of the bucket of parameters {key} holds "
-                    f"{held.numel()} elements, the bucket {numel}"
-                )
-            dtype = held.dtype if total is None else dtype
-        value = entry.owed() if name == "residual" else None if held is None else held.float()
-        if value is not None:
-            total = value.clone() if total is None else total.add_(value.to(total.device))
+        if held is not None and held.numel() != numel:
+            raise ValueError(
+                f"old rank {old_rank}'s {name!r} of the bucket of parameters {key} holds "
+                f"{held.numel()} elements, the bucket {numel}"
+            )
+        dtypes.append(None if held is None else held.dtype)
+        values.append(entry.owed() if name == "residual" else None if held is None else held.float())
+    total = mean_over_ranks(values, dtypes)
     assert total is not None, f"no old rank holds {name!r}"
-    return total.div_(len(column)).to(dtype)
+    return total

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fastcomm.collectives._layout import completed
-from fastcomm.collectives._threads import then
+from fastcomm.collectives import completed, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import all_finite, scale_all_finite_
 from fastcomm.hooks.engine.accounting import COUNTERS, StepAccounting
@@ -199,7 +198,7 @@ class HookState:
         return (
             f"{type(self).__name__} step {stats['steps']}: {stats['step_seconds'] * 1e3:.1f} ms/step, "
             f"communication shown {stats['exposed_comm_seconds'] * 1e3:.1f} ms ({stats['comm_share']:.0%}), "
-            f"{stats['bytes_sent'] / iterations / 1e6:.2f} MB sent/step "
+            f"{stats['sent_bytes'] / iterations / 1e6:.2f} MB sent/step "
             f"({stats['compression_ratio']:.1f}x less than dense), "
             f"link {stats['link_bytes_per_second'] / 1e6:.1f} MB/s"
         )
@@ -215,10 +214,12 @@ class HookState:
 
         Returns:
             A dict with ``steps`` (finite iterations), ``skipped_steps`` (iterations with inf/NaN, which
-            GradScaler skips), ``bytes_sent`` (bytes this rank put on the wire: ``(W-1)/W`` of an
+            GradScaler skips), ``sent_bytes`` (bytes this rank put on the wire: ``(W-1)/W`` of an
             all-to-all's send buffer, ``W-1`` times an all-gather's payload, a ring allreduce's
-            ``2(W-1)/W``), ``dense_bytes`` (what a ring allreduce of the same buckets in their own dtype
-            would have sent), ``compression_ratio`` (``dense_bytes / bytes_sent``, 1.0 when nothing was
+            ``2(W-1)/W``; FSDP and DiLoCo report theirs under the same name, through
+            :class:`fastcomm.collectives.Traffic`), ``bytes_sent`` (the same number, the name of earlier
+            releases), ``dense_bytes`` (what a ring allreduce of the same buckets in their own dtype
+            would have sent), ``compression_ratio`` (``dense_bytes / sent_bytes``, 1.0 when nothing was
             sent), ``compress_seconds`` (time in compression and decompression, not in collectives),
             ``compressed_buckets`` and ``dense_buckets`` (hook calls of each kind); where the step's
             time goes, measured on this rank (:class:`~fastcomm.hooks.engine.accounting.StepTimes`):

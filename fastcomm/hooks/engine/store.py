@@ -1,7 +1,10 @@
 """The bucket store: per-parameter compression state (residuals, velocity) across bucket layouts and steps.
 
 DDP groups parameters into buckets and calls a hook per bucket. The store keeps each layout's tensors (one
-element per gradient element, e.g. error-feedback residuals) and where every parameter lives, so that:
+element per gradient element, e.g. error-feedback residuals) and where every parameter lives. A bucket's
+error feedback is the :class:`~fastcomm.collectives.Residual` every mode keeps
+(:meth:`BucketEntry.feedback`): what a rank owes, and how it re-shards, are that store's rules. The store
+adds what buckets need:
 
 * **Bucket rebuilds** lose nothing: a layout never seen before inherits every slice its parameters had in
   their old buckets, so compression can start at step 0 (DDP regroups after the first iteration).
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastcomm.collectives.residual import Residual
 from fastcomm.hooks.engine.buffers import BufferPool
 from fastcomm.hooks.engine.util import BucketKey
 
@@ -69,12 +73,29 @@ class BucketEntry:
         server = self.tensors.get(SEGMENT_TENSOR) if segment else None
         return server is not None and bool(server.any())
 
+    def feedback(self) -> Residual:
+        """The bucket's error feedback as the :class:`~fastcomm.collectives.Residual` every mode keeps: a
+        view of ``"residual"`` (its ``worker``) and the segment tensor (its ``server``), not a copy.
+
+        Example::
+
+            entry = BucketEntry(numels=(4,), world_size=2, tensors={"residual": torch.ones(4)})
+            entry.feedback().worker is entry.tensors["residual"]  # True
+        """
+        return Residual(
+            worker=self.tensors.get("residual"),
+            server=self.tensors.get(SEGMENT_TENSOR),
+            segment_start=self.segment_start,
+            world_size=self.world_size,
+        )
+
     def owed(self) -> Tensor | None:
         """What this rank still owes for the whole bucket (fp32), or ``None`` if it holds no residual.
 
-        The ``"residual"`` tensor plus the segment tensor times the world size over the segment (the part
-        that runs past the bucket is padding, and owes nothing): :meth:`BucketStore.residual_of` of every
-        parameter of the bucket, side by side.
+        :meth:`~fastcomm.collectives.Residual.owed` of :meth:`feedback`: the ``"residual"`` tensor plus the
+        segment tensor times the world size over the segment (the part that runs past the bucket is
+        padding, and owes nothing): :meth:`BucketStore.residual_of` of every parameter of the bucket, side
+        by side.
 
         Example::
 
@@ -82,18 +103,7 @@ class BucketEntry:
             entry.tensors = {"residual": torch.ones(10), "server_residual": torch.ones(8)}
             entry.owed()  # 1 for elements 0-7, 1 + 2 * 1 = 3 for 8-9 (elements 10-15 are padding)
         """
-        residual = self.tensors.get("residual")
-        if residual is None and SEGMENT_TENSOR not in self.tensors:
-            return None
-        device = self.tensors.get("residual", self.tensors.get(SEGMENT_TENSOR)).device
-        out = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        if residual is not None:
-            out += residual[: self.numel].float()
-        overlap = _segment_overlap(self, 0, self.numel)
-        if overlap is not None:
-            start, stop, delta = overlap
-            out[start:stop] += delta
-        return out
+        return self.feedback().owed(0, self.numel)
 
 
 @dataclass(frozen=True)
@@ -205,7 +215,7 @@ class BucketStore:
                 if name != SEGMENT_TENSOR:
                     target = entry.tensors.setdefault(name, tensor.new_zeros(entry.numel))
                     target[new_offset : new_offset + numel] = tensor[old_offset : old_offset + numel]
-            overlap = _segment_overlap(old, old_offset, numel)
+            overlap = old.feedback().segment_overlap(old_offset, numel)
             if overlap is not None and "residual" in old.tensors:
                 start, stop, delta = overlap
                 target = entry.tensors["residual"]
@@ -333,16 +343,8 @@ class BucketStore:
         if location is None:
             return None
         key, offset = location
-        entry = self._entries[key]
-        residual = entry.tensors.get("residual")
-        out = torch.zeros(numel, dtype=torch.float32, device=None if residual is None else residual.device)
-        if residual is not None:
-            out += residual[offset : offset + numel].float()
-        overlap = _segment_overlap(entry, offset, numel)
-        if overlap is not None:
-            start, stop, delta = overlap
-            out[start - offset : stop - offset] += delta
-        return out
+        owed = self._entries[key].feedback().owed(offset, numel)
+        return torch.zeros(numel, dtype=torch.float32) if owed is None else owed
 
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -394,18 +396,3 @@ class BucketStore:
         }
         self._last_layout = dict(self._restored)
 
-
-def _segment_overlap(entry: BucketEntry, offset: int, numel: int) -> tuple[int, int, Tensor] | None:
-    """The part ``[start, stop)`` of ``[offset, offset + numel)`` that this rank's segment tensor covers.
-
-    Returns ``(start, stop, W * segment tensor there)`` in bucket offsets (what the mean over ranks owes
-    for those elements, held by this rank alone), or ``None`` when they do not overlap.
-    """
-    server = entry.tensors.get(SEGMENT_TENSOR)
-    if server is None:
-        return None
-    start = max(offset, entry.segment_start)
-    stop = min(offset + numel, entry.segment_start + server.numel())
-    if start >= stop:
-        return None
-    return start, stop, server[start - entry.segment_start : stop - entry.segment_start] * entry.world_size

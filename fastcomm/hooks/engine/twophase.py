@@ -8,7 +8,7 @@ traffic, and decides where phase 2 is issued.
 Collective order is fixed on every rank. Phase 1 of each bucket is issued by its hook call, on the state's
 process group, like every other collective there (DDP's own, a SyncBatchNorm's, dense buckets). Phase 2:
 
-- ``overlap_phase2=True`` (CPU buckets): on the group's :class:`~fastcomm.collectives._lane.Lane`.
+- ``overlap_phase2=True`` (CPU buckets): on the group's lane (:func:`fastcomm.collectives.lane_for`).
 - ``overlap_phase2=False`` (and GPU buckets): the hook call of bucket ``i`` issues phase 1 of bucket ``i``,
   then finishes bucket ``i - 1``; the last bucket also finishes itself. Every rank issues ``p1(0), p1(1),
   p2(0), p1(2), p2(1), ..., p1(last), p2(last - 1), p2(last)``, all from hook calls.
@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastcomm.collectives import SecondCollective, finish_on_lane, lane_for, then
 from fastcomm.collectives import two_phase as exchange
-from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_for
-from fastcomm.collectives._threads import then
 from fastcomm.collectives.two_phase import Phase1, TwoPhaseLayout
 from fastcomm.hooks.engine.compression import BucketCall, CompressionState
 from fastcomm.hooks.engine.options import require_bool
@@ -214,8 +213,6 @@ def schedule_second_phase(
     # DDP reads a future's value as the tensor; a value() in a callback turns the exception set on
     # mine.future into a real error of the returned future, which DDP's backward raises
     return then(mine.future, _result)
-
-
 
 
 def _result(future: torch.futures.Future[Tensor]) -> Tensor:

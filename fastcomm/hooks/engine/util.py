@@ -1,8 +1,10 @@
-"""Small helpers every hook uses: bucket keys, world size and rank, traffic arithmetic, seeds."""
+"""Small helpers every hook uses: bucket keys, world size and rank, traffic arithmetic, a bucket's seed."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
+
+from fastcomm.collectives.seeds import bucket_stream, exchange_seed
 
 __all__ = ["BucketKey", "ring_bytes", "seed_for", "world_of"]
 
@@ -27,6 +29,13 @@ def ring_bytes(numel: int, element_size: int, world_size: int) -> int:
 
 
 def seed_for(base: int, step: int, key: BucketKey, rank: int, phase: int) -> int:
-    """A stochastic-rounding seed unique to (seed option, step, bucket, rank, phase), identical on resume."""
-    first = key[0] if key else 0
-    return ((((base * 1_000_003 + step) * 65_537 + first) * 4_099 + rank) * 4 + phase) % (2**62)
+    """The exchange seed of a bucket: :func:`~fastcomm.collectives.seeds.exchange_seed` of its
+    :func:`~fastcomm.collectives.seeds.bucket_stream` (seed option, step, first parameter), identical on
+    resume.
+
+    Example::
+
+        >>> seed_for(0, 3, (7, 8), 1, 2)
+        3223748734
+    """
+    return exchange_seed(bucket_stream(base, step, key[0] if key else 0), rank, phase)

@@ -4,7 +4,7 @@ Ranks ``n * L .. n * L + L - 1`` form node ``n`` (torchrun's numbering: ``LOCAL_
 rank takes part in three groups, made once per ``node_size`` by every rank in the same order (a plain
 ``dist.new_group`` over the whole world for every group, the rank a member or not, so that no rank's group
 history differs from another's: the local-synchronization path hangs then, see
-:mod:`fastcomm.collectives._lane`):
+:func:`fastcomm.collectives.lane_for`):
 
 * ``reduce_group``: the ranks of this rank's node; the dense reduce-scatter, issued from DDP's hook thread.
 * ``cross_group``: the ranks with this rank's local rank on every node; the compressed exchange of the
@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fastcomm.collectives._lane import timeout_of
-from fastcomm.collectives._threads import OrderedWorker
+from fastcomm.collectives import OrderedWorker, timeout_of
 from fastcomm.hooks.engine.options import require_int
 
 __all__ = ["NodeGroups", "OrderedWorker", "check_node_size", "node_groups", "resolve_node_size"]

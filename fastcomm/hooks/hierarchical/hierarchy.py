@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._threads import then
+from fastcomm.collectives import then
 from fastcomm.hooks.engine.accounting import NodeTraffic, ShardAccounting
 from fastcomm.hooks.engine.store import BucketStore
 from fastcomm.hooks.engine.util import BucketKey

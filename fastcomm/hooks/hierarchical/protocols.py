@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._lane import SecondCollective
+from fastcomm.collectives import SecondCollective
 from fastcomm.hooks.engine.accounting import ShardAccounting, StepAccounting
 from fastcomm.hooks.engine.store import BucketEntry, BucketStore
 from fastcomm.hooks.engine.util import BucketKey

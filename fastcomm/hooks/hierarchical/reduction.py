@@ -16,9 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives._lane import SecondCollective, finish_on_lane
-from fastcomm.collectives._layout import all_gather_flat
-from fastcomm.collectives._threads import when_done
+from fastcomm.collectives import SecondCollective, all_gather_flat, finish_on_lane, when_done
 from fastcomm.collectives.errors import PeerCollectiveError
 from fastcomm.collectives.two_phase import Phase2Payload
 from fastcomm.hooks.engine.accounting import NodeTraffic
