@@ -4,7 +4,7 @@ links, and 2 nodes x 2 ranks joined by 1 Gbit/s, flat and two-level.
 The question: can ``python -m fastcomm.advise`` be trusted where this machine cannot measure (64 GPUs, NVLink,
 25 Gbit/s)? It is checked here, where it can be: each prediction within 25% of the measurement.
 
-1. Measured: bench_hooks's own runs (:func:`benchmarks.bench_hooks._run_config`: the 25.2M-parameter MLP,
+1. Measured: bench_hooks's own runs (:func:`benchmarks.hooks_runs.run_config`: the 25.2M-parameter MLP,
    fresh gloo ranks with one thread each, the slower rank's median step) of dense allreduce and every
    fastcomm hook, on each network; on the two-node network flat (``node_size=1``) and two-level
    (``node_size=2``) sign and 8-bit quantization. Each rank also holds a second copy of the model with the
@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_hooks, netlab
+from benchmarks import hooks_jobs, hooks_runs, netlab
 from benchmarks.common import free_port
 from benchmarks.harness import Row, output_dir, progress, write_results
 from fastcomm.advise import KernelRates, Link, measure_rates, parse_link, predict
@@ -66,14 +66,14 @@ _METHODS = {
     "sign_hier": ("sign", "two-level"),
     "quant8_hier": ("quant8", "two-level"),
 }
-_TWO_RANKS = [c for c in bench_hooks.CONFIGS if c.name in _METHODS]
+_TWO_RANKS = [c for c in hooks_jobs.CONFIGS if c.name in _METHODS]
 # "auto" runs beside them on the 2-rank networks: measured, not predicted (it is one of the others, chosen)
-_AUTO = [c for c in bench_hooks.CONFIGS if c.name == "auto"]
+_AUTO = [c for c in hooks_jobs.CONFIGS if c.name == "auto"]
 _AT_PARITY = ("bf16_cast", "quant8", "quant4")
-_NODES = [c for c in bench_hooks.NODE_CONFIGS if c.name in _METHODS]
+_NODES = [c for c in hooks_jobs.NODE_CONFIGS if c.name in _METHODS]
 _SHAPES = [
     shape
-    for fan_in, fan_out in zip(bench_hooks.LAYERS[:-1], bench_hooks.LAYERS[1:], strict=True)
+    for fan_in, fan_out in zip(hooks_jobs.LAYERS[:-1], hooks_jobs.LAYERS[1:], strict=True)
     for shape in ((fan_out, fan_in), (fan_out,))
 ]
 _FIT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 26)
@@ -83,14 +83,14 @@ _RATE_NUMEL = 1 << 24
 
 
 def _measure(
-    network: str, configs: Sequence[bench_hooks.Config], settings: Any, link: netlab.Link | None
+    network: str, configs: Sequence[hooks_jobs.Config], settings: Any, link: netlab.Link | None
 ) -> dict[str, Any]:
     """Each configuration's outcome (bench_hooks's runner) and the load average when it started."""
     outcomes: dict[str, Any] = {}
     for index, config in enumerate(configs):
         port = 29500 + index if link is not None else free_port()
         load = os.getloadavg()[0]
-        outcome = bench_hooks._run_config(config, link, port, settings)
+        outcome = hooks_runs.run_config(config, link, port, settings)
         outcomes[config.name] = (outcome, load)
         shown = f"{outcome.step_seconds:.3f} s/step" if outcome.status == "ok" else outcome.status
         progress(f"[bench_advisor] {network:8s} {config.name:12s} {shown} (load {load:.1f})")
@@ -225,7 +225,7 @@ def _loopback_link(oversubscription: float) -> tuple[Link, str]:
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    return bench_hooks._Settings(
+    return hooks_runs.Settings(
         warmup=args.warmup, steps=args.steps, timeout_s=args.timeout, paired_floor=True
     )
 
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         f"error = predicted / measured - 1; within_25% marks |error| <= {TOLERANCE:.0%}",
     ]
     rows: list[Row] = []
-    base = {"params": bench_hooks._num_params(), "rates": rates, "shapes": _SHAPES}
+    base = {"params": hooks_runs.num_params(), "rates": rates, "shapes": _SHAPES}
     settings = _settings(args)
     reason = netlab.unavailable_reason()
     for network in networks:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import bench_hooks
+from benchmarks import hooks_jobs, hooks_nodes
 from benchmarks.harness import Row
 
 
@@ -15,7 +15,7 @@ def _notes(**seconds: float) -> list[str]:
     rows = [_row("allreduce", 2.0), _row("sign", seconds["sign"]), _row("quant8", 0.9),
             _row("sign_hier", seconds["sign_hier"], **{"compress_s/step": 0.15}),
             _row("quant8_hier", 0.45), _row("node_reduce", seconds["node_reduce"])]
-    return bench_hooks._check_node_targets(rows)
+    return hooks_nodes.check_node_targets(rows)
 
 
 def test_bound_says_out_of_reach_when_the_node_reduction_alone_exceeds_the_budget():
@@ -36,12 +36,12 @@ def test_bound_says_reachable_when_the_budget_allows_it():
 
 def test_no_bound_without_the_node_reduce_row():
     rows = [_row("sign", 0.9), _row("sign_hier", 0.5)]
-    assert not [n for n in bench_hooks._check_node_targets(rows) if "bound" in n]
+    assert not [n for n in hooks_nodes.check_node_targets(rows) if "bound" in n]
 
 
 def test_bound_names_the_cpu_floor_when_the_row_has_one():
     rows = [_row("sign", 0.9), _row("sign_hier", 0.8), _row("node_reduce", 0.7, cpu_floor_s=0.65)]
-    bound = next(n for n in bench_hooks._check_node_targets(rows) if "bound: a sign_hier" in n)
+    bound = next(n for n in hooks_nodes.check_node_targets(rows) if "bound: a sign_hier" in n)
     assert "the ranks' CPU time over the cores alone is 0.650 s" in bound
     assert "out of reach here (1.17x it)" in bound
 
@@ -51,6 +51,6 @@ def test_stats_delta_counts_the_timed_steps_and_keeps_autos_state():
               "auto_quant4_buckets": 3.0, "auto_trial_chosen_step_s": 0.3}
     after = {"steps": 9.0, "bytes_sent": 150.0, "dense_bytes": 800.0, "compression_ratio": 5.33,
              "auto_quant4_buckets": 3.0, "auto_trial_chosen_step_s": 0.3}
-    delta = bench_hooks._stats_delta(before, after)
+    delta = hooks_jobs.stats_delta(before, after)
     assert delta["steps"] == 5.0 and delta["bytes_sent"] == 50.0 and delta["compression_ratio"] == 8.0
     assert delta["auto_quant4_buckets"] == 3.0 and delta["auto_trial_chosen_step_s"] == 0.3
