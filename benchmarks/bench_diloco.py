@@ -6,7 +6,7 @@ The question (issue 22): syncing every ``H`` steps sends ~``H``x fewer bytes (an
 1. Loss runs: ``examples/train_lm.py`` as :mod:`benchmarks.bench_convergence` runs it (its launcher, its
    cached ``loss-<method>-<steps>.json`` in ``--work-dir``): dense allreduce AdamW (``none``),
    CompressedAdam (``cadam``, bench_convergence's per-step best) and each DiLoCo method of
-   ``train_lm.METHODS`` (AdamW inner, the same batch and tokens per rank, no DDP), 2 gloo
+   :data:`benchmarks.lm_methods.METHODS` (AdamW inner, the same batch and tokens per rank, no DDP), 2 gloo
    ranks of one thread each, ``--steps`` steps, up to ``--parallel`` runs at once; ``--long-steps`` trains
    ``--long-methods`` again for a longer run (its own cosine schedule).
 2. Traffic: bytes one rank sends per step: DiLoCo's own count (``stats()["bytes_sent"]`` over the steps;
@@ -14,7 +14,7 @@ The question (issue 22): syncing every ``H`` steps sends ~``H``x fewer bytes (an
 3. Overlap: seconds a rank waited for the sync, per sync (``stats()["blocked_s"]``); streaming's exchanges
    are applied ``H / F`` steps after they are issued, so its wait is what the inner steps did not hide.
 4. Speed (``--links``, netlab as root): each ``--speed-methods`` method's step time on each shaped link,
-   per phase (:func:`bench_convergence._phases`: CompressedAdam's warm-up and compressed phases are timed
+   per phase (:func:`convergence_runs.phase_plan`: CompressedAdam's warm-up and compressed phases are timed
    apart; DiLoCo's over whole sync periods), and the no-communication step time (``noop``) on loopback;
    kept in ``--work-dir``/speed.json (``--speed-only`` writes it, ``--reuse-speed`` reads it back).
 5. Time to the target (dense's final validation loss + 2%): the loss run's validation curve with each step
@@ -47,10 +47,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_convergence as conv
+from benchmarks import convergence_runs as conv
 from benchmarks import netlab
 from benchmarks.common import free_port, median
 from benchmarks.harness import Row, output_dir, progress, write_results
+from benchmarks.lm_methods import load_example
 
 __all__ = ["DILOCO_METHODS", "main"]
 
@@ -77,14 +78,14 @@ LIMIT_SLACK = 1.15  # issue 22: time to target within 1.15x the compute-only lim
 WORLD = 2
 
 
-def _loss_runs(train_lm: Any, jobs: Sequence[tuple[str, conv._Settings]], parallel: int) -> dict:
+def _loss_runs(jobs: Sequence[tuple[str, conv.Settings]], parallel: int) -> dict:
     """``{steps: {method: the loss run's result dict, or its status}}``, ``parallel`` runs at a time (the
     longest first, so that they end together)."""
 
-    def one(job: tuple[str, conv._Settings]) -> tuple[str, conv._Settings, Any]:
+    def one(job: tuple[str, conv.Settings]) -> tuple[str, conv.Settings, Any]:
         method, settings = job
         begin = time.monotonic()
-        run = conv._loss_run(train_lm, method, settings, {})
+        run = conv.loss_run(method, settings, {})
         progress(f"[{NAME}] {method} {settings.steps} steps: {run.status} ({time.monotonic() - begin:.0f} s)")
         return method, settings, run.result if run.status == "ok" else run.status
 
@@ -97,17 +98,17 @@ def _loss_runs(train_lm: Any, jobs: Sequence[tuple[str, conv._Settings]], parall
 
 
 def _time_method(
-    train_lm: Any, link: netlab.Link | None, name: str, method: str, port: int, settings: conv._Settings
+    link: netlab.Link | None, name: str, method: str, port: int, settings: conv.Settings
 ) -> dict[str, Any] | None:
     """``{"s_per_step", "blocked_per_step", "phases"}`` of ``method`` on ``link``: each phase of
-    :func:`bench_convergence._phases` timed apart (CompressedAdam's dense warm-up, then its compressed
+    :func:`convergence_runs.phase_plan` timed apart (CompressedAdam's dense warm-up, then its compressed
     steps), ``s_per_step`` their mean weighted by length; None if a phase failed."""
     phases: list[dict[str, Any]] = []
     blocked = 0.0
-    plan = conv._phases(train_lm, method, settings.steps)
+    plan = conv.phase_plan(method, settings.steps)
     for number, phase in enumerate(plan):
         tag = f"time-{name}-{method}" + (f"-{number}" if len(plan) > 1 else "")
-        measured, status, crashed = conv._time_phase(method, phase, link, settings, tag, port + 2 * number)
+        measured, status, crashed = conv.time_phase(method, phase, link, settings, tag, port + 2 * number)
         shown = f"{measured['seconds_per_step']:.3f} s/step" if measured else status
         progress(f"[{NAME}] {name} {method} {phase.name}: {shown}")
         if measured is None:
@@ -122,19 +123,19 @@ def _time_method(
         phases.append({"name": phase.name, "first": phase.first, "last": phase.last,
                        "seconds_per_step": sum(taken) / len(taken),
                        "median_s_per_step": median(taken)})  # fmt: skip
-    mean = conv._mean_step({"phases": phases})
+    mean = conv.mean_step({"phases": phases})
     return {"s_per_step": mean, "blocked_per_step": blocked, "phases": phases}
 
 
-def _speed(train_lm: Any, methods: Sequence[str], links: Sequence[str], settings: conv._Settings) -> dict:
+def _speed(methods: Sequence[str], links: Sequence[str], settings: conv.Settings) -> dict:
     """``{link: {method: _time_method's dict, or None if a run failed}}`` plus ``{"loopback": {"noop":
     ...}}``: the step time per phase and the seconds per step rank 0 waited for DiLoCo's syncs."""
     found: dict[str, dict[str, dict[str, Any] | None]] = {}
-    noop = _time_method(train_lm, None, "loopback", "noop", free_port(), settings)
+    noop = _time_method(None, "loopback", "noop", free_port(), settings)
     found["loopback"] = {"noop": noop}
     for number, rate in enumerate(links):
         with netlab.Link(rate=rate) as link:
-            found[rate] = {m: _time_method(train_lm, link, rate, m, 29700 + 100 * number + 10 * i, settings)
+            found[rate] = {m: _time_method(link, rate, m, 29700 + 100 * number + 10 * i, settings)
                            for i, m in enumerate(methods)}  # fmt: skip
     return found
 
@@ -151,7 +152,7 @@ def _timed_as_twins(speed: dict) -> list[str]:
 
 
 def _timing(entry: dict[str, Any], steps: int) -> dict[str, Any]:
-    """A speed entry as :func:`bench_convergence._elapsed` reads it, its last phase running to ``steps``
+    """A speed entry as :func:`convergence_runs.elapsed` reads it, its last phase running to ``steps``
     (an entry of one step time, without phases: one phase of all the steps)."""
     phases = [dict(p) for p in entry.get("phases") or [{"first": 1, "seconds_per_step": entry["s_per_step"]}]]
     phases[-1]["last"] = steps
@@ -160,7 +161,7 @@ def _timing(entry: dict[str, Any], steps: int) -> dict[str, Any]:
 
 def _steps_to(result: dict[str, Any], target: float) -> float | None:
     timing = {"phases": [{"first": 1, "last": result["val_steps"][-1], "seconds_per_step": 1.0}]}
-    return conv._time_to_loss(result["val_steps"], result["val_losses"], timing, target)[1]
+    return conv.time_to_loss(result["val_steps"], result["val_losses"], timing, target)[1]
 
 
 def _traffic(result: dict[str, Any], parameters: int) -> tuple[float, float]:
@@ -240,7 +241,7 @@ def _wall_curves(runs: dict[str, Any], speed: dict, steps: int) -> dict[str, dic
             entry = timed.get(method)
             if isinstance(result, dict) and entry:
                 timing = _timing(entry, steps)
-                curves[link][method] = [conv._elapsed(timing, step) for step in result["val_steps"]]
+                curves[link][method] = [conv.elapsed(timing, step) for step in result["val_steps"]]
     return curves
 
 
@@ -263,7 +264,7 @@ def _times(runs: dict[str, Any], speed: dict, steps: int, target: float) -> dict
             if isinstance(result, dict) and timed.get(method):
                 timing = _timing(timed[method], steps)
                 curve = result["val_steps"], result["val_losses"]
-                found[link][method] = conv._time_to_loss(*curve, timing, target)
+                found[link][method] = conv.time_to_loss(*curve, timing, target)
     return found
 
 
@@ -414,12 +415,12 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--note", action="append", default=[], help="a line for the notes (the conditions)")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    train_lm = conv.load_example()
+    train_lm = load_example()
     work = args.work_dir or Path(output_dir()) / f"{NAME}-work"
     work.mkdir(parents=True, exist_ok=True)
     paths = train_lm.prepare_data(train_lm.default_data_dir())
     data = paths.train.parent
-    settings = conv._Settings(args.steps, 2, args.timed_steps, data, work, True, args.reuse_only)
+    settings = conv.Settings(args.steps, 2, args.timed_steps, data, work, True, args.reuse_only)
     speed_file = work / "speed.json"
     speed: dict = json.loads(speed_file.read_text()) if args.reuse_speed else {}
     notes = []
@@ -431,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     elif reason:
         notes.append(f"speed runs skipped: netlab unavailable ({reason})")
     elif not speed:
-        speed = _speed(train_lm, args.speed_methods.split(","), args.links.split(","), settings)
+        speed = _speed(args.speed_methods.split(","), args.links.split(","), settings)
         speed_file.write_text(json.dumps(speed))
     notes += _timed_as_twins(speed)
     if args.speed_only:
@@ -442,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     if args.long_steps:
         long_settings = dataclasses.replace(settings, steps=args.long_steps)
         jobs += [(method, long_settings) for method in args.long_methods.split(",")]
-    found = _loss_runs(train_lm, jobs, args.parallel)
+    found = _loss_runs(jobs, args.parallel)
     runs, long_runs = found[args.steps], found.get(args.long_steps, {})
     if args.loss_only:
         return ""

@@ -27,9 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_convergence as conv
+from benchmarks import convergence_runs as conv
 from benchmarks.bench_diloco import _loss_runs
 from benchmarks.harness import Row, output_dir, write_results
+from benchmarks.lm_methods import METHODS as LM_METHODS
+from benchmarks.lm_methods import load_example
 
 __all__ = ["METHODS", "gap_rows", "main"]
 
@@ -125,12 +127,12 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--work-dir", type=Path, default=None, help="keep (and reuse) each run's result")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    train_lm = conv.load_example()
+    train_lm = load_example()
     methods = [m for m in args.methods.split(",") if m]
     more_methods = [m for m in args.more_methods.split(",") if m]
-    unknown = sorted(set(methods + more_methods) - set(train_lm.METHODS))
+    unknown = sorted(set(methods + more_methods) - set(LM_METHODS))
     if unknown:
-        parser.error(f"unknown methods {unknown}; see examples/train_lm.py METHODS")
+        parser.error(f"unknown methods {unknown}; see benchmarks/lm_methods.py METHODS")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     more_seeds = [int(s) for s in args.more_seeds.split(",") if s] if more_methods else []
     work = args.work_dir or Path(output_dir()) / "bench_diloco-work"
@@ -138,9 +140,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     data = train_lm.prepare_data(train_lm.default_data_dir()).train.parent
     found: dict[int, dict[str, Any]] = {}
     for seed in seeds + more_seeds:
-        settings = conv._Settings(args.steps, 2, 0, data, work, True, args.reuse_only, seed=seed)
+        settings = conv.Settings(args.steps, 2, 0, data, work, True, args.reuse_only, seed=seed)
         wanted = ["none", *(methods if seed in seeds else []), *more_methods]
-        found[seed] = _loss_runs(train_lm, [(m, settings) for m in dict.fromkeys(wanted)], args.parallel)[
+        found[seed] = _loss_runs([(m, settings) for m in dict.fromkeys(wanted)], args.parallel)[
             args.steps
         ]
     rows, table, notes = gap_rows({s: found[s] for s in seeds}, methods, args.steps)

@@ -51,7 +51,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fsdp_jobs, fsdp_rows, harness, netlab
+from benchmarks import fsdp_jobs, fsdp_rows, harness, lm_methods, netlab
 from benchmarks.common import launch, rank_env, tail
 from benchmarks.fsdp_jobs import LAYOUTS, METHODS
 from benchmarks.fsdp_rows import speed_case, verdicts
@@ -322,7 +322,7 @@ def _run_parts(args: argparse.Namespace, parts: Sequence[str]) -> tuple[list[har
                 "CPU-bound (4 ranks on 2 cores), not a wall-time claim"
             )
     if "lm" in parts:
-        train_lm = fsdp_jobs.load_example()
+        train_lm = lm_methods.load_example()
         train_lm.prepare_data(train_lm.default_data_dir())
         results = {}
         for method in args.lm_methods.split(","):

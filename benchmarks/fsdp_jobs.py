@@ -13,29 +13,25 @@ Each returns a plain dict (JSON) that the parent side (:mod:`benchmarks.bench_fs
 from __future__ import annotations
 
 import gc
-import importlib.util
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import lm_methods
+
 __all__ = [
-    "EXAMPLE",
     "LAYOUTS",
     "METHODS",
     "hsdp_run",
     "lm_run",
-    "load_example",
     "loss_run",
     "memory_run",
     "speed_run",
     "status_bytes",
 ]
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = _REPO_ROOT / "examples" / "train_lm.py"
 # method -> fastcomm.fsdp.compress arguments (None: dense FSDP2)
 METHODS: dict[str, dict[str, Any] | None] = {
     "dense": None,
@@ -321,26 +317,18 @@ def hsdp_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[st
     return result
 
 
-def load_example() -> Any:
-    """``examples/train_lm.py`` as a module."""
-    module_spec = importlib.util.spec_from_file_location("train_lm", EXAMPLE)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module  # its dataclasses look their module up while being made
-    module_spec.loader.exec_module(module)
-    return module
-
-
 def lm_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
-    """``examples/train_lm.py``'s method ``method`` under FSDP2 for ``spec["steps"]`` steps; a run whose
-    training loss turns non-finite ends there, with ``val_loss`` NaN and ``diverged`` saying where."""
-    train_lm = load_example()
+    """``examples/train_lm.py`` with method ``method`` of :mod:`benchmarks.lm_methods` under FSDP2 for
+    ``spec["steps"]`` steps; a run whose training loss turns non-finite ends there, with ``val_loss`` NaN
+    and ``diverged`` saying where."""
+    train_lm = lm_methods.load_example()
     paths = train_lm.prepare_data(train_lm.default_data_dir())
-    config = train_lm.TrainConfig(method=method, steps=spec["steps"], fsdp=True, eval_every=50, log_every=25)
+    fields = lm_methods.config_fields(method)
+    config = train_lm.TrainConfig(steps=spec["steps"], fsdp=True, eval_every=50, log_every=25, **fields)
     try:
         result = train_lm.train(config, paths, log=lambda line: print(line, flush=True))
     except FloatingPointError as error:  # every rank holds the same weights: all of them stop at this step
-        chosen = train_lm.METHODS[method]
+        chosen = lm_methods.METHODS[method]
         params = sum(p.numel() for p in train_lm.GPT(config.model).parameters())
         return {"val_loss": float("nan"), "diverged": str(error), "val_steps": [], "val_losses": [],
                 "step_s": float("nan"), "params": params, "optimizer": chosen.optimizer,
@@ -351,7 +339,7 @@ def lm_run(method: str, spec: dict[str, Any], rank: int, mesh: Any) -> dict[str,
         "val_losses": result.val_losses,
         "step_s": statistics.median(result.step_seconds),
         "params": result.parameters,
-        "optimizer": train_lm.METHODS[method].optimizer,
-        "description": result.description,
+        "optimizer": lm_methods.METHODS[method].optimizer,
+        "description": lm_methods.METHODS[method].description,
         "stats": result.hook_stats,
     }

@@ -289,8 +289,21 @@ class Checkpointer:
             return self.save(step, extra)
         return None
 
-    def _write_file(self, path: Path, payload: Mapping[str, Any]) -> tuple[int, str]:
-        """Write this rank's file, fsynced; return its size and SHA-256 (a seam for fault injection)."""
+    def write_file(self, path: Path, payload: Mapping[str, Any]) -> tuple[int, str]:
+        """Write this rank's file of a checkpoint, fsynced; return its size in bytes and its SHA-256 (hex).
+
+        :meth:`save` calls it once per rank and step, inside the checkpoint's temporary directory, before
+        the manifest is written; the payload's ``"step"`` and ``"rank"`` say which file it is. Meant to be
+        overridden: to write somewhere else, or to fail in the middle of a write (the fault-tolerance
+        tests kill a rank here). An override returns what is on disk, as :meth:`restore` checks it.
+
+        Example::
+
+            class Counting(Checkpointer):
+                def write_file(self, path, payload):
+                    print(f"rank {payload['rank']} writes step {payload['step']}")
+                    return super().write_file(path, payload)
+        """
         return write_rank_file(path, payload)
 
     def save(self, step: int, extra: Mapping[str, Any] | None = None) -> Path:
@@ -320,7 +333,7 @@ class Checkpointer:
             "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
             "rng": _rng_state(), "extra": self.extra,
         }
-        size, digest = self._write_file(partial / rank_file(rank), payload)
+        size, digest = self.write_file(partial / rank_file(rank), payload)
         files = self._gather((rank_file(rank), size, digest))
         if rank == 0:
             manifest = {

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 import fastio
+from benchmarks.lm_methods import EXAMPLE, load_example
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_lm.py"
 BATCH = 16
 TINY = [
     "--d-model",
@@ -46,12 +45,22 @@ TINY = [
     "1",
 ]
 RUN_TIMEOUT = 300  # seconds for one torchrun (a loaded 2-core machine)
-# The methods of the issue killed at a random step: topk, sign, and compressed Adam past its warm-up (quantize
-# 8-bit is killed in the middle of a checkpoint write, in test_fault_checkpoints.py).
+# The methods of the issue killed at a random step, as the example's arguments: topk, sign, and compressed
+# Adam past its warm-up (quantize 8-bit is killed in the middle of a checkpoint write, in
+# test_fault_checkpoints.py).
 METHODS = {
-    "topk": [],
-    "sign": [],
-    "cadam": ["--opt", "warmup_steps=8"],
+    "topk": ["--hook", "topk", "--opt", "ratio=0.01"],
+    "sign": ["--hook", "sign"],
+    "cadam": [
+        "--optimizer",
+        "compressed_adam",
+        "--opt",
+        "compressor=sign",
+        "--opt",
+        "warmup_compressor=quantize",
+        "--opt",
+        "warmup_steps=8",
+    ],
 }
 
 
@@ -59,12 +68,7 @@ METHODS = {
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One prepared data set for the module (the example's shards of 40 stdlib files)."""
     directory = tmp_path_factory.mktemp("data")
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import train_lm  # noqa: PLC0415
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
-    train_lm.prepare_data(directory, max_files=40)
+    load_example().prepare_data(directory, max_files=40)
     return directory
 
 
@@ -89,7 +93,11 @@ def train_dir(data_dir: Path) -> Path:
     return found / "train"
 
 
-def command(nproc: int, data_dir: Path, work: Path, *args: str, restarts: int = 3) -> list[str]:
+def command(
+    nproc: int, data_dir: Path, work: Path, *args: str, restarts: int = 3, script: Path = EXAMPLE
+) -> list[str]:
+    """torchrun of ``script`` (the example, or a test's stand-in for it) on the tiny GPT, with checkpoints
+    under ``work`` (resumed when there are some), a sample log and the final state."""
     return [
         sys.executable,
         "-m",
@@ -101,7 +109,7 @@ def command(nproc: int, data_dir: Path, work: Path, *args: str, restarts: int = 
         str(restarts),
         "--monitor-interval",
         "0.1",
-        str(EXAMPLE),
+        str(script),
         *TINY,
         "--data-dir",
         str(data_dir),
@@ -117,8 +125,8 @@ def command(nproc: int, data_dir: Path, work: Path, *args: str, restarts: int = 
 
 
 def run_env(**extra: str) -> dict[str, str]:
-    """The environment of a run: this one's, less a fault switch, plus ``extra``."""
-    environ = {k: v for k, v in os.environ.items() if k != "TRAIN_LM_FAULT"}
+    """The environment of a run: this one's, less a fault switch (``KILL_AT``), plus ``extra``."""
+    environ = {k: v for k, v in os.environ.items() if k != "KILL_AT"}
     environ.update(OMP_NUM_THREADS="1", FASTCOMM_TIMEOUT="60", **extra)
     return environ
 
@@ -235,7 +243,7 @@ def sigkill_restart(method: str, data_dir: Path, tmp_path: Path, reference) -> N
     epoch_steps = (num_samples // 2) // BATCH
     # topk runs past one epoch so the sample log can show every sample once; the others are shorter.
     steps = epoch_steps + 12 if method == "topk" else 30
-    args = ["--hook", method, *METHODS[method], "--steps", str(steps), "--checkpoint-every", "10"]
+    args = [*METHODS[method], "--steps", str(steps), "--checkpoint-every", "10"]
     uninterrupted = reference(args)
 
     rng = random.Random(f"{method}-{os.getpid()}-{time.time_ns()}")

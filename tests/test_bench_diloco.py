@@ -9,6 +9,7 @@ import json
 import pytest
 
 from benchmarks import bench_diloco
+from benchmarks.lm_methods import METHODS, load_example
 
 PARAMETERS = 1_000_003
 
@@ -143,7 +144,6 @@ def test_the_plot_has_a_wall_time_panel_per_link(tmp_path):
 
 
 def test_each_phase_is_timed_apart_and_the_step_time_is_their_weighted_mean(tmp_path, monkeypatch):
-    train_lm = bench_diloco.conv.load_example()
     # per phase: its runs' step times (the first settings.warmup = 2 untimed), and the median
     # bench_convergence reports for a phase without syncs; the mean is the step time (2.0, then 1.0)
     taken = iter((([9.0, 9.0, 1.0, 1.0, 4.0], 1.0), ([9.0, 9.0, 1.0, 1.0, 1.0], 1.0)))
@@ -155,10 +155,10 @@ def test_each_phase_is_timed_apart_and_the_step_time_is_their_weighted_mean(tmp_
         (settings.work / f"{tag}.json").write_text(json.dumps({"hook_stats": None, "step_seconds": steps}))
         return {"seconds_per_step": median}, "ok", None
 
-    monkeypatch.setattr(bench_diloco.conv, "_time_phase", time_phase)
-    settings = bench_diloco.conv._Settings(500, 2, 20, tmp_path, tmp_path, True)
-    timed = bench_diloco._time_method(train_lm, None, "10mbit", "cadam", 29000, settings)
-    warmup = train_lm.METHODS["cadam"].options["warmup_steps"]
+    monkeypatch.setattr(bench_diloco.conv, "time_phase", time_phase)
+    settings = bench_diloco.conv.Settings(500, 2, 20, tmp_path, tmp_path, True)
+    timed = bench_diloco._time_method(None, "10mbit", "cadam", 29000, settings)
+    warmup = METHODS["cadam"].options["warmup_steps"]
     assert [c[:2] for c in calls] == [(1, warmup), (warmup + 1, 500)]
     assert calls[1][2] == {"warmup_steps": 2}  # the compressed phase's run skips the warm-up
     assert len({c[3] for c in calls}) == len({c[4] for c in calls}) == 2
@@ -167,7 +167,7 @@ def test_each_phase_is_timed_apart_and_the_step_time_is_their_weighted_mean(tmp_
 
 
 def test_every_default_method_is_a_train_lm_method_and_every_timed_one_has_a_loss_run():
-    methods = set(bench_diloco.conv.load_example().METHODS)
+    methods = set(METHODS)
     overlapped = set(bench_diloco.OVERLAPPED) | set(bench_diloco.OVERLAPPED.values())
     assert set(bench_diloco.LOSS_METHODS) | overlapped <= methods
     assert set(bench_diloco.SPEED_METHODS) <= set(bench_diloco.LOSS_METHODS)
@@ -179,13 +179,13 @@ def test_every_diloco_method_of_train_lm_builds_and_a_ramp_becomes_the_outer_lr_
 
     import fastcomm
 
-    train_lm = bench_diloco.conv.load_example()
-    for name, method in train_lm.METHODS.items():
+    train_lm = load_example()
+    for name, method in METHODS.items():
         if method.optimizer != "diloco":
             continue
         model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))  # 6 parameters: up to 6 fragments
         outer = fastcomm.DiLoCo(model, torch.optim.AdamW(model.parameters()),
-                                **train_lm._diloco_arguments(method.options))  # fmt: skip
+                                **train_lm.diloco_arguments(method.options))  # fmt: skip
         ramp = method.options.get("outer_lr_ramp")
         if ramp is None:
             assert outer.outer_lr == method.options["outer_lr"], name

@@ -39,8 +39,8 @@ def test_a_method_within_the_target_at_every_seed_meets_it():
 
 
 def test_every_default_method_is_a_train_lm_method():
-    from benchmarks import bench_convergence
+    from benchmarks.lm_methods import METHODS
 
-    methods = set(bench_convergence.load_example().METHODS)
+    methods = set(METHODS)
     assert set(bench_diloco_seeds.METHODS) | set(bench_diloco_seeds.MORE_METHODS) <= methods
     assert not set(bench_diloco_seeds.SEEDS) & set(bench_diloco_seeds.MORE_SEEDS)

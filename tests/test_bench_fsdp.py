@@ -11,7 +11,7 @@ import pytest
 
 import fastcomm
 import fastcomm.fsdp
-from benchmarks import bench_fsdp, fsdp_jobs, fsdp_rows, harness
+from benchmarks import bench_fsdp, fsdp_jobs, fsdp_rows, harness, lm_methods
 from benchmarks.common import free_port
 
 LOSS = {
@@ -191,7 +191,8 @@ def test_every_method_is_a_compressor_and_compress_options(method):
 
 @pytest.mark.parametrize("method", bench_fsdp.LM_METHODS)
 def test_every_lm_method_runs_under_fsdp(method):
-    assert fsdp_jobs.load_example().fsdp_unavailable(method) is None
+    fields = lm_methods.config_fields(method)
+    assert lm_methods.load_example().fsdp_unavailable(fields["optimizer"], fields["hook"]) is None
 
 
 def test_a_diverged_lm_run_is_a_row_without_a_ratio_and_a_note_that_says_so():

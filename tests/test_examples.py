@@ -1,6 +1,5 @@
 """examples/train_lm.py runs under torchrun on 2 gloo ranks, checkpoints, and resumes at the right step."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,18 +10,10 @@ import pytest
 import torch.distributed as dist
 
 import fastcomm
+from benchmarks.lm_methods import EXAMPLE, load_example
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--max-files", "40", "--batch-size", "4",
         "--val-rows", "8", "--log-every", "2"]
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("train_lm_under_test", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -48,7 +39,7 @@ def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path
     resumed = _torchrun(tmp_path, *common, "--resume", "--json", str(tmp_path / "b.json"))
     first, second = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
 
-    assert f"resumed {hook} at step 4" in resumed.stderr
+    assert f"resumed {hook} (adamw) at step 4" in resumed.stderr
     assert first["start_step"] == 0 and len(first["train_losses"]) == 6
     assert second["start_step"] == 4 and len(second["train_losses"]) == 4
     losses = first["train_losses"] + second["train_losses"] + second["val_losses"]
@@ -61,23 +52,24 @@ def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path
 
 
 def test_resume_refuses_a_checkpoint_of_another_method(tmp_path: Path) -> None:
-    train_lm = _load_example()
+    train_lm = load_example()
     paths = train_lm.prepare_data(tmp_path / "data", max_files=40)
     tiny = train_lm.ModelConfig(d_model=16, n_layer=1, n_head=2)
     common = {"steps": 2, "batch_size": 2, "val_rows": 2, "log_every": 0, "model": tiny}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        train_lm.train(train_lm.TrainConfig(method="none", checkpoint_dir=tmp_path / "ckpt",
-                                            checkpoint_every=2, **common), paths)
-        another_run = "is of another run: method: saved 'none', this run 'q8'"
+        train_lm.train(train_lm.TrainConfig(checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2, **common),
+                       paths)
+        another_run = "is of another run: hook: saved 'none', this run 'quantize'"
+        q8 = train_lm.TrainConfig(hook="quantize", options={"bits": 8}, resume=tmp_path / "ckpt", **common)
         with pytest.raises(fastcomm.CheckpointError, match=another_run):
-            train_lm.train(train_lm.TrainConfig(method="q8", resume=tmp_path / "ckpt", **common), paths)
+            train_lm.train(q8, paths)
     finally:
         dist.destroy_process_group()
 
 
 def test_data_split_holds_out_every_twentieth_file_and_is_reused(tmp_path: Path) -> None:
-    train_lm = _load_example()
+    train_lm = load_example()
     paths = train_lm.prepare_data(tmp_path, max_files=40)
     assert (paths.train_files, paths.val_files) == (38, 2)
     assert paths.train_bytes > 0 and paths.val_bytes > 0
@@ -87,7 +79,7 @@ def test_data_split_holds_out_every_twentieth_file_and_is_reused(tmp_path: Path)
 
 
 def test_model_has_the_documented_parameter_count() -> None:
-    train_lm = _load_example()
+    train_lm = load_example()
     model = train_lm.GPT(train_lm.ModelConfig())
     assert sum(p.numel() for p in model.parameters()) == 1_457_856
 
@@ -96,7 +88,7 @@ def test_model_has_the_documented_parameter_count() -> None:
     "bad", [{"d_model": 30, "n_head": 4}, {"n_layer": 0}, {"context": 1.5}, {"context": 129}]
 )
 def test_model_config_names_the_bad_value(bad: dict) -> None:
-    train_lm = _load_example()
+    train_lm = load_example()
     with pytest.raises(ValueError, match="d_model|n_layer|context"):
         train_lm.ModelConfig(**bad)
 
@@ -104,21 +96,27 @@ def test_model_config_names_the_bad_value(bad: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_train_lm_trains_under_fsdp2_with_a_compressed_reduce_scatter(tmp_path: Path) -> None:
-    result = _torchrun(tmp_path, "--fsdp", "--hook", "q8", "--steps", "4", "--eval-every", "4",
-                       "--json", str(tmp_path / "fsdp.json"))
+    result = _torchrun(tmp_path, "--fsdp", "--hook", "quantize", "--opt", "bits=8", "--steps", "4",
+                       "--eval-every", "4", "--json", str(tmp_path / "fsdp.json"))
     run = json.loads((tmp_path / "fsdp.json").read_text())
-    assert "q8 under FSDP2" in result.stderr
+    assert "quantize (adamw) under FSDP2" in result.stderr
     assert len(run["train_losses"]) == 4 and all(math.isfinite(x) for x in run["train_losses"])
     assert run["hook_stats"]["steps"] == 4 and run["hook_stats"]["compression_ratio"] > 3
 
 
 @pytest.mark.parametrize(
-    ("method", "options", "message"),
-    [("cadam", {}, "optimizer 'compressed_adam' has no FSDP2 form"),
-     ("topk", {}, "hook 'topk' is not a compressor of fastcomm.fsdp"),
-     ("q8", {"checkpoint_dir": Path("c"), "checkpoint_every": 2}, "checkpoints and final_state are DDP")],
+    ("fields", "message"),
+    [({"optimizer": "compressed_adam"}, "optimizer 'compressed_adam' has no FSDP2 form"),
+     ({"hook": "topk"}, "hook 'topk' is not a compressor of fastcomm.fsdp"),
+     ({"hook": "quantize", "checkpoint_dir": Path("c"), "checkpoint_every": 2},
+      "checkpoints and final_state are DDP")],
 )
-def test_fsdp_refuses_what_it_cannot_run(method: str, options: dict, message: str) -> None:
-    train_lm = _load_example()
+def test_fsdp_refuses_what_it_cannot_run(fields: dict, message: str) -> None:
+    train_lm = load_example()
     with pytest.raises(ValueError, match=message):
-        train_lm.TrainConfig(method=method, fsdp=True, **options)
+        train_lm.TrainConfig(fsdp=True, **fields)
+
+
+def test_an_unknown_optimizer_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        load_example().TrainConfig(optimizer="lamb")

@@ -22,6 +22,7 @@ import _fault_runs as fr  # noqa: E402
 data_dir, reference = fr.data_dir, fr.reference  # the module-scoped fixtures of these tests
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+KILLING = Path(__file__).parent / "_killing_train_lm.py"  # the example, with a rank killed in a write
 
 
 def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(data_dir: Path, tmp_path: Path, reference) -> None:
@@ -33,10 +34,10 @@ def test_sigkill_during_a_checkpoint_write_uses_the_previous_one(
 ) -> None:
     # Rank 1 writes half of its file of checkpoint 20, then SIGKILLs itself; the restart must ignore the
     # partial checkpoint, resume from step 10, and still end bit-identical to an uninterrupted run.
-    args = ["--hook", "q8", "--steps", "30", "--checkpoint-every", "10"]
-    command = fr.command(2, data_dir, tmp_path / "killed", *args)
-    result = fr.run(command, tmp_path / "killed", env=fr.run_env(TRAIN_LM_FAULT="checkpoint-write:20:1"))
-    assert "resumed q8 at step 10" in result.stderr, result.stderr[-3000:]
+    args = ["--hook", "quantize", "--opt", "bits=8", "--steps", "30", "--checkpoint-every", "10"]
+    command = fr.command(2, data_dir, tmp_path / "killed", *args, script=KILLING)
+    result = fr.run(command, tmp_path / "killed", env=fr.run_env(KILL_AT="20:1"))
+    assert "resumed quantize (adamw) at step 10" in result.stderr, result.stderr[-3000:]
     fr.assert_bit_identical(fr.final_state(reference(args)), fr.final_state(tmp_path / "killed"))
 
 
@@ -72,6 +73,6 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
     result = fr.run(fr.command(2, data_dir, work, *args), work)
     reason = "SHA-256 mismatch" if damage == "flip" else "truncated"
     assert "step-000000020 is unusable" in result.stderr and reason in result.stderr, result.stderr[-3000:]
-    assert "resumed sign at step 10" in result.stderr
+    assert "resumed sign (adamw) at step 10" in result.stderr
     assert (work / "ckpt" / "step-000000020.corrupt").is_dir()
     fr.assert_bit_identical(fr.final_state(uninterrupted), fr.final_state(work))

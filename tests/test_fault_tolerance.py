@@ -51,7 +51,7 @@ def test_restart_on_three_ranks_then_two_sees_every_remaining_sample_once(
     rest = num_samples - 2 * fr.BATCH * first
     epoch_end = first + (rest // 3) // fr.BATCH  # the last step of epoch 0 in the 3-rank leg
     second = (epoch_end // 10 + 1) * 10
-    args = ["--hook", "topk", "--steps", "400", "--checkpoint-every", "10"]
+    args = [*fr.METHODS["topk"], "--steps", "400", "--checkpoint-every", "10"]
     work = tmp_path / "elastic"
     fr.run(fr.command(2, data_dir, work, *args, "--stop-after", str(first)), work)
     three = fr.run(fr.command(3, data_dir, work, *args, "--stop-after", str(second)), work)
