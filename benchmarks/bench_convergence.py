@@ -73,7 +73,7 @@ from benchmarks.convergence_runs import (
 )
 from benchmarks.convergence_tables import phase_text
 from benchmarks.harness import RESULTS_DIR, progress
-from benchmarks.lm_methods import METHODS, load_example, method_unavailable
+from benchmarks.lm_methods import METHODS, load_example
 
 __all__ = ["main"]
 
@@ -161,7 +161,6 @@ def main(argv: Sequence[str] | None = None) -> str:
             args.work_dir is not None,
             args.reuse_only,
         )
-        available = {m: method_unavailable(m) for m in [*methods, "noop", "none"]}
         notes = [
             f"task: examples/train_lm.py, {dense_payload_bytes(train_lm) // 4:,}-parameter byte-level GPT "
             "(d_model 192, 3 layers, 4 heads, context 128, untied head), stdlib .py files of Python "
@@ -204,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> str:
             notes.append(f"speed: skipped, {reason}")
         else:
             speed_notes_start = len(notes)
-            noop = time_link(["noop"], None, "loopback", settings, available)["noop"]
+            noop = time_link(["noop"], None, "loopback", settings)["noop"]
             noop_seconds = last_phase_step(noop)
             if noop_seconds is None:
                 raise RuntimeError(f"the no-communication step could not be timed: {noop['status']}")
@@ -230,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                         f"{name}: veth between two namespaces, tbf {link_rate} each way, measured "
                         f"{measured:.2f} MB/s (TCP, one direction, 8 MB)"
                     )
-                    timings[name] = time_link(timed_methods, link, name.split()[0], settings, available
-                    )
+                    timings[name] = time_link(timed_methods, link, name.split()[0], settings)
             for name, per in timings.items():
                 for method, timing in per.items():
                     for crash in timing.get("first_run_crashed", []):
@@ -265,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         for number, method in enumerate(methods, 1):
             progress(f"[{NAME}] loss run {number} of {len(methods)}: {method}, {args.steps} steps, loopback")
             begin = time.perf_counter()
-            runs[method] = loss_run(method, settings, available)
+            runs[method] = loss_run(method, settings)
             run = runs[method]
             if run.status == "ok" and run.result is not None:
                 (work / f"loss-{method}-{args.steps}.json").write_text(json.dumps(run.result))

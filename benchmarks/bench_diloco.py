@@ -85,7 +85,7 @@ def _loss_runs(jobs: Sequence[tuple[str, conv.Settings]], parallel: int) -> dict
     def one(job: tuple[str, conv.Settings]) -> tuple[str, conv.Settings, Any]:
         method, settings = job
         begin = time.monotonic()
-        run = conv.loss_run(method, settings, {})
+        run = conv.loss_run(method, settings)
         progress(f"[{NAME}] {method} {settings.steps} steps: {run.status} ({time.monotonic() - begin:.0f} s)")
         return method, settings, run.result if run.status == "ok" else run.status
 

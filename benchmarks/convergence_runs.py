@@ -11,7 +11,7 @@ run per method, its phases timed on a link, and the time to a loss from both.
 Example::
 
     settings = Settings(steps=100, warmup=2, timed=5, data_dir=data, work=work, reuse=True)
-    run = loss_run("q8", settings, {})
+    run = loss_run("q8", settings)
     print(run.status, run.result["val_losses"][-1])
 """
 
@@ -227,14 +227,12 @@ def time_link(
     link: netlab.Link | None,
     link_name: str,
     settings: Settings,
-    available: dict[str, str | None],
 ) -> dict[str, dict[str, Any]]:
     """Per method: each phase's step time on ``link`` (``{"phases": [...], "status": ...}``)."""
     timings: dict[str, dict[str, Any]] = {}
     for index, method in enumerate(methods):
-        if available.get(method) or method in LOSS_ONLY:
-            why = available.get(method) or LOSS_ONLY[method]
-            timings[method] = {"status": f"skipped: {why}", "phases": []}
+        if method in LOSS_ONLY:
+            timings[method] = {"status": f"skipped: {LOSS_ONLY[method]}", "phases": []}
             continue
         phases = []
         status = "ok"
@@ -340,9 +338,9 @@ def shaped_rate(noop_seconds: float, payload_bytes: int) -> str:
 # Loss runs
 
 
-def loss_run(method: str, settings: Settings, available: dict[str, str | None]) -> Run:
-    if available.get(method):
-        return Run(f"skipped: {available[method]}")
+def loss_run(method: str, settings: Settings) -> Run:
+    """Method ``method``'s loss run: its cached result in ``settings.work`` while that was trained with the
+    method's options from step 0, else a fresh run (or, with ``reuse_only``, a status saying why not)."""
     tag = f"loss-{method}-{settings.steps}" + (f"-s{settings.seed}" if settings.seed else "")
     cached = settings.work / f"{tag}.json"
     if settings.reuse and cached.exists():

@@ -23,7 +23,6 @@ import importlib.util
 import sys
 from typing import Any
 
-import fastcomm
 from benchmarks.common import REPO_ROOT
 
 __all__ = [
@@ -34,7 +33,6 @@ __all__ = [
     "arguments",
     "config_fields",
     "load_example",
-    "method_unavailable",
 ]
 
 EXAMPLE = REPO_ROOT / "examples" / "train_lm.py"
@@ -195,14 +193,6 @@ METHODS: dict[str, Method] = {
     "noop": Method("no communication at all (the compute floor; ranks train apart, for timing only)",
                    hook="noop"),
 }
-
-
-def method_unavailable(name: str) -> str | None:
-    """Why method ``name`` cannot run with the installed fastcomm (a missing export), or None."""
-    method = METHODS[name]
-    if method.optimizer == "compressed_adam" and not hasattr(fastcomm, "CompressedAdam"):
-        return "fastcomm.CompressedAdam is not available in this fastcomm"
-    return None
 
 
 def config_fields(name: str) -> dict[str, Any]:
