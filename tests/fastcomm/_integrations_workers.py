@@ -13,17 +13,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import warnings
 import zlib
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
+from benchmarks.common import free_port, rank_env
+
 LAUNCH_TIMEOUT_S = 150
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(workdir: Path) -> list[dict[str, Any]]:
@@ -31,34 +30,16 @@ def launch(workdir: Path) -> list[dict[str, Any]]:
 
     A package that is not installed has the value ``"skipped"``; a failed rank raises with both logs.
     """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs, logs = [], []
-    for rank in range(2):
-        env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", NODE_RANK="0",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH")))),
-        )
-        logs.append(workdir / f"rank{rank}.log")
-        with logs[-1].open("wb") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, str(workdir)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if any(proc.returncode != 0 for proc in procs):
-        text = "\n".join(f"--- rank {r} (exit {p.returncode})\n{logs[r].read_text()[-4000:]}"
-                         for r, p in enumerate(procs))
+    port = free_port()
+    as_launched = {"NODE_RANK": "0", "GLOO_SOCKET_IFNAME": "lo"}
+    envs = [rank_env(rank, 2, port, LOCAL_RANK=str(rank), **as_launched) for rank in range(2)]
+    logs = [workdir / f"rank{rank}.log" for rank in range(2)]
+    # No early stop on a failed rank: both logs are wanted whole.
+    ranks = common.launch([[sys.executable, __file__, str(workdir)]] * 2, envs, logs, LAUNCH_TIMEOUT_S,
+                          fail_grace_s=LAUNCH_TIMEOUT_S, cwd=workdir)
+    if not ranks.ok:
+        text = "\n".join(f"--- rank {r} (exit {code})\n{logs[r].read_text()[-4000:]}"
+                         for r, code in enumerate(ranks.returncodes))
         raise AssertionError(f"integration ranks failed:\n{text}")
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(2)]
 
