@@ -6,7 +6,6 @@ Example::
     rows, notes = run_nodes(NODE_CONFIGS, Settings(warmup=2, steps=5, timeout_s=180.0))
 """
 
-import math
 import os
 import sys
 import time
@@ -16,7 +15,7 @@ from typing import Any
 from benchmarks import netlab
 from benchmarks.harness import Row
 from benchmarks.hooks_jobs import HIERARCHICAL, LINK_RATE, NODE_CONFIGS, NODE_RANKS, NODES_NETWORK, Config
-from benchmarks.hooks_runs import Outcome, Settings, run_config, verdict_lines
+from benchmarks.hooks_runs import Outcome, Settings, run_config, step_time_row, verdict_lines
 
 __all__ = ["check_node_targets", "node_rows", "run_nodes"]
 
@@ -75,16 +74,8 @@ def node_rows(outcomes: dict[str, Outcome], loads: dict[str, float], timed_steps
             flat = ok(config.name.removesuffix("_hier"))
             if flat is not None:
                 extra["speedup_vs_flat"] = round(flat.step_seconds / seconds, 2)
-        rows.append(Row(
-            case=NODES_NETWORK,
-            backend=config.name,
-            metric="step_time",
-            value=seconds if seconds is not None else math.nan,
-            unit="s",
-            ratio=dense.step_seconds / seconds if seconds and dense else None,
-            ratio_to="allreduce speedup" if seconds and dense else None,
-            extra=extra,
-        ))
+        dense_seconds = dense.step_seconds if dense else None
+        rows.append(step_time_row(NODES_NETWORK, config.name, seconds, dense_seconds, extra))
     return rows
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "num_params",
     "run_config",
     "run_network",
+    "step_time_row",
     "verdict_lines",
 ]
 
@@ -232,6 +233,28 @@ def _wire_bytes(config: Config, outcome: Outcome, timed_steps: int) -> float | N
     return None
 
 
+def step_time_row(
+    case: str, name: str, seconds: float | None, dense: float | None, extra: dict[str, Any]
+) -> Row:
+    """The ``step_time`` row of configuration ``name`` (NaN without a time), its ratio dense allreduce's
+    step time over it.
+
+    Example::
+
+        step_time_row("loopback", "quant8", 0.5, 1.0, {})  # ratio 2.0, "allreduce speedup"
+    """
+    return Row(
+        case=case,
+        backend=name,
+        metric="step_time",
+        value=seconds if seconds is not None else math.nan,
+        unit="s",
+        ratio=dense / seconds if seconds and dense else None,
+        ratio_to="allreduce speedup" if seconds and dense else None,
+        extra=extra,
+    )
+
+
 def _rows_for(
     network: str, outcomes: dict[str, Outcome], timed_steps: int, link_mb_per_s: float | None
 ) -> list[Row]:
@@ -268,16 +291,7 @@ def _rows_for(
             extra["x_noop_floor"] = round(seconds / floor, 2)
         if config.name == "quant8" and seconds and fp16:
             extra["speedup_vs_fp16"] = round(fp16 / seconds, 2)
-        rows.append(Row(
-            case=network,
-            backend=config.name,
-            metric="step_time",
-            value=seconds if seconds is not None else math.nan,
-            unit="s",
-            ratio=dense / seconds if seconds and dense else None,
-            ratio_to="allreduce speedup" if seconds and dense else None,
-            extra=extra,
-        ))
+        rows.append(step_time_row(network, config.name, seconds, dense, extra))
     return rows
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks import hooks_jobs, hooks_nodes
+import math
+
+from benchmarks import hooks_jobs, hooks_nodes, hooks_runs
 from benchmarks.harness import Row
 
 
@@ -54,3 +56,17 @@ def test_stats_delta_counts_the_timed_steps_and_keeps_autos_state():
     delta = hooks_jobs.stats_delta(before, after)
     assert delta["steps"] == 5.0 and delta["bytes_sent"] == 50.0 and delta["compression_ratio"] == 8.0
     assert delta["auto_quant4_buckets"] == 3.0 and delta["auto_trial_chosen_step_s"] == 0.3
+
+
+def test_step_time_rows_carry_dense_allreduce_over_each_time_on_both_networks():
+    outcomes = {
+        "allreduce": hooks_runs.Outcome("ok", 1.0),
+        "sign": hooks_runs.Outcome("ok", 0.5),
+        "sign_hier": hooks_runs.Outcome("crashed (rank 1 exit 1): boom"),
+    }
+    two = {r.backend: r for r in hooks_runs._rows_for("loopback", outcomes, 5, None)}
+    nodes = {r.backend: r for r in hooks_nodes.node_rows(outcomes, {}, 5, 4, None)}
+    for rows in (two, nodes):
+        assert rows["sign"].ratio == 2.0 and rows["sign"].ratio_to == "allreduce speedup"
+        assert rows["allreduce"].ratio == 1.0
+    assert math.isnan(nodes["sign_hier"].value) and nodes["sign_hier"].ratio is None
