@@ -12,7 +12,9 @@ Example::
 Built in: :class:`ImageStage` (decode + RandomResizedCrop/flip or centre crop into the batch buffer,
 ``stages=[...]``), :class:`Pack` (token documents packed into fixed rows, ``pack=...``),
 :func:`worker_info` (inside workers: id, num_workers, seed, epoch), :class:`Stream` (weighted sources mixed
-in proportion: ``StreamLoader([Stream(a, 0.7), Stream(b, 0.3)], ...)``).
+in proportion: ``StreamLoader([Stream(a, 0.7), Stream(b, 0.3)], ...)``). fastio's own loader options come
+grouped, one object per concern (:mod:`fastio.options`: :class:`RemoteOptions`, :class:`WorkerOptions`...),
+beside DataLoader's flat keyword names.
 """
 
 from fastio._native import backend
@@ -36,11 +38,20 @@ from fastio.format.tar.decode import decode_default
 from fastio.format.tar.index import TarShardSet, index_tar
 from fastio.loader import StreamLoader
 from fastio.mixing import Stream
+from fastio.options import (
+    BatchOptions,
+    MixingOptions,
+    OrderOptions,
+    ReadOptions,
+    RemoteOptions,
+    WorkerOptions,
+)
 from fastio.registry import register_format, register_scheme
 from fastio.sources import Source
 from fastio.workers import WorkerInfo, worker_info
 
 __all__ = [
+    "BatchOptions",
     "BatchStage",
     "CorruptShardError",
     "EmptySourceError",
@@ -49,7 +60,11 @@ __all__ = [
     "ImageStage",
     "MissingFieldError",
     "MissingIndexError",
+    "MixingOptions",
+    "OrderOptions",
     "Pack",
+    "ReadOptions",
+    "RemoteOptions",
     "SchemaMismatchError",
     "ShardReader",
     "ShardSet",
@@ -60,6 +75,7 @@ __all__ = [
     "StreamLoader",
     "TarShardSet",
     "WorkerInfo",
+    "WorkerOptions",
     "WorkerTimeoutError",
     "backend",
     "collate_samples",

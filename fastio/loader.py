@@ -13,20 +13,20 @@ How a batch is made:
    gather, GIL released.
 3. ``num_workers`` workers fill slots ahead of the consumer (at most ``num_workers + prefetch`` batches in
    flight); ``num_workers=0`` gathers in the consumer's thread. Batches always come out in order. Workers
-   are threads for native gathering and forked processes for Python transforms (``worker_mode``); processes
-   write tensors into shared slot files in a temp dir (:mod:`fastio.workers`): nothing is pickled but a
-   small description, and nothing depends on the size of ``/dev/shm``.
-4. With ``transform``/``collate``, or a ``Dataset`` source, samples go through the Python path: per-sample
-   ``transform``, then ``collate`` (default: :func:`fastio.assembly.collate.collate_samples`, which gives what
-   ``default_collate`` gives, with lists for ragged fields) in the worker.
+   are threads for native gathering and forked processes for Python transforms (``WorkerOptions.mode``);
+   processes write tensors into shared slot files in a temp dir (:mod:`fastio.workers`): nothing is pickled
+   but a small description, and nothing depends on the size of ``/dev/shm``.
+4. With ``transform``/``collate_fn``, or a ``Dataset`` source, samples go through the Python path:
+   per-sample ``transform``, then ``collate_fn`` (default: :func:`fastio.assembly.collate.collate_samples`,
+   which gives what ``default_collate`` gives, with lists for ragged fields) in the worker.
 5. With ``device=`` (CUDA), the pinned batch is copied on a side stream; the consumer's stream waits on an
    event, so the copy overlaps the previous step's compute (with worker processes the consumer copies).
 
-Buffer reuse (``reuse_buffers=True``, the default): a yielded batch's tensors are views of reused buffers
-(or, with worker processes, of a shared slot file), and a buffer is refilled only when nothing outside the
-loader still views it: a kept batch, a slice or a numpy view of it stays as it was, in every worker mode,
-without ``.clone()`` (the loader then fills fresh memory instead). ``reuse_buffers=False``: fresh memory for
-every batch.
+Buffer reuse (``BatchOptions(reuse_buffers=True)``, the default): a yielded batch's tensors are views of
+reused buffers (or, with worker processes, of a shared slot file), and a buffer is refilled only when nothing
+outside the loader still views it: a kept batch, a slice or a numpy view of it stays as it was, in every
+worker mode, without ``.clone()`` (the loader then fills fresh memory instead). ``reuse_buffers=False``: fresh
+memory for every batch.
 
 Randomness in ``transform``: before each sample's call, torch's CPU generator, ``random`` and ``numpy.random``
 are seeded from ``(seed, epoch, sample index)`` (:mod:`fastio.assembly.seeding`), so augmentations differ
@@ -55,17 +55,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from fastio.assembly.collate import collate_samples
 from fastio.assembly.pack import Pack, TokenPacker
-from fastio.assembly.stages import BatchStage
-from fastio.mixing import as_streams, mixed_batches, open_streams
+from fastio.mixing import Stream, as_streams, mixed_batches, open_streams
+from fastio.options import (
+    BatchOptions,
+    MixingOptions,
+    OpenOptions,
+    OrderOptions,
+    ReadOptions,
+    RemoteOptions,
+    WorkerOptions,
+    grouped_options,
+)
 from fastio.pipeline.batches import Batches, EpochOrders, SampleBatches
 from fastio.pipeline.sampled import SamplerBatches, check_sampler_args, index_batches
 from fastio.pipeline.settings import (
@@ -75,7 +83,7 @@ from fastio.pipeline.settings import (
     dataloader_worker_args,
     order_for_source,
 )
-from fastio.registry import OpenOptions, open_source
+from fastio.registry import open_source
 from fastio.sources import ReadPlan, StageTimes
 from fastio.workers.batch_pass import BatchPass
 
@@ -90,6 +98,24 @@ def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int
     if rank is None:
         rank = dist.get_rank() if initialised else 0
     return int(rank), int(world_size)
+
+
+def _collate_fn(
+    collate_fn: Callable[[list[Any]], Any] | None, deprecated: dict[str, Any]
+) -> Callable[[list[Any]], Any] | None:
+    """DataLoader's ``collate_fn``, or the loader's old name for it, ``collate=`` (warns; removed from
+    ``deprecated``)."""
+    if "collate" not in deprecated:
+        return collate_fn
+    collate = deprecated.pop("collate")
+    if collate_fn is not None:
+        raise ValueError("pass collate_fn= (DataLoader's name) only; collate= is its old name")
+    warnings.warn(
+        "StreamLoader(collate=...) is deprecated and goes in the next release; pass collate_fn=...",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return collate
 
 
 class StreamLoader:
@@ -108,66 +134,46 @@ class StreamLoader:
         shuffle: ``False`` (the default, as in DataLoader: storage order), ``True`` (a full global
             permutation per epoch, as in DataLoader) or ``"shard"`` (shard-aware, for sources where random
             access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
-            batch, see :mod:`fastio.pipeline.order`). On sources that declare ``requires_shard_order`` (remote
-            stores), ``True`` is the full permutation where the cache holds every shard, else a sliding
-            window of parts of shards where the source reads parts (``"parts"``, fastio shards and tars
-            with sidecars: ``stats()["shuffle_window_parts"]``), else of the shards the cache holds
+            batch, see :mod:`fastio.pipeline.order`). On sources that declare ``requires_shard_order``
+            (remote stores), ``True`` is the full permutation where the cache holds every shard, else a
+            sliding window of parts of shards where the source reads parts (``"parts"``, fastio shards and
+            tars with sidecars: ``stats()["shuffle_window_parts"]``), else of the shards the cache holds
             (``"window"``, ``stats()["shuffle_window_shards"]``).
         seed: with the epoch, the only source of randomness.
-        num_workers: gathering threads ahead of the consumer (0: gather in the consumer's thread).
+        num_workers: workers ahead of the consumer (0: batches are made in the consumer's thread).
         pin_memory: page-locked output buffers; default: False, as in DataLoader, but True with a CUDA
             ``device=`` (its side-stream copy overlaps compute only from pinned memory).
         drop_last: drop the last partial batch (and the tail that does not split evenly across ranks).
-        prefetch: extra batches in flight beyond ``num_workers`` (default 2).
         transform: ``transform(sample) -> sample`` per sample (switches to the Python path).
-        collate: ``collate(samples) -> batch`` (switches to the Python path); ``collate_fn=`` is accepted
-            too, as DataLoader names it.
+        device: a CUDA device to copy batches to on a side stream.
+        collate_fn: ``collate_fn(samples) -> batch`` (switches to the Python path).
         worker_init_fn: ``worker_init_fn(worker_id)`` runs first in each worker thread or process, as in
             DataLoader (after :func:`fastio.worker_info` is set there).
-        rank, world_size: override what ``torch.distributed`` says.
-        device: a CUDA device to copy batches to on a side stream.
-        decode: tar sources: None, ``"pil"`` (images via Pillow) or ``decode(field, bytes) -> value``.
-        verify: shard checksums: None (lazily, once per process per shard), True (all at open), False.
-        tar_strict: tar shards must end with an end-of-archive marker; a zeroed header followed by more
-            members, concatenated archives or a file cut at a block boundary raise
-            :class:`fastio.CorruptShardError` saying where. ``False`` serves the members before the damage.
-        progress: show a tqdm progress bar per epoch.
-        reuse_buffers: reuse output buffers that nothing outside still views (see the module docstring).
-        threads: threads per native gather (default: CPUs / max(1, num_workers), at most 8).
-        worker_mode: ``"thread"``, ``"process"`` (forked, batches handed over through slot files, see
-            :mod:`fastio.workers`) or ``"auto"``: processes when Python code runs per sample (``transform``,
-            ``collate`` or a Dataset source), threads otherwise.
-        shuffle_block, shuffle_window: block size and window of the shard-aware shuffle.
-        shuffle_parts: with ``shuffle="parts"`` (and ``shuffle_window``), the parts per shard of the order
-            ``shuffle=True`` chose on a cache-limited remote source, named to resume its state dict under
-            another world size or cache (``stats()``'s ``shuffle_parts``, ``shuffle_window_parts``).
-        stages: :class:`fastio.assembly.stages.BatchStage` steps run on each gathered batch, in order, before
-            ``transform`` (the image pipeline is one): they write into reused fixed-shape buffers.
-        pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token
-            field (shard directories), with document boundaries; see :mod:`fastio.assembly.pack`.
-        cache_dir, cache_limit: sources that bring shards local (remote stores, compressed tars): where
-            they keep them and the most bytes kept (``"50GB"`` or an int).
-        storage_options: keyword arguments of the storage client (fsspec's ``storage_options``).
         sampler, batch_sampler, generator: as in DataLoader (:mod:`fastio.pipeline.sampled`): exactly the
             indices the sampler yields, batched as DataLoader batches them, or the batch sampler's batches;
             ``generator=`` with ``shuffle=True`` gives DataLoader's order for the same generator state.
             DataLoader's checks apply (``sampler`` excludes ``shuffle``; ``batch_sampler`` excludes
             ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last``); refused with ``shuffle="shard"``,
-            ``pack=``, ``rank=``/``world_size=`` and sources read shard by shard. Resume re-runs the sampler
-            and skips the batches handed over: exact only when the sampler repeats its order.
+            ``pack=``, a rank split given in ``order=`` and sources read shard by shard. Resume re-runs the
+            sampler and skips the batches handed over: exact only when the sampler repeats its order.
         persistent_workers: map-style Dataset sources: the same worker processes serve every epoch (False:
             they close at each epoch's end, as in DataLoader).
-        prefetch_factor: DataLoader's batches in flight per worker (instead of ``prefetch``).
+        prefetch_factor: DataLoader's batches in flight per worker (instead of ``WorkerOptions.prefetch``).
         timeout: with workers, seconds to wait for a batch before :class:`fastio.WorkerTimeoutError`
             (0: no limit).
         multiprocessing_context: ``"fork"`` or a fork context (worker processes are forked); others are
             refused with ``ValueError``.
-        mix: streams only: ``"sample"`` (each batch mixes the streams in proportion) or ``"batch"`` (one
-            stream per batch, batches drawn in proportion).
-        epoch_size: streams only: samples per epoch, all streams together (default: the sum of their sizes).
+        pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token
+            field (shard directories), with document boundaries; see :mod:`fastio.assembly.pack`.
+        read, remote, order, workers, batches, mixing: fastio's own options, one object per concern
+            (:mod:`fastio.options`: :class:`fastio.ReadOptions`, :class:`fastio.RemoteOptions`,
+            :class:`fastio.OrderOptions`, :class:`fastio.WorkerOptions`, :class:`fastio.BatchOptions`,
+            :class:`fastio.MixingOptions`; the table in docs/loader.md). Their fields' old flat names
+            (``cache_dir=``, ``worker_mode=``...) and ``collate=`` still work for one release, with a
+            ``DeprecationWarning`` naming the new form.
 
     Returns batches: for shard and tar sources a dict field -> tensor ``[B, ...]`` (fixed shapes) or list
-    (variable ones; tar sources add ``"__key__"``); for Dataset sources what ``collate`` returns.
+    (variable ones; tar sources add ``"__key__"``); for Dataset sources what ``collate_fn`` returns.
 
     Example::
 
@@ -186,29 +192,11 @@ class StreamLoader:
         num_workers: int = 0,
         pin_memory: bool | None = None,
         drop_last: bool = False,
-        prefetch: int | None = None,
-        transform: Callable[[Any], Any] | None = None,
-        collate: Callable[[list[Any]], Any] | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
         *,
+        transform: Callable[[Any], Any] | None = None,
         device: str | torch.device | None = None,
-        decode: Callable[[str, bytes], Any] | str | None = None,
-        verify: bool | None = None,
-        tar_strict: bool = True,
-        progress: bool = False,
-        reuse_buffers: bool = True,
-        worker_mode: str = "auto",
-        threads: int | None = None,
-        shuffle_block: int = 256,
-        shuffle_window: int = 4,
-        stages: Sequence[BatchStage] = (),
-        pack: Pack | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         worker_init_fn: Callable[[int], None] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_limit: int | str | None = None,
-        storage_options: Mapping[str, Any] | None = None,
         sampler: Iterable[int] | None = None,
         batch_sampler: Iterable[list[int]] | None = None,
         generator: torch.Generator | None = None,
@@ -216,32 +204,45 @@ class StreamLoader:
         prefetch_factor: int | None = None,
         timeout: float = 0,
         multiprocessing_context: Any = None,
-        mix: str = "sample",
-        epoch_size: int | None = None,
-        shuffle_parts: int | None = None,
+        pack: Pack | None = None,
+        read: ReadOptions | None = None,
+        remote: RemoteOptions | None = None,
+        order: OrderOptions | None = None,
+        workers: WorkerOptions | None = None,
+        batches: BatchOptions | None = None,
+        mixing: MixingOptions | None = None,
+        **deprecated: Any,
     ) -> None:
-        if collate_fn is not None:
-            if collate is not None:
-                raise ValueError("pass collate= or DataLoader's name for it, collate_fn=, not both")
-            collate = collate_fn
+        collate = _collate_fn(collate_fn, deprecated)
         # 1. What is asked, checked once and grouped by the part that uses it (fastio.pipeline.settings).
-        if worker_mode not in ("auto", "thread", "process"):
-            raise ValueError(f"worker_mode must be 'auto', 'thread' or 'process', got {worker_mode!r}")
+        groups = grouped_options(
+            {"read": read, "remote": remote, "order": order, "workers": workers, "batches": batches,
+             "mixing": mixing},
+            deprecated,
+        )  # fmt: skip
+        read, remote, order_options = groups["read"], groups["remote"], groups["order"]
+        worker_options, batch_options, mixing = groups["workers"], groups["batches"], groups["mixing"]
         if batch_size is None:
             raise ValueError(
                 "batch_size=None (DataLoader's samples without batching) is not supported; "
                 "use batch_size=1 with collate_fn=lambda samples: samples[0]"
             )
         prefetch, worker_mode = dataloader_worker_args(
-            num_workers, prefetch, prefetch_factor, persistent_workers, multiprocessing_context, worker_mode
-        )
-        assembly = AssemblySettings(batch_size, stages, transform, collate)
-        workers = WorkerSettings(
-            num_workers, prefetch, "thread", threads, worker_init_fn, float(timeout), persistent_workers
-        )
-        ranks_given = rank is not None or world_size is not None
-        rank, world_size = _distributed_defaults(rank, world_size)
-        order = OrderSettings(seed, shuffle, shuffle_block, shuffle_window, rank, world_size, drop_last)
+            num_workers, worker_options.prefetch, prefetch_factor, persistent_workers,
+            multiprocessing_context, worker_options.mode,
+        )  # fmt: skip
+        progress = batch_options.progress
+        assembly = AssemblySettings(batch_size, batch_options.stages, transform, collate)
+        worker_settings = WorkerSettings(
+            num_workers, prefetch, "thread", worker_options.threads, worker_init_fn, float(timeout),
+            persistent_workers,
+        )  # fmt: skip
+        ranks_given = order_options.rank is not None or order_options.world_size is not None
+        rank, world_size = _distributed_defaults(order_options.rank, order_options.world_size)
+        order_settings = OrderSettings(
+            seed, shuffle, order_options.shuffle_block, order_options.shuffle_window, rank, world_size,
+            drop_last,
+        )  # fmt: skip
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available")
@@ -249,22 +250,17 @@ class StreamLoader:
         cuda_device = device is not None and device.type == "cuda"
         pin = cuda_device if pin_memory is None else bool(pin_memory)
         # 2. The source, through the registry's tables (fastio.registry).
-        options = OpenOptions(
-            decode=decode,
-            verify=verify,
-            tar_strict=tar_strict,
-            cache_dir=None if cache_dir is None else str(cache_dir),
-            cache_limit=cache_limit,
-            storage_options=storage_options,
-        )
+        options = OpenOptions.of(read, remote)
         streams = as_streams(source)
-        if streams is None and (mix != "sample" or epoch_size is not None):
-            raise ValueError("mix= and epoch_size= apply to a list of fastio.Stream sources (mixing them)")
+        if streams is None and mixing != MixingOptions():
+            raise ValueError(
+                "mixing= (mix, epoch_size) apply to a list of fastio.Stream sources (mixing them)"
+            )
         if streams is None:
             self._source = open_source(source, options)
         else:
             self._source = open_streams(streams, functools.partial(open_source, options=options))
-        if streams is not None and self._source.requires_shard_order and order.shuffle == "full":
+        if streams is not None and self._source.requires_shard_order and order_settings.shuffle == "full":
             raise ValueError(
                 f"shuffle=True (a full permutation of each stream) on {self._source.name}, which mixes a "
                 "source read shard by shard: nearly every sample would come from another shard, each fetched "
@@ -295,44 +291,56 @@ class StreamLoader:
         python_path = transform is not None or collate is not None or self._source.per_sample
         if worker_mode == "auto":
             worker_mode = "process" if python_path else "thread"
-        workers = dataclasses.replace(workers, mode=worker_mode)
+        worker_settings = dataclasses.replace(worker_settings, mode=worker_mode)
+        reuse = batch_options.reuse_buffers
         assembly = dataclasses.replace(
-            assembly, python_path=python_path, pin=pin, reuse_buffers=reuse_buffers, device=device
+            assembly, python_path=python_path, pin=pin, reuse_buffers=reuse, device=device
         )
         # shuffle=True on a source read shard by shard: a window of what its cache holds
         # (fastio.pipeline.settings).
-        reach = ReadPlan(batch_size, workers.slots, workers.processes, world_size > 1).reach(world_size)
+        slots, processes = worker_settings.slots, worker_settings.processes
+        reach = ReadPlan(batch_size, slots, processes, world_size > 1).reach(world_size)
         plain = streams is None and pack is None and not sampled
-        order, self._parts = order_for_source(order, self._source, reach, plain, shuffle_parts)
-        self.order, self.workers, self.assembly = order, workers, assembly
+        order_settings, self._parts = order_for_source(
+            order_settings, self._source, reach, plain, order_options.shuffle_parts
+        )
+        self.order, self.workers, self.assembly = order_settings, worker_settings, assembly
         # 3. How epochs are cut into batches, chosen once (fastio.pipeline.batches): samples, or packed rows.
-        orders = EpochOrders(self._source.shard_sizes, order)
         self.pack = pack
         self.sampler, self.batch_sampler, self.generator = sampler, batch_sampler, generator
-        self._batches: Batches
-        if sampled:
-            n = self._source.num_samples
-            index_sampler = index_batches(
-                n, batch_size, bool(shuffle), drop_last, sampler, batch_sampler, generator
-            )
-            self._batches = SamplerBatches(
-                self._source, index_sampler, generator, seed, workers, assembly, progress
-            )
-        elif streams is not None:
-            self._batches = mixed_batches(
-                self._source, streams, mix=mix, epoch_size=epoch_size, pack=pack, order=order,
-                workers=workers, assembly=assembly, progress=progress,
-            )  # fmt: skip
-        elif pack is None:
-            self._batches = SampleBatches(self._source, orders, order, workers, assembly, progress)
-        else:
-            self._batches = TokenPacker(
-                self._source, pack, orders, order=order, workers=workers, assembly=assembly
-            )
+        self._batches = self._choose_batches(streams, mixing, sampled and bool(shuffle), sampled, progress)
         self.progress = progress
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
         self._current: BatchPass | None = None
+
+    def _choose_batches(
+        self,
+        streams: list[Stream] | None,
+        mixing: MixingOptions,
+        shuffled: bool,
+        sampled: bool,
+        progress: bool,
+    ) -> Batches:
+        """How this loader's epochs are cut into batches: a sampler's, mixed streams', packed rows or
+        samples of fastio's order (:class:`fastio.pipeline.batches.Batches`)."""
+        source, order, workers, assembly = self._source, self.order, self.workers, self.assembly
+        if sampled:
+            index_sampler = index_batches(
+                source.num_samples, assembly.batch_size, shuffled, order.drop_last,
+                self.sampler, self.batch_sampler, self.generator,
+            )  # fmt: skip
+            seed = order.seed
+            return SamplerBatches(source, index_sampler, self.generator, seed, workers, assembly, progress)
+        if streams is not None:
+            return mixed_batches(
+                source, streams, mix=mixing.mix, epoch_size=mixing.epoch_size, pack=self.pack, order=order,
+                workers=workers, assembly=assembly, progress=progress,
+            )  # fmt: skip
+        orders = EpochOrders(source.shard_sizes, order)
+        if self.pack is None:
+            return SampleBatches(source, orders, order, workers, assembly, progress)
+        return TokenPacker(source, self.pack, orders, order=order, workers=workers, assembly=assembly)
 
     # -- what was asked, read from the settings it was grouped into (fastio.pipeline.settings) ------------
     batch_size = property(lambda self: self.assembly.batch_size, doc="Samples (packed: rows) per batch.")

@@ -3,8 +3,8 @@
 ``torch.utils.data.DataLoader`` would give them.
 
 1. :func:`check_sampler_args` applies DataLoader's own argument rules (and its messages), plus the ones that
-   follow from fastio's sources: a source read shard by shard, ``pack=`` and ``rank``/``world_size`` refuse
-   a sampler, saying what to use instead.
+   follow from fastio's sources: a source read shard by shard, ``pack=`` and a rank split given in
+   :class:`fastio.OrderOptions` refuse a sampler, saying what to use instead.
 2. :func:`index_batches` builds the batch sampler as DataLoader does: ``batch_sampler`` itself, else
    ``BatchSampler(sampler, batch_size, drop_last)`` where ``sampler`` defaults to
    ``RandomSampler(generator=generator)`` with ``shuffle=True`` and ``SequentialSampler`` otherwise.
@@ -89,12 +89,14 @@ def check_sampler_args(
     if source.requires_shard_order:
         raise ValueError(
             f"{asked} on {source.name}, a source read shard by shard: a sampler's indices would fetch a "
-            "whole shard for nearly every sample; use shuffle='shard' with seed= (and rank=/world_size=)"
+            "whole shard for nearly every sample; use shuffle='shard' with seed= (and OrderOptions(rank=, "
+            "world_size=))"
         )
     if ranks_given:
         raise ValueError(
-            f"{asked} with rank=/world_size=: the sampler decides which indices this rank reads, as in "
-            "DataLoader; pass them to DistributedSampler(dataset, num_replicas=..., rank=...) instead"
+            f"{asked} with OrderOptions(rank=, world_size=): the sampler decides which indices this rank "
+            "reads, as in DataLoader; pass them to DistributedSampler(dataset, num_replicas=..., rank=...) "
+            "instead"
         )
     return True
 

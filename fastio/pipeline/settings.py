@@ -276,7 +276,8 @@ def dataloader_worker_args(
         raise ValueError("prefetch_factor option should be non-negative")
     if prefetch_factor is not None and prefetch is not None:
         raise ValueError(
-            "pass prefetch= (batches beyond num_workers) or DataLoader's prefetch_factor=, not both"
+            "pass WorkerOptions(prefetch=) (batches beyond num_workers) or DataLoader's prefetch_factor=, "
+            "not both"
         )
     if persistent_workers and num_workers == 0:
         raise ValueError("persistent_workers option needs num_workers > 0")
@@ -301,10 +302,12 @@ def dataloader_worker_args(
             raise ValueError(
                 f"multiprocessing_context={method!r}: fastio's worker processes are forked (they inherit the "
                 "source and the slot files batches are handed over in); use 'fork', or "
-                "worker_mode='thread' for workers that need no new process"
+                "workers=fastio.WorkerOptions(mode='thread') for workers that need no new process"
             )
     if processes_asked and worker_mode == "thread":
-        raise ValueError(f"{processes_asked[0]} asks for worker processes, but worker_mode='thread'")
+        raise ValueError(
+            f"{processes_asked[0]} asks for worker processes, but WorkerOptions(mode='thread') was given"
+        )
     if processes_asked and worker_mode == "auto":
         worker_mode = "process"
     return (2 if prefetch is None else prefetch), worker_mode

@@ -83,7 +83,12 @@ def _fastio_samples(loader: fastio.StreamLoader) -> dict[str, dict[str, bytes]]:
 def test_tgz_gives_the_keys_and_bytes_webdataset_gives(tmp_path):
     webdataset = pytest.importorskip("webdataset", reason="webdataset is the reference here")
     path = _write_tar(tmp_path / "sample.tgz", _members(0, 23), "w:gz")
-    loader = fastio.StreamLoader(str(path), batch_size=5, decode=_raw, cache_dir=str(tmp_path / "cache"))
+    loader = fastio.StreamLoader(
+        str(path),
+        batch_size=5,
+        read=fastio.ReadOptions(decode=_raw),
+        remote=fastio.RemoteOptions(cache_dir=str(tmp_path / "cache")),
+    )
     mine = _fastio_samples(loader)
     theirs = {
         s["__key__"]: {f: s[f] for f in ("cls", "jpg", "json")}
@@ -108,7 +113,11 @@ def test_compressed_shards_read_like_the_plain_tars(tmp_path, suffix):
     options = OpenOptions(decode=_raw, cache_dir=str(tmp_path / "cache"))
     source = open_compressed_tars(str(packed / f"shard-{{000..002}}{suffix}"), options)
     reference = fastio.StreamLoader(
-        str(plain / "shard-{000..002}.tar"), batch_size=4, shuffle="shard", seed=9, decode=_raw
+        str(plain / "shard-{000..002}.tar"),
+        batch_size=4,
+        shuffle="shard",
+        seed=9,
+        read=fastio.ReadOptions(decode=_raw),
     )
     mine = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=9, num_workers=2)
     for a, b in zip(reference, mine, strict=True):
@@ -205,7 +214,13 @@ def test_every_compressed_suffix_opens_locally_and_over_http(tmp_path, suffix):
 
 def test_int_fields_of_compressed_tars_are_tensors(tmp_path):
     path = _write_tar(tmp_path / "s.tgz", _members(1, 9), "w:gz")
-    batch = next(iter(fastio.StreamLoader(str(path), batch_size=9, cache_dir=str(tmp_path / "cache"))))
+    batch = next(
+        iter(
+            fastio.StreamLoader(
+                str(path), batch_size=9, remote=fastio.RemoteOptions(cache_dir=str(tmp_path / "cache"))
+            )
+        )
+    )
     assert batch["cls"].dtype == torch.int64 and len(batch["__key__"]) == 9
 
 

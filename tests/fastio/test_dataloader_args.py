@@ -205,7 +205,9 @@ def test_prefetch_factor_sets_batches_in_flight(workers: int, factor: int, prefe
 
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_timeout_raises_a_named_error(mode: str) -> None:
-    loader = fastio.StreamLoader(Blocking(), batch_size=2, num_workers=1, timeout=0.2, worker_mode=mode)
+    loader = fastio.StreamLoader(
+        Blocking(), batch_size=2, num_workers=1, timeout=0.2, workers=fastio.WorkerOptions(mode=mode)
+    )
     with pytest.raises(fastio.WorkerTimeoutError, match=r"batch 0 not made within timeout=0.2 s"):
         next(iter(loader))
 
@@ -259,7 +261,11 @@ def test_resume_with_a_repeating_sampler_continues_its_order() -> None:
             ValueError,
             "prefetch_factor option should be non-negative",
         ),
-        ({"num_workers": 1, "prefetch_factor": 2, "prefetch": 3}, ValueError, "not both"),
+        (
+            {"num_workers": 1, "prefetch_factor": 2, "workers": fastio.WorkerOptions(prefetch=3)},
+            ValueError,
+            "not both",
+        ),
         ({"persistent_workers": True}, ValueError, "persistent_workers option needs num_workers > 0"),
         ({"multiprocessing_context": "fork"}, ValueError, "can only be used with multi-process loading"),
         ({"num_workers": 1, "multiprocessing_context": "spawn"}, ValueError, "worker processes are forked"),
@@ -268,9 +274,17 @@ def test_resume_with_a_repeating_sampler_continues_its_order() -> None:
             ValueError,
             "'forkserver'",
         ),
-        ({"num_workers": 1, "persistent_workers": True, "worker_mode": "thread"}, ValueError, "worker_mode"),
+        (
+            {"num_workers": 1, "persistent_workers": True, "workers": fastio.WorkerOptions(mode="thread")},
+            ValueError,
+            "WorkerOptions(mode='thread')",
+        ),
         ({"generator": torch.Generator(), "shuffle": "shard"}, ValueError, "shard-aware shuffle"),
-        ({"sampler": [1, 2], "world_size": 2, "rank": 0}, ValueError, "DistributedSampler"),
+        (
+            {"sampler": [1, 2], "order": fastio.OrderOptions(world_size=2, rank=0)},
+            ValueError,
+            "DistributedSampler",
+        ),
         ({"batch_size": None}, ValueError, "batch_size=None"),
     ],
 )

@@ -207,7 +207,7 @@ def test_strict_by_default_and_strict_false_serves_what_is_before(tmp_path, case
         open_source(str(path))
     with pytest.raises(fastio.CorruptShardError, match=message):
         fastio.StreamLoader(str(path))
-    loader = fastio.StreamLoader(str(path), batch_size=8, tar_strict=False)
+    loader = fastio.StreamLoader(str(path), batch_size=8, read=fastio.ReadOptions(tar_strict=False))
     assert sum(len(batch["__key__"]) for batch in loader) == kept
 
 
@@ -438,7 +438,7 @@ def test_text_field_that_is_not_utf8(tmp_path):
     data = bytearray(victim.read_bytes())
     data[start + len("text-0") + 2] = 0xFF  # inside sample 1
     victim.write_bytes(bytes(data))
-    loader = fastio.StreamLoader(tmp_path / "s", batch_size=5, verify=False)
+    loader = fastio.StreamLoader(tmp_path / "s", batch_size=5, read=fastio.ReadOptions(verify=False))
     with pytest.raises(fastio.CorruptShardError, match=r"shard-000000\.fio.*'t\[1\]'.*UTF-8"):
         next(iter(loader))
     with pytest.raises(fastio.CorruptShardError, match=r"'t\[1\]'"):

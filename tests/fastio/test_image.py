@@ -411,7 +411,9 @@ def image_tars(tmp_path_factory):
 
 def _epoch(pattern, epoch, **kwargs):
     stage = ImageStage(size=32)
-    loader = fastio.StreamLoader(pattern, batch_size=8, shuffle=True, seed=3, stages=[stage], **kwargs)
+    loader = fastio.StreamLoader(
+        pattern, batch_size=8, shuffle=True, seed=3, batches=fastio.BatchOptions(stages=[stage]), **kwargs
+    )
     loader.set_epoch(epoch)
     images, labels = {}, {}
     for batch in loader:
@@ -427,7 +429,8 @@ def _epoch(pattern, epoch, **kwargs):
 
 def test_same_images_for_any_num_workers_and_new_ones_each_epoch(image_tars):
     base = _epoch(image_tars, 0, num_workers=0)
-    for kwargs in ({"num_workers": 2}, {"num_workers": 2, "worker_mode": "process"}, {"threads": 2}):
+    process, threads = fastio.WorkerOptions(mode="process"), fastio.WorkerOptions(threads=2)
+    for kwargs in ({"num_workers": 2}, {"num_workers": 2, "workers": process}, {"workers": threads}):
         other = _epoch(image_tars, 0, **kwargs)
         assert all(torch.equal(other[k], base[k]) for k in base), kwargs
     following = _epoch(image_tars, 1, num_workers=2)
@@ -442,7 +445,9 @@ def test_images_from_a_fastio_shard_bytes_field(tmp_path):
         for i, data in enumerate(encoded):
             w.write({"jpg": data, "y": i})
     stage = ImageStage(size=24, train=False, layout="NCHW", dct_scaling=False)  # the tight bound above
-    loader = fastio.StreamLoader(str(tmp_path / "set"), batch_size=5, stages=[stage], num_workers=2)
+    loader = fastio.StreamLoader(
+        str(tmp_path / "set"), batch_size=5, batches=fastio.BatchOptions(stages=[stage]), num_workers=2
+    )
     seen = 0
     for batch in loader:
         ys = batch["y"].tolist()
@@ -457,7 +462,11 @@ def test_images_from_a_fastio_shard_bytes_field(tmp_path):
 @pytest.mark.parametrize("worker_mode", ["thread", "process"])
 def test_a_field_the_samples_lack_is_named_with_the_fields_they_have(image_tars, worker_mode):
     loader = fastio.StreamLoader(
-        image_tars, batch_size=8, stages=[ImageStage("jpeg", size=16)], num_workers=1, worker_mode=worker_mode
+        image_tars,
+        batch_size=8,
+        batches=fastio.BatchOptions(stages=[ImageStage("jpeg", size=16)]),
+        workers=fastio.WorkerOptions(mode=worker_mode),
+        num_workers=1,
     )
     expected = r"ImageStage\(field='jpeg'\): the samples have no field 'jpeg'; their fields: 'cls', 'jpg': "
     expected += "pass field='jpg'"

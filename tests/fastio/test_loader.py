@@ -43,8 +43,7 @@ def test_exactly_once_across_ranks_and_workers(shard_dir, fio, world):
                     shuffle=True,
                     seed=2,
                     num_workers=workers,
-                    rank=r,
-                    world_size=world,
+                    order=fastio.OrderOptions(rank=r, world_size=world),
                 )
             )
             for r in range(world)
@@ -62,7 +61,11 @@ def test_exactly_once_across_ranks_and_workers(shard_dir, fio, world):
 
 def test_drop_last_gives_full_equal_batches(shard_dir):
     per_rank = [
-        _epoch(fastio.StreamLoader(shard_dir, batch_size=8, drop_last=True, rank=r, world_size=3))
+        _epoch(
+            fastio.StreamLoader(
+                shard_dir, batch_size=8, drop_last=True, order=fastio.OrderOptions(rank=r, world_size=3)
+            )
+        )
         for r in range(3)
     ]
     assert [len(b) for b in per_rank] == [4, 4, 4]
@@ -87,7 +90,11 @@ def test_order_repeats_per_epoch_and_changes_across_epochs(shard_dir):
 @pytest.mark.parametrize("world", [1, 3])
 def test_resume_at_every_batch_boundary(shard_dir, world):
     make = lambda workers, r: fastio.StreamLoader(  # noqa: E731
-        shard_dir, batch_size=10, seed=4, num_workers=workers, rank=r, world_size=world
+        shard_dir,
+        batch_size=10,
+        seed=4,
+        num_workers=workers,
+        order=fastio.OrderOptions(rank=r, world_size=world),
     )
     for rank in range(world):
         full = _epoch(make(0, rank))
@@ -106,13 +113,17 @@ def test_resume_with_a_different_world_size_loses_nothing(shard_dir, fio):
     for old_world, new_world, k in [(2, 3, 3), (4, 1, 2), (1, 4, 5), (3, 2, 0), (2, 2, 6)]:
         states, consumed = [], []
         for r in range(old_world):
-            loader = fastio.StreamLoader(shard_dir, batch_size=5, seed=1, rank=r, world_size=old_world)
+            loader = fastio.StreamLoader(
+                shard_dir, batch_size=5, seed=1, order=fastio.OrderOptions(rank=r, world_size=old_world)
+            )
             it = iter(loader)
             consumed += _flat([next(it)["y"].tolist() for _ in range(k)])
             states.append(loader.state_dict())
         rest = []
         for r in range(new_world):
-            loader = fastio.StreamLoader(shard_dir, batch_size=5, seed=1, rank=r, world_size=new_world)
+            loader = fastio.StreamLoader(
+                shard_dir, batch_size=5, seed=1, order=fastio.OrderOptions(rank=r, world_size=new_world)
+            )
             loader.load_state_dict(states[0])
             rest += _flat(_epoch(loader))
         assert set(consumed) | set(rest) == set(range(fio.NUM_SAMPLES))
@@ -164,7 +175,13 @@ def test_buffers_are_reused_unless_asked_not_to(shard_dir):
     a = next(it)["x"].data_ptr()
     b = next(it)["x"].data_ptr()
     assert a == b, "a batch nobody holds any more has its buffers refilled"
-    owned = fastio.StreamLoader(shard_dir, batch_size=10, shuffle=False, reuse_buffers=False, num_workers=2)
+    owned = fastio.StreamLoader(
+        shard_dir,
+        batch_size=10,
+        shuffle=False,
+        batches=fastio.BatchOptions(reuse_buffers=False),
+        num_workers=2,
+    )
     kept = [batch["x"] for batch in owned]
     np.testing.assert_array_equal(torch.cat(kept)[:, 0, 0].numpy(), (np.arange(117) + 0).astype(np.int16))
 
@@ -183,7 +200,7 @@ def test_transform_and_collate(shard_dir, fio):
         seen += ys
     assert sorted(seen) == list(range(117))
     custom = fastio.StreamLoader(
-        shard_dir, batch_size=7, collate=lambda samples: [int(s["y"]) for s in samples]
+        shard_dir, batch_size=7, collate_fn=lambda samples: [int(s["y"]) for s in samples]
     )
     assert sorted(_flat(list(custom))) == list(range(117))
 
@@ -209,12 +226,19 @@ class _Squares(torch.utils.data.Dataset):
 @pytest.mark.parametrize("batched", [False, True])
 def test_map_style_dataset_source(batched):
     dataset = _Squares(53, batched)
-    loader = fastio.StreamLoader(dataset, batch_size=8, seed=1, num_workers=1, rank=1, world_size=2)
+    loader = fastio.StreamLoader(
+        dataset, batch_size=8, seed=1, num_workers=1, order=fastio.OrderOptions(rank=1, world_size=2)
+    )
     seen = []
     for x, i in loader:
         assert (x[:, 1] == x[:, 0] ** 2).all() and (x[:, 0] == i).all()
         seen += i.tolist()
-    other = [i.tolist() for _, i in fastio.StreamLoader(dataset, batch_size=8, seed=1, rank=0, world_size=2)]
+    other = [
+        i.tolist()
+        for _, i in fastio.StreamLoader(
+            dataset, batch_size=8, seed=1, order=fastio.OrderOptions(rank=0, world_size=2)
+        )
+    ]
     assert sorted(set(seen) | set(_flat(other))) == list(range(53))
     assert (
         dataset.calls["items" if batched else "item"] > 0
@@ -223,7 +247,9 @@ def test_map_style_dataset_source(batched):
 
 
 def test_stats_and_progress(shard_dir, capsys):
-    loader = fastio.StreamLoader(shard_dir, batch_size=10, num_workers=1, progress=True)
+    loader = fastio.StreamLoader(
+        shard_dir, batch_size=10, num_workers=1, batches=fastio.BatchOptions(progress=True)
+    )
     for _ in loader:
         pass
     stats = loader.stats()
@@ -243,14 +269,16 @@ def test_bad_arguments(shard_dir):
         ({"batch_size": 0}, "batch_size"),
         ({"num_workers": -1}, "num_workers"),
         ({"shuffle": "sometimes"}, "shuffle"),
-        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"order": fastio.OrderOptions(rank=2, world_size=2)}, "rank"),
     ]:
         with pytest.raises(ValueError, match=word):
             fastio.StreamLoader(shard_dir, **{"batch_size": 4, **kwargs})
 
 
 def test_abandoned_iterators_do_not_block(shard_dir):
-    loader = fastio.StreamLoader(shard_dir, batch_size=4, num_workers=3, prefetch=1)
+    loader = fastio.StreamLoader(
+        shard_dir, batch_size=4, num_workers=3, workers=fastio.WorkerOptions(prefetch=1)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(5):
@@ -265,9 +293,13 @@ def test_rank_and_world_size_come_from_torch_distributed(shard_dir, monkeypatch)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 3)
     implicit = fastio.StreamLoader(shard_dir, batch_size=8, seed=2)
     assert (implicit.rank, implicit.world_size) == (1, 3) and len(implicit) == 5
-    explicit = _epoch(fastio.StreamLoader(shard_dir, batch_size=8, seed=2, rank=1, world_size=3))
+    explicit = _epoch(
+        fastio.StreamLoader(shard_dir, batch_size=8, seed=2, order=fastio.OrderOptions(rank=1, world_size=3))
+    )
     assert _epoch(implicit) == explicit
-    overridden = fastio.StreamLoader(shard_dir, batch_size=8, seed=2, rank=0, world_size=1)
+    overridden = fastio.StreamLoader(
+        shard_dir, batch_size=8, seed=2, order=fastio.OrderOptions(rank=0, world_size=1)
+    )
     assert len(_flat(_epoch(overridden))) == 117
 
 
@@ -308,7 +340,7 @@ def test_progress_without_tqdm_names_the_extra(shard_dir, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", refuse_tqdm)
     with pytest.raises(ImportError, match=r"fastcomm\[progress\]"):
-        iter(fastio.StreamLoader(shard_dir, batch_size=10, progress=True))
+        iter(fastio.StreamLoader(shard_dir, batch_size=10, batches=fastio.BatchOptions(progress=True)))
 
 
 def _record_worker(worker_id: int) -> None:
@@ -337,7 +369,7 @@ def test_dataloader_keywords_collate_fn_and_worker_init_fn(shard_dir, monkeypatc
         shard_dir,
         batch_size=10,
         num_workers=2,
-        worker_mode=mode,
+        workers=fastio.WorkerOptions(mode=mode),
         transform=_tag_with_init,
         collate_fn=collate_fn,
         worker_init_fn=_record_worker,

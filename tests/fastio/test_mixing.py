@@ -56,7 +56,7 @@ def _flat(batches: list[list[int]]) -> list[int]:
 
 # -- what an epoch means --
 def test_each_stream_walks_fresh_permutations_and_continues_across_epochs():
-    loader = _loader([10, 60], [1, 1], epoch_size=40)  # 20 of each per epoch
+    loader = _loader([10, 60], [1, 1], mixing=fastio.MixingOptions(epoch_size=40))  # 20 of each per epoch
     seen = [_flat(_ids(loader, e)) for e in range(6)]
     small = [i for epoch in seen for i in epoch if i < BASE]
     large = [i - BASE for epoch in seen for i in epoch if i >= BASE]
@@ -82,7 +82,7 @@ def test_stream_order_depends_on_seed():
 @pytest.mark.parametrize("weights", [(0.7, 0.3), (3, 2, 1), (1, 1, 5)])
 def test_epoch_takes_each_stream_share_within_one(weights):
     sizes = [31, 17, 9][: len(weights)]
-    loader = _loader(sizes, weights, epoch_size=101)
+    loader = _loader(sizes, weights, mixing=fastio.MixingOptions(epoch_size=101))
     for epoch in range(2):
         counts = collections.Counter(i // BASE for i in _flat(_ids(loader, epoch)))
         for i, w in enumerate(weights):
@@ -99,7 +99,11 @@ def test_epoch_size_defaults_to_the_sum_of_stream_sizes():
 def test_each_batch_holds_each_stream_share_within_one(world):
     for rank in range(world):
         loader = _loader(
-            [400, 300], [0.7, 0.3], batch_size=64, epoch_size=640 * world, world_size=world, rank=rank
+            [400, 300],
+            [0.7, 0.3],
+            batch_size=64,
+            mixing=fastio.MixingOptions(epoch_size=640 * world),
+            order=fastio.OrderOptions(world_size=world, rank=rank),
         )
         for batch in _ids(loader, 1)[:-1]:
             streams = [i // BASE for i in batch]
@@ -107,7 +111,9 @@ def test_each_batch_holds_each_stream_share_within_one(world):
 
 
 def test_three_streams_mix_within_one_per_batch():
-    loader = _loader([50, 40, 30], [0.5, 0.3, 0.2], batch_size=20, epoch_size=200)
+    loader = _loader(
+        [50, 40, 30], [0.5, 0.3, 0.2], batch_size=20, mixing=fastio.MixingOptions(epoch_size=200)
+    )
     for batch in _ids(loader, 0):
         streams = [i // BASE for i in batch]
         assert [abs(streams.count(i) - 20 * w) < 1 for i, w in enumerate((0.5, 0.3, 0.2))] == [True] * 3
@@ -117,7 +123,13 @@ def test_three_streams_mix_within_one_per_batch():
 def test_mix_batch_gives_one_stream_per_batch_in_proportion(world):
     per_batch = collections.Counter()
     for rank in range(world):
-        loader = _loader([90, 40], [0.7, 0.3], batch_size=8, mix="batch", world_size=world, rank=rank)
+        loader = _loader(
+            [90, 40],
+            [0.7, 0.3],
+            batch_size=8,
+            mixing=fastio.MixingOptions(mix="batch"),
+            order=fastio.OrderOptions(world_size=world, rank=rank),
+        )
         batches = _ids(loader, 0)
         assert all(len({i // BASE for i in batch}) == 1 for batch in batches[:-2])
         per_batch.update(batch[0] // BASE for batch in batches[:-2])
@@ -158,7 +170,9 @@ def _tar(path: Path, base: int, n: int, compress: str = "", extra: str | None = 
 def test_tar_and_compressed_tar_streams_mix(tmp_path):
     plain, packed = _tar(tmp_path / "a.tar", 0, 30), _tar(tmp_path / "b.tar.gz", 500, 12, "gz")
     streams = [fastio.Stream(plain, 2), fastio.Stream(packed, 1)]
-    loader = fastio.StreamLoader(streams, batch_size=6, shuffle="shard", cache_dir=tmp_path / "cache")
+    loader = fastio.StreamLoader(
+        streams, batch_size=6, shuffle="shard", remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache")
+    )
     seen = []
     for batch in loader:
         assert batch["stream"].tolist() == [int(c >= 500) for c in batch["cls"].tolist()]
@@ -175,8 +189,12 @@ def test_a_remote_stream_mixes_with_a_local_one(tmp_path, fio):
     with HttpServer(tmp_path / "www") as server:
         streams = [fastio.Stream(server.url("web/"), 0.6, name="web"), fastio.Stream(local, 0.4, name="code")]
         with pytest.raises(ValueError, match="shuffle='shard'"):
-            fastio.StreamLoader(streams, shuffle=True, cache_dir=tmp_path / "cache")
-        loader = fastio.StreamLoader(streams, batch_size=6, shuffle="shard", cache_dir=tmp_path / "cache")
+            fastio.StreamLoader(
+                streams, shuffle=True, remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache")
+            )
+        loader = fastio.StreamLoader(
+            streams, batch_size=6, shuffle="shard", remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache")
+        )
         seen = collections.Counter()
         for batch in loader:
             ys = fio.check_batch(batch)
@@ -206,7 +224,12 @@ def test_resume_is_exact_mid_epoch_and_after_several_epochs(tmp_path, fio, num_w
     def make():
         streams = [fastio.Stream(a, 0.5), fastio.Stream(b, 0.5)]
         return fastio.StreamLoader(
-            streams, batch_size=6, shuffle=True, seed=4, num_workers=num_workers, worker_mode=mode
+            streams,
+            batch_size=6,
+            shuffle=True,
+            seed=4,
+            num_workers=num_workers,
+            workers=fastio.WorkerOptions(mode=mode),
         )
 
     full = make()
@@ -236,7 +259,13 @@ def test_resume_is_exact_mid_epoch_and_after_several_epochs(tmp_path, fio, num_w
 def test_resume_at_another_world_size_sees_nothing_twice(old, new):
     def ranks(world, **kwargs):
         return [
-            _loader([37, 29], [0.6, 0.4], drop_last=True, world_size=world, rank=r, **kwargs)
+            _loader(
+                [37, 29],
+                [0.6, 0.4],
+                drop_last=True,
+                order=fastio.OrderOptions(world_size=world, rank=r),
+                **kwargs,
+            )
             for r in range(world)
         ]
 
@@ -260,7 +289,10 @@ def test_resume_at_another_world_size_sees_nothing_twice(old, new):
 
 def test_resume_chained_across_world_sizes_keeps_the_epoch_list():
     def ranks(world):
-        return [_loader([37, 29], [0.6, 0.4], drop_last=True, world_size=world, rank=r) for r in range(world)]
+        return [
+            _loader([37, 29], [0.6, 0.4], drop_last=True, order=fastio.OrderOptions(world_size=world, rank=r))
+            for r in range(world)
+        ]
 
     seen, state = [], None
     for world, batches in ((2, 1), (3, 1), (1, None)):  # 2 ranks, then 3, then 1 to the end
@@ -285,11 +317,20 @@ def test_resume_chained_across_world_sizes_keeps_the_epoch_list():
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_ranks_get_equal_batch_counts(world, drop_last):
     counts = {
-        len(_ids(_loader([23, 11], [2, 1], world_size=world, rank=r, drop_last=drop_last), 0))
+        len(
+            _ids(
+                _loader(
+                    [23, 11], [2, 1], order=fastio.OrderOptions(world_size=world, rank=r), drop_last=drop_last
+                ),
+                0,
+            )
+        )
         for r in range(world)
     }
     assert len(counts) == 1
-    assert counts.pop() == len(_loader([23, 11], [2, 1], world_size=world, rank=0, drop_last=drop_last))
+    assert counts.pop() == len(
+        _loader([23, 11], [2, 1], order=fastio.OrderOptions(world_size=world, rank=0), drop_last=drop_last)
+    )
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -374,7 +415,7 @@ def test_state_dict_refuses_other_streams_or_a_single_source(shard_dir):
     with pytest.raises(ValueError, match="stream_weights"):
         _loader([20, 10], [1, 2]).load_state_dict(state)
     with pytest.raises(ValueError, match="epoch_size"):
-        _loader([20, 10], [1, 1], epoch_size=25).load_state_dict(state)
+        _loader([20, 10], [1, 1], mixing=fastio.MixingOptions(epoch_size=25)).load_state_dict(state)
     with pytest.raises(ValueError, match="mixes streams"):
         _loader([20, 10], [1, 1]).load_state_dict(fastio.StreamLoader(shard_dir).state_dict())
 
@@ -414,7 +455,7 @@ def test_pack_draws_rows_from_token_corpora_in_proportion_and_resumes(tmp_path):
     assert len(got) == len(expected) - 2
     assert all(torch.equal(g, w) for g, w in zip(got, expected[2:], strict=True))
     with pytest.raises(ValueError, match='mix="batch"'):
-        make(mix="batch")
+        make(mixing=fastio.MixingOptions(mix="batch"))
 
 
 # -- bad input --
@@ -430,11 +471,11 @@ def test_bad_stream_lists_and_arguments(shard_dir):
     with pytest.raises(ValueError, match="wrap every source"):
         fastio.StreamLoader([fastio.Stream(shard_dir), shard_dir], batch_size=2)
     with pytest.raises(ValueError, match="mix must be one of"):
-        _loader([5, 5], [1, 1], mix="round-robin")
+        _loader([5, 5], [1, 1], mixing=fastio.MixingOptions(mix="round-robin"))
     with pytest.raises(ValueError, match="epoch_size"):
-        _loader([5, 5], [1, 1], epoch_size=0)
+        _loader([5, 5], [1, 1], mixing=fastio.MixingOptions(epoch_size=0))
     with pytest.raises(ValueError, match="apply to a list of fastio.Stream"):
-        fastio.StreamLoader(shard_dir, mix="batch")
+        fastio.StreamLoader(shard_dir, mixing=fastio.MixingOptions(mix="batch"))
     with pytest.raises(ValueError, match="fastio's own order of the streams"):
         _loader([5, 5], [1, 1], shuffle=False, sampler=range(10))
 

@@ -105,7 +105,12 @@ def test_matches_plain_python_packer(corpus, world, eos, shift, shuffle):
     counts = set()
     for rank in range(world):
         loader = _loader(
-            directory, pack, shuffle=shuffle, seed=5, world_size=world, rank=rank, drop_last=drop_last
+            directory,
+            pack,
+            shuffle=shuffle,
+            seed=5,
+            order=fastio.OrderOptions(world_size=world, rank=rank),
+            drop_last=drop_last,
         )
         want = _batches(_reference(docs, order, SEQ_LEN, eos, shift, world, rank), BATCH, drop_last)
         got = _collect(loader)
@@ -123,7 +128,13 @@ def test_ranks_read_disjoint_documents(tmp_path):
     directory = _write_docs(tmp_path / "docs", docs)
     seen = []
     for rank in range(3):
-        loader = _loader(directory, Pack(seq_len=SEQ_LEN), shuffle=True, seed=1, world_size=3, rank=rank)
+        loader = _loader(
+            directory,
+            Pack(seq_len=SEQ_LEN),
+            shuffle=True,
+            seed=1,
+            order=fastio.OrderOptions(world_size=3, rank=rank),
+        )
         tokens = torch.cat([b["tokens"].flatten() for b in loader])
         seen.append(set((tokens // 1000).tolist()))
     assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
@@ -144,14 +155,16 @@ def test_output_independent_of_num_workers(corpus, workers):
 
 def test_buffers_reused_when_batches_are_released(corpus):
     directory, _ = corpus
-    loader = _loader(directory, Pack(seq_len=SEQ_LEN), num_workers=2, prefetch=1)
+    loader = _loader(
+        directory, Pack(seq_len=SEQ_LEN), num_workers=2, workers=fastio.WorkerOptions(prefetch=1)
+    )
     pointers = {b["tokens"].data_ptr() for b in loader}
     assert len(loader) > 50 and len(pointers) <= 2 + 1 + 2  # the pool: slots + held + spare
 
 
 def test_reuse_buffers_false_gives_fresh_tensors(corpus):
     directory, _ = corpus
-    loader = _loader(directory, Pack(seq_len=SEQ_LEN), reuse_buffers=False)
+    loader = _loader(directory, Pack(seq_len=SEQ_LEN), batches=fastio.BatchOptions(reuse_buffers=False))
     kept = list(loader)
     assert len({b["tokens"].data_ptr() for b in kept}) == len(kept)
 
@@ -161,7 +174,7 @@ def test_reuse_buffers_false_gives_fresh_tensors(corpus):
 def test_resume_gives_the_batches_that_would_have_come(corpus, cut, workers):
     directory, _ = corpus
     pack = Pack(seq_len=SEQ_LEN, eos=-3, shift=True, positions=True)
-    kwargs = {"shuffle": True, "seed": 9, "world_size": 2, "rank": 1}
+    kwargs = {"shuffle": True, "seed": 9, "order": fastio.OrderOptions(world_size=2, rank=1)}
     full = _collect(_loader(directory, pack, **kwargs))
     first = _loader(directory, pack, num_workers=2 - workers, **kwargs)
     it = iter(first)
@@ -233,8 +246,8 @@ def test_resume_refuses_a_changed_stream(corpus, change):
     def make(settings):
         pack = Pack(seq_len=settings["seq_len"], shift=settings["shift"], eos=settings["eos"])
         return _loader(
-            directory, pack, world_size=settings["world_size"], rank=0, seed=settings["seed"],
-            shuffle=settings["shuffle"],
+            directory, pack, order=fastio.OrderOptions(world_size=settings["world_size"], rank=0),
+            seed=settings["seed"], shuffle=settings["shuffle"],
         )  # fmt: skip
 
     state = make(base).state_dict()
@@ -331,8 +344,19 @@ def test_too_few_tokens_for_one_batch(tmp_path, drop_last):
     with pytest.raises(fastio.EmptySourceError, match="15 tokens"):
         _loader(directory, Pack(seq_len=16), batch_size=1)  # no row at all
     with pytest.raises(fastio.EmptySourceError, match="fewer than one batch"):
-        _loader(directory, Pack(seq_len=4), batch_size=2, world_size=2, rank=0, drop_last=True)
-    assert len(_loader(directory, Pack(seq_len=4), batch_size=2, world_size=2, rank=0)) == 1
+        _loader(
+            directory,
+            Pack(seq_len=4),
+            batch_size=2,
+            order=fastio.OrderOptions(world_size=2, rank=0),
+            drop_last=True,
+        )
+    assert (
+        len(
+            _loader(directory, Pack(seq_len=4), batch_size=2, order=fastio.OrderOptions(world_size=2, rank=0))
+        )
+        == 1
+    )
 
 
 def test_pack_refuses_python_path_options(corpus):
@@ -340,7 +364,7 @@ def test_pack_refuses_python_path_options(corpus):
     with pytest.raises(ValueError, match="transform"):
         _loader(directory, Pack(seq_len=8), transform=lambda s: s)
     with pytest.raises(ValueError, match="process"):
-        _loader(directory, Pack(seq_len=8), worker_mode="process")
+        _loader(directory, Pack(seq_len=8), workers=fastio.WorkerOptions(mode="process"))
 
 
 def test_pack_needs_a_shard_directory():
@@ -367,11 +391,12 @@ def test_rows_planned_in_small_chunks_match_reference(corpus, monkeypatch, worke
     directory, docs = corpus
     order = epoch_order([SHARD_DOCS] * 9, seed=3, epoch=0, shuffle=True)
     pack = Pack(seq_len=SEQ_LEN, eos=-2, shift=True, positions=True)
-    loader = _loader(directory, pack, shuffle=True, seed=3, world_size=2, rank=1, num_workers=workers)
+    ranks = fastio.OrderOptions(world_size=2, rank=1)
+    loader = _loader(directory, pack, shuffle=True, seed=3, order=ranks, num_workers=workers)
     it = iter(loader)
     for _ in range(5):
         next(it)  # resume from an odd batch: chunks are counted from the resume row
-    resumed = _loader(directory, pack, shuffle=True, seed=3, world_size=2, rank=1, num_workers=workers)
+    resumed = _loader(directory, pack, shuffle=True, seed=3, order=ranks, num_workers=workers)
     resumed.load_state_dict(loader.state_dict())
     want = _batches(_reference(docs, order, SEQ_LEN, -2, True, 2, 1), BATCH, False)[5:]
     got = _collect(resumed)
@@ -409,7 +434,12 @@ def test_tar_npy_documents_match_reference(corpus, tmp_path, eos):
     order = epoch_order([60, NUM_DOCS - 60], seed=8, epoch=0, shuffle=True)
     pack = Pack("tokens.npy", seq_len=SEQ_LEN, eos=eos, shift=True, positions=True)
     loader = fastio.StreamLoader(
-        tars, batch_size=BATCH, shuffle=True, seed=8, world_size=2, rank=0, pack=pack
+        tars,
+        batch_size=BATCH,
+        shuffle=True,
+        seed=8,
+        order=fastio.OrderOptions(world_size=2, rank=0),
+        pack=pack,
     )
     want = _batches(_reference(docs, order, SEQ_LEN, eos, True, 2, 0), BATCH, False)
     got = _collect(loader)

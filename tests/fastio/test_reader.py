@@ -57,7 +57,9 @@ def test_flipped_data_byte_caught_lazily_and_with_verify(fresh_set, fio):
     with pytest.raises(fastio.CorruptShardError, match="shard-000005"):  # from a worker thread, no hang
         for _ in threaded:
             pass
-    unchecked = fastio.StreamLoader(fresh_set, batch_size=16, shuffle=False, verify=False)
+    unchecked = fastio.StreamLoader(
+        fresh_set, batch_size=16, shuffle=False, read=fastio.ReadOptions(verify=False)
+    )
     assert sum(len(b["y"]) for b in unchecked) == fio.NUM_SAMPLES
 
 

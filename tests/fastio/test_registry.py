@@ -110,7 +110,12 @@ def npy_dir(tmp_path):
 def test_toy_format_reads_every_sample_through_the_loader(toy_registry, npy_dir, num_workers, worker_mode):
     directory, rows = npy_dir
     loader = fastio.StreamLoader(
-        directory, batch_size=5, shuffle=True, seed=3, num_workers=num_workers, worker_mode=worker_mode
+        directory,
+        batch_size=5,
+        shuffle=True,
+        seed=3,
+        num_workers=num_workers,
+        workers=fastio.WorkerOptions(mode=worker_mode),
     )
     assert isinstance(loader._source, NpyDirSource)
     seen = []
@@ -132,9 +137,14 @@ def test_toy_format_with_the_python_path(toy_registry, npy_dir):
 def test_toy_scheme_reads_every_sample(toy_registry, num_workers, worker_mode):
     _STORE["mem://train"] = MemorySource("mem://train", _SHARDS)
     loader = fastio.StreamLoader(
-        "mem://train", batch_size=6, shuffle="shard", shuffle_block=4, seed=1, num_workers=num_workers,
-        worker_mode=worker_mode,
-    )  # fmt: skip
+        "mem://train",
+        batch_size=6,
+        shuffle="shard",
+        order=fastio.OrderOptions(shuffle_block=4),
+        workers=fastio.WorkerOptions(mode=worker_mode),
+        seed=1,
+        num_workers=num_workers,
+    )
     ys = torch.cat([batch["y"] for batch in loader])
     assert sorted(((ys - 1) // 3).tolist()) == list(range(sum(_SHARDS)))
 
@@ -152,9 +162,12 @@ def _first_touched(shards: list[int]) -> list[int]:
 def test_prepare_gets_the_order_this_rank_reads_shards_in(toy_registry, rank):
     source = _STORE["mem://a"] = MemorySource("mem://a", _SHARDS)
     loader = fastio.StreamLoader(
-        "mem://a", batch_size=4, shuffle="shard", shuffle_block=3, shuffle_window=2, seed=7, rank=rank,
-        world_size=2,
-    )  # fmt: skip
+        "mem://a",
+        batch_size=4,
+        shuffle="shard",
+        order=fastio.OrderOptions(shuffle_block=3, shuffle_window=2, rank=rank, world_size=2),
+        seed=7,
+    )
     for epoch in (0, 1):
         loader.set_epoch(epoch)
         source.fetched_shards.clear()
@@ -168,12 +181,16 @@ def test_prepare_gets_the_order_this_rank_reads_shards_in(toy_registry, rank):
 
 def test_prepare_on_resume_gets_only_the_shards_still_to_read(toy_registry):
     source = _STORE["mem://r"] = MemorySource("mem://r", _SHARDS)
-    loader = fastio.StreamLoader("mem://r", batch_size=4, shuffle="shard", shuffle_block=3, seed=2)
+    loader = fastio.StreamLoader(
+        "mem://r", batch_size=4, shuffle="shard", order=fastio.OrderOptions(shuffle_block=3), seed=2
+    )
     it = iter(loader)
     for _ in range(6):
         next(it)
     state = loader.state_dict()
-    resumed = fastio.StreamLoader("mem://r", batch_size=4, shuffle="shard", shuffle_block=3, seed=2)
+    resumed = fastio.StreamLoader(
+        "mem://r", batch_size=4, shuffle="shard", order=fastio.OrderOptions(shuffle_block=3), seed=2
+    )
     resumed.load_state_dict(state)
     source.fetched_shards.clear()
     rest = [((y - 1) // 3).tolist() for batch in resumed for y in batch["y"]]
@@ -186,7 +203,7 @@ def test_prepare_on_resume_gets_only_the_shards_still_to_read(toy_registry):
 def test_prepare_is_called_before_worker_processes_fork(toy_registry):
     source = _STORE["mem://p"] = MemorySource("mem://p", _SHARDS)
     loader = fastio.StreamLoader(
-        "mem://p", batch_size=8, shuffle="shard", num_workers=2, worker_mode="process"
+        "mem://p", batch_size=8, shuffle="shard", num_workers=2, workers=fastio.WorkerOptions(mode="process")
     )
     list(loader)
     assert len(source.prepared) == 1 and sorted(source.prepared[0][0]) == list(range(len(_SHARDS)))
@@ -344,7 +361,11 @@ def test_a_source_without_counters_adds_nothing_to_stats():
 
 def test_the_progress_bar_shows_downloads_and_cache_use():
     pytest.importorskip("tqdm")
-    it = iter(fastio.StreamLoader(CountingSource("mem://b", _SHARDS), batch_size=8, progress=True))
+    it = iter(
+        fastio.StreamLoader(
+            CountingSource("mem://b", _SHARDS), batch_size=8, batches=fastio.BatchOptions(progress=True)
+        )
+    )
     next(it)
     assert it.bar.postfix == "3 MB down, cache 2/- MB, net wait 0.2 s"
     it.close()
@@ -367,6 +388,14 @@ class PlannedSource(MemorySource):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_loader_says_how_it_fetches_before_each_pass(workers):
     source = PlannedSource("mem://planned", _SHARDS)
-    list(fastio.StreamLoader(source, batch_size=8, num_workers=workers, prefetch=2, world_size=2, rank=1))
+    list(
+        fastio.StreamLoader(
+            source,
+            batch_size=8,
+            num_workers=workers,
+            workers=fastio.WorkerOptions(prefetch=2),
+            order=fastio.OrderOptions(world_size=2, rank=1),
+        )
+    )
     in_flight = workers + 2 if workers else 1
     assert source.calls == [ReadPlan(8, in_flight, False, True), "prepare"]

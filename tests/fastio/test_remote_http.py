@@ -76,7 +76,12 @@ def test_epoch_over_http_equals_local_loader(shard_dir, server, tmp_path, num_wo
 def test_process_workers_read_the_shared_cache(shard_dir, server, tmp_path, fio):
     source = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "cache", retry=FAST_RETRY)
     loader = fastio.StreamLoader(
-        source, batch_size=8, shuffle="shard", seed=1, num_workers=2, worker_mode="process"
+        source,
+        batch_size=8,
+        shuffle="shard",
+        seed=1,
+        num_workers=2,
+        workers=fastio.WorkerOptions(mode="process"),
     )
     for epoch in (0, 1):  # epoch 1: every shard cached, read through one source over the whole set
         loader.set_epoch(epoch)
@@ -92,8 +97,7 @@ def test_a_url_opens_through_the_registry_and_reports_io(shard_dir, server, tmp_
         server.url("train/"),
         batch_size=16,
         shuffle="shard",
-        cache_dir=str(tmp_path / "cache"),
-        cache_limit="1GB",
+        remote=fastio.RemoteOptions(cache_dir=str(tmp_path / "cache"), cache_limit="1GB"),
     )
     seen = Counter(y for batch in loader for y in fio.check_batch(batch))
     stats = loader.stats()
@@ -168,7 +172,12 @@ def test_cache_limit_bounds_the_cache_during_the_epoch(shard_dir, server, tmp_pa
     try:
         for epoch in (0, 1):
             loader = fastio.StreamLoader(
-                source, batch_size=4, shuffle="shard", seed=3, num_workers=num_workers, shuffle_window=1
+                source,
+                batch_size=4,
+                shuffle="shard",
+                seed=3,
+                num_workers=num_workers,
+                order=fastio.OrderOptions(shuffle_window=1),
             )
             loader.set_epoch(epoch)
             seen = Counter()
@@ -194,7 +203,7 @@ def test_a_cache_limit_too_small_for_the_read_order_fails_at_once(shard_dir, ser
     source = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "cache", cache_limit=max(sizes) + 1,
                                retry=FAST_RETRY)
     loader = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=3, num_workers=num_workers,
-                                 shuffle_window=4)
+                                 order=fastio.OrderOptions(shuffle_window=4))
     start = time.monotonic()
     try:
         with pytest.raises(CacheFullError, match="cannot hold the shards this rank's read order keeps open"):
@@ -235,8 +244,9 @@ def test_the_cache_limit_an_error_suggests_runs_the_epoch(
     # A user told "raise cache_limit to at least N bytes" sets exactly N: the epoch must run. N covers every
     # shard a batch reads together, the shards shuffle="shard" keeps open (counted per batch, the last one
     # admitted being the smallest) and, with worker processes, a worker's pins until its next fetch.
-    options = dict(batch_size=batch_size, shuffle="shard", seed=3, shuffle_block=3, shuffle_window=3,
-                   num_workers=num_workers, worker_mode=worker_mode)  # fmt: skip
+    options = dict(batch_size=batch_size, shuffle="shard", seed=3, num_workers=num_workers,
+                   order=fastio.OrderOptions(shuffle_block=3, shuffle_window=3),
+                   workers=fastio.WorkerOptions(mode=worker_mode))  # fmt: skip
     probe = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "probe", cache_limit=1,
                               retry=FAST_RETRY)  # fmt: skip
     try:
@@ -272,7 +282,7 @@ def test_a_pass_that_can_never_get_room_raises_a_named_error_within_seconds(
     source = RemoteShardSource(server.url("train"), cache_dir=cache_dir, cache_limit=limit, retry=FAST_RETRY)
     source.cache.stall_s = 3.0
     loader = fastio.StreamLoader(source, batch_size=4, shuffle="shard", seed=3, num_workers=num_workers,
-                                 worker_mode=worker_mode)  # fmt: skip
+                                 workers=fastio.WorkerOptions(mode=worker_mode))  # fmt: skip
     try:
         with caplog.at_level("WARNING", logger="fastio.remote.cache"):
             with pytest.raises(CacheStalledError, match="other processes or ranks sharing this cache_dir"):
@@ -294,7 +304,12 @@ def test_two_ranks_sharing_a_cache_download_each_shard_once(shard_dir, server, t
     def run(rank: int) -> None:
         try:
             loader = fastio.StreamLoader(
-                sources[rank], batch_size=5, shuffle="shard", seed=4, rank=rank, world_size=2, drop_last=True
+                sources[rank],
+                batch_size=5,
+                shuffle="shard",
+                seed=4,
+                order=fastio.OrderOptions(rank=rank, world_size=2),
+                drop_last=True,
             )
             for batch in loader:
                 seen[rank].update(fio.check_batch(batch))
@@ -316,7 +331,9 @@ def test_two_ranks_sharing_a_cache_download_each_shard_once(shard_dir, server, t
 
 def test_resume_downloads_only_what_is_left(shard_dir, server, tmp_path, fio):
     first = RemoteShardSource(server.url("train"), cache_dir=tmp_path / "node-a", retry=FAST_RETRY)
-    loader = fastio.StreamLoader(first, batch_size=13, shuffle="shard", seed=6, shuffle_window=1)
+    loader = fastio.StreamLoader(
+        first, batch_size=13, shuffle="shard", seed=6, order=fastio.OrderOptions(shuffle_window=1)
+    )
     seen = Counter()
     it = iter(loader)
     for _ in range(5):
@@ -329,7 +346,9 @@ def test_resume_downloads_only_what_is_left(shard_dir, server, tmp_path, fio):
         second = RemoteShardSource(
             second_server.url("train"), cache_dir=tmp_path / "node-b", retry=FAST_RETRY
         )
-        resumed = fastio.StreamLoader(second, batch_size=13, shuffle="shard", seed=6, shuffle_window=1)
+        resumed = fastio.StreamLoader(
+            second, batch_size=13, shuffle="shard", seed=6, order=fastio.OrderOptions(shuffle_window=1)
+        )
         resumed.load_state_dict(state)
         rest = Counter(y for batch in resumed for y in fio.check_batch(batch))
         second.close()
@@ -426,8 +445,14 @@ def test_the_cache_folder_never_holds_more_than_the_limit_plus_one_shard(tmp_pat
                 limit = source.cache.limit
                 try:
                     for epoch in (0, 1):
-                        loader = fastio.StreamLoader(source, batch_size=8, shuffle=shuffle, shuffle_window=2,
-                                                     seed=epoch, num_workers=2)  # fmt: skip
+                        loader = fastio.StreamLoader(
+                            source,
+                            batch_size=8,
+                            shuffle=shuffle,
+                            order=fastio.OrderOptions(shuffle_window=2),
+                            seed=epoch,
+                            num_workers=2,
+                        )
                         seen = Counter()
                         for batch in loader:
                             peaks.append(cache_folder_bytes(cache_dir))

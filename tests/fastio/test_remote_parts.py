@@ -73,7 +73,7 @@ def test_shuffle_true_under_a_cache_limit_reads_each_sample_once_from_a_window_o
     try:
         for epoch in (0, 1):
             loader = fastio.StreamLoader(source, batch_size=8, shuffle=True, seed=5, num_workers=num_workers,
-                                         worker_mode=worker_mode)  # fmt: skip
+                                         workers=fastio.WorkerOptions(mode=worker_mode))  # fmt: skip
             loader.set_epoch(epoch)
             ys = [y for batch in loader for y in fio.check_batch(batch)]
             stats = loader.stats()
@@ -119,7 +119,13 @@ def _mid_part_cut(batches: list[list[int]], part_sizes: list[int], after: int) -
 @pytest.mark.parametrize("after", [1, 6])
 def test_a_parts_order_resumes_mid_part_with_the_same_batches(server, tmp_path, fio, num_workers, worker_mode,
                                                               after):  # fmt: skip
-    options = dict(batch_size=4, shuffle=True, seed=2, num_workers=num_workers, worker_mode=worker_mode)
+    options = dict(
+        batch_size=4,
+        shuffle=True,
+        seed=2,
+        num_workers=num_workers,
+        workers=fastio.WorkerOptions(mode=worker_mode),
+    )
     first = _source(server.url("train"), tmp_path / "cache", 4)
     try:
         whole = [fio.check_batch(batch) for batch in fastio.StreamLoader(first, **options)]
@@ -158,7 +164,9 @@ def test_ranks_reading_a_parts_order_share_the_epoch_exactly_once(server, tmp_pa
     counts = []
     for rank in range(3):
         source = _source(server.url("train"), tmp_path / "cache", 3)
-        loader = fastio.StreamLoader(source, batch_size=1, shuffle=True, seed=7, rank=rank, world_size=3)
+        loader = fastio.StreamLoader(
+            source, batch_size=1, shuffle=True, seed=7, order=fastio.OrderOptions(rank=rank, world_size=3)
+        )
         try:
             batches = [fio.check_batch(batch) for batch in loader]
         finally:
@@ -177,7 +185,7 @@ def test_the_cache_folder_never_holds_more_than_its_limit_and_one_part(
     source = _source(server.url("train"), tmp_path / "cache", 2.5)
     try:
         loader = fastio.StreamLoader(source, batch_size=4, shuffle=True, seed=1, num_workers=num_workers,
-                                     worker_mode=worker_mode)  # fmt: skip
+                                     workers=fastio.WorkerOptions(mode=worker_mode))  # fmt: skip
         largest_part = max(s.footprint for s in source.shards)
         peak = 0
         for batch in loader:
@@ -195,8 +203,12 @@ def test_shard_and_storage_orders_read_whole_shards_after_a_parts_loader(shard_d
         parted = fastio.StreamLoader(source, batch_size=8, shuffle=True, seed=3)
         assert parted.stats()["shuffle_mode"] == "parts" and len(source.shard_sizes) > 9
         for shuffle in ("shard", False):
-            remote = fastio.StreamLoader(source, batch_size=8, shuffle=shuffle, seed=3, shuffle_window=2)
-            local = fastio.StreamLoader(shard_dir, batch_size=8, shuffle=shuffle, seed=3, shuffle_window=2)
+            remote = fastio.StreamLoader(
+                source, batch_size=8, shuffle=shuffle, seed=3, order=fastio.OrderOptions(shuffle_window=2)
+            )
+            local = fastio.StreamLoader(
+                shard_dir, batch_size=8, shuffle=shuffle, seed=3, order=fastio.OrderOptions(shuffle_window=2)
+            )
             assert [fio.check_batch(b) for b in remote] == [fio.check_batch(b) for b in local]
             assert source.shard_sizes == [13] * 9
     finally:
@@ -230,7 +242,9 @@ def test_unequal_shards_split_into_parts_that_do_not_divide_them(tmp_path, fio):
 ])  # fmt: skip
 def test_shuffle_parts_goes_with_its_split_on_a_source_with_parts(shard_dir, shuffle, parts, message):
     with pytest.raises(ValueError, match=message):
-        fastio.StreamLoader(shard_dir, batch_size=8, shuffle=shuffle, shuffle_parts=parts)
+        fastio.StreamLoader(
+            shard_dir, batch_size=8, shuffle=shuffle, order=fastio.OrderOptions(shuffle_parts=parts)
+        )
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -244,7 +258,9 @@ def test_a_parts_state_resumes_under_another_world_size_when_its_split_is_named(
     for rank in range(2):
         source = _source(server.url("train"), tmp_path / "cache", 4)
         try:
-            loader = fastio.StreamLoader(source, rank=rank, world_size=2, **options)
+            loader = fastio.StreamLoader(
+                source, order=fastio.OrderOptions(rank=rank, world_size=2), **options
+            )
             it = iter(loader)
             read.update(y for _ in range(3) for y in fio.check_batch(next(it)))
             states.append(loader.state_dict())
@@ -257,15 +273,19 @@ def test_a_parts_state_resumes_under_another_world_size_when_its_split_is_named(
     for rank in range(world_size):
         source = _source(server.url("train"), tmp_path / "cache", 4)
         try:
-            chosen = fastio.StreamLoader(source, rank=rank, world_size=world_size, **options)
+            chosen = fastio.StreamLoader(
+                source, order=fastio.OrderOptions(rank=rank, world_size=world_size), **options
+            )
             if (chosen.order.shuffle_window, chosen.order.shuffle_parts) != (
                 state["shuffle_window"], state["shuffle_parts"]
             ):
                 with pytest.raises(ValueError, match="state_dict shuffle_"):
                     chosen.load_state_dict(state)
-            named = dict(options, shuffle="parts", shuffle_window=state["shuffle_window"],
-                         shuffle_parts=state["shuffle_parts"])  # fmt: skip
-            resumed = fastio.StreamLoader(source, rank=rank, world_size=world_size, **named)
+            named = fastio.OrderOptions(
+                rank=rank, world_size=world_size, shuffle_window=state["shuffle_window"],
+                shuffle_parts=state["shuffle_parts"],
+            )  # fmt: skip
+            resumed = fastio.StreamLoader(source, order=named, **dict(options, shuffle="parts"))
             resumed.load_state_dict(state)
             rest.update(y for batch in resumed for y in fio.check_batch(batch))
         finally:
@@ -383,7 +403,13 @@ def test_tar_shards_with_sidecars_read_parts_each_sample_once_and_resume_exactly
     tmp_path, num_workers, worker_mode
 ):
     _write_tars(tmp_path / "www", shards=9, samples=13, sidecars=True)
-    options = dict(batch_size=4, shuffle=True, seed=6, num_workers=num_workers, worker_mode=worker_mode)
+    options = dict(
+        batch_size=4,
+        shuffle=True,
+        seed=6,
+        num_workers=num_workers,
+        workers=fastio.WorkerOptions(mode=worker_mode),
+    )
     with HttpServer(tmp_path / "www") as server:
         source = _tar_source(server, tmp_path / "cache", 3)
         try:

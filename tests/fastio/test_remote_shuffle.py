@@ -71,11 +71,15 @@ def test_shuffle_true_under_a_cache_limit_reads_a_window_of_the_shards_it_holds(
     try:
         for epoch in (0, 1):
             remote = fastio.StreamLoader(source, batch_size=8, shuffle=True, seed=5, num_workers=num_workers,
-                                         worker_mode=worker_mode)  # fmt: skip
+                                         workers=fastio.WorkerOptions(mode=worker_mode))  # fmt: skip
             # The same order as the local set's with the window named explicitly: the mode is
             # fastio.pipeline.order's.
             local = fastio.StreamLoader(
-                shard_dir, batch_size=8, shuffle="window", shuffle_window=window, seed=5
+                shard_dir,
+                batch_size=8,
+                shuffle="window",
+                order=fastio.OrderOptions(shuffle_window=window),
+                seed=5,
             )
             remote.set_epoch(epoch)
             local.set_epoch(epoch)
@@ -130,7 +134,9 @@ def test_ranks_reading_a_window_order_share_the_epoch_exactly_once(server, tmp_p
     counts, windows = [], set()
     for rank in range(3):
         source = _source(server, tmp_path / "cache", 3)
-        loader = fastio.StreamLoader(source, batch_size=1, shuffle=True, seed=7, rank=rank, world_size=3)
+        loader = fastio.StreamLoader(
+            source, batch_size=1, shuffle=True, seed=7, order=fastio.OrderOptions(rank=rank, world_size=3)
+        )
         try:
             batches = _ys(loader, fio)
         finally:

@@ -21,8 +21,11 @@ import fastio
 from fastio import workers as fastio_workers
 from fastio.workers import processes, threads
 
-MODES = {"main": dict(num_workers=0), "threads": dict(num_workers=2, worker_mode="thread")}
-MODES["processes"] = dict(num_workers=2, worker_mode="process")
+MODES = {
+    "main": dict(num_workers=0),
+    "threads": dict(num_workers=2, workers=fastio.WorkerOptions(mode="thread")),
+}
+MODES["processes"] = dict(num_workers=2, workers=fastio.WorkerOptions(mode="process"))
 
 
 def _draws(sample: dict) -> dict:
@@ -39,9 +42,9 @@ def _draws_by_sample(loader) -> dict[int, tuple[float, ...]]:
     }
 
 
-def _rng_loader(shard_dir, workers: int, **kwargs):
+def _rng_loader(shard_dir, num_workers: int, **kwargs):
     return fastio.StreamLoader(
-        shard_dir, batch_size=10, shuffle=True, seed=11, num_workers=workers, transform=_draws, **kwargs
+        shard_dir, batch_size=10, shuffle=True, seed=11, num_workers=num_workers, transform=_draws, **kwargs
     )
 
 
@@ -94,7 +97,12 @@ def _mix_collate(samples: list[dict]) -> dict:
 def test_dataset_and_collate_draws_do_not_depend_on_num_workers(workers):
     def run(num_workers: int) -> tuple[dict[int, float], list[float]]:
         loader = fastio.StreamLoader(
-            _NoisyDataset(), batch_size=5, shuffle=True, seed=2, num_workers=num_workers, collate=_mix_collate
+            _NoisyDataset(),
+            batch_size=5,
+            shuffle=True,
+            seed=2,
+            num_workers=num_workers,
+            collate_fn=_mix_collate,
         )
         batches = list(loader)
         noise = {i: n for b in batches for i, n in zip(b["i"], b["noise"], strict=True)}
@@ -120,7 +128,7 @@ def test_the_consumers_global_rngs_are_untouched_without_workers(shard_dir):
 
 def test_worker_threads_never_reseed_the_shared_global_rngs(shard_dir, fio):
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
-    draws = _draws_by_sample(_rng_loader(shard_dir, 2, worker_mode="thread"))
+    draws = _draws_by_sample(_rng_loader(shard_dir, 2, workers=fastio.WorkerOptions(mode="thread")))
     for column in range(3):  # one shared stream per generator, advanced by every draw: nothing repeats
         assert len({d[column] for d in draws.values()}) == fio.NUM_SAMPLES
     assert torch.initial_seed() == 5
@@ -175,7 +183,7 @@ def test_kept_batches_are_never_overwritten(shard_dir, fio, mode, transform, reu
         shuffle=True,
         seed=zlib.crc32(repr((mode, transform, reuse)).encode()),
         transform=_identity if transform else None,
-        reuse_buffers=reuse,
+        batches=fastio.BatchOptions(reuse_buffers=reuse),
         **MODES[mode],
     )
     kept = list(loader)
@@ -220,7 +228,11 @@ def _open_fds() -> int:
 def test_kept_large_batches_from_processes_stay_valid_and_hold_no_fds(reuse):
     dataset = _Big()
     loader = fastio.StreamLoader(
-        dataset, batch_size=2, num_workers=2, worker_mode="process", reuse_buffers=reuse
+        dataset,
+        batch_size=2,
+        num_workers=2,
+        workers=fastio.WorkerOptions(mode="process"),
+        batches=fastio.BatchOptions(reuse_buffers=reuse),
     )
     before = _open_fds()
     kept = list(loader)
@@ -241,7 +253,9 @@ def test_a_slot_file_that_cannot_be_made_raises_instead_of_hanging(monkeypatch):
         return create()
 
     monkeypatch.setattr(processes._SlotFile, "create", staticmethod(create_until_the_disk_is_full))
-    loader = fastio.StreamLoader(_Big(), batch_size=2, num_workers=2, worker_mode="process")
+    loader = fastio.StreamLoader(
+        _Big(), batch_size=2, num_workers=2, workers=fastio.WorkerOptions(mode="process")
+    )
     previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the loader hung"))
     signal.alarm(30)
     try:
@@ -266,7 +280,9 @@ def test_keeping_only_labels_leaves_the_rest_of_each_batch_reused(shard_dir, mod
 
 
 def test_dropped_batches_reuse_their_buffers(shard_dir):
-    loader = fastio.StreamLoader(shard_dir, batch_size=10, num_workers=2, worker_mode="thread")
+    loader = fastio.StreamLoader(
+        shard_dir, batch_size=10, num_workers=2, workers=fastio.WorkerOptions(mode="thread")
+    )
     pointers = {batch["x"].data_ptr() for batch in loader}
     assert len(pointers) <= 2 + 2 + 2, "the fast path recycles a bounded set of buffers"
 
@@ -384,7 +400,9 @@ class _Names(torch.utils.data.Dataset):
 
 
 def test_namedtuple_batches_through_worker_processes():
-    loader = fastio.StreamLoader(_Pairs(), batch_size=5, num_workers=2, worker_mode="process")
+    loader = fastio.StreamLoader(
+        _Pairs(), batch_size=5, num_workers=2, workers=fastio.WorkerOptions(mode="process")
+    )
     batches = list(loader)
     assert all(type(b) is Pair for b in batches)
     xs = torch.cat([b.x for b in batches])
@@ -393,5 +411,7 @@ def test_namedtuple_batches_through_worker_processes():
 
 
 def test_batches_without_tensors_through_worker_processes():
-    loader = fastio.StreamLoader(_Names(), batch_size=5, num_workers=2, worker_mode="process")
+    loader = fastio.StreamLoader(
+        _Names(), batch_size=5, num_workers=2, workers=fastio.WorkerOptions(mode="process")
+    )
     assert [n for b in loader for n in b["name"]] == [f"item-{i}" for i in range(23)]

@@ -46,8 +46,15 @@ def test_worker_settings_say_what_is_in_flight(workers, mode, slots, processes):
 
 
 def test_the_loader_hands_its_settings_on_whole(shard_dir):
-    loader = fastio.StreamLoader(shard_dir, batch_size=9, shuffle=True, seed=4, num_workers=2, world_size=2,
-                                 rank=1, pin_memory=False)  # fmt: skip
+    loader = fastio.StreamLoader(
+        shard_dir,
+        batch_size=9,
+        shuffle=True,
+        seed=4,
+        num_workers=2,
+        order=fastio.OrderOptions(world_size=2, rank=1),
+        pin_memory=False,
+    )
     assert loader.order == OrderSettings(seed=4, shuffle="full", rank=1, world_size=2)
     assert loader.workers == WorkerSettings(num_workers=2, prefetch=2, mode="thread")
     assert loader.assembly == AssemblySettings(batch_size=9, pin=False)

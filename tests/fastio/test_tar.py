@@ -92,7 +92,11 @@ def test_user_decode_and_images(tmp_path):
             Image.fromarray(np.full((4, 6, 3), 40 * i, np.uint8)).save(buf, format="PNG")
             sink.write({"__key__": f"k{i}", "png": buf.getvalue(), "cls": i})
     pil = next(
-        iter(fastio.StreamLoader(str(tmp_path / "img.tar"), batch_size=5, shuffle=False, decode="pil"))
+        iter(
+            fastio.StreamLoader(
+                str(tmp_path / "img.tar"), batch_size=5, shuffle=False, read=fastio.ReadOptions(decode="pil")
+            )
+        )
     )
     assert [img.shape for img in pil["png"]] == [(4, 6, 3)] * 5
     assert [int(img[0, 0, 0]) for img in pil["png"]] == [0, 40, 80, 120, 160]
@@ -104,7 +108,7 @@ def test_user_decode_and_images(tmp_path):
                 str(tmp_path / "img.tar"),
                 batch_size=5,
                 shuffle=False,
-                decode=lambda field, data: (field, len(data)),
+                read=fastio.ReadOptions(decode=lambda field, data: (field, len(data))),
             )
         )
     )

@@ -35,8 +35,9 @@ def _open_slot_files(directory) -> list[str]:
 @pytest.mark.parametrize("workers", [1, 3])
 def test_processes_and_threads_give_the_same_batches(shard_dir, fio, workers, tmp_path, monkeypatch):
     monkeypatch.setenv("FASTIO_WORKER_DIR", str(tmp_path))
-    kwargs = dict(batch_size=10, seed=6, num_workers=workers, transform=_identity, rank=1, world_size=2)
-    threads = fastio.StreamLoader(shard_dir, worker_mode="thread", **kwargs)
+    ranks = fastio.OrderOptions(rank=1, world_size=2)
+    kwargs = dict(batch_size=10, seed=6, num_workers=workers, transform=_identity, order=ranks)
+    threads = fastio.StreamLoader(shard_dir, workers=fastio.WorkerOptions(mode="thread"), **kwargs)
     processes = fastio.StreamLoader(shard_dir, **kwargs)
     assert processes.worker_mode == "process"
     seen = []
@@ -68,7 +69,7 @@ def _explode(sample: dict) -> dict:
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_transform_errors_reach_the_consumer(shard_dir, mode):
     loader = fastio.StreamLoader(
-        shard_dir, batch_size=10, num_workers=2, transform=_explode, worker_mode=mode
+        shard_dir, batch_size=10, num_workers=2, transform=_explode, workers=fastio.WorkerOptions(mode=mode)
     )
     with pytest.raises(KeyError, match="cursed"):
         for _ in loader:
