@@ -10,11 +10,18 @@ Example::
         ...
 
 Built in: :class:`ImageStage` (decode + RandomResizedCrop/flip or centre crop into the batch buffer,
-``stages=[...]``), :class:`Pack` (token documents packed into fixed rows, ``pack=...``),
+``batches=BatchOptions(stages=[...])``), :class:`Pack` (token documents packed into fixed rows, ``pack=...``),
 :func:`worker_info` (inside workers: id, num_workers, seed, epoch), :class:`Stream` (weighted sources mixed
 in proportion: ``StreamLoader([Stream(a, 0.7), Stream(b, 0.3)], ...)``). fastio's own loader options come
 grouped, one object per concern (:mod:`fastio.options`: :class:`RemoteOptions`, :class:`WorkerOptions`...),
 beside DataLoader's flat keyword names.
+
+Where things live: ``loader.py`` (:class:`StreamLoader`) and ``options.py`` (its options); ``registry.py``
+(what opens a path, URL or Dataset); ``pipeline/`` (the epoch's order, its batches, DataLoader's samplers,
+one pass); ``assembly/`` (how one batch is made: gather, stages, collate, packing); ``workers/`` (threads and
+processes that make batches ahead); ``mixing/`` (weighted streams); ``sources/`` (the :class:`Source`
+contract); ``format/`` (each shard format: reader, writer, source, remote source); ``remote/`` (downloads
+and the node-local cache, no format); ``files/`` (patterns, mapped files, the native gathers).
 """
 
 from fastio._native import backend

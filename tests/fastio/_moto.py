@@ -10,7 +10,8 @@ Example::
 
     with MotoS3() as s3:
         s3.upload_dir(shard_dir, "train")
-        loader = fastio.StreamLoader(s3.url("train/"), storage_options=s3.storage_options, ...)
+        remote = fastio.RemoteOptions(storage_options=s3.storage_options)
+        loader = fastio.StreamLoader(s3.url("train/"), remote=remote, ...)
 """
 
 from __future__ import annotations

@@ -229,7 +229,8 @@ def test_local_compressed_tars_run_no_remote_code(tmp_path):
     cache = str(tmp_path / "cache")
     code = (
         "import sys, fastio; "
-        f"loader = fastio.StreamLoader({str(path)!r}, batch_size=4, cache_dir={cache!r}); "
+        f"remote = fastio.RemoteOptions(cache_dir={cache!r}); "
+        f"loader = fastio.StreamLoader({str(path)!r}, batch_size=4, remote=remote); "
         "keys = [k for b in loader for k in b['__key__']]; "
         "print(len(keys), 'fastio.remote' in sys.modules, 'fsspec' in sys.modules)"
     )

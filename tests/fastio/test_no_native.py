@@ -25,20 +25,27 @@ def test_backend_honours_the_switch():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_data_order_and_resume(shard_dir, fio, workers):
-    loader = fastio.StreamLoader(shard_dir, batch_size=9, seed=7, num_workers=workers, rank=1, world_size=2)
+    loader = fastio.StreamLoader(
+        shard_dir, batch_size=9, seed=7, num_workers=workers, order=fastio.OrderOptions(rank=1, world_size=2)
+    )
     full = []
     for batch in loader:
         fio.check_batch(batch)
         full.append(batch["y"].tolist())
     other = [
-        b["y"].tolist() for b in fastio.StreamLoader(shard_dir, batch_size=9, seed=7, rank=0, world_size=2)
+        b["y"].tolist()
+        for b in fastio.StreamLoader(
+            shard_dir, batch_size=9, seed=7, order=fastio.OrderOptions(rank=0, world_size=2)
+        )
     ]
     assert sorted({y for b in full + other for y in b}) == list(range(fio.NUM_SAMPLES))
     for k in (0, 3, len(full)):
         it = iter(loader)
         head = [next(it)["y"].tolist() for _ in range(k)]
         state = loader.state_dict()
-        resumed = fastio.StreamLoader(shard_dir, batch_size=9, seed=7, num_workers=1, rank=1, world_size=2)
+        resumed = fastio.StreamLoader(
+            shard_dir, batch_size=9, seed=7, num_workers=1, order=fastio.OrderOptions(rank=1, world_size=2)
+        )
         resumed.load_state_dict(state)
         assert head + [b["y"].tolist() for b in resumed] == full
 

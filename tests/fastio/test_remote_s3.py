@@ -82,7 +82,9 @@ def test_fastio_shards_from_s3_give_the_local_batches(s3, shard_dir, tmp_path, n
     options = {"batch_size": 10, "shuffle": "shard", "seed": 5, "num_workers": num_workers}
     local = fastio.StreamLoader(shard_dir, **options)
     remote = fastio.StreamLoader(
-        s3.url(f"{prefix}/"), cache_dir=tmp_path / "cache", storage_options=s3.storage_options, **options
+        s3.url(f"{prefix}/"),
+        remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache", storage_options=s3.storage_options),
+        **options,
     )
     for epoch in (0, 1):  # epoch 1 reads the cache
         assert _epoch(remote, epoch) == _epoch(local, epoch)
@@ -99,8 +101,7 @@ def test_webdataset_tars_from_s3_give_the_local_batches(s3, tmp_path, suffix):
     local = fastio.StreamLoader(str(tmp_path / "local" / f"shard-{{000..{last:03d}}}.tar"), **options)
     remote = fastio.StreamLoader(
         s3.url(f"{prefix}/shard-{{000..{last:03d}}}{suffix}"),
-        cache_dir=tmp_path / "cache",
-        storage_options=s3.storage_options,
+        remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache", storage_options=s3.storage_options),
         **options,
     )
     assert len(local_tars) == len(uploaded)
@@ -115,7 +116,9 @@ def test_missing_shard_key_raises_a_named_error_with_url_and_code(s3, shard_dir,
     victim = next(k for k in keys if k.endswith(".fio") and k != keys[0])
     s3.delete(victim)
     loader = fastio.StreamLoader(
-        s3.url(f"{prefix}/"), batch_size=8, cache_dir=tmp_path / "cache", storage_options=s3.storage_options
+        s3.url(f"{prefix}/"),
+        batch_size=8,
+        remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache", storage_options=s3.storage_options),
     )
     with pytest.raises(RemoteNotFoundError) as caught:
         for _ in loader:
@@ -128,7 +131,8 @@ def test_missing_shard_key_raises_a_named_error_with_url_and_code(s3, shard_dir,
 def test_missing_dataset_fails_when_the_loader_opens_it(s3, tmp_path):
     with pytest.raises(RemoteNotFoundError, match="s3://fastio-test/no-such-dataset/"):
         fastio.StreamLoader(
-            s3.url("no-such-dataset/"), cache_dir=tmp_path / "cache", storage_options=s3.storage_options
+            s3.url("no-such-dataset/"),
+            remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache", storage_options=s3.storage_options),
         )
 
 
@@ -142,12 +146,16 @@ def test_credentials_from_storage_options_work_and_stay_out_of_errors(
     secret = "do-not-print-this-secret"
     storage = {**s3.storage_options, "key": "testing-key-id", "secret": secret}
     loader = fastio.StreamLoader(
-        s3.url(f"{prefix}/"), batch_size=16, cache_dir=tmp_path / "cache", storage_options=storage
+        s3.url(f"{prefix}/"),
+        batch_size=16,
+        remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache", storage_options=storage),
     )
     assert sum(len(batch["y"]) for batch in loader) == fio.NUM_SAMPLES
     s3.delete(keys[-1])
     loader = fastio.StreamLoader(
-        s3.url(f"{prefix}/"), batch_size=16, cache_dir=tmp_path / "fresh-cache", storage_options=storage
+        s3.url(f"{prefix}/"),
+        batch_size=16,
+        remote=fastio.RemoteOptions(cache_dir=tmp_path / "fresh-cache", storage_options=storage),
     )
     with pytest.raises(RemoteNotFoundError) as caught:
         for _ in loader:
@@ -166,7 +174,10 @@ def test_denied_access_raises_a_named_error_with_url_and_code(s3, shard_dir, tmp
     secret = "another-secret-never-printed"
     storage = {**s3.storage_options, "key": "AKIAUNKNOWNKEY000000", "secret": secret}
     with pytest.raises(RemoteAccessError) as caught:
-        fastio.StreamLoader(s3.url(f"{prefix}/"), cache_dir=tmp_path / "cache", storage_options=storage)
+        fastio.StreamLoader(
+            s3.url(f"{prefix}/"),
+            remote=fastio.RemoteOptions(cache_dir=tmp_path / "cache", storage_options=storage),
+        )
     assert caught.value.url.startswith(s3.url(f"{prefix}/"))
     assert caught.value.code in {"403", "InvalidAccessKeyId", "AccessDenied"}
     assert caught.value.code in str(caught.value)
