@@ -22,7 +22,9 @@ The question: can ``python -m fastcomm.advise`` be trusted where this machine ca
    - kernel rates measured in this process with one thread (each rank has one) on 16M elements (the hooks'
      working set, past an L3 slice), halved where 4 ranks share
      2 cores, as is the loopback's bandwidth there.
-3. Rows: ``value`` is the measured step, ``predicted_s`` beside it, ``error`` = predicted / measured - 1.
+3. Rows: one per bench_hooks configuration (its name), ``method`` the advisor's row that prices it (named
+   by :func:`fastcomm.compress.registry.label`), ``value`` the measured step, ``predicted_s`` beside it,
+   ``error`` = predicted / measured - 1; auto's row says what it chose, by the same names.
    Where a row is off by more than 25% the notes say so and which part of the prediction is off, from the
    hook's own ``compress_s`` counter.
 
@@ -44,27 +46,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks import hooks_jobs, hooks_runs, netlab
 from benchmarks.common import free_port
 from benchmarks.harness import Row, output_dir, progress, write_results
 from fastcomm.advise import KernelRates, Link, measure_rates, parse_link, predict
 from fastcomm.advise.calibrate import fit_link, measure_allreduce
+from fastcomm.compress.registry import label
 
 __all__ = ["NETWORKS", "main", "plot"]
 
 NETWORKS = ("loopback", "1gbit", "100mbit", "nodes")
 TOLERANCE = 0.25
-# bench_hooks's configuration -> the advisor's method and schedule
+# bench_hooks's configuration -> the advisor's method (named by its compressor's label) and schedule
 _METHODS = {
     "allreduce": ("allreduce", "flat"),
-    "bf16_cast": ("cast_bf16", "flat"),
-    "topk_0.01": ("topk_0.01", "flat"),
-    "quant8": ("quant8", "flat"),
-    "quant4": ("quant4", "flat"),
-    "sign": ("sign", "flat"),
-    "powersgd_r4": ("powersgd_r4", "flat"),
-    "sign_hier": ("sign", "two-level"),
-    "quant8_hier": ("quant8", "two-level"),
+    "bf16_cast": (label("cast", dtype=torch.bfloat16), "flat"),
+    "topk_0.01": (label("topk", ratio=0.01), "flat"),
+    "quant8": (label("quantize", bits=8), "flat"),
+    "quant4": (label("quantize", bits=4), "flat"),
+    "sign": (label("sign"), "flat"),
+    "powersgd_r4": (label("powersgd", rank=hooks_jobs.POWERSGD_RANK), "flat"),
+    "sign_hier": (label("sign"), "two-level"),
+    "quant8_hier": (label("quantize", bits=8), "two-level"),
 }
 _TWO_RANKS = [c for c in hooks_jobs.CONFIGS if c.name in _METHODS]
 # "auto" runs beside them on the 2-rank networks: measured, not predicted (it is one of the others, chosen)
@@ -123,6 +128,7 @@ def _rows(
         error = guess.step_s / measured - 1
         extra.update(
             {
+                "method": guess.method,
                 "floor_s": round(floor, 3),
                 "predicted_s": round(guess.step_s, 3),
                 "error": f"{error:+.0%}",

@@ -37,6 +37,15 @@ def test_each_row_has_the_prediction_beside_the_measurement():
     assert sign.extra["measured_compress_s"] == 0.05
 
 
+def test_each_configuration_is_priced_by_the_advisor_method_of_its_compressor():
+    measured = _rows(allreduce=0.36, bf16_cast=0.3, quant8=0.3, quant4=0.3, powersgd_r4=0.3)
+    rows = {r.backend: r for r in measured}
+    assert {name: row.extra["method"] for name, row in rows.items()} == {
+        "allreduce": "allreduce", "bf16_cast": "cast_bf16", "quant8": "quantize8", "quant4": "quantize4",
+        "powersgd_r4": "powersgd_r4",
+    }  # fmt: skip
+
+
 def test_a_row_off_by_more_than_25_percent_gets_a_note_with_its_parts():
     rows = _rows(allreduce=0.36, quant8=2.0)
     notes = bench_advisor._off_notes(rows)
@@ -64,7 +73,7 @@ def test_plot_writes_a_png(tmp_path: Path):
 def test_auto_gets_a_row_with_its_choice_and_the_issue_targets_as_notes():
     kwargs = {"params": 25_182_208, "rates": RATES, "shapes": bench_advisor._SHAPES, "gpus": 2,
               "gpus_per_node": 2, "link": LOOPBACK, "intra": LOOPBACK}
-    stats = {"auto_dense_buckets": 0, "auto_quant4_buckets": 2, "auto_reverted": 1,
+    stats = {"auto_dense_buckets": 0, "auto_quantize4_buckets": 2, "auto_reverted": 1,
              "auto_trial_chosen_step_s": 0.41, "auto_trial_dense_step_s": 0.37}
     auto = SimpleNamespace(status="ok", step_seconds=0.372, stats=stats, floor_seconds=0.25)
     outcomes = {"allreduce": (_outcome(0.36), 1.0), "quant4": (_outcome(0.40, 0.05), 1.0),
@@ -72,8 +81,8 @@ def test_auto_gets_a_row_with_its_choice_and_the_issue_targets_as_notes():
     rows = bench_advisor._rows("loopback", outcomes, kwargs, timed_steps=4)
     row = {r.backend: r for r in rows}["auto"]
     assert row.value == 0.372 and "predicted_s" not in row.extra
-    assert row.extra["reason"] == ("chose quant4 x2 bucket sizes; trial 0.410 s vs dense 0.370 s per step: "
-                                   "reverted to dense")
+    assert row.extra["reason"] == ("chose quantize4 x2 bucket sizes; trial 0.410 s vs dense 0.370 s per "
+                                   "step: reverted to dense")
     (note,) = bench_advisor._auto_notes(rows)
     assert note == "loopback: auto <= 1.03x allreduce: MISSED (auto 0.372 s / allreduce 0.360 s = 1.03x)"
     shaped = [bench_advisor.Row("1gbit", name, "step_time", value, "s")

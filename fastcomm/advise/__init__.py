@@ -9,7 +9,7 @@ the pieces (links, collectives, per-hook costs, kernel rates) are importable on 
 module             what it holds
 =================  ==============================================================================
 ``model``          :class:`Link`, the collectives' alpha-beta times, :class:`Topology`, overlap
-``methods``        per hook: its exchange, payloads (the compressors' ``wire_bytes``), kernels
+``methods``        per hook: its compressor and name, exchange, payloads (``wire_bytes``), kernels
 ``kernels``        kernel throughputs from ``bench_kernels`` results, or measured on this device
 ``predict``        :func:`predict` and :func:`format_table`
 ``calibrate``      gloo allreduce timed on this machine, and a :class:`Link` fitted to it
@@ -23,7 +23,7 @@ Example::
 """
 
 from fastcomm.advise.kernels import KernelRates, kernel_rates, load_rates, measure_rates
-from fastcomm.advise.methods import METHODS, Method, method_cost
+from fastcomm.advise.methods import METHODS, Method, method_cost, method_of
 from fastcomm.advise.model import (
     LINK_PRESETS,
     Link,
@@ -54,6 +54,7 @@ __all__ = [
     "load_rates",
     "measure_rates",
     "method_cost",
+    "method_of",
     "parse_link",
     "predict",
     "reduce_scatter",

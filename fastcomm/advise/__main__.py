@@ -3,18 +3,20 @@
 Example::
 
     python -m fastcomm.advise --params 1.3e9 --gpus 64 --gpus-per-node 8 --link 25gbit --intra nvlink \\
-        --step-compute 0.8s
+        --step-compute 0.8s --methods allreduce,quantize8,quantize4,sign
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
 
 from fastcomm.advise.kernels import kernel_rates
+from fastcomm.advise.methods import METHODS, method_of
 from fastcomm.advise.model import parse_seconds
 from fastcomm.advise.prediction import format_table, predict
 
@@ -39,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency", default=None, help="per-message latency of --link (default 25us)")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     parser.add_argument(
+        "--methods",
+        default=",".join(m.name for m in METHODS),
+        help="comma-separated method names to price (default: all): " + ", ".join(m.name for m in METHODS),
+    )
+    parser.add_argument(
         "--kernels", default=None, help="a bench_kernels JSON file for the kernel throughputs"
     )
     parser.add_argument(
@@ -54,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        with warnings.catch_warnings(record=True) as caught:  # an old method name's DeprecationWarning
+            warnings.simplefilter("always", DeprecationWarning)
+            methods = [method_of(name) for name in args.methods.split(",") if name]
+        for warning in caught:
+            print(f"fastcomm.advise: {warning.message}", file=sys.stderr)
+        if not methods:
+            raise ValueError(f"--methods names no method; known: {', '.join(m.name for m in METHODS)}")
         rates = kernel_rates(args.device, args.kernels)
         rows = predict(
             args.params,
@@ -64,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.step_compute,
             latency_s=None if args.latency is None else parse_seconds(args.latency),
             rates=rates,
+            methods=methods,
             bucket_mb=args.bucket_mb,
         )
     except ValueError as error:

@@ -1,7 +1,8 @@
 """What each hook sends and computes per step, flat and two-level, in the terms of :mod:`.model`.
 
-Each :class:`Method` names a hook (a :func:`fastcomm.register` name and options) and how it exchanges a
-bucket, as the hooks do (``fastcomm.hooks``):
+Each :class:`Method` is a compressor in the one vocabulary (:mod:`fastcomm.compress.registry`: a name and
+its options, or none for dense allreduce) and the exchange a hook runs it through, as the hooks do
+(``fastcomm.hooks``):
 
 - ``allreduce``: one allreduce of the bucket in its wire dtype (dense fp32: no hook; ``cast``: bf16), ring or
   tree, whichever is faster;
@@ -10,6 +11,12 @@ bucket, as the hooks do (``fastcomm.hooks``):
   owner's re-compressed segment;
 - ``all_gather`` (top-k): an all-gather of every rank's ``k = ceil(ratio * numel)`` (index, value) pairs;
 - ``powersgd``: two allreduces of fp32, the dense elements and the ``P`` factors, then the ``Q`` factors.
+
+A method's name is its compressor's :func:`~fastcomm.compress.registry.label` (``"quantize8"``,
+``"topk0.01"``, ``"powersgd_r4"``), the same in the advisor's rows, the "auto" hook's candidates and its
+``stats()`` keys, and the benchmarks. The names before this vocabulary (``"quant8"``, ``"quant4"``,
+``"cast16"``, ``"topk_0.01"``: :data:`RENAMED_METHODS`) still find their rows through :func:`method_of` for
+one release, with a ``DeprecationWarning`` naming the new one.
 
 Payload sizes come from the compressors' own ``wire_bytes`` (and PowerSGD's plan), so the model sends what
 the hooks send. Two-level (``node_size = L``): a dense reduce-scatter inside the node, the flat exchange of a
@@ -20,82 +27,144 @@ the node of the shard's compressed payloads (two-phase) or of the decoded shard 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from fastcomm.advise.kernels import KernelRates
 from fastcomm.advise.model import Topology, Transfer, all_gather, reduce_scatter
-from fastcomm.compress import (
-    CastCompressor,
-    PowerSGDCompressor,
-    QuantCompressor,
-    SignCompressor,
-    TopKCompressor,
-)
-from fastcomm.compress.protocol import Compressor
+from fastcomm.compress import registry
+from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 
-__all__ = ["METHODS", "Cost", "Method", "codec_kernels", "method_cost"]
+__all__ = ["EXCHANGES", "METHODS", "RENAMED_METHODS", "Cost", "Method", "codec_kernels", "method_cost",
+           "method_of"]  # fmt: skip
 
 _FP32 = 4
+EXCHANGES = ("allreduce", "two_phase", "all_gather", "powersgd")
+_DENSE = "allreduce"  # the name of the method without a compressor
 
 
 @dataclass(frozen=True)
 class Method:
-    """One hook configuration the advisor prices.
+    """One hook configuration the advisor prices: a compressor and the exchange it goes through.
 
     Attributes:
-        name: the row's name (``"quant8"``).
-        hook: the :func:`fastcomm.register` name, ``None`` for no hook (dense allreduce).
-        options: the register options.
-        exchange: ``"allreduce"``, ``"two_phase"``, ``"all_gather"`` or ``"powersgd"``.
+        compressor: a name of :mod:`fastcomm.compress.registry` (``"quantize"``), ``None`` for dense
+            allreduce (no hook).
+        options: its options in the same vocabulary (``{"bits": 8}``; topk: the hooks' ``ratio``).
+        exchange: one of :data:`EXCHANGES`.
         flat_only: why fastcomm has no two-level (``node_size``) form of it, when it has none.
+        exchange_in_name: add ``_<exchange>`` to the name: the row's compressor and options are another
+            row's too, through another exchange (the ``cast`` compressor's two-phase exchange beside
+            ``cast_hook``'s allreduce).
 
     Example::
 
-        Method("quant2", "quantize", {"bits": 2}, "two_phase")   # a row advise.predict(methods=...) prices
+        two_bit = Method("quantize", {"bits": 2}, "two_phase")   # two_bit.name == "quantize2"
+        rows = fastcomm.advise.predict(1.3e9, 64, 8, "25gbit", "nvlink", 0.8, methods=[METHODS[0], two_bit])
     """
 
-    name: str
-    hook: str | None
-    options: dict[str, Any] = field(default_factory=dict)
+    compressor: str | None
+    options: Mapping[str, Any] = field(default_factory=dict)
     exchange: str = "allreduce"
     flat_only: str | None = None
+    exchange_in_name: bool = False
 
-    def compressor(self) -> Compressor:
-        """The compressor whose ``wire_bytes`` sizes this method's payloads (two-phase and top-k)."""
-        if self.hook == "quantize":
-            return QuantCompressor(self.options.get("bits", 8), self.options.get("block", 256))
-        if self.hook == "sign":
-            return SignCompressor(self.options.get("chunk", 2048))
-        if self.hook in ("cast", "cast16"):
-            return CastCompressor(self.options.get("dtype", torch.bfloat16))
-        raise ValueError(f"{self.name}: a {self.exchange} method has no blockwise compressor")
+    def __post_init__(self) -> None:
+        if self.compressor is not None:  # a renamed compressor name warns (at the caller) and resolves
+            object.__setattr__(self, "compressor", registry.factory_of(self.compressor, stacklevel=4)[0])
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if not isinstance(self.options, Mapping):
+            raise ValueError(f"options must be a mapping of the compressor's options, got {self.options!r}")
+
+    @cached_property
+    def name(self) -> str:
+        """The row's name: the compressor's :func:`~fastcomm.compress.registry.label` (``"allreduce"``
+        without one), with ``_<exchange>`` where :attr:`exchange_in_name`."""
+        if self.compressor is None:
+            return _DENSE
+        text = registry.label(self.compressor, **self.options)
+        return f"{text}_{self.exchange}" if self.exchange_in_name else text
+
+    def build_compressor(self) -> Compressor:
+        """The compressor whose ``wire_bytes`` sizes this method's payloads (two-phase and cast), built by
+        :mod:`fastcomm.compress.registry`.
+
+        Raises:
+            ValueError: a dense, top-k or PowerSGD method (their payloads are sized otherwise).
+        """
+        built = None
+        if self.compressor is not None and self.exchange in ("allreduce", "two_phase"):
+            built = registry.compressor_of(self.compressor, self.options)
+        if not isinstance(built, Compressor):
+            raise ValueError(f"{self.name}: a {self.exchange} method has no blockwise compressor")
+        return built
 
 
 METHODS: tuple[Method, ...] = (
-    Method("allreduce", None, flat_only="dense allreduce: a ring already crosses each node's link once"),
+    Method(None, flat_only="dense allreduce: a ring already crosses each node's link once"),
     Method(
-        "cast_bf16",
         "cast",
         {"dtype": torch.bfloat16},
-        flat_only="cast_hook is flat; register(ddp, 'cast16', node_size=L) is its two-level form",
+        flat_only="cast_hook is flat; register(ddp, fastcomm.compressor('cast'), node_size=L) "
+        "(cast_bf16_two_phase) is its two-level form",
     ),
-    Method("cast16", "cast16", {"dtype": torch.bfloat16}, "two_phase"),
-    Method("topk_0.01", "topk", {"ratio": 0.01}, "all_gather"),
-    Method("quant8", "quantize", {"bits": 8}, "two_phase"),
-    Method("quant4", "quantize", {"bits": 4}, "two_phase"),
-    Method("sign", "sign", {}, "two_phase"),
+    Method("cast", {"dtype": torch.bfloat16}, "two_phase", exchange_in_name=True),
+    Method("topk", {"ratio": 0.01}, "all_gather"),
+    Method("quantize", {"bits": 8}, "two_phase"),
+    Method("quantize", {"bits": 4}, "two_phase"),
+    Method("sign", {}, "two_phase"),
     Method(
-        "powersgd_r4",
         "powersgd",
         {"rank": 4},
         "powersgd",
         flat_only="PowerSGD is flat: a 1/L shard would cut its matrices",
     ),
 )
+
+# a method's name before the labels of fastcomm.compress.registry -> its name now (served, with a
+# DeprecationWarning, until the next release)
+RENAMED_METHODS: Mapping[str, str] = {
+    "quant8": "quantize8",
+    "quant4": "quantize4",
+    "cast16": "cast_bf16_two_phase",
+    "topk_0.01": "topk0.01",
+}
+
+
+def method_of(name: str, methods: Sequence[Method] = METHODS, stacklevel: int = 2) -> Method:
+    """The method of ``methods`` called ``name``; an old name (:data:`RENAMED_METHODS`) warns and resolves.
+
+    Args:
+        name: a method's name (``"quantize8"``, ``"allreduce"``).
+        methods: where to look (default :data:`METHODS`).
+        stacklevel: where the warning points (2: at the caller of this function).
+
+    Raises:
+        ValueError: no method has this name; the message lists the names there are.
+
+    Example::
+
+        row = method_of("quantize4")
+        rows = fastcomm.advise.predict(1.3e9, 64, 8, "25gbit", "nvlink", 0.8, methods=[METHODS[0], row])
+    """
+    if isinstance(name, str) and name in RENAMED_METHODS:
+        new = RENAMED_METHODS[name]
+        warnings.warn(
+            f"the method name {name!r} is deprecated and goes in the next release: use {new!r}",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        name = new
+    found = next((m for m in methods if m.name == name), None)
+    if found is None:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(m.name for m in methods)}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -119,10 +188,10 @@ def _segment(numel: int, ranks: int, block: int) -> int:
 
 def _codec_passes(method: Method) -> tuple[str, str]:
     """The (compress, decode) kernels of a two-phase method."""
-    if method.hook == "quantize":
+    if method.compressor == "quantize":
         bits = 8 if method.options.get("bits", 8) == 8 else 4  # 2-bit: 4-bit's rates (bench_kernels: alike)
         return f"quantize{bits}", f"dequantize{bits}"
-    if method.hook == "sign":
+    if method.compressor == "sign":
         return "sign_compress", "sign_decompress"
     return "copy", "copy"  # a cast: about one memory pass each way
 
@@ -136,12 +205,12 @@ def codec_kernels(method: Method) -> tuple[str, ...]:
         return ("topk_select",)
     if method.exchange == "powersgd":
         return ("powersgd_project", "powersgd_back_project", "powersgd_expand")
-    return () if method.hook is None else ("copy",)
+    return () if method.compressor is None else ("copy",)
 
 
 def _two_phase(method: Method, topology: Topology, numel: int, rates: KernelRates) -> Cost:
     """One bucket of ``numel`` through the flat two-phase exchange over ``topology``'s ranks."""
-    compressor = method.compressor()
+    compressor = method.build_compressor()
     w = topology.gpus
     segment = _segment(numel, w, compressor.block)
     payload = compressor.wire_bytes(segment, torch.float32)
@@ -160,21 +229,23 @@ def _two_phase(method: Method, topology: Topology, numel: int, rates: KernelRate
 
 def _top_k(method: Method, topology: Topology, numel: int, rates: KernelRates) -> Cost:
     k = min(numel, max(1, math.ceil(method.options.get("ratio", 0.01) * numel)))
-    payload = TopKCompressor(k).wire_bytes(numel, torch.float32)
+    payload = registry.compressor("topk", k=k).wire_bytes(numel, torch.float32)
     w = topology.gpus
     codec = rates.seconds("topk_select", _FP32 * numel) + 2 * w * k / rates.sparse_entries_per_s
     return Cost((topology.flat_ring(w * payload, 1.0),), codec, (w - 1) * payload)
 
 
 def _allreduce(method: Method, topology: Topology, numel: int, rates: KernelRates) -> Cost:
-    width = 2 if method.hook == "cast" else _FP32
-    codec = 0.0 if method.hook is None else 2 * 0.75 * rates.seconds("copy", _FP32 * numel)
+    width = _FP32 if method.compressor is None else method.options.get("dtype", torch.bfloat16).itemsize
+    codec = 0.0 if method.compressor is None else 2 * 0.75 * rates.seconds("copy", _FP32 * numel)
     w = topology.gpus
     return Cost((topology.flat_allreduce(width * numel),), codec, 2 * (w - 1) / w * width * numel)
 
 
 def _powersgd_sizes(method: Method, shapes: Sequence[Sequence[int]]) -> tuple[int, int]:
-    plan = PowerSGDCompressor(method.options.get("rank", 4)).plan([torch.Size(s) for s in shapes], 1024)
+    powersgd = registry.compressor_of("powersgd", method.options)
+    assert isinstance(powersgd, AllreduceCompressor)
+    plan = powersgd.plan([torch.Size(s) for s in shapes], 1024)
     return plan.first_numel, plan.second_numel
 
 
@@ -211,8 +282,8 @@ def _two_level(method: Method, topology: Topology, numel: int, rates: KernelRate
     intra = topology.intra
     inner = _flat(method, topology.shard_exchange(), shard, rates)
     gathered = (
-        method.compressor().wire_bytes(
-            _segment(shard, topology.nodes, method.compressor().block), torch.float32
+        method.build_compressor().wire_bytes(
+            _segment(shard, topology.nodes, method.build_compressor().block), torch.float32
         )
         * topology.nodes
         if method.exchange == "two_phase"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastcomm.advise.kernels import KernelRates, kernel_rates
-from fastcomm.advise.methods import METHODS, Method, method_cost
+from fastcomm.advise.methods import METHODS, Method, method_cost, method_of
 from fastcomm.advise.model import Link, Topology, exposed_seconds, parse_link, parse_seconds
 
 __all__ = ["COMPUTE_BOUND_SHARE", "Prediction", "format_table", "predict"]
@@ -100,7 +100,7 @@ def _reason(
         return (
             f"flat {1 / gain:.2f}x faster: the dense reduction and gather inside the node cost more; {shown}"
         )
-    if method.hook is None:
+    if method.compressor is None:
         return f"link-bound: {exposed:.3g} s of communication shows"
     saved = dense.exposed_s - exposed
     if saved <= 0:
@@ -124,7 +124,7 @@ def predict(
     *,
     latency_s: float | None = None,
     rates: KernelRates | None = None,
-    methods: Sequence[Method] = METHODS,
+    methods: Sequence[Method | str] = METHODS,
     bucket_mb: float = DDP_BUCKET_MB,
     buckets: int | None = None,
     backward_share: float = 2 / 3,
@@ -141,7 +141,8 @@ def predict(
         step_compute: seconds of forward, backward and optimizer per step with no communication.
         latency_s: per-message latency of ``link`` (default 25 us).
         rates: kernel throughputs (default: :func:`~fastcomm.advise.kernels.kernel_rates` for the CPU).
-        methods: the methods to price (default :data:`~fastcomm.advise.methods.METHODS`).
+        methods: the methods to price, or their names (``"quantize8"``; default
+            :data:`~fastcomm.advise.methods.METHODS`).
         bucket_mb, buckets: DDP's bucket size, or the number of buckets directly.
         backward_share: the backward pass's share of ``step_compute`` (what communication can hide behind).
         shapes, matrix_side: the parameters' shapes for PowerSGD, else square matrices of ``matrix_side``.
@@ -149,12 +150,17 @@ def predict(
     Returns:
         One :class:`Prediction` per method and schedule; the first is the flat dense allreduce.
 
+    Raises:
+        ValueError: a name no method has, or a link or time that does not parse; an old method name
+            (``"quant8"``) warns (``DeprecationWarning``) with its new one.
+
     Example::
 
         rows = fastcomm.advise.predict(1.3e9, 64, 8, "25gbit", "nvlink", "0.8s")
         best = min((r for r in rows if r.step_s), key=lambda r: r.step_s)
         print(best.method, best.schedule, best.speedup, best.reason)
     """
+    methods = [m if isinstance(m, Method) else method_of(m, stacklevel=3) for m in methods]
     numel = int(params)
     per_node = gpus if gpus_per_node is None else gpus_per_node
     topology = Topology(gpus, per_node, inter=_as_link(link, latency_s), intra=_as_link(intra, None))
@@ -172,7 +178,7 @@ def predict(
         crossing = sum(t.cross_node_bytes for t in cost.transfers)
         return compute + cost.codec_s + exposed, cost.codec_s, comm, exposed, crossing, cost.sent_bytes
 
-    dense_method = next((m for m in methods if m.hook is None), METHODS[0])
+    dense_method = next((m for m in methods if m.compressor is None), METHODS[0])
     step, codec, comm, exposed, crossing, sent = priced(dense_method, False)
     dense = Prediction(
         dense_method.name, "flat", step, 1.0, None, compute, codec, comm, exposed, crossing, sent, ""

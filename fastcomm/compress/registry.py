@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from fastcomm.compress.cast import CastCompressor
 from fastcomm.compress.powersgd import PowerSGDCompressor
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
@@ -28,6 +30,7 @@ from fastcomm.compress.topk import TopKCompressor
 
 __all__ = [
     "BUILT_IN",
+    "LABELLED_BY",
     "RENAMED",
     "RESERVED",
     "CompressorFactory",
@@ -35,6 +38,7 @@ __all__ = [
     "compressor",
     "compressor_of",
     "factory_of",
+    "label",
     "names",
 ]
 
@@ -55,6 +59,17 @@ RENAMED: Mapping[str, str] = {"cast16": "cast"}
 # names the layers above give another meaning, so no compressor may take them: register's hooks
 # ("auto": the measured choice; "compressor": any compressor object) and DiLoCo's "none" (no compression)
 RESERVED = frozenset({"auto", "compressor", "none"})
+
+# the option that tells apart the compressors of one name, always in its label: name -> (option, prefix)
+# (topk's "ratio" is the hooks' option: the compressor takes a k, which the hooks derive from it)
+LABELLED_BY: Mapping[str, tuple[str, str]] = {
+    "topk": ("ratio", ""),
+    "quantize": ("bits", ""),
+    "cast": ("dtype", "_"),
+    "powersgd": ("rank", "_r"),
+}
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 _added: dict[str, CompressorFactory] = {}
 
@@ -146,6 +161,57 @@ def compressor_of(name: str, options: Mapping[str, Any]) -> Compressor | Allredu
     """
     name, factory = factory_of(name, stacklevel=3)
     return _build(name, factory, options)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        return _DTYPES.get(value, str(value).removeprefix("torch."))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _defaults(factory: CompressorFactory) -> dict[str, Any]:
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def label(name: str, **options: Any) -> str:
+    """The short name of the compressor ``name`` built from ``options``: one label per configuration.
+
+    The advisor's rows (``fastcomm.advise.METHODS``), the "auto" hook's candidates and its ``stats()`` keys
+    and the benchmarks' rows are named by it. The label is the name, then the value of the option that
+    tells its compressors apart (:data:`LABELLED_BY`; its default when not given), then each other option
+    that differs from its default as ``_<option>=<value>``, in alphabetical order. Options equal to their
+    defaults are left out, so equal configurations get equal labels.
+
+    Args:
+        name: a compressor's name (a renamed one warns and gives its successor's label).
+        **options: its options (the compressor's own, or topk's ``ratio``).
+
+    Raises:
+        ValueError: no compressor has this name.
+
+    Example::
+
+        >>> label("quantize", bits=8), label("quantize", bits=4, block=128), label("topk", ratio=0.01)
+        ('quantize8', 'quantize4_block=128', 'topk0.01')
+        >>> label("cast"), label("cast", dtype=torch.float16), label("powersgd", rank=4), label("sign")
+        ('cast_bf16', 'cast_fp16', 'powersgd_r4', 'sign')
+    """
+    name, factory = factory_of(name, stacklevel=3)
+    defaults = _defaults(factory)
+    head, prefix = LABELLED_BY.get(name, ("", ""))
+    text = name
+    if head in options or head in defaults:
+        text += prefix + _text(options.get(head, defaults.get(head)))
+    for key in sorted(options):
+        if key != head and not (key in defaults and options[key] == defaults[key]):
+            text += f"_{key}={_text(options[key])}"
+    return text
 
 
 def add_compressor(name: str, factory: CompressorFactory) -> None:

@@ -22,6 +22,11 @@ the same length (whole blocks of every candidate), so what a bucket owes under o
 the next; a bucket that goes dense sends what it owes with its allreduce. By default only methods at loss
 parity under any optimizer are candidates: bf16 cast, 8-bit and 4-bit quantization (sign needs
 :class:`fastcomm.CompressedAdam`).
+
+Candidates are named as the advisor names its methods (``fastcomm.advise.methods``, from
+:func:`fastcomm.compress.registry.label`): ``"cast_bf16_two_phase"``, ``"quantize8"``, ``"quantize4"``,
+``"sign"``; so are the ``stats()`` keys (``auto_quantize8_buckets``). The old names (``"cast16"``,
+``"quant8"``, ``"quant4"``) still work for one release, with a ``DeprecationWarning`` naming the new one.
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
@@ -34,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm.advise.kernels import KernelRates, measure_rates
-from fastcomm.advise.methods import METHODS, Method, codec_kernels, method_cost
+from fastcomm.advise.methods import METHODS, Method, codec_kernels, method_cost, method_of
 from fastcomm.advise.model import Link, Topology
 from fastcomm.collectives import segment_layout
 from fastcomm.collectives.two_phase import TwoPhaseLayout
@@ -46,11 +51,9 @@ __all__ = ["CANDIDATES", "AutoState", "auto_hook", "choose"]
 
 _TRIAL_STEPS = 3  # steps under a new choice, then as many dense ones, before their times are compared
 
-# candidate name -> the advisor's method (its exchange and compressor)
-CANDIDATES: dict[str, Method] = {
-    m.name: m for m in METHODS if m.name in ("cast16", "quant8", "quant4", "sign")
-}
-_DEFAULT = ("cast16", "quant8", "quant4")
+# candidate name -> the advisor's method (its compressor): the two-phase ones, the exchange auto runs
+CANDIDATES: dict[str, Method] = {m.name: m for m in METHODS if m.exchange == "two_phase"}
+_DEFAULT = ("cast_bf16_two_phase", "quantize8", "quantize4")
 _PROBE_NUMELS = (1024, 1 << 20)
 # kernels are timed on as many elements as the largest bucket seen, within these bounds (64 MB of fp32 at
 # the most: DDP's 25 MB buckets and the hooks' residuals and codes beside them are past a CPU's L3 slice)
@@ -66,7 +69,7 @@ def choose(numel: int, world_size: int, link: Link, rates: KernelRates, candidat
 
     Example::
 
-        choose(25_000_000, 2, Link(1e-4, 1.2e8), rates, ("quant8",), 0.05)   # "quant8" on a 1 Gbit link
+        choose(25_000_000, 2, Link(1e-4, 1.2e8), rates, ("quantize8",), 0.05)   # "quantize8" on 1 Gbit/s
     """
     topology = Topology(world_size, 1, inter=link, intra=link)
 
@@ -76,7 +79,7 @@ def choose(numel: int, world_size: int, link: Link, rates: KernelRates, candidat
 
     dense = seconds(METHODS[0])
     best, best_s = "dense", dense * (1.0 - margin)
-    for name in candidates:
+    for name in _candidates(candidates):
         predicted = seconds(CANDIDATES[name])
         if predicted < best_s:
             best, best_s = name, predicted
@@ -87,7 +90,8 @@ class AutoState(TwoPhaseState):
     """State of :func:`auto_hook`: the candidates, the measured link and rates, each bucket size's choice.
 
     Args:
-        candidates: names of :data:`CANDIDATES` to choose among (besides dense allreduce).
+        candidates: names of :data:`CANDIDATES` to choose among (besides dense allreduce); an old name
+            (``"quant8"``) warns (``DeprecationWarning``) and is replaced by its new one.
         warmup_steps: dense steps before the first measurement (their step times are the baseline).
         recheck_every: steps between measurements after the first.
         margin: how much faster a candidate must be predicted than dense to be chosen.
@@ -100,8 +104,8 @@ class AutoState(TwoPhaseState):
 
         state = fastcomm.register(ddp, "auto")
         ...
-        print(state.choices)                   # {bucket numel: "quant8" or "dense", ...}
-        print(state.stats()["auto_quant8_buckets"])
+        print(state.choices)                   # {bucket numel: "quantize8" or "dense", ...}
+        print(state.stats()["auto_quantize8_buckets"])
     """
 
     _OPTIONS = ("candidates", "warmup_steps", "recheck_every", "margin", "link", *TwoPhaseState._OPTIONS)
@@ -116,10 +120,7 @@ class AutoState(TwoPhaseState):
         link: Link | None = None,
         **options: Any,
     ) -> None:
-        unknown = [c for c in candidates if c not in CANDIDATES]
-        if isinstance(candidates, str) or unknown:
-            raise ValueError(f"candidates must be names among {sorted(CANDIDATES)}, got {candidates!r}")
-        self.candidates = tuple(candidates)
+        self.candidates = _candidates(candidates)
         self.warmup_steps = require_int("warmup_steps", warmup_steps, minimum=0)
         self.recheck_every = require_int("recheck_every", recheck_every, minimum=1)
         self.margin = require_real("margin", margin)
@@ -129,7 +130,8 @@ class AutoState(TwoPhaseState):
             raise ValueError(f"link must be a fastcomm.advise.model.Link or None, got {link!r}")
         self.link = link
         # segments of whole blocks of every candidate: a switch keeps each rank's segment and its residual
-        self._unit = math.lcm(8, *(CANDIDATES[c].compressor().block for c in self.candidates))
+        self._compressors = {c: CANDIDATES[c].build_compressor() for c in self.candidates}
+        self._unit = math.lcm(8, *(c.block for c in self._compressors.values()))
         super().__init__(**options)
 
     def _reset_internal(self) -> None:
@@ -197,7 +199,7 @@ class AutoState(TwoPhaseState):
     def layout(self, numel: int, world_size: int) -> TwoPhaseLayout:
         """The chosen candidate's compressor over segments of whole blocks of every candidate, so a switch
         keeps each rank's segment and its phase-2 residual."""
-        compressor = CANDIDATES[self.choice(numel)].compressor()
+        compressor = self._compressors[self.choice(numel)]
         return TwoPhaseLayout(compressor, segment_layout(numel, world_size, self._unit), self._unit)
 
     def stats(self) -> dict[str, float | int]:
@@ -213,6 +215,21 @@ class AutoState(TwoPhaseState):
             stats["auto_link_latency_s"] = self.measured[0].alpha_s
             stats["auto_link_bytes_per_second"] = self.measured[0].bandwidth_Bps
         return stats
+
+
+def _candidates(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` as :data:`CANDIDATES`' names (an old one warns, at the code that built the state).
+
+    Raises:
+        ValueError: a single string, or a name that is not a candidate, listing the candidates.
+    """
+    if isinstance(names, str):
+        raise ValueError(f"candidates must be a tuple of names among {sorted(CANDIDATES)}, got {names!r}")
+    try:
+        # stacklevel 4: method_of -> _candidates -> AutoState.__init__ or choose -> their caller
+        return tuple(method_of(name, tuple(CANDIDATES.values()), stacklevel=4).name for name in names)
+    except ValueError as error:
+        raise ValueError(f"candidates: {error}") from error
 
 
 def _probe_link(group: dist.ProcessGroup | None) -> Link:

@@ -13,12 +13,14 @@ from fastcomm.advise import (
     METHODS,
     KernelRates,
     Link,
+    Method,
     Topology,
     all_gather,
     all_to_all,
     exposed_seconds,
     format_table,
     method_cost,
+    method_of,
     parse_link,
     predict,
     reduce_scatter,
@@ -28,8 +30,10 @@ from fastcomm.advise import (
 from fastcomm.advise.__main__ import main
 from fastcomm.advise.calibrate import fit_link, measure_allreduce
 from fastcomm.advise.kernels import KERNELS, load_rates, measure_rates, results_path
+from fastcomm.advise.methods import RENAMED_METHODS
 from fastcomm.advise.model import Transfer, parse_seconds
-from fastcomm.compress import QuantCompressor, SignCompressor, TopKCompressor
+from fastcomm.compress import QuantCompressor, SignCompressor, TopKCompressor, compressor_of
+from fastcomm.compress.registry import label
 
 # every kernel at 10 GB/s: the model's arithmetic without a measurement
 RATES = KernelRates(dict.fromkeys(KERNELS, 10e9), 1e9, "cpu", 1, "test")
@@ -114,7 +118,7 @@ def _two_nodes(link: str = "1gbit") -> Topology:
     return Topology(4, 2, inter=parse_link(link), intra=Link(1e-4, 1e9, overlaps_compute=False))
 
 
-@pytest.mark.parametrize("name, bits", [("quant8", 8), ("quant4", 4)])
+@pytest.mark.parametrize("name, bits", [("quantize8", 8), ("quantize4", 4)])
 def test_two_phase_sends_what_the_compressor_says(name, bits):
     """A two-phase rank sends W-1 segment payloads in each phase (QuantCompressor.wire_bytes)."""
     numel, w = 1_000_000, 4
@@ -129,17 +133,17 @@ def test_sign_and_topk_payloads_come_from_their_compressors():
     topology = Topology(w, w, inter=LINK, intra=LINK)
     sign = method_cost(BY_NAME["sign"], topology, numel, 1, RATES, [])
     assert sign.sent_bytes == 2 * SignCompressor(2048).wire_bytes(numel // w, torch.float32)
-    topk = method_cost(BY_NAME["topk_0.01"], topology, numel, 1, RATES, [])
+    topk = method_cost(BY_NAME["topk0.01"], topology, numel, 1, RATES, [])
     assert topk.sent_bytes == TopKCompressor(math.ceil(0.01 * numel)).wire_bytes(numel, torch.float32)
 
 
-def test_cross_node_bytes_of_flat_and_two_level_quant8_on_two_nodes_of_two():
+def test_cross_node_bytes_of_flat_and_two_level_quantize8_on_two_nodes_of_two():
     """What bench_hooks_nodes counted on the veth: flat 1.75 payloads each way (all-to-all L(W-L)/W, ring
     all-gather (W-1)/W), two-level one payload (1/L of the bytes of each of L exchanges, twice (N-1)/N)."""
     numel = 25_165_824
     payload = QuantCompressor(8).wire_bytes(numel, torch.float32)
-    flat = method_cost(BY_NAME["quant8"], _two_nodes(), numel, 1, RATES, [])
-    two_level = method_cost(BY_NAME["quant8"], _two_nodes(), numel, 1, RATES, [], hierarchical=True)
+    flat = method_cost(BY_NAME["quantize8"], _two_nodes(), numel, 1, RATES, [])
+    two_level = method_cost(BY_NAME["quantize8"], _two_nodes(), numel, 1, RATES, [], hierarchical=True)
     assert sum(t.cross_node_bytes for t in flat.transfers) == pytest.approx(1.75 * payload, rel=1e-3)
     assert sum(t.cross_node_bytes for t in two_level.transfers) == pytest.approx(payload, rel=1e-3)
 
@@ -152,6 +156,68 @@ def test_dense_allreduce_crosses_each_node_link_as_a_ring_does():
 def test_powersgd_has_no_two_level_form():
     with pytest.raises(ValueError, match="no two-level form"):
         method_cost(BY_NAME["powersgd_r4"], _two_nodes(), 1_000_000, 1, RATES, MLP_SHAPES, hierarchical=True)
+
+
+# ------------------------------------------------------------------------- names: one vocabulary
+@pytest.mark.parametrize(
+    ("name", "options", "expected"),
+    [
+        ("quantize", {"bits": 8}, "quantize8"),
+        ("quantize", {}, "quantize8"),  # the default is named: equal compressors, equal labels
+        ("quantize", {"bits": 4, "block": 256, "stochastic": True}, "quantize4"),
+        ("quantize", {"bits": 2, "stochastic": False, "block": 128}, "quantize2_block=128_stochastic=False"),
+        ("topk", {"ratio": 0.01}, "topk0.01"),
+        ("topk", {"k": 1000}, "topk_k=1000"),
+        ("cast", {}, "cast_bf16"),
+        ("cast", {"dtype": torch.float16}, "cast_fp16"),
+        ("powersgd", {"rank": 4}, "powersgd_r4"),
+        ("powersgd", {"rank": 2, "warm_start": False}, "powersgd_r2_warm_start=False"),
+        ("sign", {}, "sign"),
+        ("sign", {"chunk": 1024}, "sign_chunk=1024"),
+    ],
+)
+def test_a_compressor_label_names_its_configuration(name, options, expected):
+    assert label(name, **options) == expected
+
+
+def test_a_label_of_a_renamed_compressor_warns_and_is_its_successors():
+    with pytest.warns(DeprecationWarning, match="use 'cast'"):
+        assert label("cast16") == label("cast") == "cast_bf16"
+    with pytest.raises(ValueError, match="unknown compressor 'quant8'"):
+        label("quant8")
+
+
+def test_every_method_is_named_by_its_compressors_label_and_built_by_the_registry():
+    assert len({m.name for m in METHODS}) == len(METHODS)
+    for method in METHODS[1:]:
+        expected = label(method.compressor, **method.options)
+        assert method.name == (f"{expected}_{method.exchange}" if method.exchange_in_name else expected)
+        if method.exchange in ("allreduce", "two_phase"):
+            assert method.build_compressor() == compressor_of(method.compressor, method.options)
+    with pytest.raises(ValueError, match="no blockwise compressor"):
+        BY_NAME["topk0.01"].build_compressor()
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(RENAMED_METHODS.items()))
+def test_an_old_method_name_warns_naming_the_new_one_and_finds_its_row(old, new):
+    with pytest.warns(DeprecationWarning, match=f"'{old}' is deprecated .* use '{new}'") as record:
+        assert method_of(old) is BY_NAME[new]
+    assert record[0].filename == __file__  # the warning points at the caller's line
+
+
+def test_an_unknown_method_name_lists_the_names():
+    with pytest.raises(ValueError, match=r"unknown method 'quantize3'; known: allreduce, cast_bf16, "):
+        method_of("quantize3")
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        Method("quantize", {"bits": 8}, "two-phase")
+
+
+def test_predict_takes_method_names_and_old_ones_warn():
+    by_name = predict(1e8, 8, 8, "1gbit", "pcie", 0.5, rates=RATES, methods=["allreduce", "quantize4"])
+    with pytest.warns(DeprecationWarning, match="use 'quantize4'"):
+        old = predict(1e8, 8, 8, "1gbit", "pcie", 0.5, rates=RATES, methods=["allreduce", "quant4"])
+    assert [r.method for r in old] == [r.method for r in by_name] == ["allreduce", "quantize4"] * 2
+    assert old == by_name
 
 
 def _steps(link: str, **kw) -> dict[tuple[str, str], float]:
@@ -186,9 +252,9 @@ def test_a_slow_link_is_link_bound_and_two_level_rows_compare_with_flat():
     rows = predict(1.3e9, 64, 8, "25gbit", "nvlink", 0.8, rates=RATES)
     assert rows[0].method == "allreduce" and rows[0].reason.startswith("link-bound")
     two_level = {r.method: r for r in rows if r.schedule == "two-level"}
-    assert two_level["quant8"].vs_flat > 1.5 and "two-level" in two_level["quant8"].reason
+    assert two_level["quantize8"].vs_flat > 1.5 and "two-level" in two_level["quantize8"].reason
     assert two_level["powersgd_r4"].step_s is None and "no two-level form" in two_level["powersgd_r4"].reason
-    assert "quant8" in format_table(rows)
+    assert "quantize8" in format_table(rows)
 
 
 def test_one_node_has_no_two_level_rows():
@@ -215,7 +281,20 @@ def test_the_cli_prints_a_table_with_reasons(capsys):
         pytest.skip("needs benchmarks/results/bench_kernels.json (a checkout) to skip measuring kernels")
     assert main([*argv, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "two-level" in out and "quant8" in out and "speedup" in out and "fastest:" in out
+    assert "two-level" in out and "quantize8" in out and "speedup" in out and "fastest:" in out
+
+
+def test_the_cli_prices_the_methods_named_and_an_old_name_warns_on_stderr(capsys):
+    argv = ["--params", "1e8", "--gpus", "2", "--link", "1gbit", "--kernels", str(results_path("cpu"))]
+    if not results_path("cpu").is_file():
+        pytest.skip("needs benchmarks/results/bench_kernels.json (a checkout) to skip measuring kernels")
+    assert main([*argv, "--methods", "allreduce,quant8,sign"]) == 0
+    captured = capsys.readouterr()
+    assert "'quant8' is deprecated" in captured.err and "use 'quantize8'" in captured.err
+    table = captured.out.split("\n\n")[1]
+    assert {line.split()[0] for line in table.splitlines()[1:]} == {"allreduce", "quantize8", "sign"}
+    assert main([*argv, "--methods", "quantize3"]) == 2
+    assert "unknown method 'quantize3'" in capsys.readouterr().err
 
 
 def test_the_cli_names_a_bad_link(capsys):
@@ -243,8 +322,8 @@ def test_kernel_rates_of_the_methods_that_are_priced():
     """``kernels=`` times only those (what auto measures); every method's cost needs only its own."""
     from fastcomm.advise.methods import codec_kernels
 
-    quant8 = next(m for m in METHODS if m.name == "quant8")
-    rates = measure_rates("cpu", numel=3 * 4096 + 256, repeat=1, kernels=codec_kernels(quant8))
+    quantize8 = next(m for m in METHODS if m.name == "quantize8")
+    rates = measure_rates("cpu", numel=3 * 4096 + 256, repeat=1, kernels=codec_kernels(quantize8))
     assert set(rates.rates) == {"quantize8", "dequantize8"} and all(v > 0 for v in rates.rates.values())
     assert math.isnan(rates.sparse_entries_per_s)
     topology = Topology(2, 1, inter=Link(1e-4, 1e8), intra=Link(1e-4, 1e8))
@@ -315,7 +394,7 @@ def test_which_hook_when_fast_network_plain_allreduce():
 def test_which_hook_when_slow_link_quantize_beats_allreduce_and_four_bits_more():
     """"Slow link: quantize_hook, 8-bit or 4-bit, faster than allreduce" (1 Gbit/s, 2 ranks, bench_hooks)."""
     rows = _by_row(predict(25_182_208, 2, 1, "1gbit", "loopback", 0.24, rates=RATES, shapes=MLP_SHAPES))
-    assert 1.5 < rows[("quant8", "flat")].speedup < rows[("quant4", "flat")].speedup
+    assert 1.5 < rows[("quantize8", "flat")].speedup < rows[("quantize4", "flat")].speedup
 
 
 def test_which_hook_when_topk_traffic_grows_with_world_size_and_powersgd_does_not():
@@ -323,12 +402,12 @@ def test_which_hook_when_topk_traffic_grows_with_world_size_and_powersgd_does_no
         topology = Topology(gpus, 1, inter=LINK, intra=LINK)
         return method_cost(BY_NAME[method], topology, 10_000_000, 4, RATES, MLP_SHAPES).sent_bytes
 
-    assert sent("topk_0.01", 64) > 20 * sent("topk_0.01", 2)
+    assert sent("topk0.01", 64) > 20 * sent("topk0.01", 2)
     assert sent("powersgd_r4", 64) < 2.1 * sent("powersgd_r4", 2)
 
 
 def test_which_hook_when_several_gpus_per_node_and_a_slow_link_two_level_pays():
     """"Several GPUs per node, a slow link between nodes: any compressing hook with node_size"."""
     rows = _by_row(predict(1.3e9, 64, 8, "25gbit", "nvlink", 0.8, rates=_gpu_rates()))
-    for method in ("quant8", "quant4", "sign", "topk_0.01"):
+    for method in ("quantize8", "quantize4", "sign", "topk0.01"):
         assert rows[(method, "two-level")].vs_flat > 1.2, method
