@@ -121,7 +121,7 @@ def compress(
     """Compress the gradient reduction of every FSDP module of ``model`` (after ``fully_shard``).
 
     1. Resolve ``compressor``: a name (``"quantize"``, ``"sign"``, ``"cast"``, or one added with
-       :func:`fastcomm.hooks.add_compressor`) built from ``options``, or a compressor instance.
+       :func:`fastcomm.add_compressor`) built from ``options``, or a compressor instance.
     2. Read the model's mesh (:func:`fastcomm.fsdp.mesh.replica_plan`): a 1-D mesh is FSDP, or HSDP
        when ``replicate_group`` is given; a 2-D ``("replicate", "shard")`` mesh is HSDP over its
        ``"replicate"`` group.
