@@ -112,7 +112,7 @@ class DiLoCo:
         outer_momentum: the outer momentum (0.9 in the paper; see docs/diloco.md for short runs).
         nesterov: Nesterov momentum (the paper's) or heavy ball.
         compressor: ``None`` or ``"none"`` (plain fp32 all-reduce), a name of
-            :func:`fastcomm.hooks.compressor_of` (``"quantize"``, ``"sign"``, ``"cast"``, one you added), or a
+            :func:`fastcomm.compressor` (``"quantize"``, ``"sign"``, ``"cast"``, one you added), or a
             compressor instance.
         fragments: ``F``, how many fragments are synced in turn (streaming DiLoCo); divides ``sync_every``.
         delay: steps between the issue of an exchange and its application, ``0 <= delay <= sync_every``
