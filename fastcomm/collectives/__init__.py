@@ -25,7 +25,8 @@ name                                    what it is
 ``all_gather_flat``                     ``torch.distributed``'s flat all-gather, whatever this torch names it
 ``completed``                           a future that already holds a tensor
 ``Residual``, ``mean_over_ranks``      the error-feedback store every mode keeps, and how it re-shards
-``Traffic``                             the byte counter every mode reports (``sent_bytes``, ``dense_bytes``)
+``Traffic``, ``ring_bytes``             the byte counter every mode reports (``sent_bytes``, ``dense_bytes``),
+                                        and what a dense ring all-reduce sends
 ``exchange_seed``, ``piece_seed``,      the one seed formula of every mode, and each mode's stream
 ``bucket_stream``, ``group_stream``     (:mod:`.seeds`)
 ``Timer``                               the wall time of the ``with`` blocks it guards
@@ -57,7 +58,7 @@ from fastcomm.collectives.api import CompressedWork, all_gather, all_reduce, red
 from fastcomm.collectives.errors import PeerCollectiveError
 from fastcomm.collectives.residual import Residual, mean_over_ranks
 from fastcomm.collectives.seeds import bucket_stream, exchange_seed, group_stream, piece_seed
-from fastcomm.collectives.traffic import Traffic
+from fastcomm.collectives.traffic import Traffic, ring_bytes
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -81,6 +82,7 @@ __all__ = [
     "mean_over_ranks",
     "piece_seed",
     "reduce_scatter",
+    "ring_bytes",
     "segment_layout",
     "then",
     "timeout_of",

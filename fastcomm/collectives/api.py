@@ -28,6 +28,7 @@ from fastcomm.collectives._threads import when_done
 from fastcomm.collectives.errors import collective_value
 from fastcomm.collectives.residual import Residual
 from fastcomm.collectives.seeds import exchange_seed
+from fastcomm.collectives.traffic import Traffic, ring_bytes
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 
 __all__ = ["CompressedWork", "all_gather", "all_reduce", "reduce_scatter"]
@@ -98,6 +99,11 @@ def _check(tensor: Tensor, name: str, op: dist.ReduceOp | None = None) -> Tensor
     return tensor.view(-1)
 
 
+def _count(traffic: Traffic | None, sent: int, dense: int) -> None:
+    if traffic is not None:
+        traffic.add(sent, dense)
+
+
 def _finish(
     future: torch.futures.Future, pending: SecondCollective | None, flat: Tensor, op: dist.ReduceOp,
     async_op: bool, residual: Residual | None, group: dist.ProcessGroup | None,
@@ -136,6 +142,7 @@ def all_reduce(
     seed: int = 0,
     shapes: Sequence[torch.Size] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    traffic: Traffic | None = None,
 ) -> CompressedWork | None:
     """Mean (or sum) over ranks of ``tensor``, in place, through ``compressor``.
 
@@ -156,6 +163,9 @@ def all_reduce(
         seed: drives stochastic rounding; use the same on every rank (a step counter, say).
         shapes: the parameter shapes ``tensor`` holds back to back (PowerSGD's matrices).
         chunk_bytes: payload bytes per piece of a collective (several in flight keep a TCP link busy).
+        traffic: where to count what this rank sends (a :class:`~fastcomm.collectives.Traffic`), beside
+            what a dense ring all-reduce of ``tensor`` sends, once the exchange has sent it; ``None``: not
+            counted.
 
     Returns:
         ``None``, or a :class:`CompressedWork` with ``async_op=True``.
@@ -182,9 +192,15 @@ def all_reduce(
         if residual is not None:
             x = residual.take("worker", fp32, flat.numel())
             x.add_(flat)  # x, turned into the new residual by the second round's finish
+        dense = ring_bytes(flat.numel(), flat.element_size(), dist.get_world_size(group))
+
+        def counted(issued: rounds.Rounds) -> None:
+            factors = issued.plan.first_numel + issued.plan.second_numel
+            _count(traffic, ring_bytes(factors, 4, dist.get_world_size(group)), dense)
+
         pending = rounds.start_rounds(
             compressor, plan, x, flat, residual=None if residual is None else x, state=state,
-            seed=exchange_seed(seed, 0, 1), group=group, buffers=buffers, name=name,
+            seed=exchange_seed(seed, 0, 1), group=group, buffers=buffers, name=name, on_issued=counted,
         )  # fmt: skip
         return _finish(pending.future, pending, flat, op, async_op, residual, group)
     if not isinstance(compressor, Compressor):
@@ -198,6 +214,7 @@ def all_reduce(
         row = gather.compress_row(compressor, flat, worker, worker, buffers, exchange_seed(seed, rank, 1))
         gathered = gather.gather_row(row, world_size=world_size, group=group, chunk_bytes=chunk_bytes,
                                      buffers=buffers)  # fmt: skip
+        _count(traffic, gathered.sent_bytes, ring_bytes(flat.numel(), flat.element_size(), world_size))
 
         def decode(arrived: torch.futures.Future) -> Tensor:
             collective_value(arrived, f"{name} all-gather", None)
@@ -214,7 +231,8 @@ def all_reduce(
     if residual is not None:
         server = residual.take("server", torch.empty(0, device=flat.device), layout.segment)
         residual.place_segment(rank * layout.segment, world_size)
-    pending = _PhaseTwo(phase1, flat, server, rank, group, exchange_seed(seed, rank, 2))
+    dense = ring_bytes(flat.numel(), flat.element_size(), world_size)
+    pending = _PhaseTwo(phase1, flat, server, rank, group, exchange_seed(seed, rank, 2), traffic, dense)
     future = _chain(phase1.future, lambda done: _then_return(done, tensor))
     return _finish(future, pending, flat, op, async_op, residual, group)
 
@@ -229,6 +247,8 @@ class _PhaseTwo:
     rank: int
     group: dist.ProcessGroup | None
     seed: int
+    traffic: Traffic | None
+    dense_bytes: int
 
     @property
     def future(self) -> torch.futures.Future[Tensor]:
@@ -239,6 +259,7 @@ class _PhaseTwo:
         two_phase.start_phase2(
             self.phase1, self.out, mean, server_out=self.server, server_in=self.server, rank=self.rank,
             group=self.group if group is None else group, seed=self.seed, buffers=FreshBuffers(),
+            on_issued=lambda phase2: _count(self.traffic, phase2.sent_bytes, self.dense_bytes),
         )  # fmt: skip
 
 
@@ -253,6 +274,7 @@ def reduce_scatter(
     async_op: bool = False,
     seed: int = 0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    traffic: Traffic | None = None,
 ) -> CompressedWork | None:
     """This rank's shard of the mean (or sum) over ranks of ``input``, through a blockwise ``compressor``.
 
@@ -268,6 +290,8 @@ def reduce_scatter(
         compressor: a blockwise :class:`~fastcomm.compress.Compressor` (``block > 0``).
         residual: error feedback of ``input`` kept by the caller, or ``None``.
         op, group, async_op, seed, chunk_bytes: as for :func:`all_reduce`.
+        traffic: as for :func:`all_reduce`; the dense twin is ``dist.reduce_scatter_tensor``'s
+            (``(W - 1) / W`` of ``input``).
 
     Example::
 
@@ -298,6 +322,8 @@ def reduce_scatter(
         stride=shard,
     )  # fmt: skip
     pieces = list(phase1.pieces)
+    sent = (world_size - 1) * layout.compressor.wire_bytes(layout.segment, flat.dtype)
+    _count(traffic, sent, (world_size - 1) * shard * flat.element_size())
 
     def decode(arrived: torch.futures.Future) -> Tensor:
         try:
@@ -326,12 +352,14 @@ def all_gather(
     async_op: bool = False,
     seed: int = 0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    traffic: Traffic | None = None,
 ) -> CompressedWork | None:
     """Every rank's ``input``, compressed, decoded into ``output`` (``W`` times its size, rank order).
 
     As ``dist.all_gather_into_tensor`` with each rank's part sent as ``compressor``'s payload (ZeRO++'s
     quantized weight all-gather): row ``i`` of ``output`` is rank ``i``'s decoded input. With a
     ``residual``, what this rank's payload left out is added to its next input (rarely wanted for weights).
+    ``traffic``: as for :func:`all_reduce`; the dense twin is ``dist.all_gather_into_tensor``'s.
 
     Example::
 
@@ -354,6 +382,7 @@ def all_gather(
     row = gather.compress_row(compressor, flat, worker, worker, buffers, exchange_seed(seed, rank, 1))
     gathered = gather.gather_row(row, world_size=world_size, group=group, chunk_bytes=chunk_bytes,
                                  buffers=buffers)  # fmt: skip
+    _count(traffic, gathered.sent_bytes, (world_size - 1) * flat.numel() * flat.element_size())
 
     def decode(arrived: torch.futures.Future) -> Tensor:
         collective_value(arrived, "fastcomm.collectives.all_gather", None)

@@ -108,6 +108,7 @@ class Residual:
         current = getattr(self, name)
         if current is None and name in self._kept:
             current = self._kept.pop(name).to(self._working[name])
+            setattr(self, name, current)
         if current is None:
             current = torch.zeros(numel, dtype=like.dtype, device=like.device)
         elif (current.numel(), current.dtype) != (numel, like.dtype):

@@ -10,7 +10,18 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["Traffic"]
+__all__ = ["Traffic", "ring_bytes"]
+
+
+def ring_bytes(numel: int, element_size: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``numel`` elements: ``2 (W - 1) / W`` of the tensor.
+
+    Example::
+
+        >>> ring_bytes(1000, 4, 2)
+        4000
+    """
+    return 2 * (world_size - 1) * numel * element_size // world_size
 
 
 class Traffic:

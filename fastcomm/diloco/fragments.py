@@ -16,10 +16,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fastcomm.collectives import CompressedWork, PeerCollectiveError, Residual, all_reduce
+from fastcomm.collectives import (
+    CompressedWork,
+    PeerCollectiveError,
+    Residual,
+    Traffic,
+    all_reduce,
+    ring_bytes,
+)
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 
-__all__ = ["Exchange", "Fragment", "split_parameters", "wire_bytes"]
+__all__ = ["Exchange", "Fragment", "split_parameters"]
 
 
 def split_parameters(params: Sequence[nn.Parameter], fragments: int) -> list[list[nn.Parameter]]:
@@ -42,21 +49,6 @@ def split_parameters(params: Sequence[nn.Parameter], fragments: int) -> list[lis
         starts.append(cut)
     starts.append(len(params))
     return [list(params[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
-
-
-def wire_bytes(compressor: Compressor | AllreduceCompressor | None, numel: int, world: int) -> int:
-    """Bytes one rank sends to average ``numel`` fp32 values (ring all-reduce: ``2 (W - 1) / W`` of the
-    payload; an all-gather compressor: ``W - 1`` payloads); ``0`` where the compressor does not say."""
-    if world < 2:
-        return 0
-    if compressor is None:
-        return 2 * (world - 1) * 4 * numel // world
-    if not isinstance(compressor, Compressor):
-        return 0
-    payload = compressor.wire_bytes(numel, torch.float32)
-    if compressor.block > 0:
-        return 2 * (world - 1) * payload // world
-    return (world - 1) * payload
 
 
 @dataclass
@@ -119,9 +111,10 @@ class Exchange:
     @classmethod
     def start(
         cls, fragment: Fragment, *, step: int, due: int, compressor: Compressor | AllreduceCompressor | None,
-        group: dist.ProcessGroup | None, chunk_bytes: int | None,
+        group: dist.ProcessGroup | None, chunk_bytes: int | None, traffic: Traffic,
     ) -> Exchange:  # fmt: skip
-        """Issue the all-reduce of ``global - local`` for ``fragment`` (asynchronously)."""
+        """Issue the all-reduce of ``global - local`` for ``fragment`` (asynchronously); what it sends is
+        counted in ``traffic`` (by the compressed all-reduce itself, once sent)."""
         local = fragment.local_weights()
         delta = fragment.global_weights - local
         exchange = cls(fragment.index, step, due, delta, local if due > step else None)
@@ -129,10 +122,12 @@ class Exchange:
             if compressor is None:
                 exchange.work = dist.all_reduce(delta, group=group, async_op=True)
                 exchange.divide_by = dist.get_world_size(group)
+                dense = ring_bytes(delta.numel(), delta.element_size(), exchange.divide_by)
+                traffic.add(dense, dense)
             else:
                 extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
                 exchange.work = all_reduce(delta, compressor, residual=fragment.residual, group=group,
-                                           async_op=True, seed=step, **extra)  # fmt: skip
+                                           async_op=True, seed=step, traffic=traffic, **extra)  # fmt: skip
         except PeerCollectiveError:
             raise
         except Exception as error:

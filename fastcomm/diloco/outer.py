@@ -21,7 +21,7 @@ from torch import nn
 from fastcomm.collectives import Residual, Traffic
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.compress.registry import compressor_of
-from fastcomm.diloco.fragments import Exchange, Fragment, split_parameters, wire_bytes
+from fastcomm.diloco.fragments import Exchange, Fragment, split_parameters
 
 __all__ = ["DiLoCo", "outer_lr_ramp"]
 
@@ -223,14 +223,12 @@ class DiLoCo:
         for exchange in [e for e in self.in_flight if e.due <= step]:
             self.in_flight.remove(exchange)
             self._apply(exchange)
-        world = dist.get_world_size(self.process_group)
         for fragment in self.fragments:
             if step % self.sync_every != fragment.offset:
                 continue
             exchange = Exchange.start(fragment, step=step, due=step + self.delay, compressor=self.compressor,
-                                      group=self.process_group, chunk_bytes=self.chunk_bytes)  # fmt: skip
-            self.traffic.add(wire_bytes(self.compressor, fragment.numel, world),
-                             wire_bytes(None, fragment.numel, world))  # fmt: skip
+                                      group=self.process_group, chunk_bytes=self.chunk_bytes,
+                                      traffic=self.traffic)  # fmt: skip
             if self.delay == 0:
                 self._apply(exchange)
             else:
@@ -264,9 +262,9 @@ class DiLoCo:
         """Inner steps, syncs applied, traffic and seconds spent waiting.
 
         The traffic as every mode reports it (:meth:`fastcomm.collectives.Traffic.stats`): ``sent_bytes``
-        (this rank's payload estimate, :func:`~fastcomm.diloco.fragments.wire_bytes`), ``dense_bytes`` (a
-        plain fp32 all-reduce's) and ``compression_ratio``; ``bytes_sent`` is ``sent_bytes`` under the name
-        of earlier releases.
+        (what this rank's all-reduces sent, counted by them once sent), ``dense_bytes`` (a plain fp32 ring
+        all-reduce's) and ``compression_ratio``; ``bytes_sent`` is ``sent_bytes`` under the name of earlier
+        releases.
 
         Example::
 

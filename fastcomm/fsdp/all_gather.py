@@ -67,7 +67,6 @@ class QuantizedAllGather:
             group=group,
             async_op=True,
             chunk_bytes=self.chunk_bytes,
+            traffic=self.traffic,
         )
         wait_named(work, "fastcomm.fsdp quantized weight all-gather")
-        sent = (world_size - 1) * self.compressor.wire_bytes(input_tensor.numel(), input_tensor.dtype)
-        self.traffic.add(sent, dense)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives import DEFAULT_CHUNK_BYTES, block_unit, reduce_scatter
+from fastcomm.collectives import DEFAULT_CHUNK_BYTES, reduce_scatter
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._reduction import Reduction
 from fastcomm.fsdp._wait import wait_named
@@ -83,13 +83,8 @@ class CompressedReduceScatter(Reduction):
         residual = None if self.feedback is None else self.feedback.lend()
         work = reduce_scatter(
             output_tensor, input_tensor, self.compressor, residual=residual, op=op, group=group,
-            async_op=True, seed=self.step_seed(), chunk_bytes=self.chunk_bytes,
+            async_op=True, seed=self.step_seed(), chunk_bytes=self.chunk_bytes, traffic=self.traffic,
         )  # fmt: skip
         wait_named(work, f"fastcomm.fsdp reduce-scatter of parameter group {self.index}")
         if self.feedback is not None:
             self.feedback.keep()
-        world_size, shard = dist.get_world_size(group), output_tensor.numel()
-        unit = block_unit(self.compressor.block)
-        segment = -(-max(shard, 1) // unit) * unit
-        sent = (world_size - 1) * self.compressor.wire_bytes(segment, input_tensor.dtype)
-        self.traffic.add(sent, (world_size - 1) * shard * input_tensor.element_size())

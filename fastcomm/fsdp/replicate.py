@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastcomm.collectives import DEFAULT_CHUNK_BYTES, all_reduce
-from fastcomm.collectives.two_phase import TwoPhaseLayout
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._reduction import Reduction
 from fastcomm.fsdp._wait import wait_named
@@ -63,16 +62,8 @@ class CompressedReplicaAllReduce(Reduction):
         residual = None if self.feedback is None else self.feedback.lend()
         work = all_reduce(
             reduce_output, self.compressor, residual=residual, group=self.group, async_op=True,
-            seed=self.step_seed(), chunk_bytes=self.chunk_bytes,
+            seed=self.step_seed(), chunk_bytes=self.chunk_bytes, traffic=self.traffic,
         )  # fmt: skip
         wait_named(work, f"fastcomm.fsdp cross-replica all-reduce of parameter group {self.index}")
         if self.feedback is not None:
             self.feedback.keep()
-        replicas, numel, dtype = dist.get_world_size(self.group), reduce_output.numel(), reduce_output.dtype
-        if self.compressor.block > 0:
-            segment = TwoPhaseLayout.of_blocks(self.compressor, numel, replicas).segment
-            sent = 2 * (replicas - 1) * self.compressor.wire_bytes(segment, dtype)
-        else:
-            sent = (replicas - 1) * self.compressor.wire_bytes(numel, dtype)
-        dense = 2 * (replicas - 1) * numel * reduce_output.element_size() // replicas
-        self.traffic.add(sent, dense)

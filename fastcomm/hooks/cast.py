@@ -5,13 +5,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives import Timer, then
+from fastcomm.collectives import Timer, ring_bytes, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import all_finite
 from fastcomm.hooks.engine.defaults import resolve_state
 from fastcomm.hooks.engine.options import OptionTypeError
 from fastcomm.hooks.engine.state import HookState
-from fastcomm.hooks.engine.util import ring_bytes, world_of
+from fastcomm.hooks.engine.util import world_of
 
 __all__ = ["CastState", "cast_hook"]
 

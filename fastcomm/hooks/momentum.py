@@ -31,11 +31,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from fastcomm.collectives import completed, then
+from fastcomm.collectives import completed, ring_bytes, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.hooks.engine.names import HOOKS, HookName
 from fastcomm.hooks.engine.reshard import describe, keep_if_same_world
-from fastcomm.hooks.engine.util import ring_bytes
 from fastcomm.optim import CompressedAdam, precondition_
 
 __all__ = ["CompressedAdamState", "compressed_adam_hook", "register_optimizer"]

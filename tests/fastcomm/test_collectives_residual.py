@@ -202,3 +202,13 @@ def test_a_bucket_entry_is_seen_as_a_residual():
         feedback.worker is entry.tensors["residual"] and feedback.server is entry.tensors["server_residual"]
     )
     torch.testing.assert_close(entry.owed(), _owed_by_hand(feedback, 10), rtol=0, atol=1e-6)
+
+
+def test_a_kept_residual_refused_for_another_size_keeps_its_values():
+    values = torch.randn(8, generator=_gen("refused"))
+    residual = Residual(torch.bfloat16)
+    residual.take("worker", values, 8).copy_(values)
+    residual.keep()
+    with pytest.raises(ValueError, match="one Residual per tensor"):
+        residual.take("worker", values, 9)
+    assert torch.equal(residual.take("worker", values, 8), values.to(torch.bfloat16).float())

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives import DEFAULT_CHUNK_BYTES, SecondCollective, then
+from fastcomm.collectives import DEFAULT_CHUNK_BYTES, SecondCollective, ring_bytes, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.collectives.gather import gather_row
 from fastcomm.hooks.engine.defaults import resolve_state
@@ -23,7 +23,7 @@ from fastcomm.hooks.engine.options import require_bool, require_int
 from fastcomm.hooks.engine.reshard import describe, keep_if_same_world, merge_buckets, merge_counters
 from fastcomm.hooks.engine.state import HookState
 from fastcomm.hooks.engine.store import BucketEntry, BucketStore, ResumePart
-from fastcomm.hooks.engine.util import BucketKey, ring_bytes, world_of
+from fastcomm.hooks.engine.util import BucketKey, world_of
 from fastcomm.hooks.hierarchical.groups import check_node_size
 from fastcomm.hooks.hierarchical.hierarchy import Hierarchy
 from fastcomm.hooks.hierarchical.protocols import InnerParts

@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fastcomm.collectives import ring_bytes
 from fastcomm.collectives import rounds as exchange
 from fastcomm.collectives.rounds import Rounds
 from fastcomm.compress.protocol import AllreduceCompressor
 from fastcomm.hooks.engine.compression import BucketCall
 from fastcomm.hooks.engine.twophase import schedule_second_phase
-from fastcomm.hooks.engine.util import ring_bytes, seed_for
+from fastcomm.hooks.engine.util import seed_for
 
 __all__ = ["allreduce_rounds", "allreduce_rounds_bucket", "start_rounds"]
 

@@ -16,13 +16,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fastcomm.collectives import completed, then
+from fastcomm.collectives import completed, ring_bytes, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.compress.protocol import all_finite, scale_all_finite_
 from fastcomm.hooks.engine.accounting import COUNTERS, StepAccounting
 from fastcomm.hooks.engine.options import OptionTypeError
 from fastcomm.hooks.engine.reshard import describe, keep_if_same_world, merge_counters
-from fastcomm.hooks.engine.util import BucketKey, ring_bytes
+from fastcomm.hooks.engine.util import BucketKey
 
 __all__ = ["HookState"]
 

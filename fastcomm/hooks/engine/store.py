@@ -395,4 +395,3 @@ class BucketStore:
             tuple(int(p) for p in item["params"]): tuple(int(n) for n in item["numels"]) for item in layout
         }
         self._last_layout = dict(self._restored)
-

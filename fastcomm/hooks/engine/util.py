@@ -1,4 +1,4 @@
-"""Small helpers every hook uses: bucket keys, world size and rank, traffic arithmetic, a bucket's seed."""
+"""Small helpers every hook uses: bucket keys, world size and rank, a bucket's seed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from fastcomm.collectives.seeds import bucket_stream, exchange_seed
 
-__all__ = ["BucketKey", "ring_bytes", "seed_for", "world_of"]
+__all__ = ["BucketKey", "seed_for", "world_of"]
 
 # a bucket layout is named by the integer keys of its parameters, in bucket order
 BucketKey = tuple[int, ...]
@@ -15,17 +15,6 @@ BucketKey = tuple[int, ...]
 def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """``(world_size, rank)`` of ``group`` (the default group when ``None``)."""
     return dist.get_world_size(group), dist.get_rank(group)
-
-
-def ring_bytes(numel: int, element_size: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``numel`` elements: ``2 (W - 1) / W`` of the tensor.
-
-    Example::
-
-        >>> ring_bytes(1000, 4, 2)
-        4000
-    """
-    return 2 * (world_size - 1) * numel * element_size // world_size
 
 
 def seed_for(base: int, step: int, key: BucketKey, rank: int, phase: int) -> int:
