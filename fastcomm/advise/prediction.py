@@ -148,7 +148,8 @@ def predict(
         shapes, matrix_side: the parameters' shapes for PowerSGD, else square matrices of ``matrix_side``.
 
     Returns:
-        One :class:`Prediction` per method and schedule; the first is the flat dense allreduce.
+        One :class:`Prediction` per method and schedule, in the order of ``methods``, flat ones first
+        (speedups are over the flat dense allreduce, priced even when ``methods`` leaves it out).
 
     Raises:
         ValueError: a name no method has, or a link or time that does not parse; an old method name
