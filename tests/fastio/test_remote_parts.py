@@ -119,13 +119,8 @@ def _mid_part_cut(batches: list[list[int]], part_sizes: list[int], after: int) -
 @pytest.mark.parametrize("after", [1, 6])
 def test_a_parts_order_resumes_mid_part_with_the_same_batches(server, tmp_path, fio, num_workers, worker_mode,
                                                               after):  # fmt: skip
-    options = dict(
-        batch_size=4,
-        shuffle=True,
-        seed=2,
-        num_workers=num_workers,
-        workers=fastio.WorkerOptions(mode=worker_mode),
-    )
+    workers = fastio.WorkerOptions(mode=worker_mode)
+    options = dict(batch_size=4, shuffle=True, seed=2, num_workers=num_workers, workers=workers)
     first = _source(server.url("train"), tmp_path / "cache", 4)
     try:
         whole = [fio.check_batch(batch) for batch in fastio.StreamLoader(first, **options)]
@@ -403,13 +398,8 @@ def test_tar_shards_with_sidecars_read_parts_each_sample_once_and_resume_exactly
     tmp_path, num_workers, worker_mode
 ):
     _write_tars(tmp_path / "www", shards=9, samples=13, sidecars=True)
-    options = dict(
-        batch_size=4,
-        shuffle=True,
-        seed=6,
-        num_workers=num_workers,
-        workers=fastio.WorkerOptions(mode=worker_mode),
-    )
+    workers = fastio.WorkerOptions(mode=worker_mode)
+    options = dict(batch_size=4, shuffle=True, seed=6, num_workers=num_workers, workers=workers)
     with HttpServer(tmp_path / "www") as server:
         source = _tar_source(server, tmp_path / "cache", 3)
         try:
