@@ -39,7 +39,7 @@ from fastcomm.compress.cast import CastCompressor
 from fastcomm.compress.powersgd import PowerSGDCompressor, orthogonalize_
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor, all_finite, scale_all_finite_
 from fastcomm.compress.quantize import QuantCompressor
-from fastcomm.compress.registry import add_compressor, compressor, compressor_of
+from fastcomm.compress.registry import add_compressor, compressor, compressor_of, label
 from fastcomm.compress.sign import SignCompressor
 from fastcomm.compress.topk import TopKCompressor, fit_to_k
 
@@ -55,6 +55,7 @@ __all__ = [
     "all_finite",
     "compressor",
     "compressor_of",
+    "label",
     "scale_all_finite_",
     "fit_to_k",
     "orthogonalize_",

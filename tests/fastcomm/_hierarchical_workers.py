@@ -64,7 +64,7 @@ VARIANTS = {
         fastcomm.hooks.compressor_hook,
         ("quant", 2, 32),
     ),
-    "cast16": (
+    "cast_bf16": (
         lambda: fastcomm.hooks.CompressorState(
             CastCompressor(torch.bfloat16), min_compress_numel=0, node_size=2
         ),
@@ -205,7 +205,7 @@ DDP_CASES = {
     "q8": ("quantize", {"bits": 8, "block": 64, "min_compress_numel": 0}),
     "topk": ("topk", {"ratio": 0.1, "min_compress_numel": 0}),
     "registered": ("hier_test_q4", {"min_compress_numel": 0}),
-    "cast16": ("cast16", {"dtype": torch.bfloat16, "min_compress_numel": 0}),
+    "cast_bf16_two_phase": (fastcomm.compressor("cast", dtype=torch.bfloat16), {"min_compress_numel": 0}),
 }
 BUCKET_CAPS = {"default": {}, "one bucket": {"bucket_cap_mb": 1000}, "many buckets": {"bucket_cap_mb": 0.002}}
 DIMS = (16, 37, 29, 4)
