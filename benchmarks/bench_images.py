@@ -154,7 +154,9 @@ def _fastio(pattern: str, train: bool, batch: int, workers: int) -> Iterable[Any
     from fastio.assembly.image import ImageStage
 
     stage = ImageStage("jpg", size=SIZE, train=train)
-    return fastio.StreamLoader(pattern, batch_size=batch, stages=[stage], num_workers=workers, seed=0)
+    return fastio.StreamLoader(
+        pattern, batch_size=batch, num_workers=workers, seed=0, batches=fastio.BatchOptions(stages=[stage])
+    )
 
 
 _PEERS = {

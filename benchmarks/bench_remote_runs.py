@@ -115,7 +115,7 @@ def _fastio_pass(loader: Any, epoch: int, spec: dict[str, Any], served: int | No
     loader.set_epoch(epoch)
     ids: list[Any] = []
     for batch in loader:
-        ids.append(np.array(batch[spec["id_field"]]))  # a copy: the loader reuses its buffers
+        ids.append(batch[spec["id_field"]].numpy().copy())  # a copy: the loader reuses its buffers
     return _epoch_record(spec, ids, time.perf_counter() - start, served, loader.stats())
 
 
@@ -130,7 +130,8 @@ def _fastio_epochs(spec: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     _fastio_pass(local, 0, spec, None, time.perf_counter())
     served = _served_bytes(spec["stats_url"])
     start = time.perf_counter()  # epoch 1 includes opening: a remote set's index, sizes and tar indexes
-    remote = fastio.StreamLoader(spec["target"], cache_dir=spec["cache_dir"], **options)
+    cache = fastio.RemoteOptions(cache_dir=spec["cache_dir"])
+    remote = fastio.StreamLoader(spec["target"], remote=cache, **options)
     open_s = time.perf_counter() - start
     epochs = [_fastio_pass(remote, 0, spec, served, start)]
     epochs[0]["open_s"] = open_s

@@ -1,4 +1,5 @@
-"""How diverse ``StreamLoader(url, shuffle=True, cache_limit=...)``'s batches are against a full permutation.
+"""How diverse ``StreamLoader(url, shuffle=True)``'s batches are through a bounded cache, against a full
+permutation.
 
 The question: a remote source is read through a bounded cache, so ``shuffle=True`` there cannot be a full
 permutation: on fastio shards it is a sliding window over a permutation of *parts* of shards, fetched by
@@ -136,18 +137,25 @@ def _epochs(
 
 
 def _remote(
-    url: str, cache_dir: Path, limit: int, whole_shards: bool = False, **order: object
+    url: str,
+    cache_dir: Path,
+    limit: int,
+    shuffle: bool | str,
+    whole_shards: bool = False,
+    window: int | None = None,
 ) -> fastio.StreamLoader:
+    """A loader over ``url`` through an empty cache of ``limit`` bytes; ``window``: ``shuffle="shard"``'s."""
     shutil.rmtree(cache_dir, ignore_errors=True)  # every run from an empty cache
     kind = WholeShards if whole_shards else RemoteShardSource
     source = kind(url, cache_dir=str(cache_dir), cache_limit=limit)
-    return fastio.StreamLoader(source, batch_size=BATCH, seed=0, **order)
+    order = fastio.OrderOptions() if window is None else fastio.OrderOptions(shuffle_window=window)
+    return fastio.StreamLoader(source, batch_size=BATCH, shuffle=shuffle, seed=0, order=order)
 
 
 def _largest_shard_window(url: str, cache_dir: Path, limit: int, cache_shards: int) -> int:
     """The largest ``shuffle="shard"`` window (default blocks of 256 samples) whose pass the cache admits."""
     for window in range(cache_shards, 0, -1):
-        loader = _remote(url, cache_dir, limit, shuffle="shard", shuffle_window=window)
+        loader = _remote(url, cache_dir, limit, "shard", window=window)
         try:
             next(iter(loader))
             return window
@@ -178,7 +186,7 @@ def _measure(root: Path, args: argparse.Namespace) -> list[Row]:
             runs = {
                 "shuffle=True": dict(shuffle=True),
                 "shuffle=True, whole shards": dict(shuffle=True, whole_shards=True),
-                f"shuffle='shard' window {window}": dict(shuffle="shard", shuffle_window=window),
+                f"shuffle='shard' window {window}": dict(shuffle="shard", window=window),
             }
             for label, options in runs.items():
                 server.clear_log()

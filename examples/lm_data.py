@@ -174,7 +174,7 @@ def loader(directory: Path, batch_size: int, seed: int, rank: int, world: int) -
     """This rank's shuffled loader of a split: full batches of ``batch_size`` rows, the order fixed by
     ``seed`` (and the epoch), each rank a disjoint share."""
     return fastio.StreamLoader(directory, batch_size=batch_size, shuffle=True, seed=seed, drop_last=True,
-                               rank=rank, world_size=world, pin_memory=False)
+                               pin_memory=False, order=fastio.OrderOptions(rank=rank, world_size=world))
 
 
 class EpochStream:

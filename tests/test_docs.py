@@ -7,6 +7,11 @@ line before a block chooses what runs first:
   dataset...), so the block itself reads as a user would write it;
 - ``<!-- not-run: REASON -->``: the block is only compiled (it needs a launcher, several processes or a
   cloud store); the reason is required and the number of such blocks is capped.
+
+A ``DeprecationWarning`` pointed at a block's own line (an old keyword or name of ours, or of torch) fails
+it: the docs show the current form. Every ``path/to/file.py`` the pages name exists, and every dotted name
+of ours (``fastio.pipeline.order``, ``fastcomm.collectives.Residual``) names a module, or a name its module
+defines.
 """
 
 from __future__ import annotations
@@ -86,6 +91,11 @@ PRELUDES = {
 }
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
+# a relative path with a folder (not part of a URL or of an absolute path), and a dotted name of ours
+_PATH = re.compile(r"(?<![\w./:-])((?:[\w.-]+/)+[\w.-]+\.py)\b")
+_DOTTED = re.compile(r"(?<![\w./-])((?:fastcomm|fastio|benchmarks)(?:\.[A-Za-z_]\w*)+)")
+_FILE_SUFFIXES = {"md", "py", "json", "png", "txt"}  # ``benchmarks.md`` is a page, not a module
+_NATIVE = {"fastcomm._C", "fastio._C"}  # built by setup.py, not in the tree
 _MARK = re.compile(r"^<!--\s*(prelude|not-run):\s*(.*?)\s*-->$")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -135,7 +145,7 @@ NOT_RUN = [b for b in PYTHON_BLOCKS if b.mark == "not-run"]
 # use, ~2 s of CPU a block otherwise, and freezes its heap: a collection in a block then leaves those pages
 # unwritten (shared with the server) instead of copying them.
 _SERVER = r"""
-import gc, json, os, signal, sys, time, traceback
+import gc, json, os, signal, sys, time, traceback, warnings
 import numpy, torch, torch._dynamo, fastcomm, fastcomm.fsdp, fastcomm.hooks, fastio
 gc.freeze()
 for line in sys.stdin:
@@ -149,6 +159,7 @@ for line in sys.stdin:
         out = os.open(job["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(out, 1); os.dup2(out, 2)
         rc = 0
+        warnings.filterwarnings("error", category=DeprecationWarning, module="__main__")
         try:
             exec(compile(job["code"], job["name"], "exec"), {"__name__": "__main__"})
         except SystemExit as stop:
@@ -230,3 +241,36 @@ def test_readme_is_a_front_door() -> None:
     assert len(lines) <= 250, len(lines)
     opening = "\n".join(lines[:8])
     assert "make bench" in opening and "make test" in opening
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``dotted`` names a module of the repo, or a name that its deepest module defines at top level
+    or lists in ``__all__`` (deeper attributes are not followed)."""
+    parts = dotted.split(".")
+    path, rest = ROOT / parts[0], parts[1:]
+    while rest and path.is_dir():
+        if (path / rest[0]).is_dir():
+            path = path / rest[0]
+        elif (path / f"{rest[0]}.py").is_file():
+            path = path / f"{rest[0]}.py"
+        else:
+            break
+        rest = rest[1:]
+    if not rest:
+        return True
+    source = path / "__init__.py" if path.is_dir() else path
+    name = re.escape(rest[0])
+    defined = rf"^(?:(?:async\s+)?def|class)\s+{name}\b|^{name}\s*[:=]|[\"']{name}[\"']"
+    return source.is_file() and re.search(defined, source.read_text(), flags=re.M) is not None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_named_files_and_modules_exist(page: Path) -> None:
+    text = page.read_text()
+    missing = [path for path in sorted(set(_PATH.findall(text)))
+               if not (ROOT / path).exists() and not (page.parent / path).exists()]  # fmt: skip
+    unknown = [name for name in sorted(set(_DOTTED.findall(text)))
+               if name.rsplit(".", 1)[-1] not in _FILE_SUFFIXES and name not in _NATIVE
+               and not _resolves(name)]  # fmt: skip
+    assert not missing, f"{page.relative_to(ROOT)} names files that are not in the repo: {missing}"
+    assert not unknown, f"{page.relative_to(ROOT)} names modules or names that are not there: {unknown}"
