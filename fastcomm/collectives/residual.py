@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Residual", "mean_over_ranks"]
+__all__ = ["Residual", "check_residual_dtype", "mean_over_ranks"]
 
 _TENSORS = ("worker", "server", "compressor_state")
 
@@ -73,11 +73,7 @@ class Residual:
         segment_start: int = 0,
         world_size: int = 1,
     ) -> None:
-        if residual_dtype is not None and (
-            not isinstance(residual_dtype, torch.dtype) or not residual_dtype.is_floating_point
-        ):
-            raise ValueError(f"residual_dtype must be a floating-point dtype or None, got {residual_dtype!r}")
-        self.residual_dtype = residual_dtype
+        self.residual_dtype = check_residual_dtype(residual_dtype)
         self.worker, self.server, self.compressor_state = worker, server, compressor_state
         self.segment_start, self.world_size = segment_start, world_size
         self._pending: torch.futures.Future | None = None
@@ -294,6 +290,28 @@ class Residual:
             f"what each owed (segment residuals folded in), so the mean over ranks still owed is unchanged"
         )
         return merged, why
+
+
+def check_residual_dtype(residual_dtype: object, error_feedback: bool = True) -> torch.dtype | None:
+    """``residual_dtype`` if it is a floating-point ``torch.dtype`` or ``None``: the one check of the option
+    wherever error feedback is kept (FSDP's reductions, the DDP hooks' states, DiLoCo, :class:`Residual`).
+
+    Raises:
+        ValueError: not a floating-point dtype, or a dtype given with ``error_feedback=False`` (no residual
+            to keep in it).
+
+    Example::
+
+        >>> check_residual_dtype(torch.bfloat16)
+        torch.bfloat16
+    """
+    if residual_dtype is not None and (
+        not isinstance(residual_dtype, torch.dtype) or not residual_dtype.is_floating_point
+    ):
+        raise ValueError(f"residual_dtype must be a floating-point dtype or None, got {residual_dtype!r}")
+    if residual_dtype is not None and not error_feedback:
+        raise ValueError("residual_dtype needs error_feedback=True")
+    return residual_dtype
 
 
 def mean_over_ranks(values: Sequence[Tensor | None], dtypes: Sequence[torch.dtype | None]) -> Tensor | None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fastcomm.collectives.residual import Residual
+from fastcomm.collectives.residual import Residual, check_residual_dtype
 from fastcomm.collectives.seeds import group_stream
 from fastcomm.collectives.traffic import Traffic
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
@@ -53,8 +53,7 @@ class Reduction:
             )
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
-        if residual_dtype is not None and not error_feedback:
-            raise ValueError("residual_dtype needs error_feedback=True")
+        check_residual_dtype(residual_dtype, error_feedback)
         self.compressor = compressor
         self.feedback = Residual(residual_dtype) if error_feedback else None
         self.traffic = Traffic()

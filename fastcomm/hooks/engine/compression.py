@@ -18,6 +18,7 @@ from torch import Tensor
 from fastcomm.collectives import DEFAULT_CHUNK_BYTES, SecondCollective, ring_bytes, then
 from fastcomm.collectives.errors import collective_value
 from fastcomm.collectives.gather import gather_row
+from fastcomm.collectives.residual import check_residual_dtype
 from fastcomm.hooks.engine.defaults import resolve_state
 from fastcomm.hooks.engine.options import require_bool, require_int
 from fastcomm.hooks.engine.reshard import describe, keep_if_same_world, merge_buckets, merge_counters
@@ -40,6 +41,10 @@ class CompressionState(HookState):
 
     Args:
         error_feedback: keep what compression dropped, per bucket, and add it to the next gradient.
+        residual_dtype: keep those residuals in this dtype between steps (``torch.bfloat16``: half the
+            memory of fp32), widened to the gradient's dtype for each step; ``None``: the gradient's dtype
+            (as computed, no copies). Needs ``error_feedback=True``; the same option as
+            :func:`fastcomm.fsdp.compress`'s and :class:`fastcomm.DiLoCo`'s.
         start_iter: plain (dense) allreduce for the first ``start_iter`` steps.
         min_compress_numel: buckets with fewer elements go dense.
         wire_chunk_bytes: each collective is issued as back-to-back chunks of about this many bytes per
@@ -58,7 +63,14 @@ class CompressionState(HookState):
         owed = state.residual_of(next(ddp.module.parameters()))  # what error feedback still has to send
     """
 
-    _OPTIONS = ("error_feedback", "start_iter", "min_compress_numel", "wire_chunk_bytes", "node_size")
+    _OPTIONS = (
+        "error_feedback",
+        "residual_dtype",
+        "start_iter",
+        "min_compress_numel",
+        "wire_chunk_bytes",
+        "node_size",
+    )
     # whether a bucket that goes dense also pays its phase-2 segment residual (a hook that switches a
     # bucket between a two-phase exchange and dense: "auto")
     dense_takes_segment = False
@@ -67,6 +79,7 @@ class CompressionState(HookState):
         self,
         *,
         error_feedback: bool = True,
+        residual_dtype: torch.dtype | None = None,
         start_iter: int = 0,
         min_compress_numel: int = 1024,
         wire_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -76,6 +89,7 @@ class CompressionState(HookState):
     ) -> None:
         self._parts = parts
         self.error_feedback = require_bool("error_feedback", error_feedback)
+        self.residual_dtype = check_residual_dtype(residual_dtype, self.error_feedback)
         self.start_iter = require_int("start_iter", start_iter, minimum=0)
         self.min_compress_numel = require_int("min_compress_numel", min_compress_numel, minimum=0)
         self.wire_chunk_bytes = require_int("wire_chunk_bytes", wire_chunk_bytes, minimum=1)
@@ -86,10 +100,10 @@ class CompressionState(HookState):
     def _reset_internal(self) -> None:
         super()._reset_internal()
         parts = self._parts
-        self.store = BucketStore() if parts is None else parts.store
+        self.store = BucketStore(self.residual_dtype) if parts is None else parts.store
         if parts is not None:
             self.accounting = parts.accounting
-        self.hierarchy = Hierarchy()
+        self.hierarchy = Hierarchy(self.residual_dtype)
         # a two-phase bucket whose phase 1 is in flight; its phase 2 is issued by the next hook call
         self._pending: SecondCollective | None = None
 
@@ -206,6 +220,19 @@ class CompressionState(HookState):
         super().load_state_dict(state_dict)
         self.store.load_state_dict(state_dict)
         self.hierarchy.load_state_dict(state_dict)
+
+    def residual_bytes(self) -> int:
+        """Bytes of error-feedback residuals this rank keeps between steps (flat and hierarchical stores;
+        halved by ``residual_dtype=torch.bfloat16``).
+
+        Example::
+
+            state = fastcomm.register(ddp, "quantize", bits=8, residual_dtype=torch.bfloat16)
+            ...  # after some steps
+            print(state.residual_bytes())  # 2 bytes per compressed gradient element, plus the segments
+        """
+        self._finish_iteration()
+        return self.store.residual_bytes() + self.hierarchy.store.residual_bytes()
 
     def stats(self) -> dict[str, float | int]:
         """:meth:`HookState.stats`; hierarchical, also ``intra_node_bytes`` and ``cross_node_bytes``.

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastcomm.collectives.residual import Residual
+from fastcomm.collectives.residual import Residual, check_residual_dtype
 from fastcomm.hooks.engine.buffers import BufferPool
 from fastcomm.hooks.engine.util import BucketKey
 
@@ -39,6 +39,8 @@ __all__ = ["BucketEntry", "BucketStore", "ResumePart"]
 
 # the segment tensor of two-phase hooks: this rank's phase-2 residual, not one element per bucket element
 SEGMENT_TENSOR = "server_residual"
+# the error-feedback tensors, kept in a store's residual_dtype between iterations
+RESIDUAL_TENSORS = ("residual", SEGMENT_TENSOR)
 
 
 @dataclass
@@ -135,6 +137,12 @@ class ResumePart:
 class BucketStore:
     """Bucket tensors keyed by parameter, rebuild inheritance, staging for skipped steps, checkpoints.
 
+    Args:
+        residual_dtype: the dtype the error-feedback residuals (``"residual"`` and the segment tensor) are
+            kept in between iterations: committed in it, widened to the gradient's dtype when a hook reads
+            them (:meth:`current`); ``None``: as the hook computed them, no copies. Rule 2 of
+            :mod:`fastcomm.collectives.residual`.
+
     Example::
 
         store = BucketStore()
@@ -144,7 +152,8 @@ class BucketStore:
         store.end_iteration(finite=True)  # the staged residual becomes current
     """
 
-    def __init__(self) -> None:
+    def __init__(self, residual_dtype: torch.dtype | None = None) -> None:
+        self.residual_dtype = check_residual_dtype(residual_dtype)
         self.buffers = BufferPool()
         self._entries: dict[BucketKey, BucketEntry] = {}
         # parameter key -> (bucket key, offset of the parameter in that bucket)
@@ -303,6 +312,10 @@ class BucketStore:
                 self._spares.pop((key, name), None)
                 continue
             old = entry.tensors.get(name)
+            if self.residual_dtype is not None and name in RESIDUAL_TENSORS:
+                # kept narrow, without a spare: its wide buffer would hold the memory the narrow copy saves
+                entry.tensors[name] = tensor.to(self.residual_dtype)
+                continue
             entry.tensors[name] = tensor
             if old is not None and old.data_ptr() != tensor.data_ptr():
                 self._spares[(key, name)] = old
@@ -337,6 +350,20 @@ class BucketStore:
             for tensor in entry.tensors.values():
                 tensor.mul_(factor)
 
+    def residual_bytes(self) -> int:
+        """Bytes of error-feedback residuals held (between iterations: in ``residual_dtype`` when set).
+
+        Example::
+
+            BucketStore(torch.bfloat16).residual_bytes()  # 0: nothing compressed yet
+        """
+        return sum(
+            tensor.numel() * tensor.element_size()
+            for entry in self._entries.values()
+            for name, tensor in entry.tensors.items()
+            if name in RESIDUAL_TENSORS
+        )
+
     def residual_of(self, pkey: int, numel: int) -> Tensor | None:
         """Parameter ``pkey``'s residual (fp32, flat), the phase-2 residual folded in; ``None`` if none."""
         location = self._param_loc.get(pkey)
@@ -368,7 +395,8 @@ class BucketStore:
         ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Replace everything with what :meth:`state_dict` returned.
+        """Replace everything with what :meth:`state_dict` returned (the residuals in this store's
+        ``residual_dtype``, when it has one).
 
         The ``layout`` becomes the restored layout that the first iteration is reduced as
         (:meth:`resume_parts`). ``"layout": []`` means none: the first iteration reduces DDP's buckets as
@@ -376,14 +404,14 @@ class BucketStore:
         layout's segments and budgets belong to the old ranks). A dict without a ``layout`` key (an older
         checkpoint) restores its entries' layout.
         """
-        self.__init__()  # type: ignore[misc]
+        self.__init__(self.residual_dtype)  # type: ignore[misc]
         for item in state_dict["buckets"]:
             key = tuple(int(p) for p in item["params"])
             entry = BucketEntry(
                 numels=tuple(int(n) for n in item["numels"]),
                 world_size=int(item["world_size"]),
                 segment_start=int(item["segment_start"]),
-                tensors={name: tensor.clone() for name, tensor in item["tensors"].items()},
+                tensors={name: self._kept(name, tensor) for name, tensor in item["tensors"].items()},
             )
             self._entries[key] = entry
             offset = 0
@@ -395,3 +423,9 @@ class BucketStore:
             tuple(int(p) for p in item["params"]): tuple(int(n) for n in item["numels"]) for item in layout
         }
         self._last_layout = dict(self._restored)
+
+    def _kept(self, name: str, tensor: Tensor) -> Tensor:
+        """A copy of ``tensor`` as this store keeps tensor ``name`` between iterations."""
+        if self.residual_dtype is not None and name in RESIDUAL_TENSORS:
+            return tensor.to(self.residual_dtype, copy=True)
+        return tensor.clone()

@@ -72,14 +72,17 @@ class Hierarchy:
     resolved, the node groups and the inner state that runs the flat exchange over the cross-node group.
     A state whose ``node_size`` resolves to 1 keeps an empty one (its checkpoint has no hierarchical keys).
 
+    Args:
+        residual_dtype: the dtype the shard store keeps its residuals in between steps (the state's).
+
     Example::
 
         state = fastcomm.register(ddp, "sign", node_size=2)  # 2 ranks per node
         state.stats()["cross_node_bytes"]  # bytes this rank sent to other nodes
     """
 
-    def __init__(self) -> None:
-        self.store = BucketStore()
+    def __init__(self, residual_dtype: torch.dtype | None = None) -> None:
+        self.store = BucketStore(residual_dtype)
         self.traffic = NodeTraffic()
         self.groups: NodeGroups | None = None
         self._resolved = False
