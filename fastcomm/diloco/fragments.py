@@ -69,10 +69,13 @@ class Fragment:
     residual: Residual = field(default_factory=Residual)
 
     @classmethod
-    def of(cls, index: int, params: list[nn.Parameter], offset: int) -> Fragment:
-        """A fragment whose global weights are the parameters' values now (fp32)."""
+    def of(
+        cls, index: int, params: list[nn.Parameter], offset: int, residual_dtype: torch.dtype | None = None
+    ) -> Fragment:
+        """A fragment whose global weights are the parameters' values now (fp32), its residual kept in
+        ``residual_dtype`` between exchanges."""
         flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-        return cls(index, params, offset, flat, torch.zeros_like(flat))
+        return cls(index, params, offset, flat, torch.zeros_like(flat), Residual(residual_dtype))
 
     @property
     def numel(self) -> int:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastcomm.collectives import Residual, Traffic
+from fastcomm.collectives.residual import check_residual_dtype
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.compress.registry import compressor_of
 from fastcomm.diloco.fragments import Exchange, Fragment, split_parameters
@@ -122,6 +123,10 @@ class DiLoCo:
             (streaming DiLoCo's merge; 0.5 there).
         process_group: the group of the replicas (default: the default group).
         chunk_bytes: the compressed all-reduce's piece size (default: the collectives' own).
+        residual_dtype: keep each fragment's error-feedback residual in this dtype between syncs
+            (``torch.bfloat16``: half the memory of fp32), widened for each exchange; ``None``: fp32. Needs
+            a compressor (a plain all-reduce keeps no residual); the same option as the DDP hooks' and
+            :func:`fastcomm.fsdp.compress`'s.
         **compressor_options: options of the named compressor (``bits=4``, ``block=...``).
 
     Example::
@@ -150,6 +155,7 @@ class DiLoCo:
         mixing: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         chunk_bytes: int | None = None,
+        residual_dtype: torch.dtype | None = None,
         **compressor_options: Any,
     ) -> None:
         for name, value in (("sync_every", sync_every), ("fragments", fragments)):
@@ -182,13 +188,18 @@ class DiLoCo:
             self.compressor = compressor_of(compressor, compressor_options)
         else:
             self.compressor = compressor
+        self.residual_dtype = check_residual_dtype(residual_dtype)
+        if residual_dtype is not None and self.compressor is None:
+            raise ValueError(
+                "residual_dtype needs a compressor: a plain all-reduce (compressor=None) keeps no residual"
+            )
         self.inner = inner_optimizer
         self.sync_every, self.delay, self.mixing = sync_every, delay, mixing
         self.outer_lr = outer_lr if callable(outer_lr) else float(outer_lr)
         self.outer_momentum, self.nesterov = float(outer_momentum), nesterov
         self.process_group, self.chunk_bytes = process_group, chunk_bytes
         self.fragments = [
-            Fragment.of(index, group, (index + 1) * period % sync_every)
+            Fragment.of(index, group, (index + 1) * period % sync_every, self.residual_dtype)
             for index, group in enumerate(split_parameters(params, fragments))
         ]
         self.inner_steps = 0
@@ -243,6 +254,7 @@ class DiLoCo:
         exchange.settle()
         self.blocked_s += exchange.blocked_s
         fragment = self.fragments[exchange.fragment]
+        fragment.residual.keep()  # in residual_dtype until the fragment's next exchange
         delta = exchange.mean
         momentum = fragment.momentum.mul_(self.outer_momentum).add_(delta)
         update = delta.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
@@ -307,7 +319,7 @@ class DiLoCo:
         for fragment, saved in zip(self.fragments, state_dict["fragments"], strict=True):
             fragment.global_weights.copy_(saved["global_weights"])
             fragment.momentum.copy_(saved["momentum"])
-            fragment.residual = Residual()
+            fragment.residual = Residual(self.residual_dtype)
             fragment.residual.load_state_dict(saved["residual"])
         self.in_flight = [Exchange.from_state_dict(e) for e in state_dict["in_flight"]]
         self.inner_steps, self.syncs = int(state_dict["inner_steps"]), int(state_dict["syncs"])
@@ -320,17 +332,24 @@ class DiLoCo:
     ) -> tuple[dict[str, Any], str]:
         """One state for a restart at another world size (used by :class:`fastcomm.Checkpointer`).
 
-        The global weights, momentum, step and the exchanges' means are the same on every old rank: rank
-        0's are kept (with its local weights at a send, as the checkpointer keeps rank 0's model). The
-        residuals are per rank and cut for the old world size: they start empty.
+        1. The global weights, momentum, step and the exchanges' means are the same on every old rank: rank
+           0's are kept (with its local weights at a send, as the checkpointer keeps rank 0's model).
+        2. Each fragment's error-feedback residual is re-sharded by the rule every mode shares
+           (:meth:`fastcomm.collectives.Residual.merge_state_dicts`, as the DDP hooks re-shard theirs):
+           every new rank owes the mean over the old ranks of what each owed (a two-phase all-reduce's
+           segment residual folded in), so the mean over ranks still owed, what error feedback has yet to
+           send, is unchanged: no pseudo-gradient is lost or sent twice. At the same world size each rank
+           keeps its own.
 
         Example::
 
             state, why = DiLoCo.merge_state_dicts(old_states, world_size=4, rank=0)
         """
         merged = copy.deepcopy(dict(states[0]))
-        for fragment in merged["fragments"]:
-            fragment["residual"] = Residual().state_dict()
-        why = (f"rank 0's global weights, momentum and step (the same on all {len(states)} old ranks); the "
-               f"error-feedback residuals start empty at world size {world_size}")
+        for index, fragment in enumerate(merged["fragments"]):
+            residuals = [state["fragments"][index]["residual"] for state in states]
+            fragment["residual"] = Residual.merge_state_dicts(residuals, world_size, rank)[0]
+        why = (f"rank 0's global weights, momentum and step (the same on all {len(states)} old ranks); "
+               f"error-feedback residuals re-sharded to world size {world_size}: every rank owes the mean "
+               f"over the {len(states)} old ranks of what each owed, so the mean still owed is unchanged")
         return merged, why

@@ -52,9 +52,10 @@ def gradient(case: object, step: int, rank: int, numel: int) -> torch.Tensor:
 def _simulate(
     case: object, world: int, numel: int, bounds: list[tuple[int, int]], offsets: list[int], *,
     sync_every: int, delay: int, lr: float | Callable[[int], float], momentum: float, compressor: str,
-    mixing: float | None,
+    mixing: float | None, residual_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
-    """Every rank's flat weights after ``STEPS`` steps of the simulated run."""
+    """Every rank's flat weights after ``STEPS`` steps of the simulated run (residuals rounded to
+    ``residual_dtype`` after each exchange, as DiLoCo keeps them)."""
     start = torch.cat([p.detach().reshape(-1) for p in Params(case).parameters()])
     local = [start.clone() for _ in range(world)]
     global_ = start.clone()
@@ -87,6 +88,9 @@ def _simulate(
             deltas = [global_[a:b] - local[r][a:b] for r in range(world)]
             sim = sims[fragment]
             mean = sum(deltas[1:], deltas[0].clone()) / world if sim is None else sim.step(deltas).clone()
+            if sim is not None and residual_dtype is not None:
+                for kept in (sim.worker, sim.server):
+                    kept[:] = [t.to(residual_dtype).float() for t in kept]
             if delay == 0:
                 apply(fragment, mean, None, step)
             else:
@@ -101,7 +105,7 @@ def _ramp(step: int) -> float:
 
 def _simulation_case(
     rank: int, world: int, compressor: str, fragments: int, delay: int | None, mixing: float | None = None,
-    schedule: bool = False,
+    schedule: bool = False, residual_dtype: torch.dtype | None = None,
 ) -> None:
     case = ("diloco", world, compressor, fragments, delay, mixing, schedule)
     sync_every, lr, momentum = 6, _ramp if schedule else 0.7, 0.5
@@ -111,6 +115,7 @@ def _simulation_case(
     outer = fastcomm.DiLoCo(
         model, inner, sync_every=sync_every, outer_lr=lr, outer_momentum=momentum, fragments=fragments,
         delay=delay, mixing=mixing, compressor=None if compressor == "fp32" else COMPRESSORS[compressor](),
+        residual_dtype=residual_dtype,
     )  # fmt: skip
     numel = sum(p.numel() for p in params)
     for step in range(1, STEPS + 1):
@@ -126,7 +131,7 @@ def _simulation_case(
     expected = _simulate(
         case, world, numel, bounds, [(i + 1) * period % sync_every for i in range(fragments)],
         sync_every=sync_every, delay=outer.delay, lr=lr, momentum=momentum, compressor=compressor,
-        mixing=mixing,
+        mixing=mixing, residual_dtype=residual_dtype,
     )[rank]  # fmt: skip
     got = torch.cat([p.detach().reshape(-1) for p in params])
     checks = Mismatches()
@@ -136,7 +141,24 @@ def _simulation_case(
         checks.equal(got, expected, "weights")
     if outer.syncs < STEPS // sync_every * fragments - 1:
         checks.found.append(f"the schedule did not run as planned: {outer.syncs} syncs")
+    if residual_dtype is not None:
+        _check_kept_narrow(outer, residual_dtype, checks)
     checks.raise_any()
+
+
+def _check_kept_narrow(outer: fastcomm.DiLoCo, residual_dtype: torch.dtype, checks: Mismatches) -> None:
+    """After the last exchange: every fragment's residual held in ``residual_dtype`` only (half the bytes of
+    fp32 for bf16), and saved so."""
+    outer.finish()
+    for fragment in outer.fragments:
+        saved = fragment.residual.state_dict()
+        held = [saved[name] for name in ("worker", "server") if saved[name] is not None]
+        wide = sum(t.numel() * 4 for t in held)
+        if not held or any(t.dtype != residual_dtype for t in held):
+            checks.found.append(f"fragment {fragment.index} saves {[t.dtype for t in held]}")
+        if fragment.residual.nbytes() * 4 != wide * residual_dtype.itemsize:
+            checks.found.append(f"fragment {fragment.index} holds {fragment.residual.nbytes()} bytes of "
+                                f"residual, {wide} in fp32")
 
 
 def cases(world: int) -> dict[str, Callable[[int], None]]:
@@ -151,6 +173,9 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
             key += "-lr-schedule" if schedule else ""
             table[key] = lambda r, a=(compressor, fragments, delay, mixing, schedule): _simulation_case(
                 r, world, *a)
+    for fragments in (1, 3):  # one exchange at a time, and overlapped ones (kept narrow between them)
+        table[f"q4-F{fragments}-residual-bf16"] = lambda r, f=fragments: _simulation_case(
+            r, world, "q4", f, None, residual_dtype=torch.bfloat16)
     return table
 
 

@@ -165,21 +165,37 @@ def test_a_state_of_another_configuration_is_refused():
         _outer(sync_every=20).load_state_dict(state)
 
 
-def test_a_restart_at_another_world_size_keeps_the_global_state_and_empties_the_residuals():
+def test_a_restart_at_another_world_size_keeps_the_global_state_and_the_mean_owed_residual():
     states = []
     for rank in range(3):
         torch.manual_seed(0)  # replicas start equal
-        state = _outer(sync_every=10).state_dict()
+        state = _outer(sync_every=10, compressor="quantize", bits=4).state_dict()
         state["fragments"][0]["global_weights"] += 1.5  # the same on every old rank
         state["fragments"][0]["residual"]["worker"] = torch.full((18,), 0.25 * (rank + 1))
         states.append(state)
-    merged, why = fastcomm.DiLoCo.merge_state_dicts(states, world_size=2, rank=1)
-    assert all(v is None for v in merged["fragments"][0]["residual"].values())
-    assert torch.equal(merged["fragments"][0]["global_weights"], states[0]["fragments"][0]["global_weights"])
-    assert "residuals start empty" in why
-    outer = _outer(sync_every=10)
-    outer.load_state_dict(merged)
-    assert torch.equal(outer.fragments[0].global_weights, states[0]["fragments"][0]["global_weights"])
+    # old rank 2 also holds a two-phase segment residual: elements 9-17 of a 3-rank exchange
+    states[2]["fragments"][0]["residual"].update(server=torch.ones(9), segment_start=9, world_size=3)
+    # what the 3 old ranks owed, on average: 0.5 of the workers, plus 3 * 1 / 3 on the segment
+    owed = torch.cat([torch.full((9,), 0.5), torch.full((9,), 1.5)])
+    for rank in range(2):
+        merged, why = fastcomm.DiLoCo.merge_state_dicts(states, world_size=2, rank=rank)
+        residual = merged["fragments"][0]["residual"]
+        assert torch.allclose(residual["worker"], owed) and residual["server"] is None, residual
+        global_weights = states[0]["fragments"][0]["global_weights"]
+        assert torch.equal(merged["fragments"][0]["global_weights"], global_weights)
+        assert "mean still owed is unchanged" in why, why
+        outer = _outer(sync_every=10, compressor="quantize", bits=4, residual_dtype=torch.bfloat16)
+        outer.load_state_dict(merged)
+        assert torch.equal(outer.fragments[0].global_weights, global_weights)
+        assert torch.allclose(outer.fragments[0].residual.owed(), owed)  # 0.5 and 1.5: exact in bf16
+        assert outer.fragments[0].residual.nbytes() == 18 * 2
+
+
+def test_residual_dtype_is_checked_and_needs_a_compressor():
+    with pytest.raises(ValueError, match="residual_dtype must be a floating-point dtype or None, got"):
+        _outer(compressor="quantize", residual_dtype="bf16")
+    with pytest.raises(ValueError, match="residual_dtype needs a compressor"):
+        _outer(residual_dtype=torch.bfloat16)
 
 
 def test_a_grad_scaler_loop_counts_every_iteration_and_syncs_on_weights(one_rank):
