@@ -9,7 +9,7 @@ The question (issue 22): syncing every ``H`` steps sends ~``H``x fewer bytes (an
    :data:`benchmarks.lm_methods.METHODS` (AdamW inner, the same batch and tokens per rank, no DDP), 2 gloo
    ranks of one thread each, ``--steps`` steps, up to ``--parallel`` runs at once; ``--long-steps`` trains
    ``--long-methods`` again for a longer run (its own cosine schedule).
-2. Traffic: bytes one rank sends per step: DiLoCo's own count (``stats()["bytes_sent"]`` over the steps;
+2. Traffic: bytes one rank sends per step: DiLoCo's own count (``stats()["sent_bytes"]`` over the steps;
    ring all-reduce ``2 (W - 1) / W`` of the payload) against dense's ring all-reduce of the fp32 gradients.
 3. Overlap: seconds a rank waited for the sync, per sync (``stats()["blocked_s"]``); streaming's exchanges
    are applied ``H / F`` steps after they are issued, so its wait is what the inner steps did not hide.
@@ -169,9 +169,10 @@ def _traffic(result: dict[str, Any], parameters: int) -> tuple[float, float]:
     dense = 2 * (WORLD - 1) * 4 * parameters / WORLD
     stats = result.get("hook_stats") or {}
     steps = stats.get("inner_steps", stats.get("optimizer_steps"))  # DiLoCo's count, CompressedAdam's
-    if "bytes_sent" not in stats or not steps:
+    sent = stats.get("sent_bytes", stats.get("bytes_sent"))  # bytes_sent: a --work-dir run cached before
+    if sent is None or not steps:
         return dense, 1.0
-    per_step = float(stats["bytes_sent"]) / float(steps)
+    per_step = float(sent) / float(steps)
     return per_step, dense / per_step if per_step else math.inf
 
 

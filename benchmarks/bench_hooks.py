@@ -159,7 +159,7 @@ def _two_rank_networks(networks: Sequence[str], configs: Sequence[Config], setti
     notes = [
         *_common_notes(settings, "2"),
         "wire bytes: what one rank sends per step (for 2 ranks a ring allreduce and an all-gather both send "
-        "the payload once); computed for torch hooks, stats()['bytes_sent'] per timed step for fastcomm "
+        "the payload once); computed for torch hooks, stats()['sent_bytes'] per timed step for fastcomm "
         "(fastcomm counters, compress_s/step included, cover the timed steps only)",
         *(f"{c.name}: {c.description}" for c in CONFIGS),
         "torch_powersgd_r4 with DDP's default buckets fails over gloo here (size-mismatch abort or hang); "

@@ -262,8 +262,8 @@ def stats_delta(before: dict[str, float] | None, after: dict[str, float] | None)
         return None
     delta = {k: after[k] if k.startswith("auto_") else after[k] - before[k]
              for k in after if k != "compression_ratio"}  # fmt: skip
-    if delta.get("bytes_sent"):
-        delta["compression_ratio"] = delta.get("dense_bytes", 0.0) / delta["bytes_sent"]
+    if delta.get("sent_bytes"):
+        delta["compression_ratio"] = delta.get("dense_bytes", 0.0) / delta["sent_bytes"]
     return delta
 
 

@@ -51,7 +51,7 @@ def node_rows(outcomes: dict[str, Outcome], loads: dict[str, float], timed_steps
         if outcome.stats:
             # rank 0's counters times the ranks (every rank sends as much), comparable to link_MB/step
             all_ranks = world_size / timed_steps / 1e6
-            sent = outcome.stats.get("bytes_sent")
+            sent = outcome.stats.get("sent_bytes")
             if sent is not None:
                 extra["hook_sent_MB/step"] = round(sent * all_ranks, 3)
             cross = outcome.stats.get("cross_node_bytes")
@@ -137,9 +137,9 @@ def run_nodes(configs: Sequence[Config], settings: Settings) -> tuple[list[Row],
              "Ethernet/IP/TCP headers included) over the timed steps, read by local rank 0 of each node "
              "between barriers; link_vs_flat = this hierarchical row's link bytes / its flat version's",
              f"{NODES_NETWORK}: hook_*_MB/step = rank 0's stats() counters per timed step times the "
-             f"{2 * NODE_RANKS} ranks (each sends as much; payload only, no headers): bytes_sent (all of "
+             f"{2 * NODE_RANKS} ranks (each sends as much; payload only, no headers): sent_bytes (all of "
              "the compressed exchange), cross_node_bytes and intra_node_bytes (the hierarchical hooks' "
-             "own counts; for a flat hook cross-node is bytes_sent * (W - L) / (W - 1), its peers being "
+             "own counts; for a flat hook cross-node is sent_bytes * (W - L) / (W - 1), its peers being "
              "spread evenly over the nodes)"]
     reason = netlab.unavailable_reason()
     if reason:

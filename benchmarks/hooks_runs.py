@@ -228,8 +228,8 @@ def _wire_bytes(config: Config, outcome: Outcome, timed_steps: int) -> float | N
                 "torch_powersgd_r4_1bucket": _powersgd_wire_bytes()}
     if config.name in computed:
         return float(computed[config.name])
-    if outcome.stats and "bytes_sent" in outcome.stats:
-        return outcome.stats["bytes_sent"] / timed_steps
+    if outcome.stats and "sent_bytes" in outcome.stats:
+        return outcome.stats["sent_bytes"] / timed_steps
     return None
 
 

@@ -49,13 +49,13 @@ def test_bound_names_the_cpu_floor_when_the_row_has_one():
 
 
 def test_stats_delta_counts_the_timed_steps_and_keeps_autos_state():
-    before = {"steps": 4.0, "bytes_sent": 100.0, "dense_bytes": 400.0, "compression_ratio": 4.0,
-              "auto_quant4_buckets": 3.0, "auto_trial_chosen_step_s": 0.3}
-    after = {"steps": 9.0, "bytes_sent": 150.0, "dense_bytes": 800.0, "compression_ratio": 5.33,
-             "auto_quant4_buckets": 3.0, "auto_trial_chosen_step_s": 0.3}
+    before = {"steps": 4.0, "sent_bytes": 100.0, "dense_bytes": 400.0, "compression_ratio": 4.0,
+              "auto_quantize4_buckets": 3.0, "auto_trial_chosen_step_s": 0.3}
+    after = {"steps": 9.0, "sent_bytes": 150.0, "dense_bytes": 800.0, "compression_ratio": 5.33,
+             "auto_quantize4_buckets": 3.0, "auto_trial_chosen_step_s": 0.3}
     delta = hooks_jobs.stats_delta(before, after)
-    assert delta["steps"] == 5.0 and delta["bytes_sent"] == 50.0 and delta["compression_ratio"] == 8.0
-    assert delta["auto_quant4_buckets"] == 3.0 and delta["auto_trial_chosen_step_s"] == 0.3
+    assert delta["steps"] == 5.0 and delta["sent_bytes"] == 50.0 and delta["compression_ratio"] == 8.0
+    assert delta["auto_quantize4_buckets"] == 3.0 and delta["auto_trial_chosen_step_s"] == 0.3
 
 
 def test_step_time_rows_carry_dense_allreduce_over_each_time_on_both_networks():

@@ -255,7 +255,7 @@ def _hook_diagnosis_case(rank: int, world: int) -> None:
         ddp(torch.randn(32, 64, generator=gen)).square().mean().backward()
     stats = state.stats()
     checks = Mismatches()
-    for key in ("step_seconds", "comm_window_seconds", "link_bytes_per_second", "bytes_sent"):
+    for key in ("step_seconds", "comm_window_seconds", "link_bytes_per_second", "sent_bytes"):
         if not stats[key] > 0:
             checks.found.append(f"{key} = {stats[key]}")
     if not 0.0 <= stats["comm_share"] <= 1.0:

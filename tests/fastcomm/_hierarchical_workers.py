@@ -190,7 +190,7 @@ def _check_cross_node_bytes(rank: int, world_size: int) -> None:
             stats = state.stats()
             # flat: every rank spreads its traffic evenly over its W - 1 peers, W - L of them on other nodes
             share = (world_size - NODE_SIZE) / (world_size - 1)
-            sent[node_size] = stats["cross_node_bytes"] if node_size > 1 else stats["bytes_sent"] * share
+            sent[node_size] = stats["cross_node_bytes"] if node_size > 1 else stats["sent_bytes"] * share
             if node_size > 1:
                 dense_shard = (NODE_SIZE - 1) * shard_numel(numel, NODE_SIZE) * 4
                 gathered = (stats["intra_node_bytes"] - dense_shard) / dense_shard  # the reduce sends it

@@ -99,7 +99,7 @@ def correctness_worker(rank: int, world_size: int) -> None:
                     assert torch.equal(out, expected), f"{what}: max diff {(out - expected).abs().max()}"
             stats = state.stats()
             assert stats["steps"] == steps and stats["compressed_buckets"] == steps * len(BUCKET_SIZES), stats
-            for name in ("bytes_sent", "dense_bytes", "compression_ratio", "compress_seconds"):
+            for name in ("sent_bytes", "dense_bytes", "compression_ratio", "compress_seconds"):
                 assert name in stats
 
 
@@ -245,7 +245,7 @@ def _check_approximate_topk(rank: int, world_size: int) -> None:
     dist.all_reduce(raw)
     err = float((sent + owed / world_size - raw / world_size).abs().max())
     assert err < 1e-4, f"approximate top-k lost gradient mass: {err}"
-    assert state.stats()["bytes_sent"] == steps * (world_size - 1) * k * 8
+    assert state.stats()["sent_bytes"] == steps * (world_size - 1) * k * 8
 
 
 def _check_owed_gradient_follows_rebuild_into_dense_bucket(rank: int, world_size: int) -> None:

@@ -47,7 +47,7 @@ def lightning_ranks(ranks):
 def _compressed_every_step(stats: dict, steps: int = 3) -> None:
     assert stats["steps"] == steps, stats
     assert stats["compressed_buckets"] == steps and stats["dense_buckets"] == 0, stats
-    assert stats["bytes_sent"] < stats["dense_bytes"], stats
+    assert stats["sent_bytes"] < stats["dense_bytes"], stats
 
 
 # ------------------------------------------------------------------------------------------------ Accelerate
