@@ -10,6 +10,8 @@ the same, 2-D mesh              HSDP, the model on a ``("replicate", "shard")`` 
                                 compressed (:class:`CompressedReplicaAllReduce`, :mod:`fastcomm.fsdp.mesh`)
 ``replicate_group=``            the same HSDP for a model sharded on ``mesh["shard"]``
 ``quantized_all_gather=True``   weights unsharded from 8-bit codes (:class:`QuantizedAllGather`, qwZ)
+another world size              ``FSDPCompression.merge_state_dicts``: residuals re-sharded (FSDP; not HSDP,
+                                :class:`FSDPReshardError`), :mod:`fastcomm.fsdp.reshard`
 ==============================  =====================================================================
 
 All of them run the exchanges of :mod:`fastcomm.collectives`; a failed peer raises
@@ -29,11 +31,13 @@ from fastcomm.fsdp.compression import FSDPCompression, compress
 from fastcomm.fsdp.mesh import HSDPMeshError
 from fastcomm.fsdp.reduce_scatter import CompressedReduceScatter
 from fastcomm.fsdp.replicate import CompressedReplicaAllReduce
+from fastcomm.fsdp.reshard import FSDPReshardError
 
 __all__ = [
     "CompressedReduceScatter",
     "CompressedReplicaAllReduce",
     "FSDPCompression",
+    "FSDPReshardError",
     "HSDPMeshError",
     "QuantizedAllGather",
     "compress",

@@ -1,4 +1,5 @@
-"""The one place fastcomm reaches into FSDP2's internals: its 2-D (HSDP) all-reduce handed to a hook.
+"""The one place fastcomm reaches into FSDP2's internals: its 2-D (HSDP) all-reduce handed to a hook, and
+the parameter layout of a group's reduce-scatter (:func:`group_layout`, for re-sharding residuals).
 
 FSDP2 (torch 2.13) has public seams for the reduce-scatter (``set_custom_reduce_scatter``) and the
 all-gather (``set_custom_all_gather``), but not for HSDP's cross-replica all-reduce: on a 2-D mesh,
@@ -22,13 +23,14 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from fastcomm.fsdp.mesh import HSDPMeshError
+from fastcomm.fsdp.reshard import GroupLayout
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 except ImportError:  # another torch's layout: said by name when a 2-D model is compressed
     FSDPMeshInfo = HSDPMeshInfo = None
 
-__all__ = ["hand_all_reduce_to_hook"]
+__all__ = ["group_layout", "hand_all_reduce_to_hook"]
 
 _BUILT_FOR = "2.13"
 
@@ -87,3 +89,35 @@ def hand_all_reduce_to_hook(module: FSDPModule) -> None:
         if group.post_forward_mesh_info is hsdp:
             group.post_forward_mesh_info = shard_only
         group.mesh_info = shard_only
+
+
+def group_layout(module: FSDPModule) -> GroupLayout | None:
+    """Where ``module``'s parameters lie in its reduce-scatter's flat gradient, or ``None`` if not known.
+
+    The parameters of its one parameter group in FSDP2's order (``FSDPParamGroup.fsdp_params``), each with
+    its full shape, over the group's shard ranks. ``None`` (its residual is then not re-sharded at another
+    world size, :class:`~fastcomm.fsdp.reshard.FSDPReshardError`) for several groups, a parameter sharded
+    on another dim than 0, or a torch without these internals.
+
+    Example::
+
+        fully_shard(model)
+        group_layout(model)  # GroupLayout(shapes=((37, 13), (37,), ...), world_size=2)
+    """
+    try:
+        groups = _param_groups(module)
+    except HSDPMeshError:
+        return None
+    if len(groups) != 1:
+        return None
+    params = getattr(groups[0], "fsdp_params", None)
+    world_size = getattr(getattr(groups[0], "mesh_info", None), "shard_mesh_size", None)
+    if not params or not isinstance(world_size, int):
+        return None
+    shapes = []
+    for param in params:
+        shape, placement = getattr(param, "_orig_size", None), getattr(param, "fsdp_placement", None)
+        if shape is None or getattr(placement, "dim", None) != 0:
+            return None
+        shapes.append(tuple(int(n) for n in shape))
+    return GroupLayout(tuple(shapes), world_size)

@@ -15,6 +15,7 @@ from fastcomm.collectives.residual import Residual, check_residual_dtype
 from fastcomm.collectives.seeds import group_stream
 from fastcomm.collectives.traffic import Traffic
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
+from fastcomm.fsdp.reshard import FSDPReshardError, GroupLayout
 
 __all__ = ["Reduction"]
 
@@ -30,6 +31,9 @@ class Reduction:
         residual_dtype: the dtype the residual is kept in between steps (``None``: the gradient's).
         seed: the base seed of stochastic rounding.
         index: this parameter group's place in the model (mixed into the seed).
+        layout: where the group's parameters lie in the flat gradient the residual covers (saved with it,
+            so :meth:`fastcomm.fsdp.FSDPCompression.merge_state_dicts` can re-shard it); ``None``: unknown
+            (HSDP, whose residual is one shard position's), and not re-sharded.
 
     Example::
 
@@ -45,6 +49,7 @@ class Reduction:
         residual_dtype: torch.dtype | None = None,
         seed: int = 0,
         index: int = 0,
+        layout: GroupLayout | None = None,
     ) -> None:
         if isinstance(compressor, AllreduceCompressor) or not isinstance(compressor, Compressor):
             raise TypeError(
@@ -57,7 +62,7 @@ class Reduction:
         self.compressor = compressor
         self.feedback = Residual(residual_dtype) if error_feedback else None
         self.traffic = Traffic()
-        self.seed, self.index = seed, index
+        self.seed, self.index, self.layout = seed, index, layout
 
     def step_seed(self) -> int:
         """The stream of the next call (:func:`~fastcomm.collectives.seeds.group_stream`: base seed, group
@@ -69,14 +74,27 @@ class Reduction:
         return 0 if self.feedback is None else self.feedback.nbytes()
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, traffic and residual (``None`` without error feedback)."""
+        """Step counter, traffic, residual (``None`` without error feedback) and the layout it covers."""
         feedback = None if self.feedback is None else self.feedback.state_dict()
-        return {"traffic": self.traffic.state_dict(), "feedback": feedback}
+        layout = None if self.layout is None else self.layout.state_dict()
+        return {"traffic": self.traffic.state_dict(), "feedback": feedback, "layout": layout}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; ``ValueError`` if error feedback is on in one only."""
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: error feedback is on in one only.
+            FSDPReshardError: the state was saved at another world size (re-shard it first).
+        """
         if (state_dict["feedback"] is None) != (self.feedback is None):
             raise ValueError("the saved state and this one differ in error_feedback")
+        saved = state_dict.get("layout")
+        if saved is not None and self.layout is not None and saved["world_size"] != self.layout.world_size:
+            raise FSDPReshardError(
+                f"this compression state of parameter group {self.index} was saved by {saved['world_size']} "
+                f"ranks, this run has {self.layout.world_size}: merge every old rank's state with "
+                f"fastcomm.fsdp.FSDPCompression.merge_state_dicts(states, world_size, rank) and load that"
+            )
         self.traffic.load_state_dict(state_dict["traffic"])
         if self.feedback is not None:
             self.feedback.load_state_dict(state_dict["feedback"])

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +25,12 @@ from torch.distributed.fsdp import FSDPModule
 from fastcomm.collectives import DEFAULT_CHUNK_BYTES
 from fastcomm.compress.protocol import Compressor
 from fastcomm.compress.registry import compressor_of
-from fastcomm.fsdp._native_hsdp import hand_all_reduce_to_hook
+from fastcomm.fsdp._native_hsdp import group_layout, hand_all_reduce_to_hook
 from fastcomm.fsdp.all_gather import QuantizedAllGather
 from fastcomm.fsdp.mesh import replica_plan
 from fastcomm.fsdp.reduce_scatter import CompressedReduceScatter
 from fastcomm.fsdp.replicate import CompressedReplicaAllReduce
+from fastcomm.fsdp.reshard import merge_reduction_states
 
 __all__ = ["FSDPCompression", "compress"]
 
@@ -94,6 +96,49 @@ class FSDPCompression:
             reduction.load_state_dict(saved[name])
         for name, gather in self.gathers.items():
             gather.traffic.load_state_dict(state_dict["gathers"][name])
+
+    @classmethod
+    def merge_state_dicts(
+        cls, states: Sequence[dict[str, Any]], world_size: int, rank: int
+    ) -> tuple[dict[str, Any], str]:
+        """The state new rank ``rank`` of ``world_size`` loads, from every old rank's: an elastic restart.
+
+        1. Same world size: old rank ``rank``'s own, unchanged (the resume is bit for bit).
+        2. Otherwise, per FSDP module: every new rank owes the mean over the old ranks of what each owed,
+           laid out for the new world size (:mod:`fastcomm.fsdp.reshard`): the mean still owed is
+           unchanged. Step counters and traffic: old rank 0's (the step is the same on every rank).
+        3. HSDP's residuals are not re-sharded: :class:`~fastcomm.fsdp.reshard.FSDPReshardError`.
+
+        Also what :class:`fastcomm.Checkpointer` calls for an ``FSDPCompression`` it holds.
+
+        Returns:
+            ``(state_dict, why)``: the dict to :meth:`load_state_dict` and one log line.
+
+        Raises:
+            ValueError: no states, or a rank outside ``world_size``.
+            FSDPReshardError: an HSDP residual, or a state saved without its layout, at another world size.
+
+        Example::
+
+            states = [torch.load(f"{path}/fastcomm_fsdp_rank{r}.pt") for r in range(2)]  # now 3 ranks
+            merged, why = FSDPCompression.merge_state_dicts(states, 3, dist.get_rank())
+            compression.load_state_dict(merged)
+        """
+        if not states:
+            raise ValueError("FSDPCompression.merge_state_dicts needs the old ranks' state_dicts; got none")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if len(states) == world_size:
+            return states[rank], f"FSDPCompression: same world size ({world_size}): old rank {rank}'s own"
+        reductions = {
+            name: merge_reduction_states(name, [s["reductions"][name] for s in states], world_size, rank)
+            for name in states[0]["reductions"]
+        }
+        why = (
+            f"FSDPCompression: {len(states)} -> {world_size} ranks: every rank owes the mean over the old "
+            f"ranks of what each owed, laid out for {world_size} ranks; step counters: old rank 0's"
+        )
+        return {"reductions": reductions, "gathers": states[0]["gathers"]}, why
 
 
 def _fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
@@ -180,7 +225,7 @@ def compress(
         settings = {"error_feedback": error_feedback, "residual_dtype": residual_dtype, "seed": seed,
                     "index": index, "chunk_bytes": chunk_bytes}  # fmt: skip
         if plan.group is None:
-            reduce_scatter = CompressedReduceScatter(built, **settings)
+            reduce_scatter = CompressedReduceScatter(built, **settings, layout=group_layout(module))
             module.set_custom_reduce_scatter(reduce_scatter)
             reductions[name] = reduce_scatter
         else:

@@ -18,6 +18,7 @@ from fastcomm.collectives import DEFAULT_CHUNK_BYTES, reduce_scatter
 from fastcomm.compress.protocol import Compressor
 from fastcomm.fsdp._reduction import Reduction
 from fastcomm.fsdp._wait import wait_named
+from fastcomm.fsdp.reshard import GroupLayout
 
 __all__ = ["CompressedReduceScatter"]
 
@@ -32,7 +33,8 @@ class CompressedReduceScatter(Reduction):
 
     Args:
         compressor: a blockwise :class:`~fastcomm.compress.Compressor` (quantize, sign, cast, your own).
-        error_feedback, residual_dtype, seed, index: as for :class:`~fastcomm.fsdp._reduction.Reduction`.
+        error_feedback, residual_dtype, seed, index, layout: as for
+            :class:`~fastcomm.fsdp._reduction.Reduction`.
         chunk_bytes: payload bytes per all-to-all piece.
 
     Example::
@@ -50,10 +52,12 @@ class CompressedReduceScatter(Reduction):
         seed: int = 0,
         index: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        layout: GroupLayout | None = None,
     ) -> None:
         super().__init__(
-            compressor, error_feedback=error_feedback, residual_dtype=residual_dtype, seed=seed, index=index
-        )
+            compressor, error_feedback=error_feedback, residual_dtype=residual_dtype, seed=seed, index=index,
+            layout=layout,
+        )  # fmt: skip
         if compressor.block <= 0:
             raise TypeError(
                 f"the compressed reduce-scatter needs a blockwise compressor (block > 0), got "

@@ -3,7 +3,8 @@
 Resume: 2 ranks train a nested FSDP2 MLP with 8-bit stochastic rounding and error feedback (Adam), save at
 step ``SAVE_AT`` (model and optimizer through ``torch.distributed.checkpoint``, the compression state per
 rank with ``torch.save``), train on to ``STEPS`` and write every parameter's full tensor; fresh processes
-restore the checkpoint, train the same steps, and compare bit for bit.
+restore the checkpoint, train the same steps, and compare bit for bit. Restored on 3 ranks, the residuals
+are re-sharded (every parameter owes the mean over the old ranks of what each owed) and training goes on.
 
 Fault: rank 1 ends itself (``SIGKILL``) or stops (``SIGSTOP``, past the group's timeout) between forward
 and backward of step ``FAULT_STEP``; the survivor's backward, in the compressed reduce-scatter, must raise
@@ -28,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fastcomm.fsdp
+from fastcomm.collectives import Residual
+from fastcomm.fsdp.reshard import FSDPReshardError, GroupLayout
 
 STEPS, SAVE_AT = 6, 3
 FAULT_STEP, MAX_STEPS = 2, 30
@@ -148,3 +151,51 @@ def run_with_fault(workdir: Path, fault: str, timeout_s: float, limit_s: float) 
     if not report_file.exists():
         raise AssertionError(f"the survivor neither raised nor finished within {limit_s} s (hang)")
     return json.loads(report_file.read_text())
+
+
+def _owed_by_parameter(reduction_state: dict) -> list[torch.Tensor]:
+    """What one rank's saved reduction owes, cut into its parameters (fp32)."""
+    layout = GroupLayout.from_state_dict(reduction_state["layout"])
+    residual = Residual()
+    residual.load_state_dict(reduction_state["feedback"])
+    return layout.split(residual.owed())
+
+
+def restore_at_another_world_size(rank: int, world: int, workdir: str) -> None:
+    """Restore the ``SAVE_AT`` checkpoint of 2 ranks on ``world`` ranks: the residuals re-sharded.
+
+    1. Loading an old rank's state as it is raises FSDPReshardError (it names merge_state_dicts).
+    2. The merged state's layout is the new group's (FSDP's own parameter order and world size), and every
+       parameter owes the mean over the 2 old ranks of what each owed (so does the mean over new ranks).
+    3. Training goes on at ``world`` ranks from the restored step, through the re-sharded residuals.
+    """
+    model, optimizer, compression = _setup(init_device_mesh("cpu", (world,)))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=f"{workdir}/checkpoint")  # DCP re-shards the model and optimizer
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    old = [torch.load(f"{workdir}/checkpoint/fastcomm_fsdp_rank{r}.pt") for r in range(2)]
+    try:
+        compression.load_state_dict(old[rank % 2])
+    except FSDPReshardError as error:
+        assert "merge_state_dicts" in str(error), error
+    else:
+        raise AssertionError("a state saved by 2 ranks loaded as it is on 3")
+    merged, why = fastcomm.fsdp.FSDPCompression.merge_state_dicts(old, world, rank)
+    assert "mean over the old ranks" in why, why
+    compression.load_state_dict(merged)
+    for name, reduction in compression.reductions.items():
+        assert reduction.layout is not None and reduction.layout.world_size == world, reduction.layout
+        assert merged["reductions"][name]["layout"] == reduction.layout.state_dict(), name
+        olds = [_owed_by_parameter(state["reductions"][name]) for state in old]
+        assert any(bool(t.any()) for t in olds[0]), f"{name}: nothing was owed at the checkpoint"
+        mine = _owed_by_parameter(reduction.state_dict())
+        for index, (got, *before) in enumerate(zip(mine, *olds, strict=True)):
+            expected = (before[0] + before[1]) / 2
+            assert torch.allclose(got, expected, rtol=0, atol=1e-7), f"{name} parameter {index}"
+            mean = got.clone()
+            dist.all_reduce(mean)
+            assert torch.allclose(mean / world, expected, rtol=0, atol=1e-6), f"{name} parameter {index}"
+    for step in range(SAVE_AT, STEPS):
+        _step(model, optimizer, step, rank)
+    assert compression.stats()["steps"] == STEPS, compression.stats()
