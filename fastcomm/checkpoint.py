@@ -40,7 +40,7 @@ Restoring (a collective):
 3. Another world size (an elastic restart): each rank reads every old rank's file and merges per object:
    an object whose class has ``merge_state_dicts(states, world_size, rank)`` (fastcomm's hook states:
    residuals re-partitioned; ``fastcomm.DiLoCo``: rank 0's global weights, outer momentum and step, the
-   residuals empty) uses it; an optimizer takes rank 0's state with every state tensor that
+   residuals re-partitioned too) uses it; an optimizer takes rank 0's state with every state tensor that
    differs across the old ranks (per-rank momentum) replaced by their mean; anything else takes rank 0's
    state (DDP replicates models, schedules and the loader's position: ``fastio.StreamLoader`` then splits the
    rest of the epoch over the new ranks itself). The RNGs are re-seeded per rank from the checkpoint (old
