@@ -181,8 +181,14 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
 
 def run_all(rank: int, world: int, workdir: str) -> None:
     """Every case in order on every rank; outcomes to ``results_<rank>.json`` (a failed case goes on)."""
+    run_table(cases(world), rank, workdir)
+
+
+def run_table(table: dict[str, Callable[[int], None]], rank: int, workdir: str) -> None:
+    """Each ``table`` check in order on this rank, the ranks meeting after each; its outcome ("ok" or
+    the traceback) to ``results_<rank>.json``, by check id (a failed check does not stop the others)."""
     outcomes = {}
-    for key, check in cases(world).items():
+    for key, check in table.items():
         try:
             check(rank)
             outcomes[key] = "ok"

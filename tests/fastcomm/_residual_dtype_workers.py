@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import copy
 import io
-import json
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _diloco_workers import run_table
 from _hooks_workers import (
     FakeBucket,
     grad_for,
@@ -35,6 +33,7 @@ from _hooks_workers import (
     ref_two_phase,
     run_hook,
     sign_codec,
+    sum_sent_and_raw,
 )
 from torch import nn
 
@@ -120,14 +119,10 @@ def _ddp_invariant_check(rank: int, world: int) -> None:
     sent = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
     raw = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
     bound = 0.0
-    for step in range(DDP_STEPS):
-        ddp.zero_grad()
-        local.zero_grad()
-        loss_of(ddp, rank, step).backward()
-        loss_of(local, rank, step).backward()
-        for s, r, p, q in zip(sent, raw, model.parameters(), local.parameters(), strict=True):
-            s += p.grad.double()
-            r += q.grad.double()
+    for step in range(DDP_STEPS):  # one step at a time: the bound adds what each step's rounding can move
+        sums = sum_sent_and_raw(ddp, local, rank, 1, loss=lambda m, r, _, t=step: loss_of(m, r, t))
+        for total, add in zip((*sent, *raw), (*sums[0], *sums[1]), strict=True):
+            total += add
         # step 0's residuals may be rounded once more, if DDP's bucket rebuild folds a segment into them
         bound += _rounding_bound(state, world) * (2 if step == 0 else 1)
     assert state.residual_bytes() > 0 and bound > 0, "nothing compressed"
@@ -187,12 +182,4 @@ def checks(world: int) -> dict[str, Callable[[int], None]]:
 
 def run_all(rank: int, world: int, workdir: str) -> None:
     """Every check in order on every rank; outcomes to ``results_<rank>.json`` (a failed check goes on)."""
-    outcomes = {}
-    for key, check in checks(world).items():
-        try:
-            check(rank)
-            outcomes[key] = "ok"
-        except Exception:  # noqa: BLE001 - recorded per check; the test reports it
-            outcomes[key] = traceback.format_exc()
-        dist.barrier()
-    Path(workdir, f"results_{rank}.json").write_text(json.dumps(outcomes))
+    run_table(checks(world), rank, workdir)
