@@ -84,6 +84,8 @@ class CompressedReduceScatter(Reduction):
                 f"fastcomm.fsdp reduces with AVG or SUM, FSDP asked for {op!r} (set_gradient_divide_factor "
                 f"makes a PREMUL_SUM: leave it unset)"
             )
+        if self.layout is not None and self.layout.numel != input_tensor.numel():
+            self.layout = None  # parameters without a gradient left out: re-sharding would misplace elements
         residual = None if self.feedback is None else self.feedback.lend()
         work = reduce_scatter(
             output_tensor, input_tensor, self.compressor, residual=residual, op=op, group=group,

@@ -148,7 +148,8 @@ def merge_reduction_states(
         why = (
             "the state was saved without its layout (by an earlier release)"
             if "layout" not in first
-            else "HSDP keeps it for one shard position of the old mesh, which the new one does not have"
+            else "its layout is not known (HSDP keeps it for one shard position of the old mesh; a group "
+            "with parameters that get no gradient reduces fewer elements than its parameters hold)"
         )
         raise FSDPReshardError(
             f"fastcomm.fsdp cannot re-shard the residual of FSDP module {name!r} to {world_size} ranks: "
