@@ -10,6 +10,8 @@ adds what buckets need:
   their old buckets, so compression can start at step 0 (DDP regroups after the first iteration).
 * **Skipped steps** change nothing: tensors a hook updates are *staged* and committed when the iteration
   closes with finite outputs, dropped when it does not (GradScaler skips that step).
+* **Kept narrow**: with a ``residual_dtype`` the residuals are committed in it and widened when a hook
+  reads them (:meth:`BucketStore.current`), so only the narrow copies stay between iterations.
 * **Resume** is bit-identical: a fresh DDP reduces its first iteration in its initial layout (every
   parameter in one bucket, in forward order) and rebuilds after it, but the checkpoint was taken under the
   rebuilt layout, whose blocks, segments and top-k budgets cover other elements. During the first iteration
