@@ -2,11 +2,10 @@
 // The schemas live in fastcomm/ops.py; the specification every kernel reproduces is fastcomm/reference.py.
 #pragma once
 
-// The tensor type and the two factories the kernels call, not all of <ATen/ATen.h>: a kernel file then
-// compiles in about half the time (the native build is part of `make test`'s install).
+// The tensor type alone, not <ATen/ATen.h>: the kernels allocate through its methods (x.new_empty,
+// x.new_zeros, which call at::empty / at::zeros), as <ATen/ops/empty.h> brings in ATen's whole Context, about
+// 5 s of compile per file (the native build is part of `make test`'s install).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <atomic>
 #include <cstdint>
@@ -62,7 +61,7 @@ struct ResidualBuffers {
     if (residual_source.has_value() && !residual_source->is_same(*residual)) {
       TORCH_CHECK_VALUE(residual_source->sizes() == x.sizes() && residual_source->scalar_type() == x.scalar_type(),
                         op, ": residual_source must match x in shape and dtype");
-      work = residual->is_contiguous() ? *residual : at::empty(x.sizes(), x.options());
+      work = residual->is_contiguous() ? *residual : x.new_empty(x.sizes());
       source = residual_source->contiguous();
     } else {
       work = residual->is_contiguous() ? *residual : residual->contiguous();

@@ -305,9 +305,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, i
   const int64_t n = flat.numel();
   const int64_t nblocks = ceil_div(n, block);
   const ResidualBuffers buffers("quantize_blockwise", x, residual, residual_source);
-  at::Tensor codes = bits == 8 ? at::empty({n}, x.options().dtype(at::kByte))
-                               : at::zeros({ceil_div(n * bits, 8)}, x.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({nblocks}, x.options().dtype(at::kFloat));
+  at::Tensor codes = bits == 8 ? x.new_empty({n}, at::kByte)
+                               : x.new_zeros({ceil_div(n * bits, 8)}, at::kByte);
+  at::Tensor scales = x.new_empty({nblocks}, at::kFloat);
   const int64_t unit = blocks_per_unit(block, bits);
   const int64_t units = ceil_div(nblocks, unit);
   const int64_t grain = std::max<int64_t>(1, 65536 / (unit * block));
@@ -347,7 +347,7 @@ at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes, const at::Tensor& s
                     " bytes, expected ", ceil_div(numel * bits, 8));
   TORCH_CHECK_VALUE(scales.numel() == ceil_div(numel, block), "dequantize_blockwise: scales has ", scales.numel(),
                     " elements, expected ", ceil_div(numel, block));
-  at::Tensor out = at::empty({numel}, codes.options().dtype(dtype));
+  at::Tensor out = codes.new_empty({numel}, dtype);
   dequantize_into(out, codes, scales, bits, block, /*accumulate=*/false, "dequantize_blockwise");
   return out;
 }

@@ -340,8 +340,8 @@ std::tuple<at::Tensor, at::Tensor> sign_compress_cpu(const at::Tensor& x, const 
   const int64_t n = flat.numel();
   const int64_t nchunks = ceil_div(n, chunk);
   const ResidualBuffers buffers("sign_compress", x, residual, residual_source);
-  at::Tensor packed = at::zeros({ceil_div(n, 8)}, x.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({nchunks}, x.options().dtype(at::kFloat));
+  at::Tensor packed = x.new_zeros({ceil_div(n, 8)}, at::kByte);
+  at::Tensor scales = x.new_empty({nchunks}, at::kFloat);
   int64_t unit = 1;
   while ((unit * chunk) % 8 != 0) ++unit;
   const int64_t units = ceil_div(nchunks, unit);
@@ -377,7 +377,7 @@ at::Tensor sign_decompress_cpu(const at::Tensor& packed, const at::Tensor& scale
                     " bytes, expected ", ceil_div(numel, 8));
   TORCH_CHECK_VALUE(scales.numel() == ceil_div(numel, chunk), "sign_decompress: scales has ", scales.numel(),
                     " elements, expected ", ceil_div(numel, chunk));
-  at::Tensor out = at::empty({numel}, packed.options().dtype(dtype));
+  at::Tensor out = packed.new_empty({numel}, dtype);
   sign_decompress_into_impl(out, packed, scales, chunk, /*accumulate=*/false, "sign_decompress");
   return out;
 }

@@ -278,7 +278,7 @@ std::vector<int32_t> select_exact(const SelectJob<scalar_t>& job, const Loops<sc
 // (values, indices) of every key at or above the sampled threshold, and the residual update, in one pass.
 template <typename scalar_t>
 std::tuple<at::Tensor, at::Tensor> select_approx(const SelectJob<scalar_t>& job, const Loops<scalar_t>& loops,
-                                                 const at::TensorOptions& options) {
+                                                 const at::Tensor& x) {
   const int64_t n = job.n;
   const int64_t k = job.k;
   const int64_t m = approx_sample_size(n, k);
@@ -302,8 +302,8 @@ std::tuple<at::Tensor, at::Tensor> select_approx(const SelectJob<scalar_t>& job,
   });
   std::vector<int64_t> offset(ranges.count + 1, 0);
   for (int64_t r = 0; r < ranges.count; ++r) offset[r + 1] = offset[r] + picked[r].indices.size();
-  at::Tensor values = at::empty({offset[ranges.count]}, options);
-  at::Tensor indices = at::empty({offset[ranges.count]}, options.dtype(at::kInt));
+  at::Tensor values = x.new_empty({offset[ranges.count]});
+  at::Tensor indices = x.new_empty({offset[ranges.count]}, at::kInt);
   scalar_t* vp = values.data_ptr<scalar_t>();
   int32_t* ip = indices.data_ptr<int32_t>();
   for_each_range(ranges, [&](int64_t r, int64_t, int64_t) {
@@ -339,12 +339,12 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t 
           for (int64_t i = lo; i < hi; ++i) job.residual[i] = job.acc(i);
         });
       }
-      values = at::empty({0}, x.options());
-      indices = at::empty({0}, x.options().dtype(at::kInt));
+      values = x.new_empty({0});
+      indices = x.new_empty({0}, at::kInt);
     } else if (exact || approx_sample_size(n, k) * 2 > n) {
       const std::vector<int32_t> selected = select_exact(job, loops);
-      values = at::empty({k}, x.options());
-      indices = at::empty({k}, x.options().dtype(at::kInt));
+      values = x.new_empty({k});
+      indices = x.new_empty({k}, at::kInt);
       scalar_t* vp = values.data_ptr<scalar_t>();
       int32_t* ip = indices.data_ptr<int32_t>();
       scalar_t* rp = job.residual;
@@ -357,7 +357,7 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t 
         }
       });
     } else {
-      std::tie(values, indices) = select_approx(job, loops, x.options());
+      std::tie(values, indices) = select_approx(job, loops, x);
     }
   });
   buffers.finish(residual);
