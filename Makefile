@@ -37,14 +37,17 @@ NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*
 $(PY):
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 
-# What the native build needs, first and alone (torch only where not importable; it brings the setuptools the
-# build uses): the compiler then starts while pip installs the rest beside it.
+# What the native build needs (torch only where not importable; it brings the setuptools the build uses): the
+# compiler starts as soon as it is in, while pip installs the rest beside it.
 $(BUILD_STAMP): $(PY)
 	$(PIP) install $$($(PY) -c "import torch" 2>/dev/null || echo '$(TORCH_SPEC)') $(BUILD_DEPS)
 	touch $@
 
-# Everything else the tests import (triton only where not importable), beside the native build.
-$(DEPS_STAMP): $(BUILD_STAMP)
+# Everything else the tests import (triton only where not importable), beside torch's own install: no package
+# of DEPS (nor of their requirements) is torch's or one of its requirements, so the two pips never write the
+# same files, and a fresh install no longer waits for one unpacking before the next starts. A package added to
+# DEPS that torch also needs belongs after $(BUILD_STAMP), like the two below.
+$(DEPS_STAMP): $(PY)
 	$(PIP) install $$($(PY) -c "import triton" 2>/dev/null || echo '$(TRITON_SPEC)') $(DEPS)
 	touch $@
 
@@ -54,14 +57,15 @@ $(STAMP): $(BUILD_STAMP) $(NATIVE_SRC)
 	touch $@
 
 # Needs no build: `make install` runs it beside the compiler (pip mostly waits on the index and the disk).
-# `make bench` needs it too: bench_shuffle and bench_remote read shards over HTTP (aiohttp).
-$(INTEGRATIONS_STAMP): $(DEPS_STAMP) Makefile
+# `make bench` needs it too: bench_shuffle and bench_remote read shards over HTTP (aiohttp). After torch's
+# install: REMOTE wants fsspec, which torch brings too.
+$(INTEGRATIONS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) Makefile
 	$(PIP) install --no-deps $(INTEGRATIONS)
 	$(PIP) install $(REMOTE)
 	touch $@
 
 # Not fatal: a benchmark whose peer is missing writes the reason in its row instead.
-$(PEERS_STAMP): $(DEPS_STAMP) Makefile
+$(PEERS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) Makefile
 	$(PIP) install --no-deps $(PEERS) && touch $@ || echo "peers not installed; their benchmark rows will say why"
 
 # The peers too (a few seconds, --no-deps), so that CI runs tests/test_peers.py rather than skipping it.
