@@ -148,7 +148,8 @@ def _check_fp16_sum_does_not_overflow(rank: int) -> None:
 
 
 def _check_against_simulation(rank: int, world_size: int, variant: str) -> None:
-    """One variant's outputs over STEPS steps of BUCKET_SIZES: equal on every rank and to the simulation."""
+    """One variant's outputs over STEPS steps of BUCKET_SIZES: equal on every rank and (on rank 0) to the
+    simulation."""
     make_state, hook, codec = VARIANTS[variant]
     state = make_state()
     params = make_buckets(BUCKET_SIZES, torch.float32)
@@ -163,8 +164,9 @@ def _check_against_simulation(rank: int, world_size: int, variant: str) -> None:
         for b, out in enumerate(outputs):
             what = f"{variant} bucket {BUCKET_SIZES[b]} step {step}"
             assert_same_on_all_ranks(out, what)
-            expected = _simulate_bucket(all_grads[b], sims[b], codec, step)
-            assert torch.equal(out, expected), f"{what}: max diff {(out - expected).abs().max()}"
+            if rank == 0:  # equal on every rank (just checked): one rank replays every rank's compression
+                expected = _simulate_bucket(all_grads[b], sims[b], codec, step)
+                assert torch.equal(out, expected), f"{what}: max diff {(out - expected).abs().max()}"
     stats = state.stats()
     assert stats["steps"] == STEPS and stats["compressed_buckets"] == STEPS * len(BUCKET_SIZES), stats
     assert stats["cross_node_bytes"] > 0 and stats["intra_node_bytes"] > 0, stats
