@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastcomm
+import fastcomm.hooks  # noqa: F401 - register() and CompressedAdam load it on first use: once here, not per rank
 
 METHODS = ("topk", "sign", "quantize", "powersgd", "cadam")
 RUN_TIMEOUT_S = 120.0
