@@ -35,7 +35,7 @@ from fastcomm.collectives import two_phase as _twophase
 # Ranks are forked by a forkserver that imported torch, fastcomm and what DDP's constructor imports
 # (torch._dynamo: 5-10 s) once: a rank then starts in milliseconds, where a spawned one imports for seconds.
 # The server is a fresh single-threaded process, so no thread of the test process is forked with it.
-PRELOAD = ["_fault_workers", "torch._dynamo"]
+PRELOAD = [*workers.PRELOAD, "_fault_workers"]  # the harness's own, and these workers
 FAULT_STEP = 4
 MAX_STEPS = 60
 # case -> (fastcomm.register name, options): small buckets compress too, so the compressed path is what
