@@ -1,8 +1,8 @@
 """The interrupted-run harness of the fault-tolerance tests (``test_fault_tolerance.py``,
-``test_fault_checkpoints.py``): examples/train_lm.py under ``torchrun`` on a tiny GPT, killed, restarted and
-compared bit for bit with an uninterrupted run.
+``test_fault_checkpoints.py``, ``test_fault_elastic.py``, ``test_fault_survivor.py``): examples/train_lm.py
+under ``torchrun`` on a tiny GPT, killed, restarted and compared bit for bit with an uninterrupted run.
 
-The two test files split the work so that ``make test``'s two pytest-xdist workers can run them side by side;
+The test files split the work so that ``make test``'s pytest-xdist workers can run them side by side;
 each has its own module-scoped data set and reference runs, grouped so that no reference runs twice.
 """
 

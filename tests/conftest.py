@@ -23,6 +23,8 @@ torch.set_num_threads(int(os.environ.get("FASTLIB_TEST_THREADS", min(2, os.cpu_c
 LONG_FIRST = (
     "tests/test_fault_tolerance.py",
     "tests/test_fault_checkpoints.py",
+    "tests/test_fault_elastic.py",
+    "tests/test_fault_survivor.py",
     "tests/fastio/test_remote_parts.py",
     "tests/test_examples.py",
     "tests/fastcomm/test_clean_exit.py",
