@@ -56,6 +56,14 @@ def _one_run(root: Path, configs: tuple[str, ...], out: Path, timeout_s: float) 
     }
 
 
+def _commit(root: Path) -> str:
+    """The tree's commit (``+dirty`` with uncommitted changes), so a result names what it measured."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True)  # fmt: skip
+    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> str:
         "parameters), batch 64, SGD; bench_hooks' settings (2 warm-up + 5 timed steps, slower rank's median)",
         f"{args.rounds} rounds, trees in turn; every value is the median over rounds; ratios are taken "
         "inside one run of one tree, then the median over rounds",
-        "trees: " + ", ".join(f"{name}={root}" for name, root in trees.items()),
+        "trees: " + ", ".join(f"{name}={root} (commit {_commit(root)})" for name, root in trees.items()),
         f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
     ]
     return write_results("bench_hook_versions", rows, notes=notes, plot_metric="step_time")
