@@ -44,9 +44,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
-import os
 import shutil
 import sys
 import tempfile
@@ -56,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 import fastio
+from benchmarks.common import cache_folder_bytes
 from benchmarks.harness import Row, progress, write_results
 from benchmarks.http_server import HttpServer
 from fastio.format.shards.remote import RemoteShardSource
@@ -86,19 +84,6 @@ class WholeShards(RemoteShardSource):
         return super().split_shards(None)
 
 
-def _folder_bytes(directory: Path) -> int:
-    """Every file's bytes, walked under the cache's lock (every admission, eviction and rename takes it), so
-    the walk never counts an evicted shard together with the one admitted after it."""
-    total = 0
-    with open(directory / ".fastio-cache.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for root, _, files in os.walk(directory):
-            for name in files:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.stat(os.path.join(root, name)).st_size
-    return total
-
-
 def _epochs(
     loader: fastio.StreamLoader, epochs: int, num_samples: int, cache_dir: Path | None,
     server: HttpServer | None = None,
@@ -116,7 +101,7 @@ def _epochs(
             if len(ys) == BATCH:
                 classes.append(len(np.unique(ys)))
             if cache_dir is not None:
-                peak = max(peak, _folder_bytes(cache_dir))
+                peak = max(peak, cache_folder_bytes(cache_dir))
         if not (seen == 1).all():
             raise AssertionError(f"epoch {epoch}: samples came {sorted(set(seen.tolist()))} times, not once")
     stats = loader.stats()

@@ -23,7 +23,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import math
 import os
 import socket
@@ -34,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.harness import kill_process_groups
 
-__all__ = ["REPO_ROOT", "Ranks", "free_port", "launch", "median", "rank_env", "tail"]
+__all__ = ["REPO_ROOT", "Ranks", "cache_folder_bytes", "free_port", "launch", "median", "rank_env", "tail"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -208,3 +210,22 @@ def launch(
         time.monotonic() - start,
         tuple(logs),
     )
+
+
+def cache_folder_bytes(directory: Path) -> int:
+    """Every byte a fastio node cache folder holds, by its own walk (not the cache's accounting), under the
+    cache's lock (``.fastio-cache.lock``, which every admission, eviction and rename takes): a walk without it
+    could count an evicted entry and the one admitted after it, which never were there together.
+
+    Example::
+
+        peak = max(peak, cache_folder_bytes(cache_dir))
+    """
+    total = 0
+    with open(directory / ".fastio-cache.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for root, _, files in os.walk(directory):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(root, name)).st_size
+    return total
