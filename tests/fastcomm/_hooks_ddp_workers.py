@@ -11,7 +11,15 @@ import pickle
 
 import torch
 import torch.distributed as dist
-from _hooks_workers import assert_same_on_all_ranks, batch_for, loss_of, make_mlp, recording, sum_sent_and_raw
+from _hooks_workers import (
+    assert_same_on_all_ranks,
+    batch_for,
+    loss_of,
+    make_mlp,
+    recording,
+    sgd_steps,
+    sum_sent_and_raw,
+)
 from torch import nn
 
 import fastcomm
@@ -110,11 +118,7 @@ def _check_checkpoint_resume(rank: int, name: str) -> None:
     model = make_mlp(30)
     ddp = nn.parallel.DistributedDataParallel(model, **kwargs)
     state = fastcomm.register(ddp, hook_name, **options)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for step in range(3):
-        optimizer.zero_grad()
-        loss_of(ddp, rank, step).backward()
-        optimizer.step()
+    optimizer = sgd_steps(ddp, rank)
     saved_model = copy.deepcopy(model.state_dict())
     saved_state = state.state_dict()
     pickled = pickle.dumps(state)

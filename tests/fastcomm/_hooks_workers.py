@@ -283,6 +283,16 @@ def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
+def sgd_steps(ddp: nn.Module, rank: int, steps: int = 3) -> torch.optim.SGD:
+    """``steps`` SGD steps (lr 0.05) of ``ddp`` on this rank's batches; the optimizer, to go on with."""
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_of(ddp, rank, step).backward()
+        optimizer.step()
+    return optimizer
+
+
 def recording(hook: Callable, layouts: list) -> Callable:
     """``hook``, recording each iteration's bucket sizes in ``layouts`` (a list per iteration)."""
 

@@ -32,6 +32,7 @@ from _hooks_workers import (
     ref_topk,
     ref_two_phase,
     run_hook,
+    sgd_steps,
     sign_codec,
     sum_sent_and_raw,
 )
@@ -140,11 +141,7 @@ def _ddp_checkpoint_check(rank: int, world: int) -> None:
     model = make_mlp(30)
     ddp = nn.parallel.DistributedDataParallel(model, **DDP_KWARGS)
     state = fastcomm.register(ddp, "quantize", **DDP_OPTIONS)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for step in range(3):
-        optimizer.zero_grad()
-        loss_of(ddp, rank, step).backward()
-        optimizer.step()
+    optimizer = sgd_steps(ddp, rank)
     saved_model = copy.deepcopy(model.state_dict())
     buffer = io.BytesIO()
     torch.save(state.state_dict(), buffer)
