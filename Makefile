@@ -24,6 +24,11 @@ INTEGRATIONS_STAMP := $(VENV)/.fastlib-integrations
 # find the pair, so the set that resolved is pinned here.
 REMOTE      ?= "fsspec>=2024.2" "aiohttp>=3.9" "requests>=2.31" "zstandard>=0.22" "moto[server]==5.2.5" \
                s3fs==2026.9.0 aiobotocore==3.10.0 boto3==1.43.117 botocore==1.43.117
+# fastcomm.ft (live recovery on torchft's Manager and Lighthouse): torchft pins a torch of its own, so --no-deps,
+# with the three pure-Python packages its import needs, pinned. fastio's Parquet format reads through pyarrow.
+FT          ?= torchft==0.2.0
+FT_DEPS     ?= opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
+PARQUET     ?= pyarrow==26.0.1
 # The peers bench_loader and bench_images time beside fastio (benchmarks/peers.py), and tests/test_peers.py: pinned and
 # --no-deps (their own requirements would resolve another torch); they import without requests/urllib3. SPDL's image
 # decode also needs FFmpeg 4-9 shared libraries, which pip does not provide (Debian 12: apt-get install
@@ -61,7 +66,8 @@ $(STAMP): $(BUILD_STAMP) $(NATIVE_SRC)
 # install: REMOTE wants fsspec, which torch brings too.
 $(INTEGRATIONS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) Makefile
 	$(PIP) install --no-deps $(INTEGRATIONS)
-	$(PIP) install $(REMOTE)
+	$(PIP) install $(REMOTE) $(FT_DEPS) $(PARQUET)
+	$(PIP) install --no-deps $(FT)
 	touch $@
 
 # Not fatal: a benchmark whose peer is missing writes the reason in its row instead.
