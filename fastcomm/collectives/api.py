@@ -62,6 +62,12 @@ class CompressedWork:
         return self._future.done()
 
 
+def _rank_in(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group``, asked of the group itself: a group that ``torch.distributed`` did
+    not make (a torchft quorum's, made again at every quorum: :mod:`fastcomm.ft`) works as one it made."""
+    return dist.get_rank() if group is None else group.rank()
+
+
 def _then_return(done: torch.futures.Future, tensor: Tensor) -> Tensor:
     done.value()  # raises the exchange's failure, a PeerCollectiveError
     return tensor
@@ -177,7 +183,7 @@ def all_reduce(
         fastcomm.collectives.all_reduce(tensor, compressor, residual=residual)  # tensor: the mean
     """
     flat = _check(tensor, "tensor", op)
-    rank, buffers = dist.get_rank(group), FreshBuffers()
+    rank, buffers = _rank_in(group), FreshBuffers()
     name = "fastcomm.collectives.all_reduce"
     if residual is not None:
         residual.settle()
@@ -299,7 +305,7 @@ def reduce_scatter(
         fastcomm.collectives.reduce_scatter(shard, grad, fastcomm.compress.QuantCompressor(bits=8))
     """
     out, flat = _check(output, "output", op), _check(input, "input")
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    world_size, rank = dist.get_world_size(group), _rank_in(group)
     if not isinstance(compressor, Compressor) or compressor.block <= 0:
         raise TypeError(
             f"reduce_scatter needs a blockwise fastcomm.compress.Compressor (block > 0), got "
@@ -367,7 +373,7 @@ def all_gather(
         fastcomm.collectives.all_gather(full, shard, fastcomm.compress.QuantCompressor(bits=8))
     """
     out, flat = _check(output, "output"), _check(input, "input")
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    world_size, rank = dist.get_world_size(group), _rank_in(group)
     if not isinstance(compressor, Compressor):
         raise TypeError(f"all_gather needs a fastcomm.compress.Compressor, got {type(compressor).__name__}")
     if out.numel() != world_size * flat.numel() or out.dtype != flat.dtype:
