@@ -74,48 +74,28 @@ from fastio.options import (
     WorkerOptions,
     grouped_options,
 )
-from fastio.pipeline.batches import Batches, EpochOrders, SampleBatches
-from fastio.pipeline.sampled import SamplerBatches, check_sampler_args, index_batches
-from fastio.pipeline.settings import (
-    AssemblySettings,
-    OrderSettings,
-    WorkerSettings,
+from fastio.pipeline.arguments import (
+    collate_fn_argument,
     dataloader_worker_args,
-    order_for_source,
+    distributed_defaults,
+    pinned,
+    unbatched_collate,
 )
+from fastio.pipeline.batches import Batches, EpochOrders, SampleBatches
+from fastio.pipeline.sampled import (
+    SamplerBatches,
+    SamplerOrders,
+    check_sampler_args,
+    index_batches,
+    index_sampler,
+)
+from fastio.pipeline.settings import AssemblySettings, OrderSettings, WorkerSettings, order_for_source
+from fastio.pipeline.spawn import check_worker_processes
 from fastio.registry import open_source
 from fastio.sources import ReadPlan, StageTimes
 from fastio.workers.batch_pass import BatchPass
 
 __all__ = ["StreamLoader", "collate_samples"]
-
-
-def _distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    dist = torch.distributed
-    initialised = dist.is_available() and dist.is_initialized()
-    if world_size is None:
-        world_size = dist.get_world_size() if initialised else 1
-    if rank is None:
-        rank = dist.get_rank() if initialised else 0
-    return int(rank), int(world_size)
-
-
-def _collate_fn(
-    collate_fn: Callable[[list[Any]], Any] | None, deprecated: dict[str, Any]
-) -> Callable[[list[Any]], Any] | None:
-    """DataLoader's ``collate_fn``, or the loader's old name for it, ``collate=`` (warns; removed from
-    ``deprecated``)."""
-    if "collate" not in deprecated:
-        return collate_fn
-    collate = deprecated.pop("collate")
-    if collate_fn is not None:
-        raise ValueError("pass collate_fn= (DataLoader's name) only; collate= is its old name")
-    warnings.warn(
-        "StreamLoader(collate=...) is deprecated and goes in the next release; pass collate_fn=...",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return collate
 
 
 class StreamLoader:
@@ -186,7 +166,7 @@ class StreamLoader:
     def __init__(
         self,
         source: Any,
-        batch_size: int = 1,
+        batch_size: int | None = 1,
         shuffle: bool | str = False,
         seed: int = 0,
         num_workers: int = 0,
@@ -204,6 +184,8 @@ class StreamLoader:
         prefetch_factor: int | None = None,
         timeout: float = 0,
         multiprocessing_context: Any = None,
+        pin_memory_device: str = "",
+        in_order: bool = True,
         pack: Pack | None = None,
         read: ReadOptions | None = None,
         remote: RemoteOptions | None = None,
@@ -213,7 +195,7 @@ class StreamLoader:
         mixing: MixingOptions | None = None,
         **deprecated: Any,
     ) -> None:
-        collate = _collate_fn(collate_fn, deprecated)
+        collate = collate_fn_argument(collate_fn, deprecated)
         # 1. What is asked, checked once and grouped by the part that uses it (fastio.pipeline.settings).
         groups = grouped_options(
             {"read": read, "remote": remote, "order": order, "workers": workers, "batches": batches,
@@ -222,23 +204,24 @@ class StreamLoader:
         )  # fmt: skip
         read, remote, order_options = groups["read"], groups["remote"], groups["order"]
         worker_options, batch_options, mixing = groups["workers"], groups["batches"], groups["mixing"]
-        if batch_size is None:
-            raise ValueError(
-                "batch_size=None (DataLoader's samples without batching) is not supported; "
-                "use batch_size=1 with collate_fn=lambda samples: samples[0]"
-            )
-        prefetch, worker_mode = dataloader_worker_args(
+        prefetch, worker_mode, start_method = dataloader_worker_args(
             num_workers, worker_options.prefetch, prefetch_factor, persistent_workers,
             multiprocessing_context, worker_options.mode,
         )  # fmt: skip
+        self.unbatched = batch_size is None  # DataLoader's batch_size=None: samples, not batches
+        user_collate = collate
+        if self.unbatched:
+            if pack is not None:
+                raise ValueError("batch_size=None with pack=: packed rows come in batches; give batch_size=")
+            collate, batch_size = unbatched_collate(collate, drop_last, batch_sampler), 1
         progress = batch_options.progress
         assembly = AssemblySettings(batch_size, batch_options.stages, transform, collate)
         worker_settings = WorkerSettings(
             num_workers, prefetch, "thread", worker_options.threads, worker_init_fn, float(timeout),
-            persistent_workers,
+            persistent_workers, start_method, in_order=bool(in_order),
         )  # fmt: skip
         ranks_given = order_options.rank is not None or order_options.world_size is not None
-        rank, world_size = _distributed_defaults(order_options.rank, order_options.world_size)
+        rank, world_size = distributed_defaults(order_options.rank, order_options.world_size)
         order_settings = OrderSettings(
             seed, shuffle, order_options.shuffle_block, order_options.shuffle_window, rank, world_size,
             drop_last,
@@ -246,9 +229,7 @@ class StreamLoader:
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available")
-        # DataLoader's default (no pinning), except where fastio's own device= copies need it to overlap.
-        cuda_device = device is not None and device.type == "cuda"
-        pin = cuda_device if pin_memory is None else bool(pin_memory)
+        pin = pinned(pin_memory, pin_memory_device, device is not None and device.type == "cuda")
         # 2. The source, through the registry's tables (fastio.registry).
         options = OpenOptions.of(read, remote)
         streams = as_streams(source)
@@ -257,9 +238,10 @@ class StreamLoader:
                 "mixing= (mix, epoch_size) apply to a list of fastio.Stream sources (mixing them)"
             )
         if streams is None:
-            self._source = open_source(source, options)
+            opener = functools.partial(open_source, source, options)
         else:
-            self._source = open_streams(streams, functools.partial(open_source, options=options))
+            opener = functools.partial(open_streams, streams, functools.partial(open_source, options=options))
+        self._source = opener()
         if streams is not None and self._source.requires_shard_order and order_settings.shuffle == "full":
             raise ValueError(
                 f"shuffle=True (a full permutation of each stream) on {self._source.name}, which mixes a "
@@ -267,34 +249,28 @@ class StreamLoader:
                 "whole; use shuffle='shard' (a shard-aware shuffle within each stream)"
             )
         sampled = check_sampler_args(
-            shuffle=shuffle,
-            batch_size=batch_size,
-            drop_last=drop_last,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            generator=generator,
-            ranks_given=ranks_given,
-            packed=pack is not None,
-            source=self._source,
-        )
+            shuffle=shuffle, batch_size=batch_size, drop_last=drop_last, sampler=sampler,
+            batch_sampler=batch_sampler, generator=generator, ranks_given=ranks_given,
+            packed=pack is not None, source=self._source,
+        )  # fmt: skip
         if sampled and streams is not None:
             raise ValueError(
                 "sampler=, batch_sampler= or generator= with a list of fastio.Stream: the mixed epoch is "
                 "fastio's own order of the streams; use shuffle= and seed="
             )
-        if persistent_workers and not self._source.per_sample:
-            raise ValueError(
-                f"persistent_workers=True on {self._source.name}: kept worker processes serve map-style "
-                "Dataset sources; shard and tar sources gather in threads that cost nothing to start, so "
-                "drop persistent_workers (or pass the Dataset itself)"
-            )
-        python_path = transform is not None or collate is not None or self._source.per_sample
+        if sampled and not ranks_given:  # as in DataLoader, the sampler decides which indices a rank reads
+            order_settings = dataclasses.replace(order_settings, rank=0, world_size=1)
+        python_path = transform is not None or user_collate is not None or self._source.per_sample
         if worker_mode == "auto":
             worker_mode = "process" if python_path else "thread"
         worker_settings = dataclasses.replace(worker_settings, mode=worker_mode)
+        if worker_settings.processes:
+            check_worker_processes(self._source, start_method, persistent_workers)
+        if start_method != "fork":
+            worker_settings = dataclasses.replace(worker_settings, opener=opener)
         reuse = batch_options.reuse_buffers
         assembly = dataclasses.replace(
-            assembly, python_path=python_path, pin=pin, reuse_buffers=reuse, device=device
+            assembly, python_path=python_path or self.unbatched, pin=pin, reuse_buffers=reuse, device=device
         )
         # shuffle=True on a source read shard by shard: a window of what its cache holds
         # (fastio.pipeline.settings).
@@ -311,7 +287,7 @@ class StreamLoader:
         self._batches = self._choose_batches(streams, mixing, sampled and bool(shuffle), sampled, progress)
         self.progress = progress
         self.epoch = 0
-        self._resume: tuple[int, int] | None = None  # (epoch, start) for the next iter()
+        self._resume: tuple[int, int, list[int]] | None = None  # (epoch, start, batches ahead) for iter()
         self._current: BatchPass | None = None
 
     def _choose_batches(
@@ -325,13 +301,19 @@ class StreamLoader:
         """How this loader's epochs are cut into batches: a sampler's, mixed streams', packed rows or
         samples of fastio's order (:class:`fastio.pipeline.batches.Batches`)."""
         source, order, workers, assembly = self._source, self.order, self.workers, self.assembly
+        if sampled and self.pack is not None:
+            documents = SamplerOrders(
+                index_sampler(source.num_samples, shuffled, self.sampler, self.generator)
+            )
+            return TokenPacker(source, self.pack, documents, order=order, workers=workers, assembly=assembly,
+                               identity=documents.identity())  # fmt: skip
         if sampled:
-            index_sampler = index_batches(
+            index_sampler_batches = index_batches(
                 source.num_samples, assembly.batch_size, shuffled, order.drop_last,
-                self.sampler, self.batch_sampler, self.generator,
+                self.sampler, self.batch_sampler, self.generator, (order.rank, order.world_size),
             )  # fmt: skip
-            seed = order.seed
-            return SamplerBatches(source, index_sampler, self.generator, seed, workers, assembly, progress)
+            return SamplerBatches(source, index_sampler_batches, self.generator, order.seed, workers,
+                                  assembly, progress, order.world_size)  # fmt: skip
         if streams is not None:
             return mixed_batches(
                 source, streams, mix=mixing.mix, epoch_size=mixing.epoch_size, pack=self.pack, order=order,
@@ -343,7 +325,10 @@ class StreamLoader:
         return TokenPacker(source, self.pack, orders, order=order, workers=workers, assembly=assembly)
 
     # -- what was asked, read from the settings it was grouped into (fastio.pipeline.settings) ------------
-    batch_size = property(lambda self: self.assembly.batch_size, doc="Samples (packed: rows) per batch.")
+    batch_size = property(
+        lambda self: None if self.unbatched else self.assembly.batch_size,
+        doc="Samples (packed: rows) per batch; None: samples one by one (DataLoader's batch_size=None).",
+    )
     stages = property(lambda self: self.assembly.stages, doc="The batch stages, in order.")
     transform = property(lambda self: self.assembly.transform, doc="The per-sample transform, or None.")
     collate = property(lambda self: self.assembly.collate, doc="The collate function, or None.")
@@ -361,6 +346,8 @@ class StreamLoader:
     worker_mode = property(lambda self: self.workers.mode, doc='"thread" or "process".')
     threads = property(lambda self: self.workers.threads, doc="Threads per native gather, or None.")
     worker_init_fn = property(lambda self: self.workers.init_fn, doc="Run first in each worker, or None.")
+    persistent_workers = property(lambda self: self.workers.persistent, doc="Workers serve every epoch.")
+    in_order = property(lambda self: self.workers.in_order, doc="Batches are handed out in order.")
 
     @property
     def num_samples(self) -> int:
@@ -386,11 +373,12 @@ class StreamLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._current is not None:
             self._current.close()
-        start = 0
+        start, ahead = 0, []
         if self._resume is not None and self._resume[0] == self.epoch:
-            start = self._resume[1]
+            start, ahead = self._resume[1], self._resume[2]
         self._resume = None
-        self._current = self._batches.iterate(self.epoch, start)
+        skip = {"skip": ahead} if ahead else {}  # batches handed over out of order before the state was saved
+        self._current = self._batches.iterate(self.epoch, start, **skip)
         return self._current
 
     # -- resume --------------------------------------------------------------------------------------------
@@ -405,12 +393,15 @@ class StreamLoader:
             torch.save(loader.state_dict(), "loader.pt")
         """
         if self._resume is not None:
-            epoch, start, yielded = self._resume[0], self._resume[1], 0
+            epoch, start, done, ahead = *self._resume[:2], 0, self._resume[2]
         elif self._current is not None:
-            epoch, start, yielded = self._current.epoch, self._current.start, self._current.yielded
+            epoch, start, (done, ahead) = self._current.epoch, self._current.start, self._current.position()
         else:
-            epoch, start, yielded = self.epoch, 0, 0
-        return self._batches.state_dict(epoch, start, yielded)
+            epoch, start, done, ahead = self.epoch, 0, 0, []
+        state = self._batches.state_dict(epoch, start, done)
+        if ahead:  # in_order=False: batches handed over beyond the first ``done``, counted from there
+            state["batches_ahead"] = [n - done for n in ahead]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` at the next ``iter()``.
@@ -425,9 +416,18 @@ class StreamLoader:
                 ...
         """
         epoch, start = self._batches.resume_point(state)
+        ahead = [int(n) for n in state.get("batches_ahead", [])]
+        layout = {"batch_size": self.assembly.batch_size, "world_size": self.order.world_size}
+        differs = [key for key, mine in layout.items() if state.get(key, mine) != mine]
+        if ahead and differs:
+            raise ValueError(
+                f"state_dict has batches handed over out of order (in_order=False) and another {differs[0]} "
+                f"({state[differs[0]]} against {layout[differs[0]]}): it resumes exactly only with the same "
+                "batch_size and world_size"
+            )
         self._warn_if_running()
         self.epoch = epoch
-        self._resume = (epoch, start)
+        self._resume = (epoch, start, ahead)
 
     def _warn_if_running(self) -> None:
         if self._current is not None and not self._current.finished and self._current.yielded:

@@ -25,7 +25,7 @@ from fastio.pipeline.order import epoch_order, num_batches, rank_indices, resume
 from fastio.pipeline.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import Source
 from fastio.workers.batch_pass import BatchPass
-from fastio.workers.processes import KeptProcesses
+from fastio.workers.kept import KeptWorkers
 
 __all__ = ["STATE_FORMAT", "STATE_VERSION", "Batches", "EpochOrders", "SampleBatches"]
 
@@ -45,7 +45,8 @@ class Batches(Protocol):
         ...
 
     def iterate(self, epoch: int, start: int) -> BatchPass:
-        """A pass over ``epoch`` from ``start`` on: what ``iter(loader)`` returns."""
+        """A pass over ``epoch`` from ``start`` on: what ``iter(loader)`` returns. Batches whose passes hand
+        batches out of order (``in_order=False``) take ``skip=``: the pass's batches handed over before."""
         ...
 
     def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:
@@ -110,7 +111,7 @@ class SampleBatches:
     ) -> None:
         self.source, self.orders, self.order = source, orders, order
         self.workers, self.assembly, self.progress = workers, assembly, progress
-        self.kept = KeptProcesses() if workers.persistent else None
+        self.kept = KeptWorkers() if workers.persistent else None
 
     def epoch_size(self) -> int:
         """Samples in an epoch's global order (before the rank split)."""
@@ -142,7 +143,7 @@ class SampleBatches:
         per_rank = n // world if self.order.drop_last else -(-n // world)
         return num_batches(per_rank, self.assembly.batch_size, self.order.drop_last)
 
-    def iterate(self, epoch: int, start: int) -> EpochPass:
+    def iterate(self, epoch: int, start: int, skip: Sequence[int] = ()) -> EpochPass:
         o = self.order
         indices = rank_indices(self.epoch_ids(epoch, start), start, o.world_size, o.rank, o.drop_last)
         return EpochPass(
@@ -157,6 +158,7 @@ class SampleBatches:
             assembly=self.assembly,
             progress=self.progress,
             kept=self.kept,
+            skip=skip,
         )
 
     def state_dict(self, epoch: int, start: int, yielded: int) -> dict[str, Any]:

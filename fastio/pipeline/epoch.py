@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,9 +24,12 @@ from fastio.assembly.producer import BatchProducer
 from fastio.assembly.structure import map_tensors
 from fastio.pipeline.order import num_batches
 from fastio.pipeline.settings import AssemblySettings, WorkerSettings
+from fastio.pipeline.spawn import SpawnedProducer
 from fastio.sources import ReadPlan, Source, shard_read_order
 from fastio.workers.batch_pass import BatchPass
-from fastio.workers.processes import KeptProcesses, ProcessPipeline
+from fastio.workers.info import WorkerInfo, set_worker_info
+from fastio.workers.kept import KeptWorkers
+from fastio.workers.processes import ProcessPipeline
 from fastio.workers.threads import ThreadPipeline
 
 __all__ = ["EpochPass"]
@@ -34,8 +38,9 @@ __all__ = ["EpochPass"]
 class EpochPass(BatchPass):
     """One pass over (the rest of) an epoch for this rank: ``indices`` are the samples it reads, from sample
     ``start`` of the epoch's rank-split order on; what ``iter(StreamLoader)`` returns. With ``bounds`` (a
-    sampler's batches) batch ``j`` is ``indices[bounds[j]:bounds[j + 1]]``. With ``kept`` (persistent workers)
-    the worker processes of the last pass make this one's batches too, and are left running at its end."""
+    sampler's batches) batch ``j`` is ``indices[bounds[j]:bounds[j + 1]]``. ``skip``: numbers of the pass's
+    batches handed over before (out of order, ``in_order=False``), left out. With ``kept`` (persistent
+    workers) the workers of the last pass make this one's batches too, and are left running at its end."""
 
     def __init__(
         self,
@@ -51,55 +56,51 @@ class EpochPass(BatchPass):
         assembly: AssemblySettings,
         progress: bool = False,
         bounds: np.ndarray | None = None,
-        kept: KeptProcesses | None = None,
+        kept: KeptWorkers | None = None,
+        skip: Sequence[int] = (),
     ) -> None:
         device = assembly.device
         self.source, self.epoch, self.start, self.device = source, epoch, start, device
-        if bounds is None:
-            self.begin_pass(num_batches(len(indices), assembly.batch_size, drop_last))
-        else:
-            self.begin_pass(len(bounds) - 1)
+        self.in_order = workers.in_order
+        total = (
+            num_batches(len(indices), assembly.batch_size, drop_last) if bounds is None else len(bounds) - 1
+        )
+        numbers = [j for j in range(total) if j not in set(skip)]
+        if skip:
+            indices, bounds = _without(indices, bounds, numbers, assembly.batch_size)
+        self.begin_pass(len(numbers), numbers)
         n, slots, processes = workers.num_workers, workers.slots, workers.processes
         source.plan_reads(ReadPlan(assembly.batch_size, slots, processes, world_size > 1))
         # Before any fetch and before worker processes fork: they inherit what prepare() set up.
         source.prepare(shard_read_order(source.shard_sizes, indices), epoch, indices)
-        self.producer = BatchProducer(
-            source,
-            assembly,
-            epoch=epoch,
-            indices=indices,
-            seed=seed,
-            slots=1 if processes else slots,
-            threads=workers.threads or max(1, default_threads() // max(1, n)),
-            mode="process" if processes else "thread" if n else "main",
-            num_workers=n,
-            worker_init_fn=workers.init_fn,
-            bounds=bounds,
-        )
+        mode = "process" if processes else "thread" if n else "main"
+        producer_args = dict(
+            epoch=epoch, indices=indices, seed=seed, slots=1 if processes else slots,
+            threads=workers.threads or max(1, default_threads() // max(1, n)), mode=mode, num_workers=n,
+            worker_init_fn=workers.init_fn, bounds=bounds,
+        )  # fmt: skip
+        self.producer = BatchProducer(source, assembly, **producer_args)
         self.copy_in_consumer = processes and device is not None and device.type == "cuda"
         self.times = self.producer.times
         self.pipeline: ThreadPipeline | ProcessPipeline | None = None
-        start_worker = self.producer.start_worker
-        self.kept = kept if processes else None
+        self.kept = kept if n else None
         if self.kept is not None:
-            self.pipeline = self.kept.take((epoch, indices, bounds), self.n_batches, self.times)
+            update = (epoch, indices, bounds) if processes else (self.producer, _PassInfo(n, seed, epoch))
+            self.pipeline = self.kept.take(update, self.n_batches, self.times)
         if processes and self.pipeline is None:
+            spawned = workers.start_method != "fork"
             self.pipeline = ProcessPipeline(
-                self.producer,
-                self.n_batches,
-                n,
-                slots,
-                self.times,
-                start_worker,
-                assembly.reuse_buffers,
-                workers.timeout,
-            )
-            if self.kept is not None:
-                self.kept.keep(self.pipeline)
-        elif n and not processes:
+                self.producer, self.n_batches, n, slots, self.times, self.producer.start_worker,
+                assembly.reuse_buffers, workers.timeout, start_method=workers.start_method,
+                factory=SpawnedProducer(workers.opener, source, assembly, producer_args) if spawned else None,
+            )  # fmt: skip
+        elif n and self.pipeline is None:
             self.pipeline = ThreadPipeline(
-                self.producer, self.n_batches, n, slots, start_worker, workers.timeout
-            )
+                self.producer, self.n_batches, n, slots, self.producer.start_worker, workers.timeout,
+                persistent=self.kept is not None,
+            )  # fmt: skip
+        if self.kept is not None and self.kept.pipeline is None:
+            self.kept.keep(self.pipeline)
         self.bar = None
         if progress:
             try:
@@ -139,6 +140,32 @@ class EpochPass(BatchPass):
         super().close()
         if not finished and self.bar is not None:
             self.bar.close()
+
+
+class _PassInfo:
+    """What a kept worker thread runs before its first batch of a new pass: the pass's
+    :func:`fastio.worker_info` (its ``worker_init_fn`` ran once, when the thread started)."""
+
+    def __init__(self, num_workers: int, seed: int, epoch: int) -> None:
+        self.num_workers, self.seed, self.epoch = num_workers, seed, epoch
+
+    def __call__(self, worker_id: int) -> None:
+        set_worker_info(WorkerInfo(worker_id, self.num_workers, self.seed, self.epoch))
+
+
+def _without(
+    indices: np.ndarray, bounds: np.ndarray | None, numbers: list[int], batch_size: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``indices`` (and ``bounds``) of only the batches ``numbers``: batch ``j`` is ``indices[j * batch_size:
+    (j + 1) * batch_size]``, or ``indices[bounds[j]:bounds[j + 1]]``. Every batch but the last is full, so
+    the batches kept stay runs of ``batch_size`` where no ``bounds`` were given."""
+    edges = bounds if bounds is not None else np.arange(0, len(indices) + batch_size, batch_size)
+    edges = np.minimum(edges, len(indices))
+    parts = [indices[edges[j] : edges[j + 1]] for j in numbers]
+    kept = np.concatenate([*parts, indices[:0]]).astype(np.int64)
+    if bounds is None:
+        return kept, None
+    return kept, np.concatenate([[0], np.cumsum([len(p) for p in parts], dtype=np.int64)]).astype(np.int64)
 
 
 _PROGRESS_EVERY = 10  # batches between updates of the source's part of the progress bar

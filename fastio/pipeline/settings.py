@@ -22,9 +22,7 @@ from fastio.assembly.stages import BatchStage
 from fastio.pipeline.order import normalize_shuffle, window_within
 from fastio.sources.base import ShardParts, Source
 
-__all__ = [
-    "AssemblySettings", "OrderSettings", "WorkerSettings", "dataloader_worker_args", "order_for_source",
-]  # fmt: skip
+__all__ = ["AssemblySettings", "OrderSettings", "WorkerSettings", "order_for_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +164,14 @@ class WorkerSettings:
         init_fn: ``init_fn(worker_id)``, run first in each worker (DataLoader's ``worker_init_fn``).
         timeout: with workers, the most seconds the consumer waits for a batch before
             :class:`fastio.errors.WorkerTimeoutError` (0: no limit), DataLoader's ``timeout``.
-        persistent: worker processes serve every epoch instead of closing at its end (DataLoader's
-            ``persistent_workers``).
+        persistent: the workers (threads or processes) serve every epoch instead of closing at its end
+            (DataLoader's ``persistent_workers``); ``init_fn`` runs once per worker.
+        start_method: how worker processes start (DataLoader's ``multiprocessing_context``): ``"fork"``
+            (they inherit the source), ``"spawn"`` or ``"forkserver"`` (each opens it anew with ``opener``).
+        opener: ``opener() -> Source``, picklable: what a spawned worker process opens (the loader's
+            ``source`` through :func:`fastio.registry.open_source`); None with ``"fork"``.
+        in_order: hand batches out in order (DataLoader's ``in_order``); False: whichever of the batches in
+            flight is ready first.
 
     Example::
 
@@ -181,6 +185,9 @@ class WorkerSettings:
     init_fn: Callable[[int], None] | None = None
     timeout: float = 0.0
     persistent: bool = False
+    start_method: str = "fork"
+    opener: Callable[[], Source] | None = None
+    in_order: bool = True
 
     def __post_init__(self) -> None:
         if self.timeout < 0:
@@ -244,70 +251,3 @@ class AssemblySettings:
                     f"stages: {type(stage).__name__} is not a fastio.assembly.stages.BatchStage "
                     "(needs output_specs() and __call__(batch, out, ctx))"
                 )
-
-
-def dataloader_worker_args(
-    num_workers: int,
-    prefetch: int | None,
-    prefetch_factor: int | None,
-    persistent_workers: bool,
-    multiprocessing_context: Any,
-    worker_mode: str,
-) -> tuple[int, str]:
-    """DataLoader's worker arguments, checked with DataLoader's own messages where it has them, as fastio's
-    ``(prefetch, worker_mode)``.
-
-    1. ``prefetch_factor`` (batches in flight per worker) becomes ``prefetch``, the batches in flight beyond
-       ``num_workers``: ``max(1, (prefetch_factor - 1) * num_workers)``; only one of the two may be given.
-    2. ``multiprocessing_context`` must be ``"fork"`` (or a fork context): worker processes are forked, they
-       inherit the source and their slot files. It, like ``persistent_workers=True``, means worker
-       processes: ``worker_mode="auto"`` becomes ``"process"``, ``"thread"`` is refused.
-
-    Example::
-
-        dataloader_worker_args(2, None, 4, False, "fork", "auto") == (6, "process")
-    """
-    if num_workers == 0 and prefetch_factor is not None:
-        raise ValueError(
-            "prefetch_factor option could only be specified in multiprocessing."
-            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
-        )
-    if prefetch_factor is not None and prefetch_factor < 0:
-        raise ValueError("prefetch_factor option should be non-negative")
-    if prefetch_factor is not None and prefetch is not None:
-        raise ValueError(
-            "pass WorkerOptions(prefetch=) (batches beyond num_workers) or DataLoader's prefetch_factor=, "
-            "not both"
-        )
-    if persistent_workers and num_workers == 0:
-        raise ValueError("persistent_workers option needs num_workers > 0")
-    if prefetch_factor is not None:
-        prefetch = max(1, (prefetch_factor - 1) * num_workers)
-    processes_asked = [name for name, asked in (
-        ("multiprocessing_context", multiprocessing_context is not None),
-        ("persistent_workers=True", persistent_workers),
-    ) if asked]  # fmt: skip
-    if multiprocessing_context is not None:
-        if num_workers == 0:
-            raise ValueError(
-                "multiprocessing_context can only be used with multi-process loading (num_workers > 0), "
-                f"but got num_workers={num_workers}"
-            )
-        method = (
-            multiprocessing_context
-            if isinstance(multiprocessing_context, str)
-            else multiprocessing_context.get_start_method()
-        )
-        if method != "fork":
-            raise ValueError(
-                f"multiprocessing_context={method!r}: fastio's worker processes are forked (they inherit the "
-                "source and the slot files batches are handed over in); use 'fork', or "
-                "workers=fastio.WorkerOptions(mode='thread') for workers that need no new process"
-            )
-    if processes_asked and worker_mode == "thread":
-        raise ValueError(
-            f"{processes_asked[0]} asks for worker processes, but WorkerOptions(mode='thread') was given"
-        )
-    if processes_asked and worker_mode == "auto":
-        worker_mode = "process"
-    return (2 if prefetch is None else prefetch), worker_mode

@@ -46,9 +46,18 @@ class BatchPass:
     times: Any
     producer: Callable[[int], Any]
     pipeline: ThreadPipeline | ProcessPipeline | None
+    in_order: bool = True  # False: a pipeline hands out whichever batch in flight is ready first
 
-    def begin_pass(self, n_batches: int) -> None:
+    def begin_pass(self, n_batches: int, numbers: list[int] | None = None) -> None:
+        """A pass of ``n_batches`` batches; ``numbers[j]``: batch ``j``'s number counted from the pass's start
+        (default ``j``); the numbers missing from it were handed over before (a resume after batches came out
+        of order) and count as done."""
         self.n_batches = n_batches
+        self.numbers = list(range(n_batches)) if numbers is None else numbers
+        last = self.numbers[-1] + 1 if self.numbers else 0
+        self.done = set(range(last)) - set(self.numbers)
+        self.first = 0  # the first job not handed over yet
+        self.handed: set[int] = set()
         self.yielded = self.samples = 0
         self.wait_s = 0.0
         self.begun: float | None = None
@@ -62,17 +71,23 @@ class BatchPass:
         """The next batch as the producer returned it; ``StopIteration`` after the last."""
         if self.begun is None:
             self.begun = time.perf_counter()
-        job = self.yielded
-        if job >= self.n_batches:
+        if self.yielded >= self.n_batches:
             self.close()
             raise StopIteration
         waited = time.perf_counter()
         try:
             if self.pipeline is None:
-                return self.producer(job)
-            ok, value = self.pipeline.get(job)
+                job, ok, value = self.first, True, self.producer(self.first)
+            elif self.in_order:
+                job, (ok, value) = self.first, self.pipeline.get(self.first)
+            else:
+                job, ok, value = self.pipeline.get_ready(self.first)
             if not ok:
                 raise value
+            self.handed.add(job)
+            self.done.add(self.numbers[job])
+            while self.first in self.handed:
+                self.first += 1
             return value
         except BaseException:
             self.close()
@@ -85,6 +100,19 @@ class BatchPass:
         self.yielded += 1
         self.samples += size
         self.ended = time.perf_counter()
+
+    def position(self) -> tuple[int, list[int]]:
+        """``(batches, ahead)``: the batches from the pass's start all handed over, and the numbers of those
+        handed over beyond them (out of order, ``in_order=False``), counted from the pass's start.
+
+        Example::
+
+            batches, ahead = epoch.position()   # (3, [5]): 0, 1, 2 and 5 were handed over
+        """
+        batches = 0
+        while batches in self.done:
+            batches += 1
+        return batches, sorted(n for n in self.done if n > batches)
 
     def close(self) -> None:
         if self.finished:

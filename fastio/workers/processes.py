@@ -1,11 +1,12 @@
-"""Forked worker processes making batches ahead of the consumer (for Python transforms, collates and
-Datasets that hold the GIL). Each process writes the tensors of its batch into a ring slot: a file in
-``$FASTIO_WORKER_DIR`` (or the system temp dir, never ``/dev/shm``) that is unlinked as it is created, so
-it has no path and never outlives the processes that map it. Both sides map it shared; only a small
-description (offsets, dtypes, shapes, and non-tensor leaves such as keys) goes through a pipe. Tensors are
-never pickled.
+"""Worker processes making batches ahead of the consumer (for Python transforms, collates and Datasets that
+hold the GIL); forked, or started by ``"spawn"``/``"forkserver"`` from a picklable factory. Each process
+writes the tensors of its batch into a ring slot: a file in ``$FASTIO_WORKER_DIR`` (or the system temp dir,
+never ``/dev/shm``) that is unlinked as it is created, so it has no path and never outlives the processes
+that map it. Both sides map it shared; only a small description (offsets, dtypes, shapes, and non-tensor
+leaves such as keys) goes through a pipe. Tensors are never pickled.
 
-Batch ``j`` is handed out only in order, at most ``slots`` batches in flight. A yielded batch is
+Batch ``j`` is handed out in order (or, with :meth:`ProcessPipeline.get_ready`, whichever of the batches in
+flight is made first), at most ``slots`` batches in flight. A yielded batch is
 never overwritten while anything still views it (the batch, a slice, a numpy view): before a slot
 is refilled the consumer checks whether its mapping is still viewed, and if so gives the slot a new file
 (sent to the worker over the pipe) and leaves the old mapping to whoever holds it. ``reuse=False`` gives
@@ -45,7 +46,7 @@ from fastio.assembly.structure import map_structure
 from fastio.errors import WorkerTimeoutError
 from fastio.sources import storage_refs
 
-__all__ = ["KeptProcesses", "ProcessPipeline"]
+__all__ = ["Inherited", "ProcessPipeline"]
 
 _ALIGN = 64
 _COPY_AT_MOST = 64 << 10  # tensors this small leave a slot as copies
@@ -166,26 +167,47 @@ class _NextPass:
         self.update = update
 
 
+class Inherited:
+    """What a forked worker process makes batches with: the parent's own ``produce``, ``times`` and
+    ``worker_init``, inherited by the fork (never pickled). A spawned one gets instead a picklable factory
+    that builds the same three in the new process (:mod:`fastio.pipeline.spawn`).
+
+    Example::
+
+        produce, times, worker_init = Inherited(produce, times, None)()
+    """
+
+    def __init__(self, produce: Callable[[int], Any], times: Any, worker_init: Callable[[int], None] | None):
+        self.made = (produce, times, worker_init)
+
+    def __call__(self) -> tuple[Callable[[int], Any], Any, Callable[[int], None] | None]:
+        return self.made
+
+
 def _worker_main(
-    produce: Callable[[int], Any],
+    factory: Callable[[], tuple[Callable[[int], Any], Any, Callable[[int], None] | None]],
     conn: Any,
     slot_fds: list[int],
-    times: Any,
     worker_id: int,
-    parent_pid: int,
-    worker_init: Callable[[int], None] | None,
+    parent_pid: int | None,
     inherited: list[Any],
 ) -> None:
-    _die_with_parent(parent_pid)
+    if parent_pid is not None:  # forkserver: the parent is the server; the pipe's end says the loader died
+        _die_with_parent(parent_pid)
     for other in inherited:  # other workers' pipe ends: holding them would hide their parent's death
         other.close()
     torch.set_num_threads(1)
     slots = [_SlotFile(fd) for fd in slot_fds]
-    if worker_init is not None:
-        worker_init(worker_id)
+    failed: tuple[BaseException, str] | None = None
+    try:
+        produce, times, worker_init = factory()
+        if worker_init is not None:
+            worker_init(worker_id)
+    except Exception as exc:  # answered to every batch asked, so the consumer raises it
+        failed = (_picklable(exc), "".join(traceback.format_exception(exc)))
     while True:
         while not conn.poll(_PARENT_POLL_S):
-            if os.getppid() != parent_pid:
+            if parent_pid is not None and os.getppid() != parent_pid:
                 return
         try:
             message = conn.recv()
@@ -197,6 +219,9 @@ def _worker_main(
             produce.retarget(message.update)  # type: ignore[attr-defined]
             continue
         job, new_file = message
+        if failed is not None:
+            conn.send((job, False, failed))
+            continue
         if new_file:  # the consumer still holds this slot's last batch: write into the file it sends
             slots[job % len(slots)].close()
             slots[job % len(slots)] = _SlotFile(recv_handle(conn))
@@ -209,23 +234,29 @@ def _worker_main(
             deltas = ({k: v - before[0][k] for k, v in times.seconds.items()}, times.bytes - before[1])
             conn.send((job, True, (layout, size, deltas)))
         except BaseException as exc:
-            try:
-                pickle.loads(pickle.dumps(exc))
-                error: BaseException = exc
-            except Exception:
-                error = RuntimeError(f"fastio worker process: {type(exc).__name__}: {exc}")
-            error.__cause__ = None
-            detail = "".join(traceback.format_exception(exc))
-            conn.send((job, False, (error, detail)))
+            conn.send((job, False, (_picklable(exc), "".join(traceback.format_exception(exc)))))
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc``, or a ``RuntimeError`` naming it where it does not survive the pipe."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        error = exc
+    except Exception:
+        error = RuntimeError(f"fastio worker process: {type(exc).__name__}: {exc}")
+    error.__cause__ = None
+    return error
 
 
 class ProcessPipeline:
-    """Forked worker processes running ``produce(job)``, batches handed over through slot files.
+    """Worker processes running ``produce(job)``, batches handed over through slot files.
 
     ``times`` (a :class:`fastio.sources.StageTimes`) receives each worker's per-batch stage times;
     ``worker_init(worker_id)``, when given, runs first in each process; ``reuse=False`` writes every batch
     into a new file; ``timeout > 0``: :meth:`get` gives :class:`fastio.errors.WorkerTimeoutError` when a
-    batch takes longer than that many seconds.
+    batch takes longer than that many seconds. ``start_method``: ``"fork"`` (the processes inherit
+    ``produce``), or ``"spawn"``/``"forkserver"``, where each process calls ``factory()`` (pickled) for its
+    own ``(produce, times, worker_init)`` and receives every slot file over its pipe.
 
     Example::
 
@@ -242,6 +273,9 @@ class ProcessPipeline:
         worker_init: Callable[[int], None] | None = None,
         reuse: bool = True,
         timeout: float = 0.0,
+        *,
+        start_method: str = "fork",
+        factory: Callable[[], Any] | None = None,
     ) -> None:
         self.n_batches, self.slots, self.times, self.reuse = n_batches, slots, times, reuse
         self.timeout = timeout
@@ -249,34 +283,47 @@ class ProcessPipeline:
         # the next, so the file refilled then is one it has dropped, and the fast path never makes files.
         self.slot_files = [_SlotFile.create() for _ in range(slots + 1)]
         self.generation = [0] * len(self.slot_files)
-        self.known = [[0] * len(self.slot_files) for _ in range(num_workers)]  # per worker, per slot
-        context = multiprocessing.get_context("fork")
+        forked = start_method == "fork"
+        # Per worker, per slot: the file generation it has. Spawned workers inherit no file: each is sent.
+        self.known = [[0 if forked else -1] * len(self.slot_files) for _ in range(num_workers)]
         self.conns, self.procs = [], []
-        for w in range(num_workers):
-            parent, child = context.Pipe(duplex=True)
-            proc = context.Process(
-                target=_worker_main,
-                args=(
-                    produce,
-                    child,
-                    [s.fd for s in self.slot_files],
-                    times,
-                    w,
-                    os.getpid(),
-                    worker_init,
-                    list(self.conns),
-                ),
-                name=f"fastio-worker-{w}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
         self.dispatched = 0
         self.pending = [0] * num_workers  # per worker, batches sent and not yet answered
         self.results: dict[int, tuple[bool, Any]] = {}
         self.stopped = False
+        self.hint = (
+            ""
+            if start_method == "fork"
+            else f" (multiprocessing_context={start_method!r}: a worker imports the main module and "
+            "unpickles what it needs; its error is on stderr above)"
+        )
+        context = multiprocessing.get_context(start_method)
+        made = Inherited(produce, times, worker_init) if forked else factory
+        fds = [s.fd for s in self.slot_files] if forked else [-1] * len(self.slot_files)
+        parent_pid = None if start_method == "forkserver" else os.getpid()
+        for w in range(num_workers):
+            parent, child = context.Pipe(duplex=True)
+            inherited = list(self.conns) if forked else []
+            proc = context.Process(
+                target=_worker_main,
+                args=(made, child, fds, w, parent_pid, inherited),
+                name=f"fastio-worker-{w}",
+                daemon=True,
+            )
+            try:
+                proc.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                self.stop()
+                raise TypeError(
+                    f"multiprocessing_context={start_method!r}: a worker process gets what it needs pickled "
+                    f"(the Dataset or source, transform, collate_fn, worker_init_fn), and this failed: {exc}."
+                    " Define them at module level, importable by the worker, or use "
+                    "multiprocessing_context='fork'"
+                ) from exc
+            finally:
+                child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
 
     def next_pass(self, update: Any, n_batches: int, times: Any) -> bool:
         """Serve another pass with the same processes (``persistent_workers=True``): the answers still due
@@ -322,6 +369,14 @@ class ProcessPipeline:
 
     def get(self, job: int) -> tuple[bool, Any]:
         """``(True, (batch, size))`` or ``(False, exception)``; blocks until batch ``job`` is made."""
+        return self._wait(job, ready=False)[1:]
+
+    def get_ready(self, first: int) -> tuple[int, bool, Any]:
+        """``(job, ok, value)`` of whichever batch from ``first`` on (the first not yet handed out) is made
+        first (DataLoader's ``in_order=False``); at most ``slots`` batches from ``first`` are in flight."""
+        return self._wait(first, ready=True)
+
+    def _wait(self, job: int, ready: bool) -> tuple[int, bool, Any]:
         try:
             while self.dispatched < min(self.n_batches, job + self.slots):
                 self._dispatch(self.dispatched)
@@ -330,14 +385,15 @@ class ProcessPipeline:
             pass  # a worker is gone: reported below (a slot file that cannot be made raises here)
         live = list(self.conns)
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
-        while job not in self.results:
+        while not (self.results if ready else job in self.results):
             if deadline is not None and time.monotonic() >= deadline:
-                return False, WorkerTimeoutError(
-                    f"fastio: batch {job} not made within timeout={self.timeout} s"
+                return (
+                    job,
+                    False,
+                    WorkerTimeoutError(f"fastio: batch {job} not made within timeout={self.timeout} s"),
                 )
             poll = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            ready = wait(live, timeout=poll) if live else []
-            for conn in ready:
+            for conn in wait(live, timeout=poll) if live else []:
                 try:
                     done, ok, payload = conn.recv()
                 except (EOFError, OSError):
@@ -345,25 +401,25 @@ class ProcessPipeline:
                     continue
                 self.pending[self.conns.index(conn)] -= 1
                 self.results[done] = (ok, payload)
-            if job in self.results:
+            if self.results if ready else job in self.results:
                 break
             dead = [p for p in self.procs if not p.is_alive()]
             if dead or not live:
                 name, code = (dead[0].name, dead[0].exitcode) if dead else ("?", None)
-                return False, RuntimeError(
-                    f"fastio: worker process {name} exited (code {code}) before batch {job}"
-                )
+                error = f"fastio: worker process {name} exited (code {code}) before batch {job}{self.hint}"
+                return job, False, RuntimeError(error)
+        job = min(self.results) if ready else job
         ok, payload = self.results.pop(job)
         if not ok:
             error, detail = payload
             error.add_note(f"in a fastio worker process:\n{detail}")
-            return False, error
+            return job, False, error
         layout, size, (seconds, nbytes) = payload
         for stage, value in seconds.items():
             self.times.add(stage, value)
         self.times.add("read", 0.0, nbytes)
         base = self.slot_files[job % len(self.slot_files)].mapped()
-        return True, (_rebuild(layout, base), size)
+        return job, True, (_rebuild(layout, base), size)
 
     def stop(self) -> None:
         if self.stopped:
@@ -388,32 +444,3 @@ class ProcessPipeline:
                 pass
         for slot in self.slot_files:
             slot.close()
-
-
-class KeptProcesses:
-    """The worker processes a loader keeps from one pass to the next (``persistent_workers=True``, as in
-    DataLoader): :meth:`take` hands the kept pipeline to the next pass, or None when there is none yet or it
-    can serve no more (then the pass builds one and hands it to :meth:`keep`). Stops it when dropped.
-
-    Example::
-
-        pipeline = kept.take(update, n_batches, times) or kept.keep(ProcessPipeline(...))
-    """
-
-    def __init__(self) -> None:
-        self.pipeline: ProcessPipeline | None = None
-
-    def take(self, update: Any, n_batches: int, times: Any) -> ProcessPipeline | None:
-        pipeline = self.pipeline
-        if pipeline is not None and not pipeline.next_pass(update, n_batches, times):
-            pipeline.stop()
-            pipeline = self.pipeline = None
-        return pipeline
-
-    def keep(self, pipeline: ProcessPipeline) -> ProcessPipeline:
-        self.pipeline = pipeline
-        return pipeline
-
-    def __del__(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.stop()

@@ -50,6 +50,8 @@ class ThreadPipeline:
 
     ``worker_init(worker_id)``, when given, runs first in each thread. ``timeout > 0``: :meth:`get` gives
     :class:`fastio.errors.WorkerTimeoutError` when a batch takes longer than that many seconds.
+    ``persistent=True`` (DataLoader's ``persistent_workers``): the threads outlive the pass and serve the
+    next one (:meth:`next_pass`), ``worker_init`` having run once.
 
     Example::
 
@@ -65,9 +67,12 @@ class ThreadPipeline:
         slots: int,
         worker_init: Callable[[int], None] | None = None,
         timeout: float = 0.0,
+        persistent: bool = False,
     ) -> None:
         self.produce, self.n_batches, self.slots, self.timeout = produce, n_batches, slots, timeout
-        self.worker_init = worker_init
+        self.worker_init, self.persistent = worker_init, persistent
+        self.pass_init: Callable[[int], None] | None = None
+        self.generation = 0  # passes served before this one: a batch of an earlier pass is dropped
         self.cond = threading.Condition()
         self.next_job = 0
         self.released = 0
@@ -81,44 +86,84 @@ class ThreadPipeline:
             t.start()
         _running_thread_pipelines.add(self)
 
+    def _idle(self) -> bool:
+        return self.next_job >= self.n_batches or self.next_job >= self.released + self.slots
+
     def _work(self, worker_id: int) -> None:
         if self.worker_init is not None:
             self.worker_init(worker_id)
+        served = 0
         while True:
             with self.cond:
                 while (
-                    not self.stopped
-                    and self.next_job < self.n_batches
-                    and self.next_job >= self.released + self.slots
+                    not self.stopped and self._idle() and (self.persistent or self.next_job < self.n_batches)
                 ):
                     self.cond.wait()
                 if self.stopped or self.next_job >= self.n_batches:
                     return
-                job = self.next_job
+                job, generation, produce, pass_init = (
+                    self.next_job,
+                    self.generation,
+                    self.produce,
+                    self.pass_init,
+                )
                 self.next_job += 1
+            if served != generation and pass_init is not None:
+                pass_init(worker_id)
+            served = generation
             try:
-                result = (True, self.produce(job))
+                result = (True, produce(job))
             except BaseException as exc:  # handed to the consumer, which re-raises it
                 result = (False, exc)
             with self.cond:
-                self.results[job] = result
-                self.cond.notify_all()
+                if generation == self.generation:
+                    self.results[job] = result
+                    self.cond.notify_all()
+
+    def next_pass(self, update: Any, n_batches: int, times: Any) -> bool:
+        """Serve another pass with the same threads (``persistent=True``): ``update = (produce, pass_init)``,
+        the new pass's producer and what each thread runs before its first batch of it. False when a thread
+        is gone (build a new pipeline then). ``times`` is the new producer's own: unused here.
+
+        Example::
+
+            pipeline.next_pass((producer, producer.start_worker), n_batches=10, times=producer.times)
+        """
+        with self.cond:
+            if self.stopped or not all(t.is_alive() for t in self.threads):
+                return False
+            self.produce, self.pass_init = update
+            self.n_batches, self.next_job, self.released, self.results = n_batches, 0, 0, {}
+            self.generation += 1
+            self.cond.notify_all()
+        return True
 
     def get(self, job: int) -> tuple[bool, Any]:
         """``(True, produce(job))`` or ``(False, exception)``; blocks until batch ``job`` is made."""
+        return self._wait(job, ready=False)[1:]
+
+    def get_ready(self, first: int) -> tuple[int, bool, Any]:
+        """``(job, ok, value)`` of whichever batch from ``first`` on (the first not yet handed out) is made
+        first (DataLoader's ``in_order=False``); at most ``slots`` batches from ``first`` are in flight."""
+        return self._wait(first, ready=True)
+
+    def _wait(self, job: int, ready: bool) -> tuple[int, bool, Any]:
         with self.cond:
             self.released = job  # the consumer moved past job - 1: another batch may start
             self.cond.notify_all()
             deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
-            while job not in self.results:
+            while not (self.results if ready else job in self.results):
                 if not any(t.is_alive() for t in self.threads):
-                    return False, RuntimeError(f"fastio: worker threads exited before batch {job}")
+                    return job, False, RuntimeError(f"fastio: worker threads exited before batch {job}")
                 if deadline is not None and time.monotonic() >= deadline:
-                    return False, WorkerTimeoutError(
-                        f"fastio: batch {job} not made within timeout={self.timeout} s"
+                    return (
+                        job,
+                        False,
+                        WorkerTimeoutError(f"fastio: batch {job} not made within timeout={self.timeout} s"),
                     )
                 self.cond.wait(timeout=1.0 if deadline is None else min(1.0, deadline - time.monotonic()))
-            return self.results.pop(job)
+            job = min(self.results) if ready else job
+            return (job, *self.results.pop(job))
 
     def stop(self) -> None:
         with self.cond:

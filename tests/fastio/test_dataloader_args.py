@@ -1,13 +1,18 @@
 """StreamLoader on the rest of DataLoader's signature (sampler=, batch_sampler=, generator=,
-persistent_workers=, prefetch_factor=, timeout=, multiprocessing_context=, pin_memory=): the same batches as
-``torch.utils.data.DataLoader`` on the same map-style dataset, DataLoader's own argument errors, and named
-errors for what fastio refuses."""
+persistent_workers=, prefetch_factor=, timeout=, multiprocessing_context=, pin_memory=, pin_memory_device=,
+in_order=, batch_size=None): the same batches as ``torch.utils.data.DataLoader`` on the same map-style
+dataset, DataLoader's own argument errors and warnings, and named errors for what fastio refuses. Spawned
+and forkserver workers: test_dataloader_args_spawn.py."""
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import os
+import pathlib
+import re
 import threading
+import warnings
 import zlib
 
 import numpy as np
@@ -268,24 +273,41 @@ def test_resume_with_a_repeating_sampler_continues_its_order() -> None:
         ),
         ({"persistent_workers": True}, ValueError, "persistent_workers option needs num_workers > 0"),
         ({"multiprocessing_context": "fork"}, ValueError, "can only be used with multi-process loading"),
-        ({"num_workers": 1, "multiprocessing_context": "spawn"}, ValueError, "worker processes are forked"),
+        ({"num_workers": 1, "multiprocessing_context": "bogus"}, ValueError, "should specify a valid start"),
+        ({"num_workers": 1, "multiprocessing_context": 3}, TypeError, "should be a valid context object"),
         (
-            {"num_workers": 1, "multiprocessing_context": multiprocessing.get_context("forkserver")},
-            ValueError,
-            "'forkserver'",
-        ),
-        (
-            {"num_workers": 1, "persistent_workers": True, "workers": fastio.WorkerOptions(mode="thread")},
+            {
+                "num_workers": 1,
+                "multiprocessing_context": "spawn",
+                "workers": fastio.WorkerOptions(mode="thread"),
+            },
             ValueError,
             "WorkerOptions(mode='thread')",
         ),
         ({"generator": torch.Generator(), "shuffle": "shard"}, ValueError, "shard-aware shuffle"),
         (
-            {"sampler": [1, 2], "order": fastio.OrderOptions(world_size=2, rank=0)},
+            {"sampler": [1, 2], "shuffle": "shard"},
             ValueError,
-            "DistributedSampler",
+            "mutually exclusive with shuffle: shuffle='shard'",
         ),
-        ({"batch_size": None}, ValueError, "batch_size=None"),
+        (
+            {
+                "sampler": DistributedSampler(range(4), 2, 0),
+                "order": fastio.OrderOptions(world_size=2, rank=0),
+            },
+            ValueError,
+            "both split the indices",
+        ),
+        (
+            {"batch_size": None, "drop_last": True},
+            ValueError,
+            "batch_size=None option disables auto-batching",
+        ),
+        (
+            {"batch_size": None, "batch_sampler": [[1]]},
+            ValueError,
+            "batch_sampler option is mutually exclusive",
+        ),
     ],
 )
 def test_contradictory_arguments_raise(kwargs: dict, error: type, message: str) -> None:
@@ -298,9 +320,16 @@ def test_sampler_on_a_source_read_shard_by_shard_is_refused() -> None:
         fastio.StreamLoader(ShardOrderSquares(), batch_sampler=[[0, 9]])
 
 
-def test_persistent_workers_on_a_shard_directory_is_refused(shard_dir) -> None:
-    with pytest.raises(ValueError, match="persistent_workers=True on .*map-style Dataset"):
-        fastio.StreamLoader(shard_dir, batch_size=4, num_workers=1, persistent_workers=True)
+def test_persistent_worker_processes_on_a_source_read_shard_by_shard_are_refused() -> None:
+    with pytest.raises(ValueError, match="persistent_workers=True with worker processes on .*mode='thread'"):
+        fastio.StreamLoader(
+            ShardOrderSquares(), batch_size=2, num_workers=1, persistent_workers=True, transform=_same
+        )
+
+
+def test_spawned_workers_on_a_source_read_shard_by_shard_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiprocessing_context='spawn' on .*read shard by shard"):
+        fastio.StreamLoader(ShardOrderSquares(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
 
 
 def test_sampler_index_outside_the_dataset_is_named() -> None:
@@ -331,3 +360,206 @@ def test_sampler_indices_reach_transforms_seeded_per_sample() -> None:
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
+
+
+# -- pin_memory_device, in_order, persistent_workers on every source, batch_size=None, sampler with ranks and
+# pack= (issue 39): each against DataLoader on the same data where DataLoader defines the result.
+
+
+def _same(sample):
+    return sample
+
+
+class SlowFirst(Numbers):
+    """Numbers whose sample 0 takes a while: the batch holding it is made last."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 0:
+            threading.Event().wait(0.4)
+        return super().__getitem__(i)
+
+
+def _warnings(make) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        next(iter(make()))
+    return sorted(str(w.message) for w in caught if "pin" in str(w.message))
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_pin_memory_device_warns_as_dataloader_does(pin_memory: bool) -> None:
+    kwargs = dict(batch_size=4, pin_memory=pin_memory, pin_memory_device="cuda")
+    theirs = _warnings(lambda: DataLoader(Numbers(), **kwargs))
+    assert _warnings(lambda: fastio.StreamLoader(Numbers(), **kwargs)) == theirs
+    assert bool(theirs) == pin_memory
+
+
+def test_pin_memory_without_an_accelerator_pins_nothing_on_a_shard_directory(shard_dir, fio) -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator pins the buffers")
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        loader = fastio.StreamLoader(shard_dir, batch_size=8, pin_memory=True)
+    assert loader.assembly.pin is False and fio.check_batch(next(iter(loader))) == list(range(8))
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_out_of_order_batches_come_as_they_are_ready(mode: str) -> None:
+    kwargs = dict(batch_size=4, num_workers=2, in_order=False)
+    loader = fastio.StreamLoader(SlowFirst(), workers=fastio.WorkerOptions(mode=mode), **kwargs)
+    kept = list(loader)  # kept without .clone(): each batch must stay what it was
+    ours = [batch[:, 0].tolist() for batch in kept]
+    theirs = _indices(DataLoader(SlowFirst(), **kwargs))
+    assert sorted(ours) == sorted(theirs) == _indices(DataLoader(Numbers(), batch_size=4))
+    assert ours[0] != [0, 1, 2, 3], "the slow first batch does not hold the others back"
+    assert fastio.StreamLoader(SlowFirst(), batch_size=4, num_workers=2).in_order is True
+
+
+def test_out_of_order_resume_hands_over_the_rest_exactly() -> None:
+    loader = fastio.StreamLoader(
+        SlowFirst(), batch_size=4, num_workers=2, in_order=False, shuffle=False,
+        workers=fastio.WorkerOptions(mode="thread"),
+    )  # fmt: skip
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert len(list(loader)) == 10
+    loader.set_epoch(2)
+    iterator = iter(loader)
+    head = [next(iterator)[:, 0].tolist() for _ in range(3)]
+    state = loader.state_dict()
+    assert state["batches_ahead"], "batch 0 was still being made: the batches after it came first"
+    resumed = fastio.StreamLoader(SlowFirst(), batch_size=4, num_workers=2, in_order=False)
+    resumed.load_state_dict(state)
+    rest = _indices(resumed)
+    assert sorted(head + rest) == _indices(DataLoader(Numbers(), batch_size=4))
+    other = fastio.StreamLoader(SlowFirst(), batch_size=5, num_workers=2, in_order=False)
+    with pytest.raises(ValueError, match="out of order .*same batch_size and world_size"):
+        other.load_state_dict(state)
+
+
+class _Starts:
+    """A worker_init_fn that counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, worker_id: int) -> None:
+        self.calls.append(worker_id)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_persistent_workers_on_a_shard_directory_serve_every_epoch(shard_dir, fio, mode: str) -> None:
+    kwargs = dict(batch_size=10, shuffle=True, seed=5, num_workers=2, transform=_same)
+    starts = _Starts()
+    loader = fastio.StreamLoader(
+        shard_dir, persistent_workers=True, worker_init_fn=starts, workers=fastio.WorkerOptions(mode=mode),
+        **kwargs,
+    )  # fmt: skip
+    fresh = fastio.StreamLoader(shard_dir, **kwargs)
+    first = iter(loader)
+    pipeline = first.pipeline
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        fresh.set_epoch(epoch)
+        kept = list(loader)  # kept without .clone()
+        assert [fio.check_batch(b) for b in kept] == [b["y"].tolist() for b in fresh]
+        assert loader._current.pipeline is None and loader._batches.kept.pipeline is pipeline
+    if mode == "thread":
+        assert sorted(starts.calls) == [0, 1], "worker_init_fn runs once per worker, not per epoch"
+
+
+def test_persistent_workers_resume_mid_epoch_after_several_epochs(shard_dir, fio) -> None:
+    kwargs = dict(batch_size=10, shuffle=True, seed=2, num_workers=2, persistent_workers=True)
+    loader = fastio.StreamLoader(shard_dir, **kwargs)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        list(loader)
+    loader.set_epoch(2)
+    iterator = iter(loader)
+    head = [fio.check_batch(next(iterator)) for _ in range(4)]
+    state = loader.state_dict()
+    with pytest.warns(UserWarning, match="the running iteration continues unchanged"):
+        loader.load_state_dict(state)
+    rest = [fio.check_batch(b) for b in loader]
+    again = fastio.StreamLoader(shard_dir, batch_size=10, shuffle=True, seed=2)
+    again.set_epoch(2)
+    assert head + rest == [b["y"].tolist() for b in again]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("how", ["sequential", "generator", "sampler", "collate_fn"])
+def test_batch_size_none_gives_dataloaders_samples(how: str, workers: int) -> None:
+    seed = _seed(("unbatched", how, workers))
+    kwargs = {
+        "sequential": lambda: {},
+        "generator": lambda: {"shuffle": True, "generator": torch.Generator().manual_seed(seed)},
+        "sampler": lambda: {"sampler": EveryThirdBackwards(NUM_SAMPLES)},
+        "collate_fn": lambda: {"collate_fn": _first_and_twice},
+    }[how]
+    theirs = [s.tolist() for s in DataLoader(Numbers(), batch_size=None, **kwargs())]
+    loader = fastio.StreamLoader(Numbers(), batch_size=None, num_workers=workers, **kwargs())
+    ours = [s.tolist() for s in loader]
+    assert [s[0] for s in ours] == [s[0] for s in theirs]
+    assert len(loader) == len(theirs) and loader.batch_size is None
+
+
+def _first_and_twice(sample: torch.Tensor) -> torch.Tensor:
+    return torch.stack([sample[0], 2 * sample[0]])
+
+
+def test_batch_size_none_on_a_shard_directory_gives_one_sample_at_a_time(shard_dir, fio) -> None:
+    loader = fastio.StreamLoader(shard_dir, batch_size=None, shuffle=True, seed=4)
+    rows = fastio.StreamLoader(shard_dir, batch_size=1, shuffle=True, seed=4)
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(5)]  # kept without .clone()
+    state = loader.state_dict()
+    rest = list(iterator)
+    samples = head + rest
+    assert [s["y"].item() for s in samples] == [b["y"].item() for b in rows]
+    for sample in samples:
+        np.testing.assert_array_equal(sample["x"].numpy(), fio.make_sample(sample["y"].item())["x"])
+    resumed = fastio.StreamLoader(shard_dir, batch_size=None, shuffle=True, seed=4)
+    resumed.load_state_dict(state)
+    assert [s["y"].item() for s in resumed] == [s["y"].item() for s in rest]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sampler_split_across_ranks_as_distributed_sampler_splits(drop_last: bool) -> None:
+    seed = _seed(("ranks", drop_last))
+    sequence = list(SubsetRandomSampler(range(NUM_SAMPLES), torch.Generator().manual_seed(seed)))
+    seen = []
+    for rank in range(3):
+        sampler = SubsetRandomSampler(range(NUM_SAMPLES), torch.Generator().manual_seed(seed))
+        ranks = fastio.OrderOptions(rank=rank, world_size=3)
+        loader = fastio.StreamLoader(
+            Numbers(), batch_size=4, sampler=sampler, drop_last=drop_last, order=ranks
+        )
+        mine = DistributedSampler(sequence, num_replicas=3, rank=rank, shuffle=False, drop_last=drop_last)
+        expected = _indices(DataLoader(Numbers(), batch_size=4, drop_last=drop_last,
+                                       sampler=[sequence[i] for i in mine]))  # fmt: skip
+        assert _indices(loader) == expected and len(loader) == len(expected)
+        seen += [i for batch in expected for i in batch]
+    assert set(seen) == set(range(NUM_SAMPLES)) or drop_last
+
+
+def test_sampler_orders_the_documents_of_packed_rows(tmp_path) -> None:
+    with fastio.ShardWriter(tmp_path / "docs", max_samples=5, schema={"tokens": ("int32", None)}) as w:
+        for i in range(12):
+            w.write({"tokens": np.arange(100 * i, 100 * i + 3 + i % 4, dtype=np.int32)})
+    pack = fastio.Pack("tokens", seq_len=8)
+    own = [b["tokens"].tolist() for b in fastio.StreamLoader(tmp_path / "docs", 2, pack=pack)]
+    sequential = SequentialSampler(range(12))
+    ours = fastio.StreamLoader(tmp_path / "docs", 2, pack=pack, sampler=sequential)
+    assert [b["tokens"].tolist() for b in ours] == own
+    backwards = fastio.StreamLoader(tmp_path / "docs", 2, pack=pack, sampler=list(range(11, -1, -1)))
+    assert next(iter(backwards))["tokens"][0, 0].item() == 1100  # the last document comes first
+    with pytest.raises(ValueError, match="batch_sampler= with pack="):
+        fastio.StreamLoader(tmp_path / "docs", pack=pack, batch_sampler=[[0, 1]])
+
+
+def test_the_docs_table_lists_every_dataloader_argument() -> None:
+    table = pathlib.Path(__file__).resolve().parents[2] / "docs" / "loader.md"
+    rows = re.findall(r"^\| `(\w+)` \|", table.read_text(), flags=re.MULTILINE)
+    assert set(inspect.signature(DataLoader).parameters) <= set(rows)
+    assert set(inspect.signature(DataLoader).parameters) - {"dataset"} <= set(
+        inspect.signature(fastio.StreamLoader).parameters
+    )
