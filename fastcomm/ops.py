@@ -141,6 +141,7 @@ OP_SPECS: tuple[OpSpec, ...] = (
         " -> (Tensor, Tensor)",
         reference.topk_select,
         _topk_select_fake,
+        triton="topk",
     ),
     OpSpec(
         "quantize_blockwise",
@@ -247,13 +248,16 @@ else:
         _native_error = f"native build missing: {exc}"
 
 _triton_error: str | None = None
+_triton_ops: tuple[str, ...] = ()  # the ops whose CUDA kernel is Triton's (C++ ones registered first stay)
 if not torch.cuda.is_available():
     _triton_error = "no CUDA device"
 else:
     try:
         from fastcomm.triton import register_cuda_kernels
 
-        register_cuda_kernels(_LIB, {spec.name: spec.triton for spec in OP_SPECS if spec.triton is not None})
+        _triton_ops = register_cuda_kernels(
+            _LIB, {spec.name: spec.triton for spec in OP_SPECS if spec.triton is not None}
+        )
     except ImportError as exc:
         _triton_error = f"triton unavailable: {exc}"
 
@@ -280,7 +284,7 @@ def _cpu_backend(spec: OpSpec) -> DeviceBackend:
 def _cuda_backend(spec: OpSpec) -> DeviceBackend:
     if not _has_kernel(spec, "CUDA"):
         return DeviceBackend("cuda", "reference", reason=_triton_error or "no CUDA kernel for this op")
-    return DeviceBackend("cuda", "triton" if spec.triton is not None else "cuda-cpp")
+    return DeviceBackend("cuda", "triton" if spec.name in _triton_ops else "cuda-cpp")
 
 
 def backend() -> Backend:

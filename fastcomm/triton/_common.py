@@ -6,9 +6,15 @@ division by a runtime length is needed. :func:`tile_for` is the only place that 
 
 A family's encoder kernel takes ``(*inputs, codes, scales, n, row_length, row_bytes, nrows, *scalars)`` and
 the constexprs ``PER_BYTE, ROWS, COLUMNS, LOOPS`` (plus its own); its decoder kernel takes ``(codes, scales,
-out, n, row_length, nrows)`` and ``ROWS, COLUMNS`` (plus its own). :func:`launch_encoder`,
+out, n, row_length, nrows)`` and ``BITS, LANES, ROWS, COLUMNS`` (plus its own). :func:`launch_encoder`,
 :func:`launch_decoder` and :func:`decode_into` are the host side of that contract, and :func:`row_tile`,
-:func:`tile_index` and :func:`store_bytes` the shared index arithmetic inside the kernels.
+:func:`tile_index`, :func:`store_bytes`, :func:`load_accumulated` and :func:`load_codes` the shared index
+arithmetic inside the kernels.
+
+Error feedback is fused: an encoder reads ``x`` and the residual's source once and writes the codes, the
+scales and the new residual once (:func:`residual_operands` picks the buffers). Kernels leave the length ``n``
+specialised (Triton's default): when it is a multiple of 16, as large gradients are, the masks ``index < n``
+are known constant over runs of 16 elements and loads and stores vectorise.
 """
 
 from __future__ import annotations
@@ -23,14 +29,17 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "ResidualOperands",
     "Tile",
-    "adopt_residual_source",
     "decode_into",
     "decoder_tile",
     "device_guard",
     "launch_decoder",
     "launch_encoder",
+    "load_accumulated",
+    "load_codes",
     "pack_codes",
+    "residual_operands",
     "round_to",
     "row_tile",
     "store_bytes",
@@ -88,17 +97,45 @@ def store_decoded(out: torch.Tensor, decoded: torch.Tensor, accumulate: bool) ->
         flat.copy_(flat.float() + decoded)
 
 
-def adopt_residual_source(residual: torch.Tensor | None, residual_source: torch.Tensor | None) -> None:
-    """Compose ``residual_source`` as ``residual.copy_(residual_source)``, so the in-place path follows.
+@dataclass(frozen=True)
+class ResidualOperands:
+    """The flat buffers a fused error-feedback kernel reads (``source``) and writes (``target``).
+
+    ``target`` is ``residual.view(-1)`` when the residual is contiguous, else a contiguous copy that
+    :meth:`finish` copies back; ``source`` is ``target`` itself for the in-place call (each element is read
+    before it is written, by the same program), or ``residual_source`` flattened. Both are ``None`` without a
+    residual.
+    """
+
+    residual: torch.Tensor | None
+    source: torch.Tensor | None
+    target: torch.Tensor | None
+
+    def finish(self) -> None:
+        """Copy a strided residual's result back (a no-op when the kernel wrote it in place)."""
+        if self.residual is not None and self.target is not None and not self.residual.is_contiguous():
+            self.residual.copy_(self.target.view_as(self.residual))
+
+
+def residual_operands(
+    residual: torch.Tensor | None, residual_source: torch.Tensor | None
+) -> ResidualOperands:
+    """The buffers of ``acc = x + source`` and ``residual = f(acc)``, read and written in one kernel pass.
+
+    ``residual_source`` (read, never written) replaces ``residual`` as the source, so the result has the bits
+    of ``residual.copy_(residual_source)`` followed by the in-place call, without the copy.
 
     Raises:
         ValueError: ``residual_source`` is given without ``residual``.
     """
-    if residual_source is None:
-        return
     if residual is None:
-        raise ValueError("residual_source needs residual: acc - sent is written to residual")
-    residual.copy_(residual_source)  # a no-op when they are the same tensor
+        if residual_source is not None:
+            raise ValueError("residual_source needs residual: acc - sent is written to residual")
+        return ResidualOperands(None, None, None)
+    target = residual.view(-1) if residual.is_contiguous() else residual.reshape(-1).contiguous()
+    if residual_source is None or residual_source is residual:
+        return ResidualOperands(residual, target, target)
+    return ResidualOperands(residual, residual_source.reshape(-1).contiguous(), target)
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -184,11 +221,48 @@ def row_tile(row_length, ROWS: tl.constexpr, COLUMNS: tl.constexpr, PER_BYTE: tl
 
 
 @triton.jit
-def decoder_tile(scales_ptr, row_length, nrows, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-    """A decoder program's ``[ROWS, 1]`` row scales and first elements, and its ``[1, COLUMNS]`` offsets."""
+def load_accumulated(x_ptr, source_ptr, index, mask):
+    """``acc = x + source`` in ``x``'s dtype (one fp32 add rounded once, which equals the dtype's own add).
+
+    ``source_ptr`` is ``None`` (a compile-time constant) when there is no residual: ``acc`` is ``x``.
+    """
+    x = tl.load(x_ptr + index, mask=mask, other=0.0)
+    if source_ptr is not None:
+        r = tl.load(source_ptr + index, mask=mask, other=0.0)
+        x = round_to(to_float32(x) + to_float32(r), x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def decoder_tile(scales_ptr, row_length, nrows, ROWS: tl.constexpr):
+    """A decoder program's ``[ROWS]`` rows, their first elements and their ``[ROWS, 1, 1]`` scales."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    scale = tl.load(scales_ptr + rows, mask=rows < nrows, other=0.0)[:, None]
-    return scale, rows[:, None] * row_length, tl.arange(0, COLUMNS)[None, :]
+    scale = tl.load(scales_ptr + rows, mask=rows < nrows, other=0.0)[:, None, None]
+    return rows, rows * row_length, scale
+
+
+@triton.jit
+def load_codes(codes_ptr, first, start, n, row_length, BITS: tl.constexpr, LANES: tl.constexpr,
+               COLUMNS: tl.constexpr):  # fmt: skip
+    """The ``[rows, bytes, LANES]`` codes of the column tile at ``start``, their indices, and which exist.
+
+    ``LANES`` is the codes per byte when a row holds whole bytes: each byte is then loaded once and split
+    along the last axis. It is 1 when bytes straddle rows, and each element loads its own byte.
+    """
+    per_byte: tl.constexpr = 8 // BITS
+    byte_col = tl.arange(0, COLUMNS // LANES)
+    lane = tl.arange(0, LANES)
+    col = start + byte_col[None, :, None] * LANES + lane[None, None, :]
+    index, mask = tile_index(first[:, None, None], col, n, row_length)
+    if LANES == per_byte:
+        byte_index = (first[:, None] + start) // per_byte + byte_col[None, :]
+        byte_mask = tl.max(mask.to(tl.int32), axis=2) != 0
+        byte = tl.load(codes_ptr + byte_index, mask=byte_mask, other=0).to(tl.int32)[:, :, None]
+        shift = lane[None, None, :] * BITS
+    else:
+        byte = tl.load(codes_ptr + index // per_byte, mask=mask, other=0).to(tl.int32)
+        shift = ((index % per_byte) * BITS).to(tl.int32)
+    return (byte >> shift) & ((1 << BITS) - 1), index, mask
 
 
 @triton.jit
@@ -282,6 +356,7 @@ def launch_decoder(
     numel: int,
     row_length: int,
     dtype: torch.dtype,
+    bits: int,
     **constexprs: Any,
 ) -> torch.Tensor:
     """Launch a row decoder: ``numel`` values of ``dtype`` from packed ``codes`` and one scale per row.
@@ -294,6 +369,7 @@ def launch_decoder(
         numel: how many values to produce.
         row_length: elements per scale.
         dtype: output dtype.
+        bits: code width (1 for sign bits).
         constexprs: the family's own compile-time arguments.
 
     Returns:
@@ -309,7 +385,9 @@ def launch_decoder(
     if numel == 0:
         return out
     nrows = triton.cdiv(numel, row_length)
-    tile = tile_for(row_length)
+    per_byte = 8 // bits
+    lanes = per_byte if row_length % per_byte == 0 else 1
+    tile = tile_for(row_length, align=lanes)
     with device_guard(codes):
         kernel[(triton.cdiv(nrows, tile.rows),)](
             codes.contiguous(),
@@ -318,6 +396,8 @@ def launch_decoder(
             numel,
             row_length,
             nrows,
+            BITS=bits,
+            LANES=lanes,
             ROWS=tile.rows,
             COLUMNS=tile.columns,
             num_warps=tile.num_warps,

@@ -15,7 +15,16 @@ import triton
 import triton.language as tl
 
 from fastcomm.triton import _common
-from fastcomm.triton._common import decoder_tile, round_to, row_tile, store_bytes, tile_index, to_float32
+from fastcomm.triton._common import (
+    decoder_tile,
+    load_accumulated,
+    load_codes,
+    round_to,
+    row_tile,
+    store_bytes,
+    tile_index,
+    to_float32,
+)
 
 __all__ = ["dequantize_blockwise", "dequantize_blockwise_into", "quantize_blockwise"]
 
@@ -43,34 +52,43 @@ def _row_absmax(x):
 
 
 @triton.jit
-def _encode(
-    x,
-    inv,
-    usable,
-    index,
-    mask,
-    lane,
-    seed32,
-    QMAX: tl.constexpr,
-    BITS: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-):
-    """Codes of a ``[rows, bytes, per_byte]`` fp32 tile, summed into its ``[rows, bytes]`` packed bytes."""
+def _encode(x, inv, usable, index, seed32, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The codes ``1 .. 2*QMAX+1`` of a ``[rows, bytes, per_byte]`` fp32 tile (garbage where masked)."""
     v = tl.where(usable[:, None, None], x * inv[:, None, None], 0.0)
     if STOCHASTIC:
         w = v + (QMAX + _uniform_hash(index, seed32))
     else:
         w = v + (QMAX + 0.5)
     w = tl.minimum(tl.maximum(w, 0.0), 2.0 * QMAX)
-    code = tl.where(mask, w.to(tl.int32) + 1, 0)
+    return w.to(tl.int32) + 1
+
+
+@triton.jit
+def _encode_and_store(
+    acc, inv, usable, scale, index, mask, lane, seed32, target_ptr,
+    QMAX: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
+):  # fmt: skip
+    """Stores the tile's new residual (if any); returns its ``[rows, bytes]`` packed bytes.
+
+    The residual is ``acc - (code - QMAX - 1) * scale``: the reference's dequantized fp32 value, subtracted
+    in fp32 and rounded once to the residual's dtype.
+    """
+    acc32 = to_float32(acc)
+    code = _encode(acc32, inv, usable, index, seed32, QMAX, STOCHASTIC)
+    if target_ptr is not None:
+        sent = (code - (QMAX + 1)).to(tl.float32) * scale[:, None, None]
+        tl.store(target_ptr + index, round_to(acc32 - sent, target_ptr.dtype.element_ty), mask=mask)
+    code = tl.where(mask, code, 0)
     return tl.sum(code << (lane * BITS)[None, None, :], axis=2).to(tl.uint8)
 
 
-# Lengths and the seed are not specialised (a new compile per divisibility class, or for the value 1, buys
-# nothing: they only bound masks); block is, since block % 16 == 0 lets loads vectorise.
-@triton.jit(do_not_specialize=["n", "nblocks", "seed"])
+# The seed is not specialised (a new compile for the value 1 buys nothing); block is, since block % 16 == 0
+# lets loads vectorise, and so is n (see _common).
+@triton.jit(do_not_specialize=["nblocks", "seed"])
 def _quantize_kernel(
     x_ptr,
+    source_ptr,
+    target_ptr,
     out_ptr,
     scales_ptr,
     n,
@@ -90,40 +108,46 @@ def _quantize_kernel(
     seed32 = seed.to(tl.uint32)
     qmax = tl.full([ROWS], QMAX, tl.float32)
 
-    # Pass 1: each row's absmax, over the whole row in registers or walked in column tiles.
+    # Pass 1: each row's absmax of acc = x + source, over the whole row in registers or in column tiles.
     if LOOPS:
         absmax = tl.zeros([ROWS], tl.float32)
         bad = tl.zeros([ROWS], tl.int32)
         for start in range(0, block, COLUMNS):
             index, mask = tile_index(first[:, None, None], start + col, n, block)
-            tile_absmax, tile_bad = _row_absmax(to_float32(tl.load(x_ptr + index, mask=mask, other=0.0)))
+            tile_absmax, tile_bad = _row_absmax(to_float32(load_accumulated(x_ptr, source_ptr, index, mask)))
             absmax = tl.maximum(absmax, tile_absmax)
             bad = tl.maximum(bad, tile_bad)
     else:
         index, mask = tile_index(first[:, None, None], col, n, block)
-        x = to_float32(tl.load(x_ptr + index, mask=mask, other=0.0))
-        absmax, bad = _row_absmax(x)
+        acc = load_accumulated(x_ptr, source_ptr, index, mask)
+        absmax, bad = _row_absmax(to_float32(acc))
 
     usable = (bad == 0) & (absmax > 0.0)
     absmax = tl.where(bad != 0, float("nan"), absmax)
-    tl.store(scales_ptr + rows, tl.math.div_rn(absmax, qmax), mask=rows < nblocks)
+    scale = tl.math.div_rn(absmax, qmax)
+    tl.store(scales_ptr + rows, scale, mask=rows < nblocks)
     inv = tl.where(usable, tl.math.div_rn(qmax, tl.where(usable, absmax, 1.0)), 0.0)
     usable = usable & (inv != float("inf"))  # a subnormal absmax overflows qmax / absmax
     inv = tl.where(usable, inv, 0.0)
 
-    # Pass 2: encode and store, from the registers of pass 1 or reading each column tile again.
+    # Pass 2: encode, update the residual and store, from the registers of pass 1 or reading each column
+    # tile again (before this pass overwrites it, when the source is the residual itself).
     if LOOPS:
         for start in range(0, block, COLUMNS):
             index, mask = tile_index(first[:, None, None], start + col, n, block)
-            x = to_float32(tl.load(x_ptr + index, mask=mask, other=0.0))
-            packed = _encode(x, inv, usable, index, mask, lane, seed32, QMAX, BITS, STOCHASTIC)
+            acc = load_accumulated(x_ptr, source_ptr, index, mask)
+            packed = _encode_and_store(
+                acc, inv, usable, scale, index, mask, lane, seed32, target_ptr, QMAX, BITS, STOCHASTIC
+            )
             store_bytes(out_ptr, packed, rows, first, byte_col, start, n, block, block_bytes, PER_BYTE)
     else:
-        packed = _encode(x, inv, usable, index, mask, lane, seed32, QMAX, BITS, STOCHASTIC)
+        packed = _encode_and_store(
+            acc, inv, usable, scale, index, mask, lane, seed32, target_ptr, QMAX, BITS, STOCHASTIC
+        )
         store_bytes(out_ptr, packed, rows, first, byte_col, 0, n, block, block_bytes, PER_BYTE)
 
 
-@triton.jit(do_not_specialize=["n", "nblocks"])
+@triton.jit(do_not_specialize=["nblocks"])
 def _dequantize_kernel(
     codes_ptr,
     scales_ptr,
@@ -133,15 +157,13 @@ def _dequantize_kernel(
     nblocks,
     QMAX: tl.constexpr,
     BITS: tl.constexpr,
-    PER_BYTE: tl.constexpr,
+    LANES: tl.constexpr,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
 ):
-    scale, first, col = decoder_tile(scales_ptr, block, nblocks, ROWS, COLUMNS)
+    rows, first, scale = decoder_tile(scales_ptr, block, nblocks, ROWS)
     for start in range(0, block, COLUMNS):
-        index, mask = tile_index(first, start + col, n, block)
-        byte = tl.load(codes_ptr + index // PER_BYTE, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((index % PER_BYTE) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
+        code, index, mask = load_codes(codes_ptr, first, start, n, block, BITS, LANES, COLUMNS)
         value = (code - (QMAX + 1)).to(tl.float32) * scale
         tl.store(out_ptr + index, round_to(value, out_ptr.dtype.element_ty), mask=mask)
 
@@ -161,28 +183,26 @@ def quantize_blockwise(
     2. The same program encodes and packs its codes. When ``block`` is not a multiple of the codes per
        byte, a byte straddles two blocks: codes are then written one per byte and packed by a second kernel.
 
-    3. ``x`` may have any strides (it is flattened, and converted to fp32 in the kernel); ``seed`` is folded
-       to 32 bits as ``(seed ^ (seed >> 32)) & 0xFFFFFFFF``. With ``residual``, ``x + residual`` is
-       quantized and ``residual`` becomes ``acc - dequantized`` with torch ops around the kernel (not fused
-       yet); ``residual_source`` is composed as ``residual.copy_(residual_source)`` then the in-place path.
+    3. With ``residual`` (error feedback) the same pass reads ``acc = x + residual`` (or ``x +
+       residual_source``) and writes ``residual = acc - dequantized`` (fp32, rounded once): the gradient and
+       the residual are read once, the codes, scales and residual written once.
 
-    The outputs are on ``x``'s device.
+    ``x`` and ``residual`` may have any strides (they are flattened; a strided residual is updated through a
+    contiguous copy); ``seed`` is folded to 32 bits as ``(seed ^ (seed >> 32)) & 0xFFFFFFFF``. The outputs
+    are on ``x``'s device.
+
+    Raises:
+        ValueError: ``residual_source`` is given without ``residual``.
 
     Example::
 
         >>> codes, scales = quantize_blockwise(torch.randn(1000, device="cuda"), bits=4)
     """
-    _common.adopt_residual_source(residual, residual_source)
-    if residual is not None:
-        acc = x.reshape(-1) + residual.reshape(-1)
-        codes, scales = quantize_blockwise(acc, bits, block, stochastic, seed)
-        sent = dequantize_blockwise(codes, scales, acc.numel(), bits, block, torch.float32)
-        residual.copy_((acc.float() - sent).to(x.dtype).view_as(residual))
-        return codes, scales
+    operands = _common.residual_operands(residual, residual_source)
     flat = x.reshape(-1).contiguous()
-    return _common.launch_encoder(
+    codes, scales = _common.launch_encoder(
         _quantize_kernel,
-        (flat,),
+        (flat, operands.source, operands.target),
         flat,
         bits,
         block,
@@ -191,6 +211,8 @@ def quantize_blockwise(
         BITS=bits,
         STOCHASTIC=bool(stochastic),
     )
+    operands.finish()
+    return codes, scales
 
 
 def dequantize_blockwise(
@@ -203,8 +225,8 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """Triton twin of :func:`fastcomm.reference.dequantize_blockwise`: ``(code - qmax - 1) * scale`` in fp32.
 
-    One program per ``rows`` blocks; the fp32 value is rounded to ``dtype`` to nearest even. The output is
-    on ``codes``' device.
+    One program per ``rows`` blocks, each byte loaded once when blocks hold whole bytes; the fp32 value is
+    rounded to ``dtype`` to nearest even. The output is on ``codes``' device.
 
     Raises:
         ValueError: ``scales`` is on another device than ``codes``.
@@ -221,9 +243,8 @@ def dequantize_blockwise(
         numel,
         block,
         dtype,
+        bits,
         QMAX=2 ** (bits - 1) - 1,
-        BITS=bits,
-        PER_BYTE=8 // bits,
     )
 
 

@@ -12,22 +12,18 @@ import triton
 import triton.language as tl
 
 from fastcomm.triton import _common
-from fastcomm.triton._common import decoder_tile, round_to, row_tile, store_bytes, tile_index, to_float32
+from fastcomm.triton._common import (
+    decoder_tile,
+    load_accumulated,
+    load_codes,
+    round_to,
+    row_tile,
+    store_bytes,
+    tile_index,
+    to_float32,
+)
 
 __all__ = ["sign_compress", "sign_decompress", "sign_decompress_into"]
-
-
-@triton.jit
-def _accumulate(x_ptr, residual_ptr, index, mask):
-    """``x + residual`` in ``x``'s dtype (one fp32 add rounded once, which equals the dtype's own add).
-
-    ``residual_ptr`` is ``None`` (a compile-time constant) when there is no residual: ``acc`` is ``x``.
-    """
-    x = tl.load(x_ptr + index, mask=mask, other=0.0)
-    if residual_ptr is not None:
-        r = tl.load(residual_ptr + index, mask=mask, other=0.0)
-        x = round_to(to_float32(x) + to_float32(r), x_ptr.dtype.element_ty)
-    return x
 
 
 @triton.jit
@@ -37,21 +33,22 @@ def _magnitude_sum(acc):
 
 
 @triton.jit
-def _encode(acc, scale, index, mask, lane, residual_ptr):
+def _encode(acc, scale, index, mask, lane, target_ptr):
     """Stores the residual of a ``[rows, bytes, 8]`` tile (if any); returns its ``[rows, bytes]`` bytes."""
     acc32 = to_float32(acc)
     positive = acc32 >= 0.0
-    if residual_ptr is not None:
+    if target_ptr is not None:
         sent = tl.where(positive, scale[:, None, None], -scale[:, None, None])
-        tl.store(residual_ptr + index, round_to(acc32 - sent, residual_ptr.dtype.element_ty), mask=mask)
+        tl.store(target_ptr + index, round_to(acc32 - sent, target_ptr.dtype.element_ty), mask=mask)
     bit = (positive & mask).to(tl.int32)
     return tl.sum(bit << lane[None, None, :], axis=2).to(tl.uint8)
 
 
-@triton.jit(do_not_specialize=["n", "nchunks"])  # lengths only bound masks
+@triton.jit(do_not_specialize=["nchunks"])  # n stays specialised so that masks vectorise (see _common)
 def _sign_compress_kernel(
     x_ptr,
-    residual_ptr,
+    source_ptr,
+    target_ptr,
     out_ptr,
     scales_ptr,
     n,
@@ -71,10 +68,10 @@ def _sign_compress_kernel(
         total = tl.zeros([ROWS], tl.float64)
         for start in range(0, chunk, COLUMNS):
             index, mask = tile_index(first[:, None, None], start + col, n, chunk)
-            total += _magnitude_sum(_accumulate(x_ptr, residual_ptr, index, mask))
+            total += _magnitude_sum(load_accumulated(x_ptr, source_ptr, index, mask))
     else:
         index, mask = tile_index(first[:, None, None], col, n, chunk)
-        acc = _accumulate(x_ptr, residual_ptr, index, mask)
+        acc = load_accumulated(x_ptr, source_ptr, index, mask)
         total = _magnitude_sum(acc)
 
     scale = (total / count).to(tl.float32)
@@ -82,26 +79,35 @@ def _sign_compress_kernel(
 
     # Pass 2: encode, update the residual and store the bits.
     if LOOPS:
-        # This pass reads the residual it has not yet overwritten: each element is written once, after.
+        # This pass reads the source before it overwrites it (when that is the residual): each element is
+        # written once, after.
         for start in range(0, chunk, COLUMNS):
             index, mask = tile_index(first[:, None, None], start + col, n, chunk)
-            acc = _accumulate(x_ptr, residual_ptr, index, mask)
-            packed = _encode(acc, scale, index, mask, lane, residual_ptr)
+            acc = load_accumulated(x_ptr, source_ptr, index, mask)
+            packed = _encode(acc, scale, index, mask, lane, target_ptr)
             store_bytes(out_ptr, packed, rows, first, byte_col, start, n, chunk, chunk_bytes, PER_BYTE)
     else:
-        packed = _encode(acc, scale, index, mask, lane, residual_ptr)
+        packed = _encode(acc, scale, index, mask, lane, target_ptr)
         store_bytes(out_ptr, packed, rows, first, byte_col, 0, n, chunk, chunk_bytes, PER_BYTE)
 
 
-@triton.jit(do_not_specialize=["n", "nchunks"])
+@triton.jit(do_not_specialize=["nchunks"])
 def _sign_decompress_kernel(
-    packed_ptr, scales_ptr, out_ptr, n, chunk, nchunks, ROWS: tl.constexpr, COLUMNS: tl.constexpr
+    packed_ptr,
+    scales_ptr,
+    out_ptr,
+    n,
+    chunk,
+    nchunks,
+    BITS: tl.constexpr,
+    LANES: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
 ):
-    scale, first, col = decoder_tile(scales_ptr, chunk, nchunks, ROWS, COLUMNS)
+    rows, first, scale = decoder_tile(scales_ptr, chunk, nchunks, ROWS)
     for start in range(0, chunk, COLUMNS):
-        index, mask = tile_index(first, start + col, n, chunk)
-        byte = tl.load(packed_ptr + index // 8, mask=mask, other=0).to(tl.int32)
-        value = tl.where(((byte >> (index % 8).to(tl.int32)) & 1) != 0, scale, -scale)
+        bit, index, mask = load_codes(packed_ptr, first, start, n, chunk, BITS, LANES, COLUMNS)
+        value = tl.where(bit != 0, scale, -scale)
         tl.store(out_ptr + index, round_to(value, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -118,29 +124,26 @@ def sign_compress(
     2. The same program packs the bits ``acc >= 0`` and writes ``residual = acc - (±scale)``. When ``chunk``
        is not a multiple of 8 a byte straddles two chunks, so bits go one per byte and a second kernel packs.
 
-    3. ``x`` and ``residual`` may have any strides (a strided residual is updated through a contiguous copy);
-       ``residual_source`` is composed as ``residual.copy_(residual_source)`` then the in-place path.
+    3. ``residual_source``, when given, is read in place of ``residual`` (which is only written): the bits
+       of ``residual.copy_(residual_source)`` and the in-place call, in the same single pass.
 
+    ``x`` and ``residual`` may have any strides (a strided residual is updated through a contiguous copy).
     The outputs are on ``x``'s device.
+
+    Raises:
+        ValueError: ``residual_source`` is given without ``residual``.
 
     Example::
 
         >>> g = torch.randn(5000, device="cuda"); r = torch.zeros_like(g)
         >>> packed, scales = sign_compress(g, r)
     """
-    _common.adopt_residual_source(residual, residual_source)
+    operands = _common.residual_operands(residual, residual_source)
     flat = x.reshape(-1).contiguous()
-    # The kernel updates a flat contiguous buffer; a strided residual gets the result copied back.
-    in_place = residual is None or residual.is_contiguous()
-    if residual is None:
-        work = None
-    elif in_place:
-        work = residual.view(-1)
-    else:
-        work = residual.reshape(-1).contiguous()
-    packed, scales = _common.launch_encoder(_sign_compress_kernel, (flat, work), flat, 1, chunk)
-    if not in_place:
-        residual.copy_(work.view_as(residual))
+    packed, scales = _common.launch_encoder(
+        _sign_compress_kernel, (flat, operands.source, operands.target), flat, 1, chunk
+    )
+    operands.finish()
     return packed, scales
 
 
@@ -163,7 +166,7 @@ def sign_decompress(
 
         >>> out = sign_decompress(*sign_compress(g), numel=g.numel())
     """
-    return _common.launch_decoder(_sign_decompress_kernel, "packed", packed, scales, numel, chunk, dtype)
+    return _common.launch_decoder(_sign_decompress_kernel, "packed", packed, scales, numel, chunk, dtype, 1)
 
 
 def sign_decompress_into(

@@ -192,3 +192,23 @@ def test_dequantize_into_matches_reference(device, bits, dtype, accumulate):
     out_dev = out.to(device)
     dequantize_blockwise_into(out_dev, long_codes.to(device), long_scales.to(device), bits, block, accumulate)
     _assert_same_floats(out_dev, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 2])
+@pytest.mark.parametrize("block", [7, 5000])
+def test_fused_residual_across_block_layouts(device, bits, block):
+    """Error feedback fused into blocks that share bytes (7) or span several column tiles (5000), with a
+    strided residual (updated through a contiguous copy) and a separate source."""
+    g = torch.Generator().manual_seed(block * bits)
+    x = torch.randn(4099, generator=g).to(torch.float16)
+    source = (torch.randn(4099, generator=g) * 0.1).to(torch.float16)
+    expected = source.clone()
+    codes_ref, scales_ref = reference.quantize_blockwise(x, bits, block, True, 5, residual=expected)
+    residual = torch.zeros(2, 4099, dtype=torch.float16, device=device)[1]
+    strided = torch.zeros(4099 * 2, dtype=torch.float16, device=device)[::2]
+    for target in (residual, strided):
+        codes, scales = quantize_blockwise(x.to(device), bits, block, True, 5, target, source.to(device))
+        assert torch.equal(codes.cpu(), codes_ref)
+        _assert_same_floats(scales, scales_ref)
+        _assert_same_floats(target, expected)

@@ -1,0 +1,264 @@
+"""Triton kernels for top-k selection with error feedback, bit for bit ``reference.topk_select``.
+
+The k-th largest magnitude key ``t`` (the bits of ``|float32(x + residual)|`` read as an int32) is found
+without sorting, by a radix select on the device: three histogram passes over the keys (digits of 11, 10
+and 10 bits, most significant first), each counting only the keys whose higher digits match those chosen
+so far, and after each a one-program kernel that picks the digit holding the k-th key. Nothing goes back to
+the host. The approximate mode runs the same select on a hashed sample (``reference`` defines its positions)
+for the sample's ``ceil(m * k / n)``-th key instead.
+
+Then two passes collect, in index order: one counts per span of elements the keys above ``t`` and equal to
+it; a scan over the spans (torch ops on the device) gives each span its output offset and how many of its
+ties it takes (the lowest indices first, as the reference breaks ties); the last pass writes the values,
+the int32 indices and the new residual (``acc`` with the sent entries zeroed), reading ``x`` and the
+residual's source once more. Keys need no arithmetic beyond ``x + residual`` in ``x``'s dtype, so every
+output is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fastcomm import reference
+from fastcomm.triton import _common
+from fastcomm.triton._common import load_accumulated, to_float32
+
+__all__ = ["topk_select"]
+
+# (shift, digit bits) of the radix passes over the 31 bits of a magnitude key, most significant first.
+_DIGITS = ((20, 11), (10, 10), (0, 10))
+_KEY_MAX = 0x7FFFFFFF  # NaN with every payload bit set: no key lies above it
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """Launch shape: ``tiles`` tiles of ``block`` elements per program (a span), and the warps."""
+
+    block: int
+    tiles: int
+    num_warps: int
+
+    @property
+    def span(self) -> int:
+        return self.block * self.tiles
+
+
+def _spans(n: int, tiles: int) -> _Spans:
+    """The one place that sizes top-k's programs: ``tiles`` tiles of up to 1024 elements each."""
+    block = min(1024, max(16, triton.next_power_of_2(n)))
+    return _Spans(block=block, tiles=tiles, num_warps=max(1, min(8, block // 128)))
+
+
+@triton.jit
+def _keys(acc):
+    """int32 keys whose order is the order of ``|float32(acc)|`` (NaN above inf), as the reference's."""
+    return to_float32(acc).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _span_tile(tile, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """Indices of tile ``tile`` of this program's span, and which exist."""
+    index = (tl.program_id(0).to(tl.int64) * TILES + tile) * BLOCK + tl.arange(0, BLOCK)
+    return index, index < n
+
+
+@triton.jit
+def _histogram_kernel(
+    x_ptr, source_ptr, state_ptr, hist_ptr, n,
+    SHIFT: tl.constexpr, DIGIT_BITS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """Adds to ``hist`` the digit ``(key >> SHIFT) & (2**DIGIT_BITS - 1)`` of the keys whose higher bits
+    are the prefix ``state[0]`` chosen by the earlier passes."""
+    prefix = tl.load(state_ptr)
+    counts = tl.zeros([1 << DIGIT_BITS], tl.int32)
+    for tile in range(TILES):
+        index, mask = _span_tile(tile, n, BLOCK, TILES)
+        key = _keys(load_accumulated(x_ptr, source_ptr, index, mask))
+        match = mask & ((key >> (SHIFT + DIGIT_BITS)) == prefix)
+        digit = (key >> SHIFT) & ((1 << DIGIT_BITS) - 1)
+        counts += tl.histogram(digit, 1 << DIGIT_BITS, mask=match)
+    bins = tl.arange(0, 1 << DIGIT_BITS)
+    tl.atomic_add(hist_ptr + bins, counts, mask=counts > 0)
+
+
+@triton.jit
+def _choose_digit_kernel(hist_ptr, state_ptr, DIGIT_BITS: tl.constexpr):
+    """One program: the digit holding the ``state[1]``-th largest matching key, appended to the prefix.
+
+    ``above[d]`` counts the matching keys with a larger digit; the chosen ``d`` has ``above[d] < k <=
+    above[d] + hist[d]``, and ``k`` becomes the rank among the keys with that digit.
+    """
+    bins = tl.arange(0, 1 << DIGIT_BITS)
+    hist = tl.load(hist_ptr + bins).to(tl.int64)
+    prefix = tl.load(state_ptr)
+    k = tl.load(state_ptr + 1)
+    above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)
+    chosen = (above < k) & (above + hist >= k)
+    digit = tl.max(tl.where(chosen, bins, -1), axis=0)
+    tl.store(state_ptr, (prefix << DIGIT_BITS) | digit)
+    tl.store(state_ptr + 1, k - tl.sum(tl.where(bins == digit, above, 0), axis=0))
+
+
+@triton.jit
+def _count_kernel(
+    x_ptr, source_ptr, state_ptr, above_ptr, tied_ptr, n, BLOCK: tl.constexpr, TILES: tl.constexpr
+):  # fmt: skip
+    """Per span: how many keys lie above the threshold ``state[0]``, and how many equal it."""
+    threshold = tl.load(state_ptr)
+    above = tl.zeros([BLOCK], tl.int32)
+    tied = tl.zeros([BLOCK], tl.int32)
+    for tile in range(TILES):
+        index, mask = _span_tile(tile, n, BLOCK, TILES)
+        key = _keys(load_accumulated(x_ptr, source_ptr, index, mask))
+        above += (mask & (key > threshold)).to(tl.int32)
+        tied += (mask & (key == threshold)).to(tl.int32)
+    tl.store(above_ptr + tl.program_id(0), tl.sum(above, axis=0))
+    tl.store(tied_ptr + tl.program_id(0), tl.sum(tied, axis=0))
+
+
+@triton.jit
+def _write_kernel(
+    x_ptr, source_ptr, target_ptr, state_ptr, offset_ptr, taken_ptr, values_ptr, indices_ptr, n,
+    BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """Writes a span's selected values and indices at its offset, in index order, and its new residual.
+
+    Selected: every key above the threshold, and the span's first ``taken`` keys equal to it.
+    """
+    threshold = tl.load(state_ptr)
+    written = tl.load(offset_ptr + tl.program_id(0))
+    ties_left = tl.load(taken_ptr + tl.program_id(0))
+    for tile in range(TILES):
+        index, mask = _span_tile(tile, n, BLOCK, TILES)
+        acc = load_accumulated(x_ptr, source_ptr, index, mask)
+        key = _keys(acc)
+        tied = (mask & (key == threshold)).to(tl.int32)
+        tie_rank = tl.cumsum(tied, axis=0) - tied
+        take = (mask & (key > threshold)) | ((tied != 0) & (tie_rank < ties_left))
+        chosen = take.to(tl.int32)
+        position = written + tl.cumsum(chosen, axis=0) - chosen
+        tl.store(values_ptr + position, acc, mask=take)
+        tl.store(indices_ptr + position, index.to(tl.int32), mask=take)
+        if target_ptr is not None:
+            tl.store(target_ptr + index, tl.where(take, tl.zeros_like(acc), acc), mask=mask)
+        written += tl.sum(chosen, axis=0)
+        ties_left -= tl.sum(tied, axis=0)
+
+
+@triton.jit
+def _sample_kernel(
+    x_ptr, source_ptr, sample_ptr, m, stride, BLOCK: tl.constexpr
+):  # fmt: skip
+    """``acc`` at one hashed position per stratum of ``stride`` elements: ``reference._approx_threshold``'s
+    sample (``strata * stride + hash32(strata, 0) % stride``)."""
+    strata = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = strata < m
+    h = strata.to(tl.uint32) * 0x9E3779B1
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    h = h ^ (h >> 16)
+    position = strata * stride + (h.to(tl.int64) % stride)
+    tl.store(sample_ptr + strata, load_accumulated(x_ptr, source_ptr, position, ok), mask=ok)
+
+
+def _radix_select(flat: torch.Tensor, source: torch.Tensor | None, rank: int) -> torch.Tensor:
+    """The device state ``[t, ties]``: the ``rank``-th largest key ``t`` of ``flat + source`` and how many
+    keys equal to ``t`` the top ``rank`` hold (``1 <= rank <= flat.numel()``)."""
+    n = flat.numel()
+    state = torch.tensor([0, rank], dtype=torch.int64, device=flat.device)
+    hists = torch.zeros(sum(1 << bits for _, bits in _DIGITS), dtype=torch.int32, device=flat.device)
+    spans = _spans(n, tiles=16)
+    grid = (triton.cdiv(n, spans.span),)
+    first = 0
+    for shift, bits in _DIGITS:
+        hist = hists[first : first + (1 << bits)]
+        first += 1 << bits
+        _histogram_kernel[grid](
+            flat, source, state, hist, n, SHIFT=shift, DIGIT_BITS=bits, BLOCK=spans.block,
+            TILES=spans.tiles, num_warps=spans.num_warps,
+        )  # fmt: skip
+        _choose_digit_kernel[(1,)](hist, state, DIGIT_BITS=bits, num_warps=4)
+    return state
+
+
+def _approximate_state(flat: torch.Tensor, source: torch.Tensor | None, k: int) -> torch.Tensor:
+    """The state ``[t, n]`` of the approximate mode: every key ``>= t`` is sent (all ties taken)."""
+    n = flat.numel()
+    m = reference.approx_sample_size(n, k)
+    sample = torch.empty(m, dtype=flat.dtype, device=flat.device)
+    spans = _spans(m, tiles=1)
+    _sample_kernel[(triton.cdiv(m, spans.block),)](
+        flat, source, sample, m, n // m, BLOCK=spans.block, num_warps=spans.num_warps
+    )
+    state = _radix_select(sample, None, max(1, -(-m * k // n)))
+    state[1] = n
+    return state
+
+
+def topk_select(
+    x: torch.Tensor,
+    k: int,
+    residual: torch.Tensor | None = None,
+    exact: bool = True,
+    residual_source: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`fastcomm.reference.topk_select` (same arguments, same bits out).
+
+    1. The threshold: exact, the k-th largest key by a three-pass radix select (``x`` and the residual's
+       source read three times); approximate, the same select on the reference's hashed sample (falling back
+       to exact where the reference does).
+    2. One pass counts, per span, the keys above the threshold and equal to it; torch scans the counts.
+    3. One pass writes the values, the ascending int32 indices and the new residual ``acc`` with the sent
+       entries zeroed (``residual_source``, when given, is read in place of ``residual``).
+
+    The exact mode never leaves the device; the approximate one reads its count back to size its outputs.
+    ``x`` and ``residual`` may have any strides (a strided residual is updated through a contiguous copy).
+
+    Raises:
+        ValueError: ``residual_source`` is given without ``residual``.
+
+    Example::
+
+        >>> g = torch.randn(1_000_003, device="cuda"); r = torch.zeros_like(g)
+        >>> values, indices = topk_select(g, 10_000, residual=r)
+    """
+    operands = _common.residual_operands(residual, residual_source)
+    flat = x.reshape(-1).contiguous()
+    n = flat.numel()
+    use_exact = exact or reference.approx_sample_size(n, k) * 2 > n
+    with _common.device_guard(flat):
+        if k <= 0 or n == 0:
+            state = torch.tensor([_KEY_MAX, 0], dtype=torch.int64, device=flat.device)
+        elif use_exact:
+            state = _radix_select(flat, operands.source, k)
+        else:
+            state = _approximate_state(flat, operands.source, k)
+        spans = _spans(n, tiles=4)
+        programs = triton.cdiv(n, spans.span)
+        above = torch.empty(programs, dtype=torch.int32, device=flat.device)
+        tied = torch.empty_like(above)
+        if programs:
+            _count_kernel[(programs,)](
+                flat, operands.source, state, above, tied, n, BLOCK=spans.block, TILES=spans.tiles,
+                num_warps=spans.num_warps,
+            )  # fmt: skip
+        tied_before = torch.cumsum(tied, 0, dtype=torch.int64) - tied
+        taken = torch.minimum((state[1] - tied_before).clamp_(min=0), tied)
+        chosen = above + taken
+        offset = torch.cumsum(chosen, 0, dtype=torch.int64) - chosen
+        count = max(k, 0) if use_exact or n == 0 else int(chosen.sum())
+        values = torch.empty(count, dtype=flat.dtype, device=flat.device)
+        indices = torch.empty(count, dtype=torch.int32, device=flat.device)
+        if programs:
+            _write_kernel[(programs,)](
+                flat, operands.source, operands.target, state, offset, taken, values, indices, n,
+                BLOCK=spans.block, TILES=spans.tiles, num_warps=spans.num_warps,
+            )  # fmt: skip
+    operands.finish()
+    return values, indices
