@@ -8,12 +8,13 @@ its folder under :mod:`fastio.format` plus one row here: local and remote at onc
    (:func:`register_scheme`); an unknown scheme raises ``ValueError`` naming the URL and the registered
    schemes. ``file://`` URLs are local paths; ``s3``, ``gs``/``gcs``, ``az``/``abfs(s)``/``adl``, ``http(s)``,
    ``hf`` and ``memory`` go to the first built-in format whose ``url_matches(url)`` is True, whose
-   ``url_opener`` reads it through :mod:`fastio.remote` (fsspec and its per-store extras): compressed tars,
-   then ``.tar`` URLs, brace patterns, globs and lists, then a directory URL (no file suffix in its last
-   part) as a fastio shard directory.
+   ``url_opener`` reads it through :mod:`fastio.remote` (fsspec and its per-store extras): ``.parquet`` URLs
+   (:mod:`fastio.format.parquet`), compressed tars, then ``.tar`` URLs, brace patterns, globs and lists,
+   then a directory URL (no file suffix in its last part) as a fastio shard directory.
 2. Anything else goes to the first format (:func:`register_format`) whose ``matches(target)`` is True.
    Formats registered by users are consulted first (newest last), then the built-ins in this order: an
-   object that already is a :class:`~fastio.sources.Source`; a directory (a fastio shard directory,
+   object that already is a :class:`~fastio.sources.Source`; ``.parquet`` paths, patterns, lists, or a folder
+   of them without an ``index.json`` (:mod:`fastio.format.parquet`); a directory (a fastio shard directory,
    :mod:`fastio.format.shards`); compressed tar paths or patterns (``.tar.gz``, ``.tgz``, ``.tar.zst``...:
    :data:`fastio.format.tar.compression.COMPRESSED_SUFFIXES`, decompressed once into ``cache_dir``,
    :mod:`fastio.format.tar.compressed`); a ``.tar`` path, glob or brace pattern, or a list of paths
@@ -55,6 +56,7 @@ from typing import Any
 
 from fastio.errors import EmptySourceError
 from fastio.files.paths import is_path_list
+from fastio.format.parquet import is_parquet, is_parquet_url
 from fastio.format.shards import is_shard_directory, is_shard_directory_url
 from fastio.format.tar import is_tar, is_tar_url
 from fastio.format.tar.compression import COMPRESSED_SUFFIXES, is_compressed_tar
@@ -128,6 +130,9 @@ _COMPRESSED = f"WebDataset {'/'.join(COMPRESSED_SUFFIXES)} shards"
 # never imports a reader, fastio.remote or fsspec.
 _BUILTIN_FORMATS = (
     Format("source", _is_source, _open_itself),
+    # Before shard directories (a folder of .parquet files has no index.json); unlisted in "expected ...".
+    Format("parquet", is_parquet, "fastio.format.parquet.source:open_parquet", None,
+           is_parquet_url, "fastio.format.parquet.remote:open_remote_parquet"),
     Format("fastio-shards", is_shard_directory, "fastio.format.shards.source:open_shard_directory",
            _SHARD_DIRECTORY, is_shard_directory_url, "fastio.format.shards.remote:open_remote_shards"),
     Format("compressed-tar", is_compressed_tar, "fastio.format.tar.compressed:open_compressed_tars",

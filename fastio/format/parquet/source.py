@@ -1,0 +1,330 @@
+"""Parquet row groups as the shards of a batch source (:class:`ParquetSource`), and the local files a set
+is made of (:func:`local_row_groups`, :func:`open_parquet`, the registry's opener).
+
+How a batch is made:
+
+1. Every non-empty row group of every file, in file order, is a shard (``shard_sizes``): the unit the
+   shard-aware orders permute and the ranks split, as a ``.tar`` or a fastio shard is.
+2. :meth:`ParquetSource.fetch` decodes each row group the batch touches (only the selected columns, through
+   ``pyarrow``, which reads just those column chunks) into :class:`~fastio.format.parquet.decoded.
+   DecodedRowGroups`, kept while the memory budget allows, and cuts the batch from them: fixed columns
+   copied into the loader's reused buffers, the others as lists.
+3. Random access costs a row group's decode, so a set whose decoded row groups do not all fit
+   ``memory_limit`` is read shard by shard (``requires_shard_order``): ``shuffle=True`` is then a sliding
+   window over a permutation of row groups, as many as the budget holds (:meth:`ParquetSource.shards_held`),
+   and ``shuffle="shard"`` is the explicit form. A set that fits takes any order (a full permutation, a
+   sampler), each row group decoded once.
+
+A file changed since it was opened (another size), or a row group pyarrow cannot decode, raises
+:class:`fastio.CorruptShardError` naming the file and the row group; a null in a column the footer
+statistics said had none, :class:`fastio.SchemaMismatchError`.
+
+Example::
+
+    source = ParquetSource.local("data/", columns=["input_ids", "label"])
+    loader = fastio.StreamLoader(source, batch_size=32, shuffle=True, seed=0)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from fastio.errors import CorruptShardError, EmptySourceError
+from fastio.files.paths import expand_pattern
+from fastio.format.parquet import PARQUET_SUFFIX, parquet_files_in
+from fastio.format.parquet.decoded import DEFAULT_MEMORY, DecodedRowGroups
+from fastio.format.parquet.footer import local_metadata
+from fastio.format.parquet.layout import (
+    ParquetLayout,
+    check_same_schema,
+    decide_layout,
+    decode_columns,
+    leaf_columns,
+    null_free,
+    select_columns,
+)
+from fastio.format.parquet.row_group import RowGroup
+from fastio.format.parquet.tokens import Tokenizer, token_documents
+from fastio.sources.base import Source, StageTimes, TokenDocuments
+from fastio.sources.buffers import BatchBuffers
+
+if TYPE_CHECKING:
+    from fastio.options import OpenOptions
+
+__all__ = ["ParquetSource", "decoded_estimate", "local_paths", "local_row_groups", "open_parquet", "plan_set"]
+
+
+class _LocalFile:
+    """A local file's ``pq.ParquetFile``, opened once per process, and the size it had when the set opened
+    (a file that changed since is refused: its footer no longer describes it)."""
+
+    def __init__(self, path: str, meta: pq.FileMetaData) -> None:
+        self.path, self.meta, self.size = path, meta, os.path.getsize(path)
+        self._opened: tuple[int, pq.ParquetFile] | None = None
+        self._lock = threading.Lock()
+
+    def reader(self) -> pq.ParquetFile:
+        size = os.path.getsize(self.path) if os.path.exists(self.path) else "no file"
+        if size != self.size:
+            raise CorruptShardError(
+                self.path, "file size", f"{self.size} bytes (when the source opened)", size,
+                "the file changed since; open the loader again",
+            )  # fmt: skip
+        with self._lock:
+            if self._opened is None or self._opened[0] != os.getpid():
+                # No memory map: a file truncated under a mapping faults (SIGBUS) instead of raising.
+                self._opened = (os.getpid(), pq.ParquetFile(self.path, metadata=self.meta, memory_map=False))
+            return self._opened[1]
+
+
+def local_paths(target: str | Sequence[str]) -> list[str]:
+    """The files of a local set: a file, a glob or brace pattern, a list of them, or a folder (every
+    ``.parquet`` file under it).
+
+    Example::
+
+        local_paths("data/")   # ["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet"]
+    """
+    if isinstance(target, str) and os.path.isdir(target):
+        paths = parquet_files_in(target)
+    else:
+        paths = expand_pattern(target)
+    if not paths:
+        raise EmptySourceError(f"{target}: no {PARQUET_SUFFIX} file there")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no such Parquet file")
+    return paths
+
+
+def plan_set(
+    names: Sequence[str], metas: Sequence[pq.FileMetaData], columns: Sequence[str] | None
+) -> tuple[ParquetLayout, list[list[int]]]:
+    """The layout of a set's ``columns`` (checked in every file: present, of one type) and each file's leaf
+    column indices of them.
+
+    Example::
+
+        layout, leaves = plan_set(paths, [local_metadata(p) for p in paths], ["text"])
+    """
+    schemas = [meta.schema.to_arrow_schema() for meta in metas]
+    selected = select_columns(names[0], schemas[0], columns)
+    for name, schema in zip(names[1:], schemas[1:], strict=True):
+        check_same_schema(names[0], schemas[0], name, schema, selected)
+    leaves = [leaf_columns(meta, selected) for meta in metas]
+
+    def no_nulls(column: str) -> bool:
+        return all(null_free(m, leaf_columns(m, [column])) for m in metas)
+
+    return decide_layout(schemas[0], selected, no_nulls), leaves
+
+
+def decoded_estimate(meta: pq.FileMetaData, group: int, leaves: Sequence[int]) -> int:
+    """Bytes the ``leaves`` of a row group take decoded, estimated from the footer (uncompressed chunk
+    sizes, plus 8 bytes a row for offsets)."""
+    row_group = meta.row_group(group)
+    return sum(row_group.column(c).total_uncompressed_size for c in leaves) + 8 * row_group.num_rows
+
+
+def local_row_groups(
+    target: str | Sequence[str], columns: Sequence[str] | None
+) -> tuple[list[RowGroup], ParquetLayout, str]:
+    """The non-empty row groups of a local set, its layout and its name.
+
+    Example::
+
+        groups, layout, name = local_row_groups("data/", ["text"])
+    """
+    paths = local_paths(target)
+    files = [_LocalFile(p, local_metadata(p)) for p in paths]
+    layout, leaves = plan_set(paths, [f.meta for f in files], columns)
+    groups = [
+        RowGroup(
+            f.path, g, f.meta.row_group(g).num_rows, decoded_estimate(f.meta, g, lv), (f.path, g), f.reader
+        )
+        for f, lv in zip(files, leaves, strict=True)
+        for g in range(f.meta.num_row_groups)
+        if f.meta.row_group(g).num_rows
+    ]
+    name = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1})"
+    return groups, layout, name
+
+
+class ParquetSource(Source):
+    """Row groups of Parquet files as a batch source (see the module docstring).
+
+    Args:
+        row_groups: the shards, in order (:func:`local_row_groups`, or a remote source's cached ones).
+        layout: how each selected column comes out (:class:`~fastio.format.parquet.layout.ParquetLayout`).
+        name: what errors and progress bars call it.
+        decoded: the decoded row groups (shared by the local sources of one remote source); default: its own,
+            of ``memory_limit`` bytes.
+        memory_limit: bytes of decoded row groups kept; the set is read shard by shard past it.
+        tokenizer: for ``pack=`` on a text column: ``tokenizer(list of str) -> list of int sequences``.
+
+    Example::
+
+        source = ParquetSource.local("data/train-*.parquet", columns=["input_ids"])
+        loader = fastio.StreamLoader(source, batch_size=8, pack=fastio.Pack("input_ids", seq_len=128))
+    """
+
+    per_sample = False
+
+    def __init__(
+        self,
+        row_groups: Sequence[RowGroup],
+        layout: ParquetLayout,
+        name: str,
+        decoded: DecodedRowGroups | None = None,
+        memory_limit: int = DEFAULT_MEMORY,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.row_groups, self.layout, self.name, self.tokenizer = list(row_groups), layout, name, tokenizer
+        self.decoded = decoded if decoded is not None else DecodedRowGroups(memory_limit)
+        self.memory_limit = memory_limit
+        self.shard_sizes = [g.num_rows for g in self.row_groups]
+        self.num_samples = int(sum(self.shard_sizes))
+        self.cumulative = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
+        self.requires_shard_order = sum(g.decoded_bytes for g in self.row_groups) > memory_limit
+        self._columns = list(layout.columns)
+
+    @classmethod
+    def local(
+        cls,
+        target: str | Sequence[str],
+        columns: Sequence[str] | None = None,
+        memory_limit: int = DEFAULT_MEMORY,
+        tokenizer: Tokenizer | None = None,
+    ) -> ParquetSource:
+        """A local set: a file, a pattern, a list of files or a folder of them (see :func:`local_paths`).
+
+        Example::
+
+            source = ParquetSource.local("data/", columns=["text", "label"])
+        """
+        groups, layout, name = local_row_groups(target, columns)
+        return cls(groups, layout, name, memory_limit=memory_limit, tokenizer=tokenizer)
+
+    def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return self.layout.fixed_specs()
+
+    def shards_held(self) -> int | None:
+        """Row groups the memory budget holds decoded at once (the largest ones); None: every one."""
+        if not self.requires_shard_order:
+            return None
+        sizes = sorted((g.decoded_bytes for g in self.row_groups), reverse=True)
+        held = int(np.searchsorted(np.cumsum(sizes), self.memory_limit, side="right"))
+        return max(1, held)
+
+    def stats(self) -> dict[str, Any]:
+        """``row_groups_decoded`` (by this process) and ``decoded_bytes`` (kept now)."""
+        return {"row_groups_decoded": self.decoded.decodes, "decoded_bytes": self.decoded.bytes}
+
+    def _decode(self, shard: int) -> dict[str, Any]:
+        group = self.row_groups[shard]
+
+        def decode() -> dict[str, Any]:
+            reader = group.reader()
+            try:
+                table = reader.read_row_group(group.index, columns=self._columns)
+            except (pa.ArrowException, OSError) as exc:
+                raise CorruptShardError(
+                    group.name,
+                    f"row group {group.index}",
+                    "a row group pyarrow can decode",
+                    f"{type(exc).__name__}: {exc}",
+                ) from None
+            if table.num_rows != group.num_rows:
+                raise CorruptShardError(
+                    group.name, f"row group {group.index}", f"{group.num_rows} rows", table.num_rows
+                )
+            return decode_columns(table, self.layout, group.name, group.index)
+
+        return self.decoded.get(group.key, decode)
+
+    def fetch(
+        self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes
+    ) -> dict[str, Any]:
+        start = time.perf_counter()
+        indices = np.asarray(indices, dtype=np.int64)
+        shard_of = np.searchsorted(self.cumulative, indices, side="right") - 1
+        rows = indices - self.cumulative[shard_of]
+        shards = np.unique(shard_of)
+        decoded = {int(s): self._decode(int(s)) for s in shards}
+        decode_done = time.perf_counter()
+        if len(shards) == 1:
+            picks: list[tuple[int, Any, np.ndarray]] = [(int(shards[0]), slice(None), rows)]
+        else:  # each row group's positions in the batch, grouped by one sort
+            order = np.argsort(shard_of, kind="stable")
+            bounds = np.searchsorted(shard_of[order], shards, side="right")
+            groups = np.split(order, bounds[:-1])
+            picks = [(int(s), where, rows[where]) for s, where in zip(shards, groups, strict=True)]
+        batch: dict[str, Any] = {}
+        nbytes = 0
+        for column in self.layout.fixed:
+            out = buffers.fixed(column, len(indices))
+            target = out.numpy()
+            for shard, where, local in picks:
+                _take(decoded[shard][column], local, target, where)
+            batch[column] = out
+            nbytes += out.numel() * out.element_size()
+        for column in self.layout.arrays:
+            values: list[Any] = [None] * len(indices)
+            for shard, where, local in picks:
+                offsets, flat, valid = decoded[shard][column]
+                positions = range(len(indices)) if isinstance(where, slice) else where.tolist()
+                for at, row in zip(positions, local.tolist(), strict=True):
+                    if valid[row]:
+                        values[at] = torch.from_numpy(flat[offsets[row] : offsets[row + 1]])
+            batch[column] = values
+        for column in self.layout.objects:
+            found: list[Any] = [None] * len(indices)
+            for shard, where, local in picks:
+                taken = decoded[shard][column].take(pa.array(local)).to_pylist()
+                if isinstance(where, slice):
+                    found = taken
+                else:
+                    for at, value in zip(where.tolist(), taken, strict=True):
+                        found[at] = value
+            batch[column] = found
+        times.add("read", decode_done - start, nbytes)
+        times.add("decode_transform", time.perf_counter() - decode_done)
+        return batch
+
+    def token_documents(self, field_name: str) -> TokenDocuments:
+        """The documents of a column of integer lists (or, with ``tokenizer=``, of strings), for ``pack=``
+        (:mod:`fastio.format.parquet.tokens`).
+
+        Example::
+
+            docs = ParquetSource.local("data/").token_documents("input_ids")
+        """
+        return token_documents(self.row_groups, self.layout, self.name, field_name, self.tokenizer, self)
+
+
+def _take(column: np.ndarray, rows: np.ndarray, out: np.ndarray, where: slice | np.ndarray) -> None:
+    """``out[where] = column[rows]``; a run of consecutive rows as one slice copy."""
+    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (len(rows) < 3 or (np.diff(rows) == 1).all()):
+        out[where] = column[rows[0] : rows[-1] + 1]
+    else:
+        out[where] = column[rows]
+
+
+def open_parquet(target: str | list[str], options: OpenOptions) -> ParquetSource:
+    """The registry's opener of local Parquet data (every column; for ``columns=``, a tokenizer or another
+    memory budget: :func:`fastio.format.parquet.opening.parquet_source`).
+
+    Example::
+
+        source = open_parquet("data/train-*.parquet", OpenOptions())
+    """
+    return ParquetSource.local(target)
