@@ -12,8 +12,9 @@ How a batch is made:
    ``i % (num_workers + prefetch)``: fixed-size fields straight from the mmap by the native multi-threaded
    gather, GIL released.
 3. ``num_workers`` workers fill slots ahead of the consumer (at most ``num_workers + prefetch`` batches in
-   flight); ``num_workers=0`` gathers in the consumer's thread. Batches always come out in order. Workers
-   are threads for native gathering and forked processes for Python transforms (``WorkerOptions.mode``);
+   flight); ``num_workers=0`` gathers in the consumer's thread. Batches come out in order (``in_order=False``:
+   as they are ready). Workers are threads for native gathering and processes (forked, or spawned by
+   ``multiprocessing_context=``) for Python transforms (``WorkerOptions.mode``);
    processes write tensors into shared slot files in a temp dir (:mod:`fastio.workers`): nothing is pickled
    but a small description, and nothing depends on the size of ``/dev/shm``.
 4. With ``transform``/``collate_fn``, or a ``Dataset`` source, samples go through the Python path:
@@ -110,7 +111,8 @@ class StreamLoader:
             :func:`fastio.registry.open_source` opens (formats and schemes are registered there); or a list
             of :class:`fastio.Stream` (sources with weights), mixed in proportion (:mod:`fastio.mixing`,
             docs/loader.md "Mixing weighted streams").
-        batch_size: samples per batch.
+        batch_size: samples per batch; None: samples one by one, as in DataLoader (``collate_fn``, default
+            ``default_convert``, gets each sample alone).
         shuffle: ``False`` (the default, as in DataLoader: storage order), ``True`` (a full global
             permutation per epoch, as in DataLoader) or ``"shard"`` (shard-aware, for sources where random
             access is costly: shards, then blocks within a window, then samples; fewer distinct shards per
@@ -133,16 +135,19 @@ class StreamLoader:
             indices the sampler yields, batched as DataLoader batches them, or the batch sampler's batches;
             ``generator=`` with ``shuffle=True`` gives DataLoader's order for the same generator state.
             DataLoader's checks apply (``sampler`` excludes ``shuffle``; ``batch_sampler`` excludes
-            ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last``); refused with ``shuffle="shard"``,
-            ``pack=``, a rank split given in ``order=`` and sources read shard by shard. Resume re-runs the
-            sampler and skips the batches handed over: exact only when the sampler repeats its order.
-        persistent_workers: map-style Dataset sources: the same worker processes serve every epoch (False:
-            they close at each epoch's end, as in DataLoader).
+            ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last``); a rank split given in ``order=``
+            splits the sampler's sequence; with ``pack=`` the sampler orders the documents; refused with
+            ``shuffle="shard"`` and sources read shard by shard. Resume re-runs the sampler and skips the
+            batches handed over: exact only when the sampler repeats its order.
+        persistent_workers: the same workers (threads or processes) serve every epoch (False: they close
+            at each epoch's end, as in DataLoader).
         prefetch_factor: DataLoader's batches in flight per worker (instead of ``WorkerOptions.prefetch``).
         timeout: with workers, seconds to wait for a batch before :class:`fastio.WorkerTimeoutError`
             (0: no limit).
-        multiprocessing_context: ``"fork"`` or a fork context (worker processes are forked); others are
-            refused with ``ValueError``.
+        multiprocessing_context: ``"fork"`` (default), ``"spawn"``, ``"forkserver"`` or a context: how
+            worker processes start; spawned ones open the source anew (:mod:`fastio.pipeline.spawn`).
+        pin_memory_device: deprecated and ignored, with DataLoader's warning (use ``device=``).
+        in_order: False: with workers, batches come as they are ready (``state_dict`` stays exact).
         pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token
             field (shard directories), with document boundaries; see :mod:`fastio.assembly.pack`.
         read, remote, order, workers, batches, mixing: fastio's own options, one object per concern

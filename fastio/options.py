@@ -120,7 +120,8 @@ class WorkerOptions:
     """Who makes batches (:mod:`fastio.workers`), beside DataLoader's ``num_workers``.
 
     Attributes:
-        mode: ``"thread"``, ``"process"`` (forked; batches handed over through slot files) or ``"auto"``:
+        mode: ``"thread"``, ``"process"`` (forked, or as DataLoader's ``multiprocessing_context=`` says;
+            batches handed over through slot files) or ``"auto"``:
             processes when Python code runs per sample (``transform``, ``collate_fn`` or a Dataset
             source), threads otherwise.
         threads: threads per native gather (None: CPUs / max(1, num_workers), at most 8).
