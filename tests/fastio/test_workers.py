@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -108,4 +109,37 @@ def test_thread_pipeline_keeps_order_and_bounds_in_flight():
         ok, (value, _) = pipeline.get(job)
         assert ok and value.item() == job
         assert max(started) < job + 2, "never more than `slots` batches ahead of the consumer"
+    pipeline.stop()
+
+
+def test_thread_pipeline_out_of_order_hands_what_is_ready_within_the_window():
+    first_may_finish = threading.Event()
+
+    def produce(job: int) -> tuple[int, int]:
+        if job == 0:
+            first_may_finish.wait()
+        return job, 1
+
+    pipeline = ThreadPipeline(produce, n_batches=6, num_workers=2, slots=3, timeout=0.3)
+    ready = sorted(pipeline.get_ready(0)[0] for _ in range(2))
+    assert ready == [1, 2], "batches 1 and 2 come while batch 0 is still being made"
+    job, ok, error = pipeline.get_ready(0)
+    assert not ok and isinstance(error, fastio.WorkerTimeoutError), "no batch beyond the window of 3 starts"
+    first_may_finish.set()
+    assert pipeline.get_ready(0)[:2] == (0, True)
+    assert sorted(pipeline.get_ready(3)[0] for _ in range(3)) == [3, 4, 5]
+    pipeline.stop()
+
+
+def test_kept_thread_pipeline_serves_the_next_pass_with_one_init_per_thread():
+    inits, pass_inits = [], []
+    pipeline = ThreadPipeline(
+        lambda job: ("first", job), n_batches=3, num_workers=2, slots=2, worker_init=inits.append,
+        persistent=True,
+    )  # fmt: skip
+    assert [pipeline.get(job) for job in range(2)] == [(True, ("first", 0)), (True, ("first", 1))]
+    assert pipeline.next_pass((lambda job: ("second", job), pass_inits.append), n_batches=4, times=None)
+    assert [pipeline.get(job) for job in range(4)] == [(True, ("second", j)) for j in range(4)]
+    assert sorted(inits) == [0, 1] and set(pass_inits) <= {0, 1} and pass_inits
+    assert all(thread.is_alive() for thread in pipeline.threads), "kept threads wait for the next pass"
     pipeline.stop()
