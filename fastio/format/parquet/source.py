@@ -262,19 +262,19 @@ class ParquetSource(Source):
         decoded = {int(s): self._decode(int(s)) for s in shards}
         decode_done = time.perf_counter()
         if len(shards) == 1:
-            picks: list[tuple[int, Any, np.ndarray]] = [(int(shards[0]), slice(None), rows)]
+            picks: list[tuple[int, Any, Any]] = [(int(shards[0]), slice(None), _run(rows))]
         else:  # each row group's positions in the batch, grouped by one sort
             order = np.argsort(shard_of, kind="stable")
             bounds = np.searchsorted(shard_of[order], shards, side="right")
             groups = np.split(order, bounds[:-1])
-            picks = [(int(s), where, rows[where]) for s, where in zip(shards, groups, strict=True)]
+            picks = [(int(s), where, _run(rows[where])) for s, where in zip(shards, groups, strict=True)]
         batch: dict[str, Any] = {}
         nbytes = 0
         for column in self.layout.fixed:
             out = buffers.fixed(column, len(indices))
             target = out.numpy()
             for shard, where, local in picks:
-                _take(decoded[shard][column], local, target, where)
+                target[where] = decoded[shard][column][local]
             batch[column] = out
             nbytes += out.numel() * out.element_size()
         for column in self.layout.arrays:
@@ -282,14 +282,18 @@ class ParquetSource(Source):
             for shard, where, local in picks:
                 offsets, flat, valid = decoded[shard][column]
                 positions = range(len(indices)) if isinstance(where, slice) else where.tolist()
-                for at, row in zip(positions, local.tolist(), strict=True):
+                for at, row in zip(positions, _listed(local), strict=True):
                     if valid[row]:
                         values[at] = torch.from_numpy(flat[offsets[row] : offsets[row + 1]])
             batch[column] = values
         for column in self.layout.objects:
             found: list[Any] = [None] * len(indices)
             for shard, where, local in picks:
-                taken = decoded[shard][column].take(pa.array(local)).to_pylist()
+                array = decoded[shard][column]
+                if isinstance(local, slice):
+                    taken = array.slice(local.start, local.stop - local.start).to_pylist()
+                else:
+                    taken = array.take(pa.array(local)).to_pylist()
                 if isinstance(where, slice):
                     found = taken
                 else:
@@ -308,15 +312,22 @@ class ParquetSource(Source):
 
             docs = ParquetSource.local("data/").token_documents("input_ids")
         """
-        return token_documents(self.row_groups, self.layout, self.name, field_name, self.tokenizer, self)
+        threads = min(4, os.cpu_count() or 1)
+        return token_documents(
+            self.row_groups, self.layout, self.name, field_name, self.tokenizer, self, threads
+        )
 
 
-def _take(column: np.ndarray, rows: np.ndarray, out: np.ndarray, where: slice | np.ndarray) -> None:
-    """``out[where] = column[rows]``; a run of consecutive rows as one slice copy."""
-    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (len(rows) < 3 or (np.diff(rows) == 1).all()):
-        out[where] = column[rows[0] : rows[-1] + 1]
-    else:
-        out[where] = column[rows]
+def _run(rows: np.ndarray) -> np.ndarray | slice:
+    """``rows`` as a slice when they are consecutive (a file-order read: one slice copy per column)."""
+    n = len(rows)
+    if n and rows[-1] - rows[0] == n - 1 and (n < 3 or bool((rows[1:] - rows[:-1] == 1).all())):
+        return slice(int(rows[0]), int(rows[0]) + n)
+    return rows
+
+
+def _listed(rows: np.ndarray | slice) -> list[int] | range:
+    return range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
 
 
 def open_parquet(target: str | list[str], options: OpenOptions) -> ParquetSource:

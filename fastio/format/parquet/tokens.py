@@ -12,11 +12,13 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,12 +75,37 @@ def _column_tokens(
     raise SchemaMismatchError(name, field, _EXPECTED, str(kind))
 
 
+def _decoded(
+    groups: Iterable[RowGroup], field: str, tokenizer: Tokenizer | None, threads: int
+) -> Iterator[tuple[RowGroup, np.ndarray, np.ndarray]]:
+    """Each row group with its column's (token counts, tokens), in order; ``threads`` > 1 decodes that many
+    row groups ahead at once (pyarrow decodes without the GIL)."""
+
+    def decode(group: RowGroup) -> tuple[RowGroup, np.ndarray, np.ndarray]:
+        column = group.reader().read_row_group(group.index, columns=[field]).column(field)
+        chunk = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        return (group, *_column_tokens(chunk, group.name, field, group.index, tokenizer))
+
+    if threads <= 1:
+        yield from map(decode, groups)
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fastio-tokens") as pool:
+        ahead: collections.deque[concurrent.futures.Future] = collections.deque()
+        for group in groups:
+            ahead.append(pool.submit(decode, group))
+            if len(ahead) > threads:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+
 def token_documents(
     groups: Iterable[RowGroup], layout: ParquetLayout, name: str, field: str, tokenizer: Tokenizer | None,
-    owner: object,
+    owner: object, threads: int = 1,
 ) -> TokenDocuments:  # fmt: skip
-    """The rows of ``field`` in ``groups`` (a set's row groups, in order; each read while the iteration
-    stands on it) as token documents (see the module docstring); the token files go with ``owner``.
+    """The rows of ``field`` in ``groups`` (a set's row groups, in order) as token documents (see the module
+    docstring); the token files go with ``owner``. ``threads``: row groups decoded at once (1: each read
+    while the iteration stands on it, what a remote source's pins need).
 
     Example::
 
@@ -96,16 +123,13 @@ def token_documents(
     dtype: np.dtype | None = None
     current: tuple[str, Any] | None = None  # (file name, open token file)
     written = 0
-    for group in groups:
+    for group, lengths, flat in _decoded(groups, field, tokenizer, threads):
         if current is None or current[0] != group.name:
             if current is not None:
                 current[1].close()
                 files.append(MappedFile(current[1].name))
             current = (group.name, open(os.path.join(folder, f"{len(files):06d}.tokens"), "wb"))
             written = 0
-        column = group.reader().read_row_group(group.index, columns=[field]).column(field)
-        chunk = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-        lengths, flat = _column_tokens(chunk, group.name, field, group.index, tokenizer)
         if dtype is not None and flat.dtype != dtype:
             raise SchemaMismatchError(group.name, field, f"{dtype} tokens (as before)", str(flat.dtype))
         dtype = flat.dtype
@@ -113,7 +137,7 @@ def token_documents(
         shard.append(np.full(len(lengths), len(files), dtype=np.int32))
         src.append(starts.astype(np.int64))
         counts.append(lengths)
-        current[1].write(np.ascontiguousarray(flat).tobytes())
+        current[1].write(memoryview(np.ascontiguousarray(flat)).cast("B"))
         written += flat.nbytes
     if current is not None:
         current[1].close()
