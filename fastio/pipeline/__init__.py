@@ -2,6 +2,7 @@
 
 One module per question, each handed its part of the loader's settings:
 
+- :mod:`~fastio.pipeline.arguments`: DataLoader's keyword arguments, checked with DataLoader's own rules.
 - :mod:`~fastio.pipeline.settings`: what a :class:`fastio.StreamLoader` was asked, checked once and grouped
   by the part that uses it (:class:`~fastio.pipeline.settings.OrderSettings`,
   :class:`~fastio.pipeline.settings.WorkerSettings`, :class:`~fastio.pipeline.settings.AssemblySettings`).
@@ -11,7 +12,8 @@ One module per question, each handed its part of the loader's settings:
   Batches` protocol the loader delegates to) and its state dict.
 - :mod:`~fastio.pipeline.sampled`: the same, when DataLoader's ``sampler=``/``batch_sampler=`` decide.
 - :mod:`~fastio.pipeline.epoch`: one pass over an epoch: the source prepared, a batch producer run by
-  workers, batches handed over in order.
+  workers, batches handed over in order (or as they are ready).
+- :mod:`~fastio.pipeline.spawn`: what a worker process started by ``"spawn"``/``"forkserver"`` opens.
 
 Beside it: how one batch is made (:mod:`fastio.assembly`), who makes it (:mod:`fastio.workers`), weighted
 streams (:mod:`fastio.mixing`, whose batches are :mod:`~fastio.pipeline.batches`' with a mixed order).
