@@ -426,19 +426,6 @@ def test_tar_shards_with_sidecars_read_parts_each_sample_once_and_resume_exactly
             again.close()
 
 
-def test_tar_shards_without_sidecars_keep_the_window_of_whole_shards(tmp_path):
-    _write_tars(tmp_path / "www", shards=9, samples=13, sidecars=False)
-    with HttpServer(tmp_path / "www") as server:
-        source = _tar_source(server, tmp_path / "cache", 3)
-        try:
-            loader = fastio.StreamLoader(source, batch_size=4, shuffle=True, seed=6)
-            keys = _tar_keys(loader)
-            assert loader.stats()["shuffle_mode"] == "window"
-            assert sorted(keys) == sorted(set(keys)) and len(keys) == source.num_samples
-        finally:
-            source.close()
-
-
 @pytest.mark.parametrize("shards, most_listings", [(200, 7), (2000, 11)])
 def test_the_number_of_parts_is_found_in_a_few_listings_of_them(shards, most_listings):
     # Shards of 1000 samples through a cache of 20: a window of whole shards would mix 20. 200 shards: a P

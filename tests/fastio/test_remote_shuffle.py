@@ -1,8 +1,9 @@
 """``shuffle=True`` on remote shards over a real HTTP server: the local full permutation where the cache holds
-every shard, else, for a source that reads whole shards only (compressed tars, tars without sidecars; a
-fastio shard source told not to split, here), a sliding window of the shards it holds (fastio.pipeline.order's
-"window"), sized to cache_limit, reported in stats(), exact, resumable and split across ranks like every
-other order. Parts of shards (what fastio shard sources read instead) are test_remote_parts.py's."""
+every shard, else, for a source that reads whole shards only (compressed tars; a fastio shard source told
+not to split, here), a sliding window of the shards it holds (fastio.pipeline.order's "window"), sized to
+cache_limit, reported in stats(), exact, resumable and split across ranks like every other order. Parts of
+shards (what fastio shard sources and plain tars read instead) are test_remote_parts.py's and
+test_remote_tar_index.py's."""
 
 from __future__ import annotations
 

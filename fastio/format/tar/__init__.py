@@ -13,7 +13,9 @@
 * :mod:`~fastio.format.tar.compressed`: local compressed tars, decompressed once into a local directory and
   read as plain tars.
 * :mod:`~fastio.format.tar.remote`: :class:`RemoteTarSource`, tars (plain or compressed) at URLs, read
-  through the node-local cache of :mod:`fastio.remote`.
+  through the node-local cache of :mod:`fastio.remote`; :mod:`~fastio.format.tar.parts`: parts of plain
+  tars, read by range for ``shuffle=True``; :mod:`~fastio.format.tar.kept`: what it keeps per tar in the
+  cache (meta, index) so that the next run opens without a request and reads parts of every plain tar.
 
 Its rows in :mod:`fastio.registry` are ``"compressed-tar"`` and ``"webdataset-tar"``.
 """

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import zipfile
 
 import numpy as np
 
@@ -26,7 +27,10 @@ NPY_HEADER_LOCK = threading.Lock()
 
 def load_npz(source: str | os.PathLike[str] | io.BytesIO) -> dict[str, np.ndarray]:
     """Every array of the ``.npz`` at ``source`` (a path or a file object), read at once under
-    :data:`NPY_HEADER_LOCK`; no pickles. Raises what :func:`numpy.load` raises on a bad archive (``OSError``,
-    ``ValueError``)."""
-    with NPY_HEADER_LOCK, np.load(source, allow_pickle=False) as data:
-        return {name: data[name] for name in data.files}
+    :data:`NPY_HEADER_LOCK`; no pickles. A bad archive raises ``OSError`` or ``ValueError`` (a cut or damaged
+    one too: zip's own errors, such as a member's wrong crc32, come as ``ValueError``)."""
+    try:
+        with NPY_HEADER_LOCK, np.load(source, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"not a whole .npz archive: {exc}") from None

@@ -6,11 +6,17 @@ remote layer the decompressor). :func:`open_remote_tars` is the opener in :mod:`
 Sample counts come before the order, in this order of preference: (a) a sidecar ``<shard>.fidx`` next to the
 remote tar (what :func:`fastio.index_tar` writes; a small download, and the cached tar then reuses it once its
 bytes are checked against the sidecar's fingerprint); (b) otherwise the shard is downloaded at open and
-indexed. Either way a meta (count, sizes, fields) is kept beside the cache entry, ``<entry>.meta.json``, so
-the next run opens without a request: under ``cache_limit``, in the room reserved with the download at (b),
-else through :meth:`fastio.remote.cache.ShardCache.keep` (skipped while the cache is full of pinned
-shards). Compressed shards always take (b). (a) is what a publisher should provide: opening then costs one
-small request per shard, not the dataset.
+indexed. Either way a meta (count, sizes, fields) is kept beside the cache entry, ``<entry>.meta.json``, and
+for a plain tar its index too, ``<entry>.meta.fidx`` (the sidecar's bytes, or those of the index made from
+the tar), so the next run opens without a request and ``shuffle=True`` reads parts of every plain tar
+(:mod:`fastio.format.tar.parts`) whether or not its publisher put a sidecar beside it. Both are kept under
+``cache_limit``: in the room reserved with the download at (b), else through
+:meth:`fastio.remote.cache.ShardCache.keep` (skipped while the cache is full of pinned shards: made again
+when next needed). A kept index that is cut, damaged or of another tar is refused (the archive's crc32s, its
+recorded size; a part's headers are checked against it) and made again. Compressed shards always take (b),
+and have no parts (they cannot be read by range): ``shuffle=True`` reads them whole, in a window of what the
+cache holds, and says so once per loader in the log. (a) is what a publisher should provide: opening then
+costs one small request per shard, not the dataset.
 
 Example::
 
@@ -21,17 +27,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import io
 import json
+import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
 import torch
 
 from fastio.errors import CorruptShardError
@@ -39,8 +43,9 @@ from fastio.files.mapped import MappedFile
 from fastio.format.tar.compression import compression_of, decompress, decompressed_name
 from fastio.format.tar.decode import npy_layout
 from fastio.format.tar.index import INDEX_SUFFIX, TarIndex, TarShardSet, load_tar_index
+from fastio.format.tar.kept import KEPT_INDEX_SUFFIX, TarMeta, holds, meta_bytes, meta_of, write_whole
 from fastio.format.tar.npy import load_npz
-from fastio.format.tar.parts import parse_sidecar, part_index, part_range
+from fastio.format.tar.parts import check_part, parse_sidecar, part_index, part_range
 from fastio.format.tar.source import NpySpec, TarLayout, TarSource, decide_layout
 from fastio.remote.base import RemoteSource
 from fastio.remote.cache import ShardCache
@@ -59,6 +64,8 @@ from fastio.sources.base import ShardParts
 
 __all__ = ["RemoteTarSource", "open_remote_tars"]
 
+_log = logging.getLogger(__name__)
+
 
 def _decompressor(kind: str) -> Callable[[IO[bytes], IO[bytes]], int]:
     """What the remote layer runs on a compressed shard's stream on its way into the cache."""
@@ -67,39 +74,6 @@ def _decompressor(kind: str) -> Callable[[IO[bytes], IO[bytes]], int]:
         return decompress(raw, kind, out)
 
     return unpack
-
-
-@dataclasses.dataclass
-class _TarMeta:
-    """What the source keeps per tar shard beside its cache entry: enough to open without downloading."""
-
-    remote_size: int
-    tar_size: int
-    num_samples: int
-    fields: list[str]
-    present: list[bool]  # per field: in every sample of the shard
-    uniform: list[int]  # per field: the one member size of every sample, or -1
-    index_bytes: int = 0  # the index cached beside the tar
-
-
-def _meta_of(index: TarIndex, tar_size: int, remote_size: int, index_bytes: int) -> _TarMeta:
-    present = (index.sizes >= 0).all(axis=0) if index.num_samples else np.zeros(len(index.fields), bool)
-    uniform = [
-        int(col[0]) if len(col) and (col == col[0]).all() and col[0] >= 0 else -1 for col in index.sizes.T
-    ]
-    fields = list(index.fields)
-    return _TarMeta(remote_size, tar_size, index.num_samples, fields, present.tolist(), uniform, index_bytes)
-
-
-def _meta_bytes(meta: _TarMeta) -> bytes:
-    return json.dumps(dataclasses.asdict(meta)).encode()
-
-
-def _holds(path: Path, data: bytes) -> bool:
-    """True when the file at ``path`` is there with exactly ``data`` in it."""
-    with contextlib.suppress(OSError):
-        return path.read_bytes() == data
-    return False
 
 
 class RemoteTarSource(RemoteSource):
@@ -152,9 +126,9 @@ class RemoteTarSource(RemoteSource):
         if decode is not None and decode != "pil" and not callable(decode):
             raise ValueError(f"decode must be None, 'pil' or a callable, got {decode!r}")
         self.decode, self.tar_strict = decode, tar_strict
-        self._sidecars: dict[int, bytes] = {}
+        self._sidecars: dict[int, bytes] = {}  # a plain tar's index (.fidx bytes): published, kept or made
         self._files = self.shards  # the whole tars, whichever units are read (use_units makes a new list)
-        self._indexes: list[TarIndex] | None = None  # from the sidecars, at the first split into parts
+        self._indexes: list[TarIndex] | None = None  # every tar's, at the first split into parts
         self._part_of: dict[str, tuple[int, int, int]] = {}  # a part's cache key -> (tar, first, stop)
         # Sizes, sidecars and (without sidecars) whole downloads at open go download_threads at a time.
         with concurrent.futures.ThreadPoolExecutor(
@@ -169,6 +143,7 @@ class RemoteTarSource(RemoteSource):
         for info, meta in zip(self.shards, metas, strict=True):
             info.local_size, info.num_samples = meta.tar_size, meta.num_samples
             info.index_bytes = meta.index_bytes
+        self._metas = metas
         self._layout = self._plan_layout(metas)
         self.shards_ready()
 
@@ -176,57 +151,99 @@ class RemoteTarSource(RemoteSource):
     def _meta_path(self, shard: int) -> Path:
         return Path(f"{self.cache.path(self._files[shard].key)}.meta.json")
 
-    def resident_bytes(self) -> int:
-        """The metas: kept for good, so that the next run opens without downloading."""
-        paths = [self._meta_path(s) for s in range(len(self._files))]
-        return sum(p.stat().st_size for p in paths if p.exists())
+    def _kept_index_path(self, shard: int) -> Path:
+        return Path(f"{self.cache.path(self._files[shard].key)}{KEPT_INDEX_SUFFIX}")
 
-    def _meta(self, shard: int) -> _TarMeta:
-        """The shard's meta: kept from an earlier run, else from a remote sidecar, else by indexing it."""
+    def resident_bytes(self) -> int:
+        """The metas and the plain tars' indexes, kept for good so that the next run opens without
+        downloading and reads parts. Their sizes as the metas record them, whether or not they are in the
+        cache now: the window a cache limit gives depends on the data, never on what the cache holds."""
+        return sum(
+            len(meta_bytes(meta)) + (meta.index_bytes if info.encoding is None else 0)
+            for meta, info in zip(self._metas, self._files, strict=True)
+        )
+
+    def _meta(self, shard: int) -> TarMeta:
+        """The shard's meta: kept from an earlier run, else from a remote sidecar, else by indexing it; a
+        plain tar's index with it (the kept one, read without a request: made again when a split needs it)."""
         info = self.shards[shard]
-        meta_path = self._meta_path(shard)
         with contextlib.suppress(OSError, ValueError, TypeError):
-            meta = _TarMeta(**json.loads(meta_path.read_text()))
+            meta = TarMeta(**json.loads(self._meta_path(shard).read_text()))
             if meta.remote_size == info.remote_size:
+                if info.encoding is None:
+                    self._read_kept_index(shard, meta.num_samples)
                 return meta
         meta = None
         if info.encoding is None:
-            try:
-                sidecar = read_bytes(info.url + INDEX_SUFFIX, self.retry, self.storage_options)
-            except RemoteNotFoundError:
-                sidecar = None
+            sidecar = self._remote_sidecar(shard)
             if sidecar is not None:
                 meta = self._meta_from_sidecar(shard, sidecar)
         if meta is None:  # download (and decompress) the shard now and index it
             info.local_size = None if info.encoding else info.remote_size
-            # The room of its index and meta (not known before the scan, both smaller than the tar):
+            # The room of its index, kept index and meta (not known before the scan, together smaller than
+            # the tar but for the tiniest):
             info.index_bytes = info.local_size or info.remote_size
-            with self.cached(shard) as path:  # after_download writes the meta in that room
-                meta = self._meta_of_cached(shard, path, load_tar_index(path, strict=self.tar_strict))
-        data = _meta_bytes(meta)
-        if not _holds(meta_path, data):  # not written in its download's room: kept now, where there is room
+            meta = self._index_cached(shard)
+            self.cache.mark_read(info.key)  # indexed: let it go before any shard a pass reads
+        data = meta_bytes(meta)
+        if not holds(self._meta_path(shard), data):  # not written in its download's room: kept now, if room
             self.cache.keep(f"{self._files[shard].key}.meta.json", data)
+        self._keep_index(shard)
         return meta
 
-    def _meta_of_cached(self, shard: int, path: Path, index: TarIndex) -> _TarMeta:
+    def _index_cached(self, shard: int) -> TarMeta:
+        """Index the tar in the cache (downloaded here if no process has); its meta, and a plain tar's index
+        bytes kept in memory for its parts."""
+        with self.cached(shard) as path:  # after_download writes the meta and kept index in its room
+            meta = self._meta_of_cached(shard, path, load_tar_index(path, strict=self.tar_strict))
+            if self.shards[shard].encoding is None:
+                with contextlib.suppress(OSError):
+                    self._sidecars[shard] = Path(f"{path}{INDEX_SUFFIX}").read_bytes()
+        return meta
+
+    def _remote_sidecar(self, shard: int) -> bytes | None:
+        """The ``.fidx`` published beside the tar, or None where there is none."""
+        try:
+            return read_bytes(self._files[shard].url + INDEX_SUFFIX, self.retry, self.storage_options)
+        except RemoteNotFoundError:
+            return None
+
+    def _read_kept_index(self, shard: int, num_samples: int) -> bool:
+        """Take the index kept in the cache when it is whole and of this tar (size and sample count): True."""
+        info = self._files[shard]
+        with contextlib.suppress(OSError, CorruptShardError):
+            data = self._kept_index_path(shard).read_bytes()
+            index = parse_sidecar(info.url, data, info.remote_size)
+            if index is not None and index.num_samples == num_samples:
+                self._sidecars[shard] = data
+                return True
+        return False
+
+    def _keep_index(self, shard: int) -> None:
+        """Keep a plain tar's index in the cache (counted in :meth:`resident_bytes`), unless it is there."""
+        data = self._sidecars.get(shard)
+        if data is not None and not holds(self._kept_index_path(shard), data):
+            self.cache.keep(f"{self._files[shard].key}{KEPT_INDEX_SUFFIX}", data)
+
+    def _meta_of_cached(self, shard: int, path: Path, index: TarIndex) -> TarMeta:
         index_path = Path(f"{path}{INDEX_SUFFIX}")
         index_bytes = index_path.stat().st_size if index_path.exists() else 0
-        return _meta_of(index, path.stat().st_size, self.shards[shard].remote_size, index_bytes)
+        return meta_of(index, path.stat().st_size, self.shards[shard].remote_size, index_bytes)
 
-    def _meta_from_sidecar(self, shard: int, sidecar: bytes) -> _TarMeta | None:
+    def _meta_from_sidecar(self, shard: int, sidecar: bytes) -> TarMeta | None:
         info = self.shards[shard]
         index = parse_sidecar(info.url, sidecar, info.remote_size)
         if index is None:
             return None  # not a sidecar this fastio reads, or of another tar: index the shard instead
         self._sidecars[shard] = sidecar
-        return _meta_of(index, info.remote_size, info.remote_size, len(sidecar))
+        return meta_of(index, info.remote_size, info.remote_size, len(sidecar))
 
     # -- parts ---------------------------------------------------------------------------------------------
     def split_shards(self, reach: int | None, parts: int | None = None) -> ShardParts | None:
         """Parts of tars for ``shuffle=True`` under a cache that cannot hold every tar
-        (:mod:`fastio.remote.parts`, :mod:`fastio.format.tar.parts`), where every tar is plain and has its
-        ``.fidx`` sidecar published beside it; else (and for None) whole tars. ``parts``: that many per tar,
-        whatever the cache.
+        (:mod:`fastio.remote.parts`, :mod:`fastio.format.tar.parts`), where every tar is plain (its index
+        published, kept, or made again from the tar); else (and for None) whole tars: compressed ones say so
+        in the log. ``parts``: that many per tar, whatever the cache.
 
         Example::
 
@@ -240,28 +257,56 @@ class RemoteTarSource(RemoteSource):
             chosen = choose_parts(self._files, limit, resident, reach, units_for, parts)
         self._part_of = {} if chosen is None else parts_of(self._files, chosen)
         self.use_units(self._files if chosen is None else chosen[1])
+        if reach is not None and indexes is None and self.shards_held() is not None:
+            compressed = sum(info.encoding is not None for info in self._files)
+            _log.warning(
+                "%s: shuffle=True through a cache that holds %d of its %d tars reads whole tars in a sliding "
+                "window of them, so a batch mixes about that many tars: %d of them are compressed, and a "
+                "compressed tar cannot be read by byte range (parts of every tar, as plain .tar shards get). "
+                "Publish plain .tar shards, or raise cache_limit to %d bytes for the full permutation",
+                self.name, self.shards_held(), len(self._files), compressed, self._whole_set_bytes(),
+            )  # fmt: skip
         return None if chosen is None else chosen[0]
 
+    def _whole_set_bytes(self) -> int:
+        return sum(info.footprint for info in self._files) + self.resident_bytes()
+
     def _part_indexes(self) -> list[TarIndex] | None:
-        """Every tar's index from its sidecar (fetched where the source opened without it), or None when a
-        tar is compressed or has none: then no tar is split, so the order is the same on every run."""
+        """Every tar's index, or None when a tar is compressed (then no tar is split, so the order is the
+        same on every run). An index not at hand (its kept copy gone or refused) is fetched (the published
+        sidecar) or made again from the tar, and kept."""
         if self._indexes is None:
             if any(info.encoding is not None for info in self._files):
                 return None
+            missing = [s for s in range(len(self._files)) if s not in self._sidecars]
+            if missing:
+                self._part_of = {}
+                self.use_units(self._files)  # whole tars, to index them
+                with concurrent.futures.ThreadPoolExecutor(self.download_threads) as pool:
+                    list(pool.map(self._find_index, missing))
             indexes = []
             for shard, info in enumerate(self._files):
-                sidecar = self._sidecars.get(shard)
-                if sidecar is None:
-                    try:
-                        sidecar = read_bytes(info.url + INDEX_SUFFIX, self.retry, self.storage_options)
-                    except RemoteNotFoundError:
-                        return None
-                index = parse_sidecar(info.url, sidecar, info.remote_size)
+                index = parse_sidecar(info.url, self._sidecars[shard], info.remote_size)
                 if index is None or index.num_samples != info.num_samples:
-                    return None
+                    found = "none" if index is None else f"{index.num_samples} samples"
+                    expected = f"{info.num_samples} samples (when the source opened)"
+                    raise CorruptShardError(info.url, "tar index", expected, found)
                 indexes.append(index)
             self._indexes = indexes
         return self._indexes
+
+    def _find_index(self, shard: int) -> None:
+        """A plain tar's index, for its parts: kept, else published, else made from the tar; kept."""
+        info = self._files[shard]
+        if not self._read_kept_index(shard, info.num_samples):
+            sidecar = self._remote_sidecar(shard)
+            index = None if sidecar is None else parse_sidecar(info.url, sidecar, info.remote_size)
+            if index is not None and index.num_samples == info.num_samples:
+                self._sidecars[shard] = sidecar
+            else:
+                self._index_cached(shard)
+                self.cache.mark_read(info.key)
+        self._keep_index(shard)
 
     def _parts(self, parts: int, indexes: list[TarIndex]) -> list[Shard]:
         """Every non-empty part of every tar split into ``parts`` (:func:`part_bounds`), storage order."""
@@ -273,30 +318,50 @@ class RemoteTarSource(RemoteSource):
                 units.append(Shard(info.url, key, size, hi - lo, stop - first, ranges=((lo, hi),)))
         return units
 
+    def check_download(self, shard: int, part: Path) -> None:
+        """A part's members must have their tar headers where the tar's index puts them
+        (:func:`fastio.format.tar.parts.check_part`); where not, the index (kept or published) is of another
+        tar of the same size: the kept index and meta are dropped, so the next run indexes the tar again."""
+        where = self._part_of.get(self.shards[shard].key)
+        if where is None or self._indexes is None:
+            return
+        try:
+            check_part(self._indexes[where[0]], where[1], where[2], str(part))
+        except CorruptShardError:
+            for path in (self._kept_index_path(where[0]), self._meta_path(where[0])):
+                path.unlink(missing_ok=True)
+            raise
+
     def after_download(self, shard: int, path: Path) -> None:
-        """Put the tar's index beside it, in the room the cache reserved for it: the remote sidecar, with the
-        tar's mtime set to what the sidecar recorded so the tar is not re-scanned
+        """Put the tar's index beside it, in the room the cache reserved for it: the index the source holds
+        (published, or kept), with the tar's mtime set to what it recorded so the tar is not re-scanned
         (:func:`fastio.format.tar.index.load_tar_index` still checks its fingerprint of the bytes and
         rebuilds on any mismatch), else the index built from the cached tar."""
-        if self.shards[shard].key in self._part_of:
+        info = self.shards[shard]
+        if info.key in self._part_of:
             return  # a part: its index is the tar's, kept in memory
         sidecar = self._sidecars.get(shard)
         if sidecar is None:
             index = load_tar_index(path, strict=self.tar_strict)
-            # Opening (no meta kept yet): the meta too, where the room reserved for the index holds it.
+            # Opening (no meta kept yet): the meta and a plain tar's index kept too, where the room reserved
+            # for the index holds them.
             meta = self._meta_of_cached(shard, path, index)
-            meta_path, data = Path(f"{path}.meta.json"), _meta_bytes(meta)
-            if not _holds(meta_path, data) and meta.index_bytes + len(data) <= self.shards[shard].index_bytes:
-                meta_path.write_bytes(data)
+            room = info.index_bytes - meta.index_bytes
+            kept = [(Path(f"{path}.meta.json"), meta_bytes(meta))]
+            if info.encoding is None:
+                with contextlib.suppress(OSError):
+                    index_bytes = Path(f"{path}{INDEX_SUFFIX}").read_bytes()
+                    kept.append((Path(f"{path}{KEPT_INDEX_SUFFIX}"), index_bytes))
+            for target, data in kept:
+                if not holds(target, data) and len(data) <= room:
+                    write_whole(target, data)
+                    room -= len(data)
             return
         mtime_ns = int(load_npz(io.BytesIO(sidecar))["identity"][2])
         os.utime(path, ns=(mtime_ns, mtime_ns))
-        target = Path(f"{path}{INDEX_SUFFIX}")
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        tmp.write_bytes(sidecar)
-        os.replace(tmp, target)
+        write_whole(Path(f"{path}{INDEX_SUFFIX}"), sidecar)
 
-    def _plan_layout(self, metas: list[_TarMeta]) -> TarLayout:
+    def _plan_layout(self, metas: list[TarMeta]) -> TarLayout:
         """The field decisions of the whole set, as a local TarSource over every tar would make them: a
         ``.npy`` field of one member size in every sample of every shard is gathered fixed (its dtype and
         shape read from the first member), an int field present in every sample is an int64 tensor."""
@@ -318,13 +383,13 @@ class RemoteTarSource(RemoteSource):
 
     def _npy_spec(self, field: str, size: int) -> NpySpec | None:
         """(dtype, shape, header bytes) of ``field`` from the first sample of the first shard (the shard's
-        start of the member read remotely when it is not cached; compressed shards are cached at open)."""
+        start of the member read remotely when it is not cached and its index is at hand; compressed shards
+        are cached at open)."""
         shard = 0
         info = self.shards[shard]
         head_len = min(size, 4096)
-        path = self.cache.path(info.key)
         sidecar = self._sidecars.get(shard)
-        if sidecar is not None:
+        if sidecar is not None and not self.cache.has(info.key, info.local_size):
             data = load_npz(io.BytesIO(sidecar))
             fields = [str(f) for f in data["fields"]]
             offset = int(data["offsets"][0, fields.index(field)])
