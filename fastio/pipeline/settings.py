@@ -159,7 +159,7 @@ class WorkerSettings:
     Attributes:
         num_workers: workers ahead of the consumer (0: batches are made in the consumer's thread).
         prefetch: extra batches in flight beyond ``num_workers``.
-        mode: ``"thread"`` or ``"process"`` (forked, batches handed over through slot files).
+        mode: ``"thread"`` or ``"process"`` (started by ``start_method``; batches come through slot files).
         threads: threads per native gather (None: CPUs / max(1, num_workers), at most 8).
         init_fn: ``init_fn(worker_id)``, run first in each worker (DataLoader's ``worker_init_fn``).
         timeout: with workers, the most seconds the consumer waits for a batch before
@@ -208,7 +208,7 @@ class WorkerSettings:
 
     @property
     def processes(self) -> bool:
-        """True when batches are made in forked worker processes."""
+        """True when batches are made in worker processes."""
         return self.num_workers > 0 and self.mode == "process"
 
 
