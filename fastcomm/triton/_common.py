@@ -249,19 +249,18 @@ def load_codes(codes_ptr, first, start, n, row_length, BITS: tl.constexpr, LANES
     ``LANES`` is the codes per byte when a row holds whole bytes: each byte is then loaded once and split
     along the last axis. It is 1 when bytes straddle rows, and each element loads its own byte.
     """
-    per_byte: tl.constexpr = 8 // BITS
     byte_col = tl.arange(0, COLUMNS // LANES)
     lane = tl.arange(0, LANES)
     col = start + byte_col[None, :, None] * LANES + lane[None, None, :]
     index, mask = tile_index(first[:, None, None], col, n, row_length)
-    if LANES == per_byte:
-        byte_index = (first[:, None] + start) // per_byte + byte_col[None, :]
+    if LANES == 8 // BITS:
+        byte_index = (first[:, None] + start) // LANES + byte_col[None, :]
         byte_mask = tl.max(mask.to(tl.int32), axis=2) != 0
         byte = tl.load(codes_ptr + byte_index, mask=byte_mask, other=0).to(tl.int32)[:, :, None]
         shift = lane[None, None, :] * BITS
     else:
-        byte = tl.load(codes_ptr + index // per_byte, mask=mask, other=0).to(tl.int32)
-        shift = ((index % per_byte) * BITS).to(tl.int32)
+        byte = tl.load(codes_ptr + index // (8 // BITS), mask=mask, other=0).to(tl.int32)
+        shift = ((index % (8 // BITS)) * BITS).to(tl.int32)
     return (byte >> shift) & ((1 << BITS) - 1), index, mask
 
 

@@ -74,14 +74,18 @@ def _histogram_kernel(
     """Adds to ``hist`` the digit ``(key >> SHIFT) & (2**DIGIT_BITS - 1)`` of the keys whose higher bits
     are the prefix ``state[0]`` chosen by the earlier passes."""
     prefix = tl.load(state_ptr)
+    bins = tl.arange(0, 1 << DIGIT_BITS)
     counts = tl.zeros([1 << DIGIT_BITS], tl.int32)
+    others = tl.zeros([BLOCK], tl.int32)
     for tile in range(TILES):
         index, mask = _span_tile(tile, n, BLOCK, TILES)
         key = _keys(load_accumulated(x_ptr, source_ptr, index, mask))
         match = mask & ((key >> (SHIFT + DIGIT_BITS)) == prefix)
-        digit = (key >> SHIFT) & ((1 << DIGIT_BITS) - 1)
-        counts += tl.histogram(digit, 1 << DIGIT_BITS, mask=match)
-    bins = tl.arange(0, 1 << DIGIT_BITS)
+        digit = tl.where(match, (key >> SHIFT) & ((1 << DIGIT_BITS) - 1), 0)
+        counts += tl.histogram(digit, 1 << DIGIT_BITS)
+        others += (~match).to(tl.int32)
+    # Keys that do not match were counted in bin 0 (histogram's mask argument is not in every triton).
+    counts -= tl.where(bins == 0, tl.sum(others, axis=0), 0)
     tl.atomic_add(hist_ptr + bins, counts, mask=counts > 0)
 
 
