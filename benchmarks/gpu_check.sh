@@ -8,13 +8,19 @@
 #    if there is none: on top of the system torch (--system-site-packages) when that torch sees CUDA,
 #    otherwise with pip-installed torch==2.13.0 and triton==3.9.0.
 # 3. Builds fastcomm._C in place (the CUDA top-k kernel too when torch has CUDA and nvcc is found).
-# 4. Runs the op tests on CUDA tensors, then prints one table of op times against memcpy.
+# 4. Runs the op tests on CUDA tensors (Triton compiled), then benchmarks.gpu_ops_timing (every kernel beside
+#    memcpy and torch's op, 1M-256M elements, fp32/bf16/fp16) and benchmarks.gpu_step (a DDP and an FSDP2 step
+#    on CUDA tensors held bit for bit to the CPU reference; NCCL at world size 1, 2 ranks over gloo).
+# Results (gpu_ops_timing_<gpu>.*, gpu_step_<gpu>.*) go to GPU_CHECK_RESULTS (default benchmarks/results).
 # Every step runs under `timeout`, sized from one overall budget (GPU_CHECK_BUDGET_S, default 470 s).
-# Exit status: 0 when every step passed, else the number of failed steps.
+# Without an NVIDIA GPU it says so and exits 2 at once (nothing is installed or built).
+# Exit status: 0 when every step passed, 2 without a GPU, else the number of failed steps.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
 BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
+RESULTS=${GPU_CHECK_RESULTS:-benchmarks/results}
+SIZES=${GPU_CHECK_SIZES:-1M,16M,256M}
 PYTHON=${PYTHON:-python3}
 PY=.venv/bin/python
 failed=0
@@ -51,6 +57,11 @@ try:
 except ImportError as exc:
     print(f"system triton: none ({exc})")
 EOF
+
+if ! nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q .; then
+  echo "!!! no NVIDIA GPU visible here (nvidia-smi lists none): nothing to check; run this on a GPU machine"
+  exit 2
+fi
 
 step "virtual environment"
 if "$PYTHON" -c "import sys, torch; sys.exit(0 if sys.prefix != sys.base_prefix and torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -90,16 +101,22 @@ fi
 
 step "build fastcomm._C in place (CUDA top-k included when torch has CUDA and nvcc is found)"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-FASTIO_NO_NATIVE=1 run 240 "build" $PY setup.py build_ext --inplace  # fastio._C is not checked here
+FASTIO_NO_NATIVE=1 run 120 "build" $PY setup.py build_ext --inplace  # fastio._C is not checked here
 $PY -c "import fastcomm; print('\n'.join(f'{op}: {entry}' for op, entry in fastcomm.backend().items()))"
 
 step "op tests on CUDA tensors (Triton compiled: TRITON_INTERPRET unset)"
-run 240 "tests" env -u TRITON_INTERPRET $PY -m pytest -q -rs -p no:cacheprovider \
+run 120 "tests" env -u TRITON_INTERPRET $PY -m pytest -q -rs -p no:cacheprovider --durations=5 \
   tests/fastcomm/test_ops.py tests/fastcomm/test_triton_quantize.py tests/fastcomm/test_triton_sign.py \
-  tests/fastcomm/test_topk_cuda.py
+  tests/fastcomm/test_triton_topk.py tests/fastcomm/test_topk_cuda.py
 
-step "op times against memcpy"
-run 120 "timing" $PY -m benchmarks.gpu_ops_timing
+mkdir -p "$RESULTS"
+step "kernel times against memcpy and torch's op (sizes $SIZES) -> $RESULTS"
+run 110 "gpu_ops_timing" env -u TRITON_INTERPRET FASTLIB_BENCH_OUTPUT="$RESULTS" \
+  $PY -m benchmarks.gpu_ops_timing --sizes "$SIZES" --repeat 5
+
+step "DDP and FSDP2 steps on CUDA tensors against the CPU reference -> $RESULTS"
+run 100 "gpu_step" env -u TRITON_INTERPRET FASTLIB_BENCH_OUTPUT="$RESULTS" \
+  $PY -m benchmarks.gpu_step --timeout 45
 
 step "done: $failed failed step(s) in ${SECONDS}s"
 exit "$failed"

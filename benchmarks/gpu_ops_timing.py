@@ -31,7 +31,7 @@ from benchmarks.harness import Row, markdown_table, write_results
 from fastcomm import reference
 from fastcomm.triton import quantize, sign, topk
 
-__all__ = ["Case", "cases", "main", "parse_size"]
+__all__ = ["Case", "cases", "gpu_slug", "main", "parse_size"]
 
 _BLOCK = 256
 _CHUNK = 2048
@@ -216,7 +216,7 @@ def _rows(n: int, dtype: torch.dtype, device: torch.device, ratio: float, repeat
     return rows
 
 
-def _gpu_slug(name: str) -> str:
+def gpu_slug(name: str) -> str:
     """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``: the part of the name that says which GPU."""
     words = [w for w in name.lower().replace("nvidia", "").split() if any(c.isdigit() for c in w)]
     return "".join(c for c in (words[0] if words else name.lower()) if c.isalnum()) or "gpu"
@@ -240,12 +240,6 @@ def main() -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (Triton interpreter)"
-    rows: list[Row] = []
-    for n in sizes:
-        for dtype in dtypes:
-            rows += _rows(n, dtype, device, args.ratio, args.repeat)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the last size's buffers are gone; give their memory back
     notes = [
         f"device: {gpu}; sizes {args.sizes} elements; dtypes {args.dtypes}; top-k ratio {args.ratio}.",
         "GB/s counts the bytes any implementation must move (inputs once, outputs once); ratio is that over "
@@ -254,13 +248,20 @@ def main() -> None:
     ]
     if device.type == "cpu":
         notes.append("CPU through Triton's interpreter: checks the script, measures nothing.")
+    name = f"gpu_ops_timing_{gpu_slug(gpu)}" if device.type == "cuda" else "gpu_ops_timing_cpu_check"
+    rows: list[Row] = []
+    for n in sizes:
+        for dtype in dtypes:
+            rows += _rows(n, dtype, device, args.ratio, args.repeat)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the last size's buffers are gone; give their memory back
+            # Written after every size and dtype, so a run stopped by its time box keeps what it measured.
+            try:
+                write_results(name, rows, notes=notes, plot_metric="time")
+            except ImportError as exc:  # matplotlib is optional on a bare GPU machine; the table is printed
+                print(f"results not written: {exc}")
     print(markdown_table(rows))
     print("\n".join(notes))
-    name = f"gpu_ops_timing_{_gpu_slug(gpu)}" if device.type == "cuda" else "gpu_ops_timing_cpu_check"
-    try:
-        write_results(name, rows, notes=notes, plot_metric="time")
-    except ImportError as exc:  # matplotlib is optional on a bare GPU machine; the table is printed above
-        print(f"results not written: {exc}")
 
 
 if __name__ == "__main__":
