@@ -566,3 +566,17 @@ def test_the_docs_table_lists_every_dataloader_argument() -> None:
     assert set(inspect.signature(DataLoader).parameters) - {"dataset"} <= set(
         inspect.signature(fastio.StreamLoader).parameters
     )
+
+
+def test_sampler_split_across_ranks_resumes_on_the_same_world_size() -> None:
+    sampler = SequentialSampler(range(NUM_SAMPLES))
+    ranks = fastio.OrderOptions(rank=1, world_size=3)
+    loader = fastio.StreamLoader(Numbers(), batch_size=2, sampler=sampler, order=ranks)
+    iterator = iter(loader)
+    head = [next(iterator)[:, 0].tolist() for _ in range(2)]
+    resumed = fastio.StreamLoader(Numbers(), batch_size=2, sampler=sampler, order=ranks)
+    resumed.load_state_dict(loader.state_dict())
+    assert head + _indices(resumed) == _indices(loader)
+    other = fastio.StreamLoader(Numbers(), batch_size=2, sampler=sampler, order=fastio.OrderOptions(0, 2))
+    with pytest.raises(ValueError, match="resumes on the same world size"):
+        other.load_state_dict(loader.state_dict())
