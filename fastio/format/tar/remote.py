@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import io
 import json
 import logging
@@ -164,14 +163,12 @@ class RemoteTarSource(RemoteSource):
         )
 
     def _meta(self, shard: int) -> TarMeta:
-        """The shard's meta: kept from an earlier run, else from a remote sidecar, else by indexing it; a
-        plain tar's index with it (the kept one, read without a request: made again when a split needs it)."""
+        """The shard's meta: kept from an earlier run (its kept index is read when needed), else from a remote
+        sidecar, else by indexing it."""
         info = self.shards[shard]
         with contextlib.suppress(OSError, ValueError, TypeError):
             meta = TarMeta(**json.loads(self._meta_path(shard).read_text()))
             if meta.remote_size == info.remote_size:
-                if info.encoding is None:
-                    self._read_kept_index(shard, meta.num_samples)
                 return meta
         meta = None
         if info.encoding is None:
@@ -208,16 +205,17 @@ class RemoteTarSource(RemoteSource):
         except RemoteNotFoundError:
             return None
 
-    def _read_kept_index(self, shard: int, num_samples: int) -> bool:
-        """Take the index kept in the cache when it is whole and of this tar (size and sample count): True."""
+    def _read_kept_index(self, shard: int) -> bytes | None:
+        """The index kept in the cache, when it is whole and of this tar (size and sample count), else None;
+        taken as the tar's."""
         info = self._files[shard]
         with contextlib.suppress(OSError, CorruptShardError):
             data = self._kept_index_path(shard).read_bytes()
             index = parse_sidecar(info.url, data, info.remote_size)
-            if index is not None and index.num_samples == num_samples:
+            if index is not None and index.num_samples == info.num_samples:
                 self._sidecars[shard] = data
-                return True
-        return False
+                return data
+        return None
 
     def _keep_index(self, shard: int) -> None:
         """Keep a plain tar's index in the cache (counted in :meth:`resident_bytes`), unless it is there."""
@@ -249,15 +247,14 @@ class RemoteTarSource(RemoteSource):
 
             source.split_shards(reach=64)   # ShardParts(parts=8, ...), or None: whole tars
         """
-        indexes = None if reach is None else self._part_indexes()
+        compressed = any(info.encoding is not None for info in self._files)
         chosen = None
-        if indexes is not None:
+        if reach is not None and not compressed:  # the indexes are read when the cache needs parts
             limit, resident = self.cache.limit, self.resident_bytes()
-            units_for = functools.partial(self._parts, indexes=indexes)
-            chosen = choose_parts(self._files, limit, resident, reach, units_for, parts)
+            chosen = choose_parts(self._files, limit, resident, reach, self._parts, parts)
         self._part_of = {} if chosen is None else parts_of(self._files, chosen)
         self.use_units(self._files if chosen is None else chosen[1])
-        if reach is not None and indexes is None and self.shards_held() is not None:
+        if reach is not None and compressed and self.shards_held() is not None:
             compressed = sum(info.encoding is not None for info in self._files)
             _log.warning(
                 "%s: shuffle=True through a cache that holds %d of its %d tars reads whole tars in a sliding "
@@ -271,13 +268,10 @@ class RemoteTarSource(RemoteSource):
     def _whole_set_bytes(self) -> int:
         return sum(info.footprint for info in self._files) + self.resident_bytes()
 
-    def _part_indexes(self) -> list[TarIndex] | None:
-        """Every tar's index, or None when a tar is compressed (then no tar is split, so the order is the
-        same on every run). An index not at hand (its kept copy gone or refused) is fetched (the published
-        sidecar) or made again from the tar, and kept."""
+    def _part_indexes(self) -> list[TarIndex]:
+        """Every plain tar's index: at hand, kept, published, or made again from the tar (its kept copy gone
+        or refused), and kept."""
         if self._indexes is None:
-            if any(info.encoding is not None for info in self._files):
-                return None
             missing = [s for s in range(len(self._files)) if s not in self._sidecars]
             if missing:
                 self._part_of = {}
@@ -298,7 +292,7 @@ class RemoteTarSource(RemoteSource):
     def _find_index(self, shard: int) -> None:
         """A plain tar's index, for its parts: kept, else published, else made from the tar; kept."""
         info = self._files[shard]
-        if not self._read_kept_index(shard, info.num_samples):
+        if self._read_kept_index(shard) is None:
             sidecar = self._remote_sidecar(shard)
             index = None if sidecar is None else parse_sidecar(info.url, sidecar, info.remote_size)
             if index is not None and index.num_samples == info.num_samples:
@@ -308,9 +302,9 @@ class RemoteTarSource(RemoteSource):
                 self.cache.mark_read(info.key)
         self._keep_index(shard)
 
-    def _parts(self, parts: int, indexes: list[TarIndex]) -> list[Shard]:
+    def _parts(self, parts: int) -> list[Shard]:
         """Every non-empty part of every tar split into ``parts`` (:func:`part_bounds`), storage order."""
-        units = []
+        indexes, units = self._part_indexes(), []
         for shard, info in enumerate(self._files):
             for first, stop in part_bounds(info.num_samples, parts):
                 lo, hi = part_range(indexes[shard], first, stop)
@@ -341,6 +335,8 @@ class RemoteTarSource(RemoteSource):
         if info.key in self._part_of:
             return  # a part: its index is the tar's, kept in memory
         sidecar = self._sidecars.get(shard)
+        if sidecar is None and info.encoding is None and info.key == self._files[shard].key:
+            sidecar = self._read_kept_index(shard)
         if sidecar is None:
             index = load_tar_index(path, strict=self.tar_strict)
             # Opening (no meta kept yet): the meta and a plain tar's index kept too, where the room reserved
@@ -388,8 +384,11 @@ class RemoteTarSource(RemoteSource):
         shard = 0
         info = self.shards[shard]
         head_len = min(size, 4096)
+        cached = self.cache.has(info.key, info.local_size)
         sidecar = self._sidecars.get(shard)
-        if sidecar is not None and not self.cache.has(info.key, info.local_size):
+        if sidecar is None and not cached and info.encoding is None:
+            sidecar = self._read_kept_index(shard)
+        if sidecar is not None and not cached:
             data = load_npz(io.BytesIO(sidecar))
             fields = [str(f) for f in data["fields"]]
             offset = int(data["offsets"][0, fields.index(field)])
