@@ -101,7 +101,7 @@ def lane_for(process_group: dist.ProcessGroup | None) -> Lane | None:
         lane: Lane | None
         try:
             lane = Lane(parent)
-        except (RuntimeError, ValueError) as error:
+        except (RuntimeError, ValueError, KeyError) as error:  # KeyError: a group dist did not make
             warnings.warn(
                 f"fastcomm: no second process group for overlapped phase 2 ({error}); phase 2 is issued "
                 f"from the next hook call instead",

@@ -1,0 +1,154 @@
+"""fastcomm.ft: replicas on torchft's engine, killed with SIGKILL and started again, nothing lost.
+
+Every job runs real processes (3 replicas, each with its torchft Manager and gloo groups over 127.0.0.1) and
+a real Lighthouse, with short timeouts (1 s heartbeat, 5 s collectives). Few launches, many checks each:
+
+* DiLoCo, 4-bit, H=5, no faults, and the same job where replica 2 is killed mid-interval (step 32), replica
+  1 inside the exchange of the sync at step 65, and replica 2 again (its second life) at step 102, each
+  started again at once;
+* DDP with the 8-bit hook, no faults, and the same job where replica 1 is killed inside the exchange of step
+  40 and again of step 90;
+* streaming DiLoCo (2 fragments, 3 steps late), no faults, and one kill mid-interval;
+* two replicas whose compressors differ (the first quorum names it).
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="fastcomm.ft needs torchft: pip install 'fastcomm[ft]' (make install)")
+
+import fastcomm  # noqa: E402
+import fastcomm.ft  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _ft_workers as workers  # noqa: E402
+from _ft_workers import Job, Kill  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+DILOCO_KILLS = [Kill(2, 0, "interval", 32), Kill(1, 0, "sync", 65), Kill(2, 1, "interval", 102)]
+DDP_KILLS = [Kill(1, 0, "exchange", 40), Kill(1, 1, "exchange", 90)]
+STREAMING = {"mode": "diloco", "sync_every": 6, "fragments": 2, "delay": 3, "steps": 240}
+LAUNCHES = ["diloco", "diloco_faults", "ddp", "ddp_faults", "streaming", "streaming_faults"]
+RESUME_BOUND_S = 15.0  # heartbeat timeout (1 s) + a failed collective (at most its 5 s timeout) + a quorum
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every launch of this module, once: name -> what :func:`_ft_workers.run` returned."""
+    jobs = {
+        "diloco": Job(mode="diloco"),
+        "diloco_faults": Job(mode="diloco", kills=DILOCO_KILLS),
+        "ddp": Job(mode="ddp"),
+        "ddp_faults": Job(mode="ddp", kills=DDP_KILLS),
+        "streaming": Job(**STREAMING),
+        "streaming_faults": Job(**STREAMING, kills=[Kill(2, 0, "interval", 40)]),
+    }
+    results = {name: workers.run(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
+    cpu = {name: round(result["replica_cpu_s"], 1) for name, result in results.items()}
+    print(f"fastcomm.ft launches: replica CPU seconds {cpu}, forkserver {workers.forkserver_cpu_s():.1f}")
+    return results
+
+
+def _committed(result: dict) -> list[int]:
+    records = [record for log in result["logs"].values() for record in log if record["kind"] == "commit"]
+    return [i for record in records for i in record["ids"]]
+
+
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_every_live_replica_ends_with_the_same_weights(runs, name):
+    result = runs[name]
+    assert not result["errors"], result["errors"]
+    finals = result["finals"]
+    assert sorted(finals) == [0, 1, 2], f"replicas that finished: {sorted(finals)}, exits {result['exits']}"
+    key = "global" if result["job"]["fragments"] > 1 else "weights"
+    first = finals[0]["stats"]["global"] if key == "global" else finals[0]["weights"]
+    for replica, final in finals.items():
+        mine = final["stats"]["global"] if key == "global" else final["weights"]
+        assert torch.equal(mine, first), f"replica {replica}'s {key} weights differ from replica 0's"
+        assert final["stats"]["step"] == result["job"]["steps"]
+
+
+@pytest.mark.parametrize(("name", "reference"), [("diloco_faults", "diloco"), ("ddp_faults", "ddp"),
+                                                 ("streaming_faults", "streaming")])  # fmt: skip
+def test_loss_within_2_percent_of_the_run_without_faults(runs, name, reference):
+    loss, clean = runs[name]["finals"][0]["loss"], runs[reference]["finals"][0]["loss"]
+    assert abs(loss - clean) <= 0.02 * clean, f"{name}: loss {loss:.5f}, without faults {clean:.5f}"
+
+
+@pytest.mark.parametrize("name", ["diloco", "diloco_faults", "ddp", "ddp_faults"])
+def test_no_sample_lost_or_read_twice(runs, name):
+    """The committed samples of all replicas, every life of each, are the order's first K, once each."""
+    result = runs[name]
+    ids = _committed(result)
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} samples committed twice"
+    assert set(ids) == set(result["order"][: len(ids)]), "the committed samples are not a prefix of the order"
+    steps, replicas, batch = result["job"]["steps"], result["job"]["replicas"], result["job"]["batch_size"]
+    assert len(ids) >= steps * batch * (replicas - 1), f"only {len(ids)} samples committed in {steps} steps"
+
+
+@pytest.mark.parametrize("name", ["diloco_faults", "ddp_faults", "streaming_faults"])
+def test_survivors_keep_stepping_through_each_kill(runs, name):
+    """Replica 0 is never killed: it never stands still for long, and loses at most an interval a kill."""
+    result = runs[name]
+    survivor = result["finals"][0]
+    gaps = [b - a for (_, a), (_, b) in zip(survivor["times"], survivor["times"][1:], strict=False)]
+    assert max(gaps) < RESUME_BOUND_S, f"the survivor stood still for {max(gaps):.1f} s"
+    kills = len(result["job"]["kills"])
+    stats = survivor["stats"]
+    if result["job"]["mode"] == "ddp":
+        assert 1 <= stats["failed_exchanges"] <= kills
+    else:
+        assert 1 <= stats["failed_syncs"] <= kills
+        assert stats["discarded_steps"] <= stats["failed_syncs"] * result["job"]["sync_every"]
+
+
+@pytest.mark.parametrize(("name", "replica", "lives"), [("diloco_faults", 2, 3), ("diloco_faults", 1, 2),
+                                                        ("ddp_faults", 1, 3)])  # fmt: skip
+def test_a_killed_replica_heals_from_a_peer_each_time(runs, name, replica, lives):
+    result = runs[name]
+    killed = [exit_ for exit_ in result["exits"] if exit_[0] == replica and exit_[2] == -9]
+    assert len(killed) == lives - 1
+    for life in range(1, lives):
+        kinds = [record["kind"] for record in result["logs"][(replica, life)]]
+        assert "healed" in kinds, f"replica {replica}'s life {life} did not heal: {kinds[:6]}"
+
+
+def test_compressors_that_differ_are_named_at_the_first_quorum(tmp_path):
+    result = workers.run(Job(mode="diloco", replicas=2, steps=10, odd_bits=8), tmp_path, deadline_s=60)
+    assert len(result["errors"]) == 2, result["errors"]
+    assert all(error.startswith("CompressorMismatchError") for error in result["errors"].values())
+
+
+def test_an_unreachable_lighthouse_is_a_named_error_not_a_hang():
+    with pytest.raises(fastcomm.ft.LighthouseUnreachableError, match="torchft_lighthouse --bind"):
+        fastcomm.ft.connect("r0", lighthouse="http://127.0.0.1:9", connect_timeout=timedelta(seconds=2))
+
+
+def test_a_manager_without_a_process_group_is_named():
+    with pytest.raises(fastcomm.ft.NoProcessGroupError, match="ProcessGroupGloo"):
+        fastcomm.ft.ManagedExchange(SimpleNamespace(_pg=None))
+
+
+def test_diloco_on_an_asynchronous_quorum_is_named():
+    model = torch.nn.Linear(4, 2)
+    outer = fastcomm.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=5)
+    with pytest.raises(fastcomm.ft.AsyncQuorumError, match="use_async_quorum=False"):
+        fastcomm.ft.FaultTolerantDiLoCo(SimpleNamespace(_use_async_quorum=True), outer)
+
+
+def test_ddp_whose_buckets_are_rebuilt_is_named(small_ddp):
+    with pytest.raises(fastcomm.ft.RebuildingBucketsError, match="find_unused_parameters=True"):
+        fastcomm.ft.register(small_ddp(), SimpleNamespace(), "quantize", bits=8)
+
+
+def test_auto_is_refused_with_what_to_name_instead(small_ddp):
+    with pytest.raises(ValueError, match='"quantize" with bits=8'):
+        fastcomm.ft.register(small_ddp(), SimpleNamespace(), "auto")
