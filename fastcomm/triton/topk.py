@@ -1,17 +1,17 @@
 """Triton kernels for top-k selection with error feedback, bit for bit ``reference.topk_select``.
 
 The k-th largest magnitude key ``t`` (the bits of ``|float32(x + residual)|`` read as an int32) is found
-without sorting, by a radix select on the device: three histogram passes over the keys (digits of 11, 10
-and 10 bits, most significant first), each counting only the keys whose higher digits match those chosen
-so far, and after each a one-program kernel that picks the digit holding the k-th key. Nothing goes back to
-the host. The approximate mode runs the same select on a hashed sample (``reference`` defines its positions)
-for the sample's ``ceil(m * k / n)``-th key instead.
+without sorting, by a radix select on the device: digits of 11, 10 and 10 bits, most significant first;
+for each, a histogram of the keys whose higher digits match those chosen so far, then a one-program kernel
+that picks the digit holding the k-th key. Only the first digit is taken over every key: one pass then
+gathers the keys that share it (about 1% of a gradient when k is 1%) and counts per span of elements those
+above it, and the other digits are chosen among the gathered keys. The approximate mode runs the select on
+a hashed sample (``reference`` defines its positions) for the sample's ``ceil(m * k / n)``-th key instead.
 
-Then two passes collect, in index order: one counts per span of elements the keys above ``t`` and equal to
-it; a scan over the spans (torch ops on the device) gives each span its output offset and how many of its
-ties it takes (the lowest indices first, as the reference breaks ties); the last pass writes the values,
+A scan over the spans' counts (torch ops on the device) gives each span its output offset and how many of
+its ties it takes (the lowest indices first, as the reference breaks ties); the last pass writes the values,
 the int32 indices and the new residual (``acc`` with the sent entries zeroed), reading ``x`` and the
-residual's source once more. Keys need no arithmetic beyond ``x + residual`` in ``x``'s dtype, so every
+residual's source a third time. Keys need no arithmetic beyond ``x + residual`` in ``x``'s dtype, so every
 output is exact.
 """
 
@@ -60,6 +60,16 @@ def _keys(acc):
 
 
 @triton.jit
+def _load_keys(x_ptr, source_ptr, index, mask, KEYS: tl.constexpr):
+    """The keys at ``index``: read from ``x_ptr`` when it holds keys (``KEYS``), else of ``x + source``."""
+    if KEYS:
+        key = tl.load(x_ptr + index, mask=mask, other=0)
+    else:
+        key = _keys(load_accumulated(x_ptr, source_ptr, index, mask))
+    return key
+
+
+@triton.jit
 def _span_tile(tile, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
     """Indices of tile ``tile`` of this program's span, and which exist."""
     index = (tl.program_id(0).to(tl.int64) * TILES + tile) * BLOCK + tl.arange(0, BLOCK)
@@ -70,6 +80,7 @@ def _span_tile(tile, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
 def _histogram_kernel(
     x_ptr, source_ptr, state_ptr, hist_ptr, n,
     SHIFT: tl.constexpr, DIGIT_BITS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    KEYS: tl.constexpr,
 ):  # fmt: skip
     """Adds to ``hist`` the digit ``(key >> SHIFT) & (2**DIGIT_BITS - 1)`` of the keys whose higher bits
     are the prefix ``state[0]`` chosen by the earlier passes."""
@@ -79,7 +90,7 @@ def _histogram_kernel(
     others = tl.zeros([BLOCK], tl.int32)
     for tile in range(TILES):
         index, mask = _span_tile(tile, n, BLOCK, TILES)
-        key = _keys(load_accumulated(x_ptr, source_ptr, index, mask))
+        key = _load_keys(x_ptr, source_ptr, index, mask, KEYS)
         match = mask & ((key >> (SHIFT + DIGIT_BITS)) == prefix)
         digit = tl.where(match, (key >> SHIFT) & ((1 << DIGIT_BITS) - 1), 0)
         counts += tl.histogram(digit, 1 << DIGIT_BITS)
@@ -122,6 +133,43 @@ def _count_kernel(
         tied += (mask & (key == threshold)).to(tl.int32)
     tl.store(above_ptr + tl.program_id(0), tl.sum(above, axis=0))
     tl.store(tied_ptr + tl.program_id(0), tl.sum(tied, axis=0))
+
+
+@triton.jit
+def _gather_kernel(
+    x_ptr, source_ptr, state_ptr, above_ptr, keys_ptr, index_ptr, count_ptr, n,
+    SHIFT: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """Per span: how many keys lie above the first digit ``state[0]`` (``key >> SHIFT``); the keys with
+    that digit and their indices are appended to the candidates (in any order, ``count`` is their end)."""
+    digit = tl.load(state_ptr)
+    above = tl.zeros([BLOCK], tl.int32)
+    for tile in range(TILES):
+        index, mask = _span_tile(tile, n, BLOCK, TILES)
+        key = _keys(load_accumulated(x_ptr, source_ptr, index, mask))
+        above += (mask & ((key >> SHIFT) > digit)).to(tl.int32)
+        candidate = (mask & ((key >> SHIFT) == digit)).to(tl.int32)
+        found = tl.sum(candidate, axis=0)
+        first = tl.atomic_add(count_ptr, found, mask=found > 0)
+        position = first + tl.cumsum(candidate, axis=0) - candidate
+        tl.store(keys_ptr + position, key, mask=candidate != 0)
+        tl.store(index_ptr + position, index.to(tl.int32), mask=candidate != 0)
+    tl.store(above_ptr + tl.program_id(0), tl.sum(above, axis=0))
+
+
+@triton.jit
+def _candidate_counts_kernel(
+    keys_ptr, index_ptr, state_ptr, above_ptr, tied_ptr, count, SPAN: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Adds each candidate above the threshold ``state[0]``, or equal to it, to its span's count."""
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = at < count
+    key = tl.load(keys_ptr + at, mask=ok, other=0)
+    span = tl.load(index_ptr + at, mask=ok, other=0) // SPAN
+    threshold = tl.load(state_ptr)
+    one = tl.full([BLOCK], 1, tl.int32)
+    tl.atomic_add(above_ptr + span, one, mask=ok & (key > threshold))
+    tl.atomic_add(tied_ptr + span, one, mask=ok & (key == threshold))
 
 
 @triton.jit
@@ -171,24 +219,99 @@ def _sample_kernel(
     tl.store(sample_ptr + strata, load_accumulated(x_ptr, source_ptr, position, ok), mask=ok)
 
 
+def _select_digits(
+    keys: torch.Tensor, source: torch.Tensor | None, state: torch.Tensor, hists: torch.Tensor,
+    digits: range, keys_given: bool,
+) -> None:  # fmt: skip
+    """Radix passes ``digits`` (positions in ``_DIGITS``) over ``keys``: each narrows ``state`` by a digit."""
+    n = keys.numel()
+    spans = _spans(n, tiles=16)
+    grid = (triton.cdiv(n, spans.span),)
+    for position in digits:
+        shift, bits = _DIGITS[position]
+        first = sum(1 << b for _, b in _DIGITS[:position])
+        hist = hists[first : first + (1 << bits)]
+        _histogram_kernel[grid](
+            keys, source, state, hist, n, SHIFT=shift, DIGIT_BITS=bits, BLOCK=spans.block,
+            TILES=spans.tiles, KEYS=keys_given, num_warps=spans.num_warps,
+        )  # fmt: skip
+        _choose_digit_kernel[(1,)](hist, state, DIGIT_BITS=bits, num_warps=4)
+
+
+def _new_state(rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A radix select's state ``[prefix, rank]`` and its zeroed histograms, one per digit."""
+    state = torch.tensor([0, rank], dtype=torch.int64, device=device)
+    return state, torch.zeros(sum(1 << bits for _, bits in _DIGITS), dtype=torch.int32, device=device)
+
+
 def _radix_select(flat: torch.Tensor, source: torch.Tensor | None, rank: int) -> torch.Tensor:
     """The device state ``[t, ties]``: the ``rank``-th largest key ``t`` of ``flat + source`` and how many
     keys equal to ``t`` the top ``rank`` hold (``1 <= rank <= flat.numel()``)."""
-    n = flat.numel()
-    state = torch.tensor([0, rank], dtype=torch.int64, device=flat.device)
-    hists = torch.zeros(sum(1 << bits for _, bits in _DIGITS), dtype=torch.int32, device=flat.device)
-    spans = _spans(n, tiles=16)
-    grid = (triton.cdiv(n, spans.span),)
-    first = 0
-    for shift, bits in _DIGITS:
-        hist = hists[first : first + (1 << bits)]
-        first += 1 << bits
-        _histogram_kernel[grid](
-            flat, source, state, hist, n, SHIFT=shift, DIGIT_BITS=bits, BLOCK=spans.block,
-            TILES=spans.tiles, num_warps=spans.num_warps,
-        )  # fmt: skip
-        _choose_digit_kernel[(1,)](hist, state, DIGIT_BITS=bits, num_warps=4)
+    state, hists = _new_state(rank, flat.device)
+    _select_digits(flat, source, state, hists, range(len(_DIGITS)), keys_given=False)
     return state
+
+
+def _counts(
+    flat: torch.Tensor, source: torch.Tensor | None, state: torch.Tensor, spans: _Spans
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per span: the keys above the threshold ``state[0]`` and equal to it (one pass over ``x``)."""
+    n = flat.numel()
+    programs = triton.cdiv(n, spans.span)
+    above = torch.empty(programs, dtype=torch.int32, device=flat.device)
+    tied = torch.empty_like(above)
+    if programs:
+        _count_kernel[(programs,)](
+            flat,
+            source,
+            state,
+            above,
+            tied,
+            n,
+            BLOCK=spans.block,
+            TILES=spans.tiles,
+            num_warps=spans.num_warps,
+        )
+    return above, tied
+
+
+def _exact(
+    flat: torch.Tensor, source: torch.Tensor | None, k: int, spans: _Spans
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact threshold state and the per-span counts, reading ``x`` three times in all (with the write).
+
+    1. The first digit's histogram (one pass); its count of the digit holding the k-th key is read back.
+    2. One pass counts per span the keys above that digit and gathers the keys with it (the candidates,
+       about 1% of a gradient for k = 1%); the other digits are selected among the candidates only, and
+       the candidates above or at the threshold are added to their spans' counts.
+
+    When more than a quarter of the keys share the first digit (ties, a constant tensor), the candidates
+    would cost more than they save: every digit and the counts then read ``x`` again.
+    """
+    n = flat.numel()
+    state, hists = _new_state(k, flat.device)
+    _select_digits(flat, source, state, hists, range(1), keys_given=False)
+    candidates = int(hists[: 1 << _DIGITS[0][1]][state[0]])  # the one read-back of the exact mode
+    if candidates > n // 4:
+        _select_digits(flat, source, state, hists, range(1, len(_DIGITS)), keys_given=False)
+        return (state, *_counts(flat, source, state, spans))
+    programs = triton.cdiv(n, spans.span)
+    above = torch.empty(programs, dtype=torch.int32, device=flat.device)
+    tied = torch.zeros_like(above)
+    keys = torch.empty(candidates, dtype=torch.int32, device=flat.device)
+    where = torch.empty_like(keys)
+    found = torch.zeros(1, dtype=torch.int32, device=flat.device)
+    _gather_kernel[(programs,)](
+        flat, source, state, above, keys, where, found, n, SHIFT=_DIGITS[0][0], BLOCK=spans.block,
+        TILES=spans.tiles, num_warps=spans.num_warps,
+    )  # fmt: skip
+    _select_digits(keys, None, state, hists, range(1, len(_DIGITS)), keys_given=True)
+    block = _spans(candidates, tiles=1)
+    _candidate_counts_kernel[(triton.cdiv(candidates, block.block),)](
+        keys, where, state, above, tied, candidates, SPAN=spans.span, BLOCK=block.block,
+        num_warps=block.num_warps,
+    )  # fmt: skip
+    return state, above, tied
 
 
 def _approximate_state(flat: torch.Tensor, source: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -214,14 +337,15 @@ def topk_select(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`fastcomm.reference.topk_select` (same arguments, same bits out).
 
-    1. The threshold: exact, the k-th largest key by a three-pass radix select (``x`` and the residual's
-       source read three times); approximate, the same select on the reference's hashed sample (falling back
-       to exact where the reference does).
-    2. One pass counts, per span, the keys above the threshold and equal to it; torch scans the counts.
-    3. One pass writes the values, the ascending int32 indices and the new residual ``acc`` with the sent
+    1. The threshold and, per span, how many keys lie above it and at it: exact, by a radix select whose
+       first digit is taken over all keys and the others over the candidates that share it (see
+       :func:`_exact`: two passes over ``x`` and the residual's source); approximate, the same select on
+       the reference's hashed sample, then one counting pass (falling back to exact where the reference
+       does). Torch scans the counts into each span's offset and share of the ties.
+    2. One pass writes the values, the ascending int32 indices and the new residual ``acc`` with the sent
        entries zeroed (``residual_source``, when given, is read in place of ``residual``).
 
-    The exact mode never leaves the device; the approximate one reads its count back to size its outputs.
+    Each mode reads one count back to the host (the candidates; the approximate mode's output size).
     ``x`` and ``residual`` may have any strides (a strided residual is updated through a contiguous copy).
 
     Raises:
@@ -237,21 +361,16 @@ def topk_select(
     n = flat.numel()
     use_exact = exact or reference.approx_sample_size(n, k) * 2 > n
     with _common.device_guard(flat):
-        if k <= 0 or n == 0:
-            state = torch.tensor([_KEY_MAX, 0], dtype=torch.int64, device=flat.device)
-        elif use_exact:
-            state = _radix_select(flat, operands.source, k)
-        else:
-            state = _approximate_state(flat, operands.source, k)
         spans = _spans(n, tiles=4)
         programs = triton.cdiv(n, spans.span)
-        above = torch.empty(programs, dtype=torch.int32, device=flat.device)
-        tied = torch.empty_like(above)
-        if programs:
-            _count_kernel[(programs,)](
-                flat, operands.source, state, above, tied, n, BLOCK=spans.block, TILES=spans.tiles,
-                num_warps=spans.num_warps,
-            )  # fmt: skip
+        if k <= 0 or n == 0:
+            state = torch.tensor([_KEY_MAX, 0], dtype=torch.int64, device=flat.device)
+            above, tied = _counts(flat, operands.source, state, spans)
+        elif use_exact:
+            state, above, tied = _exact(flat, operands.source, k, spans)
+        else:
+            state = _approximate_state(flat, operands.source, k)
+            above, tied = _counts(flat, operands.source, state, spans)
         tied_before = torch.cumsum(tied, 0, dtype=torch.int64) - tied
         taken = torch.minimum((state[1] - tied_before).clamp_(min=0), tied)
         chosen = above + taken

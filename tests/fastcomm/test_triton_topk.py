@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from fastcomm import reference  # noqa: E402
+from fastcomm.triton import topk  # noqa: E402
 from fastcomm.triton.topk import topk_select  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # interpreter's numpy on inf
@@ -63,7 +64,6 @@ CASES = [
     (1, torch.float32, "randn", 1),
     (7, torch.float16, "ties", 3),
     (1000, torch.bfloat16, "nonfinite", 10),
-    (4099, torch.float32, "ties", 41),
     (4099, torch.float16, "sparse", 4099),
     (20_011, torch.bfloat16, "randn", 200),
     (20_011, torch.float32, "sparse", 5000),
@@ -75,6 +75,30 @@ def test_exact_matches_reference(case: tuple) -> None:
     n, dtype, kind, k = case
     x, residual = _inputs(case, n, kind, dtype)
     _check(x, residual, k, exact=True)
+
+
+class _LaunchCounter:
+    """Stands in for a ``@triton.jit`` kernel and counts its launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(("kind", "gathers"), [("randn", 1), ("ties", 0)])
+def test_exact_gathers_candidates_unless_a_quarter_share_the_first_digit(
+    kind: str, gathers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways of the exact mode: the later digits among the gathered candidates (randn), or over every
+    key again (ties without a residual: the 2/7 of the keys equal to 3 share the k-th key's first digit)."""
+    counter = _LaunchCounter(topk._gather_kernel)
+    monkeypatch.setattr(topk, "_gather_kernel", counter)
+    x, residual = _inputs(("paths", kind), 4099, kind, torch.float32)
+    _check(x, residual if kind == "randn" else None, 41, exact=True)
+    assert counter.launches == gathers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
