@@ -172,16 +172,23 @@ def _ddp_run(opts: Options, rank: int, device: torch.device, record: Record) -> 
         return done
 
     ddp.register_comm_hook(state, hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    _train(ddp, opts, rank, device, record, record.ddp_step_s)
+
+
+def _train(
+    model: nn.Module, opts: Options, rank: int, device: torch.device, record: Record, seconds: list[float]
+) -> None:
+    """``opts.steps`` SGD steps, each timed (synchronised) into ``seconds`` and stamped on ``record``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(opts.steps):
         record.step = step
         _sync(device)
         start = time.perf_counter()
-        ddp(_batch(opts, rank, step, device)).square().mean().backward()
+        model(_batch(opts, rank, step, device)).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
         _sync(device)
-        record.ddp_step_s.append(time.perf_counter() - start)
+        seconds.append(time.perf_counter() - start)
 
 
 class _Recorder:
@@ -229,16 +236,7 @@ def _fsdp_run(opts: Options, rank: int, device: torch.device, record: Record) ->
     modules = dict(model.named_modules())
     for name, reduction in compression.reductions.items():
         modules[name].set_custom_reduce_scatter(_Recorder(name, reduction, device, record, record.fsdp))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(opts.steps):
-        record.step = step
-        _sync(device)
-        start = time.perf_counter()
-        model(_batch(opts, rank, step, device)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        _sync(device)
-        record.fsdp_step_s.append(time.perf_counter() - start)
+    _train(model, opts, rank, device, record, record.fsdp_step_s)
 
 
 def _direct_reduction() -> fastcomm.fsdp.CompressedReduceScatter:

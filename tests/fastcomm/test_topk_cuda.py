@@ -6,8 +6,14 @@ residual must all equal the reference bit for bit, in exact and in approximate m
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _topk_cases import assert_same, check_topk, topk_inputs  # noqa: E402
 
 import fastcomm.ops  # noqa: F401  (declares the ops and loads fastcomm._C)
 from fastcomm import reference
@@ -24,38 +30,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _inputs(n: int, kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(n)
-    if kind == "ties":
-        x = torch.randint(-3, 4, (n,), generator=generator).float()
-    elif kind == "sparse":
-        x = torch.randn(n, generator=generator)
-        x[torch.rand(n, generator=generator) < 0.9] = 0.0
-    else:
-        x = torch.randn(n, generator=generator)
-    if kind == "nonfinite" and n > 10:
-        x[3], x[7], x[n // 2] = float("nan"), float("inf"), -float("inf")
-    residual = torch.randn(n, generator=generator) * 0.1
-    return x.to(dtype), residual.to(dtype)
-
-
-def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    actual = actual.cpu()
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan)
-    assert torch.equal(actual[~nan], expected[~nan])
+    return topk_inputs(n, n, kind, dtype)
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor | None, k: int, exact: bool) -> None:
-    ref_residual = residual.clone() if residual is not None else None
-    ref_values, ref_indices = reference.topk_select(x, k, ref_residual, exact)
-    cuda_residual = residual.cuda() if residual is not None else None
-    values, indices = torch.ops.fastcomm.topk_select(x.cuda(), k, cuda_residual, exact)
-    assert indices.dtype == torch.int32 and indices.is_cuda
-    assert torch.equal(indices.cpu(), ref_indices)
-    _assert_same(values, ref_values)
-    if residual is not None:
-        _assert_same(cuda_residual, ref_residual)
+    check_topk(torch.ops.fastcomm.topk_select, "cuda", x, residual, k, exact)
 
 
 @pytest.mark.parametrize("kind", ["randn", "ties", "sparse", "nonfinite"])
@@ -111,6 +90,6 @@ def test_residual_source(dtype: torch.dtype, exact: bool) -> None:
         source_cuda = source.cuda()
         values, indices = torch.ops.fastcomm.topk_select(x.cuda(), 20_000, residual, exact, source_cuda)
         assert torch.equal(indices.cpu(), ref_indices)
-        _assert_same(values, ref_values)
-        _assert_same(residual, expected)
-        _assert_same(source_cuda, source)
+        assert_same(values, ref_values)
+        assert_same(residual, expected)
+        assert_same(source_cuda, source)

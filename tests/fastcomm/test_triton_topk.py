@@ -8,10 +8,15 @@ must equal the reference exactly, ties and NaN included.
 
 from __future__ import annotations
 
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _topk_cases import assert_same, check_topk, topk_inputs  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
@@ -25,39 +30,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _inputs(case: tuple, n: int, kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
-    if kind == "ties":
-        x = torch.randint(-3, 4, (n,), generator=generator).float()
-    elif kind == "sparse":
-        x = torch.randn(n, generator=generator)
-        x[torch.rand(n, generator=generator) < 0.9] = 0.0
-    else:
-        x = torch.randn(n, generator=generator)
-    if kind == "nonfinite" and n > 10:
-        x[3], x[7], x[n // 2] = float("nan"), float("inf"), -float("inf")
-    residual = torch.randn(n, generator=generator) * 0.1
-    return x.to(dtype), residual.to(dtype)
-
-
-def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Equal values, NaN where the reference has NaN."""
-    actual = actual.cpu()
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan)
-    assert torch.equal(actual[~nan], expected[~nan])
+    return topk_inputs(zlib.crc32(repr(case).encode()), n, kind, dtype)
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor | None, k: int, exact: bool) -> None:
-    expected_residual = residual.clone() if residual is not None else None
-    ref_values, ref_indices = reference.topk_select(x, k, expected_residual, exact)
-    device_residual = residual.to(DEVICE) if residual is not None else None
-    values, indices = topk_select(x.to(DEVICE), k, device_residual, exact)
-    assert indices.dtype == torch.int32 and indices.device.type == DEVICE
-    assert torch.equal(indices.cpu(), ref_indices)
-    _assert_same(values, ref_values)
-    if residual is not None:
-        _assert_same(device_residual, expected_residual)
+    check_topk(topk_select, DEVICE, x, residual, k, exact)
 
 
 CASES = [
@@ -139,10 +116,10 @@ def test_residual_source(same: bool) -> None:
     residual = source_dev if same else torch.randn(3001).to(torch.bfloat16).to(DEVICE)
     values, indices = topk_select(x.to(DEVICE), 30, residual, True, source_dev)
     assert torch.equal(indices.cpu(), ref_indices)
-    _assert_same(values, ref_values)
-    _assert_same(residual, expected)
+    assert_same(values, ref_values)
+    assert_same(residual, expected)
     if not same:
-        _assert_same(source_dev, source)
+        assert_same(source_dev, source)
 
 
 def test_strided_input_and_residual() -> None:
@@ -154,8 +131,8 @@ def test_strided_input_and_residual() -> None:
     device_residual = residual.to(DEVICE)
     values, indices = topk_select(x.to(DEVICE), 28, device_residual)
     assert torch.equal(indices.cpu(), ref_indices)
-    _assert_same(values, ref_values)
-    _assert_same(device_residual, expected)
+    assert_same(values, ref_values)
+    assert_same(device_residual, expected)
 
 
 @pytest.mark.parametrize("exact", [True, False])
