@@ -169,6 +169,13 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> flo
     return statistics.median(times)
 
 
+def _failed(case: str, exc: Exception) -> Row:
+    """The row of a case whose kernel raised: its error's last line says why."""
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+    print(f"!!! {case}: {type(exc).__name__}: {why}", flush=True)
+    return Row(case, "", "failed", float("nan"), "", extra={"why": f"{type(exc).__name__}: {why}"})
+
+
 def _rows(n: int, dtype: torch.dtype, device: torch.device, ratio: float, repeat: int) -> list[Row]:
     label = f"{n >> 20}M {str(dtype)[6:]}" if n % (1 << 20) == 0 else f"{n:,} {str(dtype)[6:]}"
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype).to(device)
@@ -187,8 +194,16 @@ def _rows(n: int, dtype: torch.dtype, device: torch.device, ratio: float, repeat
             {"GB/s": round(memcpy_gbps)},
         )
     ]
-    for case in cases(x, ratio):
-        seconds = _seconds(case.kernel, device, repeat)
+    try:
+        timed = cases(x, ratio)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails to build is a row, not the end of the run
+        return [*rows, _failed(f"setting up the cases {label}", exc)]
+    for case in timed:
+        try:
+            seconds = _seconds(case.kernel, device, repeat)
+        except Exception as exc:  # noqa: BLE001 - likewise: the other kernels are still timed
+            rows.append(_failed(f"{case.name} {label}", exc))
+            continue
         try:
             torch_s: float | None = _seconds(case.torch_call, device, max(1, repeat // 2))
         except torch.cuda.OutOfMemoryError:
