@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -81,9 +81,9 @@ def local_metadata(path: str) -> pq.FileMetaData:
     return _parsed(path, lambda: pq.read_metadata(path))
 
 
-def _parsed(name: str, read: object) -> pq.FileMetaData:
+def _parsed(name: str, read: Callable[[], pq.FileMetaData]) -> pq.FileMetaData:
     try:
-        meta = read()  # type: ignore[operator]
+        meta = read()
     except (pa.ArrowException, OSError) as exc:
         raise CorruptShardError(name, "footer", _EXPECTED, f"metadata pyarrow cannot parse ({exc})") from None
     for g in range(meta.num_row_groups):
