@@ -4,13 +4,16 @@ permutation.
 The question: a remote source is read through a bounded cache, so ``shuffle=True`` there cannot be a full
 permutation: on fastio shards it is a sliding window over a permutation of *parts* of shards, fetched by
 byte range (:mod:`fastio.pipeline.order`'s ``"parts"``, :mod:`fastio.remote.parts`); on sources read
-whole shard by whole shard (compressed tars, tars without sidecars) it is a sliding window of the shards the
-cache holds (``"window"``). How close do their batches come to a full permutation's, cache size by cache
-size, and to ``shuffle="shard"`` (the shard-aware order the same cache admits)?
+whole shard by whole shard (compressed tars) it is a sliding window of the shards the cache holds
+(``"window"``); plain WebDataset tars read parts too, located by their index (a published ``.fidx``
+sidecar, or, without one, the index made when the tar is downloaded at open and kept in the cache). How
+close do their batches come to a full permutation's, cache size by cache size, and to ``shuffle="shard"``
+(the shard-aware order the same cache admits)?
 
 1. Data (in a temp dir, removed at the end): 16 fastio shards of ``--shard-samples`` samples (512), one class
    per shard: a class-sorted set, the hardest case for any order that reads shard by shard. Each sample is
-   a 3x8x8 ``uint8`` array, its class and its id.
+   a 3x8x8 ``uint8`` array, its class and its id. The same samples as 16 WebDataset tars (``x.npy``,
+   ``cls``, ``id``) published without ``.fidx`` sidecars.
 2. The server: :class:`benchmarks.http_server.HttpServer` (``Range`` support, which parts need) on
    127.0.0.1, in a thread (no shaped link: the question is the order, not the network).
 3. For a cache of 2, 4, 8 and 16 shards (``cache_limit`` = that many of the largest shard's cache bytes),
@@ -20,6 +23,8 @@ size, and to ``shuffle="shard"`` (the shard-aware order the same cache admits)?
      ``shuffle_window_parts`` open at once);
    * ``shuffle=True`` over HTTP on whole shards (a source told not to split, as compressed tars read): the
      window it chose (``stats()["shuffle_window_shards"]``);
+   * ``shuffle=True`` over HTTP on the tars without sidecars (each downloaded and indexed once when the
+     loader's source opens, its index kept in the cache): parts, as for fastio shards;
    * ``shuffle="shard"`` over HTTP with the largest ``shuffle_window`` the same cache admits (tried from
      the cache size down until the pass starts without ``CacheFullError``);
    * the full permutation, ``shuffle=True`` over the same shards on local disk: the baseline of every
@@ -29,7 +34,8 @@ size, and to ``shuffle="shard"`` (the shard-aware order the same cache admits)?
    also checks that every sample came exactly once per epoch, and samples the cache folder's bytes (every
    file) after each batch: the peak over the limit is listed beside the largest unit's file (a shard, or a
    part); and the bytes the server sent per epoch (parts: each part's ranges, plus every shard's header and
-   offsets once, at the loader's start).
+   offsets once, at the loader's start), and those it sent in the second epoch alone, with the number of
+   its requests that fetched a whole file (0: the second epoch reads only parts; a tar's index is kept).
 
 Target (the issue's): ``shuffle=True`` >= 0.8x the full permutation's classes per batch at a cache of 4
 shards. One class per shard bounds any order that keeps ``k`` whole shards cached to ``k + 1`` classes per
@@ -38,14 +44,16 @@ batch (the cache admits one shard beyond its limit), where a full permutation of
 
 Run::
 
-    python -m benchmarks.bench_shuffle          # about 50 s on 2 cores (parts: many small requests)
+    python -m benchmarks.bench_shuffle          # about 70 s of CPU on 2 cores (parts: many small requests)
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import shutil
 import sys
+import tarfile
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,7 +65,8 @@ from benchmarks.common import cache_folder_bytes
 from benchmarks.harness import Row, progress, write_results
 from benchmarks.http_server import HttpServer
 from fastio.format.shards.remote import RemoteShardSource
-from fastio.remote import CacheFullError
+from fastio.format.tar.remote import RemoteTarSource
+from fastio.remote import CacheFullError, RemoteSource
 
 __all__ = ["main"]
 
@@ -67,12 +76,23 @@ CACHE_SHARDS = (2, 4, 8, 16)
 
 
 def _write_set(root: Path, shard_samples: int) -> Path:
-    directory = root / "www" / "train"
+    """The fastio shards under ``<root>/www/train`` (returned) and the same samples as tars without sidecars
+    under ``<root>/www/tars``."""
+    directory, tars = root / "www" / "train", root / "www" / "tars"
+    tars.mkdir(parents=True)
     rng = np.random.default_rng(0)
     with fastio.ShardWriter(directory, max_samples=shard_samples) as writer:
-        for i in range(SHARDS * shard_samples):
-            x = rng.integers(0, 255, (3, 8, 8), dtype=np.uint8)
-            writer.write({"x": x, "y": i // shard_samples, "id": i})
+        for shard in range(SHARDS):
+            with tarfile.open(tars / f"shard-{shard:03d}.tar", "w") as tar:
+                for i in range(shard * shard_samples, (shard + 1) * shard_samples):
+                    x = rng.integers(0, 255, (3, 8, 8), dtype=np.uint8)
+                    writer.write({"x": x, "y": shard, "id": i})
+                    npy = io.BytesIO()
+                    np.save(npy, x)
+                    for ext, data in (("x.npy", npy.getvalue()), ("cls", b"%d" % shard), ("id", b"%d" % i)):
+                        member = tarfile.TarInfo(f"s{i:06d}.{ext}")
+                        member.size = len(data)
+                        tar.addfile(member, io.BytesIO(data))
     return directory
 
 
@@ -90,13 +110,16 @@ def _epochs(
 ) -> dict:  # fmt: skip
     """Mean classes per full batch over ``epochs`` epochs, each checked to hold every sample once; with
     ``cache_dir``, the folder's peak bytes sampled after each batch and the largest unit's file; with
-    ``server``, the bytes it sent per epoch (the loader's start included)."""
+    ``server``, the bytes it sent per epoch (the loader's start included), and in the second epoch alone:
+    those bytes and the requests that fetched a whole file."""
     classes, peak, largest_unit = [], 0, 0
+    second: list = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         seen = np.zeros(num_samples, dtype=np.int64)
+        before = 0 if server is None else len(server.log())
         for batch in loader:
-            ys = batch["y"].numpy()
+            ys = (batch["y"] if "y" in batch else batch["cls"]).numpy()
             np.add.at(seen, batch["id"].numpy(), 1)
             if len(ys) == BATCH:
                 classes.append(len(np.unique(ys)))
@@ -104,10 +127,13 @@ def _epochs(
                 peak = max(peak, cache_folder_bytes(cache_dir))
         if not (seen == 1).all():
             raise AssertionError(f"epoch {epoch}: samples came {sorted(set(seen.tolist()))} times, not once")
+        if server is not None and epoch == 1:
+            second = [r for r in server.log()[before:] if r.method == "GET" and r.status in (200, 206)]
     stats = loader.stats()
     source = loader._source
-    if isinstance(source, RemoteShardSource):
+    if isinstance(source, RemoteSource):
         largest_unit = max(s.footprint - s.index_bytes for s in source.shards)
+    whole = [r for r in second if r.end - r.start >= (server.root / r.path.lstrip("/")).stat().st_size]
     return {
         "classes": float(np.mean(classes)),
         "window": stats["shuffle_window_shards"],
@@ -118,6 +144,8 @@ def _epochs(
         "peak": peak,
         "largest_unit": largest_unit,
         "served_per_epoch": None if server is None else server.bytes_served() / epochs,
+        "served_epoch2": sum(r.sent for r in second) if second else None,
+        "whole_files_epoch2": len(whole) if second else None,
     }
 
 
@@ -128,10 +156,12 @@ def _remote(
     shuffle: bool | str,
     whole_shards: bool = False,
     window: int | None = None,
+    tars: bool = False,
 ) -> fastio.StreamLoader:
-    """A loader over ``url`` through an empty cache of ``limit`` bytes; ``window``: ``shuffle="shard"``'s."""
+    """A loader over ``url`` through an empty cache of ``limit`` bytes; ``window``: ``shuffle="shard"``'s;
+    ``tars``: ``url`` names tars."""
     shutil.rmtree(cache_dir, ignore_errors=True)  # every run from an empty cache
-    kind = WholeShards if whole_shards else RemoteShardSource
+    kind = RemoteTarSource if tars else WholeShards if whole_shards else RemoteShardSource
     source = kind(url, cache_dir=str(cache_dir), cache_limit=limit)
     order = fastio.OrderOptions() if window is None else fastio.OrderOptions(shuffle_window=window)
     return fastio.StreamLoader(source, batch_size=BATCH, shuffle=shuffle, seed=0, order=order)
@@ -160,22 +190,28 @@ def _measure(root: Path, args: argparse.Namespace) -> list[Row]:
     rows = [Row("16 class-sorted shards", "full permutation (local)", "classes_per_batch", full, "classes")]
     progress(f"full permutation: {full:.2f} classes per batch of {BATCH}")
     with HttpServer(directory.parent) as server:
-        url = server.url("train/")
-        probe = RemoteShardSource(url, cache_dir=cache_dir)
-        largest = max(s.footprint for s in probe.shards)
-        probe.close()
+        url, tar_url = server.url("train/"), server.url(f"tars/shard-{{000..{SHARDS - 1:03d}}}.tar")
+        largest = {}
+        for kind, where in ((RemoteShardSource, url), (RemoteTarSource, tar_url)):
+            probe = kind(where, cache_dir=cache_dir)
+            largest[kind] = max(s.footprint for s in probe.shards)
+            probe.close()
+            shutil.rmtree(cache_dir)
         for cache_shards in CACHE_SHARDS:
-            limit = cache_shards * largest
+            limit = cache_shards * largest[RemoteShardSource]
             case = f"cache {cache_shards} shards"
             window = _largest_shard_window(url, cache_dir, limit, cache_shards)
             runs = {
                 "shuffle=True": dict(shuffle=True),
                 "shuffle=True, whole shards": dict(shuffle=True, whole_shards=True),
                 f"shuffle='shard' window {window}": dict(shuffle="shard", window=window),
+                "shuffle=True, tars without .fidx": dict(shuffle=True, tars=True),
             }
             for label, options in runs.items():
                 server.clear_log()
-                loader = _remote(url, cache_dir, limit, **options)
+                if options.get("tars"):  # the same number of tars, of their own size
+                    limit = cache_shards * largest[RemoteTarSource]
+                loader = _remote(tar_url if options.get("tars") else url, cache_dir, limit, **options)
                 try:
                     got = _epochs(loader, args.epochs, num_samples, cache_dir, server)
                 finally:
@@ -199,6 +235,8 @@ def _row(case: str, label: str, got: dict, full: float, limit: int) -> Row:
         "peak_over_limit_bytes": got["peak"] - limit,
         "largest_unit_file_bytes": got["largest_unit"],
         "served_mb_per_epoch": round(got["served_per_epoch"] / 1e6, 2),
+        "served_mb_epoch2": None if got["served_epoch2"] is None else round(got["served_epoch2"] / 1e6, 2),
+        "whole_files_epoch2": got["whole_files_epoch2"],
     }
     return Row(case, label, "classes_per_batch", got["classes"], "classes", got["classes"] / full,
                "full permutation (local)", extra)  # fmt: skip
@@ -223,7 +261,18 @@ def main(argv: Sequence[str] | None = None) -> str:
     full = rows[0].value
     at4 = {r.backend: r for r in rows if r.case == "cache 4 shards"}
     parts, whole = at4["shuffle=True"], at4["shuffle=True, whole shards"]
+    tars = at4["shuffle=True, tars without .fidx"]
+    second = (
+        f"; bytes of the second epoch {tars.extra['served_mb_epoch2']} MB in parts, "
+        f"{tars.extra['whole_files_epoch2']} requests for a whole tar"
+        if tars.extra["served_mb_epoch2"] is not None
+        else ""
+    )
     notes = [
+        f"tars without .fidx sidecars (each indexed at open, its index kept in the cache) at a cache of 4 "
+        f"tars: {tars.ratio:.2f}x the full permutation ({tars.extra['parts_per_shard']} parts per tar, "
+        f"{tars.extra['window_parts']} open), peak {tars.extra['peak_over_limit_bytes']} bytes over the "
+        f"limit against a part's file of {tars.extra['largest_unit_file_bytes']}{second}",
         f"the issue's target, shuffle=True >= 0.8x the full permutation at a cache of 4 shards: measured "
         f"{parts.ratio:.2f}x ({parts.extra['parts_per_shard']} parts per shard, "
         f"{parts.extra['window_parts']} open at once); on whole shards (what compressed tars still read) "
@@ -236,7 +285,9 @@ def main(argv: Sequence[str] | None = None) -> str:
         "window_parts parts) open (the cache admits one beyond its limit); peak_over_limit_bytes: the cache "
         "folder's peak (every file) less cache_limit, to compare with largest_unit_file_bytes (a shard's or "
         "a part's file); served_mb_per_epoch: bytes the server sent, over the epochs (parts: their ranges, "
-        "plus each shard's header and offsets once)",
+        "plus each shard's header and offsets once; tars: each downloaded whole once at open, to be "
+        "indexed); served_mb_epoch2, whole_files_epoch2: the second epoch's bytes, and its requests for a "
+        "whole file",
     ]
     table = write_results("bench_shuffle", rows, notes=notes, plot_metric="classes_per_batch")
     print(table)
