@@ -4,17 +4,23 @@ under ``torchrun`` on a tiny GPT, killed, restarted and compared bit for bit wit
 
 The test files split the work so that ``make test``'s pytest-xdist workers can run them side by side;
 each has its own module-scoped data set and reference runs, grouped so that no reference runs twice.
+What a test does not test the launch of (its uninterrupted references, the first leg of a run it
+interrupts, hand-started ranks) runs in ranks that :class:`ForkedRanks` forks from one process that imported
+the example once: a torchrun job's launcher and imports cost ten times its thirty training steps.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +51,7 @@ TINY = [
     "1",
 ]
 RUN_TIMEOUT = 300  # seconds for one torchrun (a loaded 2-core machine)
+RANKS_SERVER = Path(__file__).with_name("_example_ranks.py")
 # The methods of the issue killed at a random step, as the example's arguments: topk, sign, and compressed
 # Adam past its warm-up (quantize 8-bit is killed in the middle of a checkpoint write, in
 # test_fault_checkpoints.py).
@@ -73,7 +80,15 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def forked() -> Iterator[ForkedRanks]:
+    """The module's :class:`ForkedRanks`, its server started at first use."""
+    ranks = ForkedRanks()
+    yield ranks
+    ranks.close()
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory, forked: ForkedRanks):
     """``reference(args)``: the work directory of an uninterrupted run with ``args``, run once per module."""
     runs: dict[tuple[str, ...], Path] = {}
 
@@ -81,11 +96,100 @@ def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         key = tuple(args)
         if key not in runs:
             work = tmp_path_factory.mktemp("reference")
-            run(command(2, data_dir, work, *args), work)
+            forked.run(example_args(data_dir, work, *args), work)
             runs[key] = work
         return runs[key]
 
     return uninterrupted
+
+
+class ForkedRanks:
+    """Runs of the example whose ranks ``_example_ranks.py`` forks, one run at a time, in torchrun's worker
+    environment (without its launcher: nothing restarts them).
+
+    Example::
+
+        ranks = ForkedRanks()
+        stderr = ranks.run(example_args(data_dir, work, "--hook", "sign", "--steps", "30"), work)
+        ranks.close()
+    """
+
+    def __init__(self) -> None:
+        self._server: subprocess.Popen[bytes] | None = None
+        self.pids: list[int] = []
+
+    def start(self, argv: list[str], cwd: Path, world: int = 2, **env: str) -> list[int]:
+        """Fork the ``world`` ranks of the example with ``argv`` in ``cwd`` (their output to
+        ``cwd/rank<r>.err``); return their pids."""
+        if self._server is None:
+            self._server = subprocess.Popen(
+                [sys.executable, str(RANKS_SERVER)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,
+                env=run_env(),
+            )
+        cwd.mkdir(parents=True, exist_ok=True)
+        request = {"argv": argv, "world": world, "cwd": str(cwd), "logs": str(cwd), "env": env}
+        assert self._server.stdin is not None
+        self._server.stdin.write((json.dumps(request) + "\n").encode())
+        self.pids = self.next_reply(time.monotonic() + RUN_TIMEOUT)["pids"]
+        return self.pids
+
+    def next_reply(self, deadline: float) -> dict:
+        """The server's next line: the pids, a rank's end (``rank``, ``status``, ``time``) or ``done``.
+        Past ``deadline``, the ranks are killed and the test fails."""
+        reply = self.poll(max(0.0, deadline - time.monotonic()))
+        if reply is None:
+            self.kill()
+            raise AssertionError("the forked ranks did not finish in time")
+        return reply
+
+    def poll(self, timeout: float = 0.0) -> dict | None:
+        """The server's next line if one comes within ``timeout`` seconds, else None."""
+        assert self._server is not None and self._server.stdout is not None
+        ready, _, _ = select.select([self._server.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self._server.stdout.readline()
+        if not line:
+            self.kill()
+            raise AssertionError(f"the ranks' server ended (rc {self._server.wait()})")
+        return json.loads(line)
+
+    def wait(self, deadline: float) -> dict[int, int]:
+        """Every rank's exit status (minus the signal for a signal), once all have ended."""
+        statuses = {}
+        while "done" not in (reply := self.next_reply(deadline)):
+            statuses[reply["rank"]] = reply["status"]
+        return statuses
+
+    def run(self, argv: list[str], cwd: Path, world: int = 2) -> str:
+        """A whole run of the example with ``argv`` (see :func:`example_args`), which must succeed; returns
+        its ranks' output."""
+        self.start(argv, cwd, world)
+        statuses = self.wait(time.monotonic() + RUN_TIMEOUT)
+        output = "".join((cwd / f"rank{rank}.err").read_text() for rank in range(world))
+        assert statuses == dict.fromkeys(range(world), 0), f"{statuses}\n{output[-4000:]}"
+        return output
+
+    def kill(self) -> None:
+        """SIGKILL the ranks of the run (those still running)."""
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        if self._server is not None:
+            assert self._server.stdin is not None
+            self._server.stdin.close()
+            try:
+                self._server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+                self._server.wait()
 
 
 def train_dir(data_dir: Path) -> Path:
@@ -93,11 +197,28 @@ def train_dir(data_dir: Path) -> Path:
     return found / "train"
 
 
+def example_args(data_dir: Path, work: Path, *args: str) -> list[str]:
+    """The example's arguments for the tiny GPT, with checkpoints under ``work`` (resumed when there are
+    some), a sample log and the final state, then ``args``."""
+    return [
+        *TINY,
+        "--data-dir",
+        str(data_dir),
+        "--checkpoint-dir",
+        str(work / "ckpt"),
+        "--resume",
+        "--sample-log",
+        str(work / "samples"),
+        "--final-state",
+        str(work / "final.pt"),
+        *args,
+    ]
+
+
 def command(
     nproc: int, data_dir: Path, work: Path, *args: str, restarts: int = 3, script: Path = EXAMPLE
 ) -> list[str]:
-    """torchrun of ``script`` (the example, or a test's stand-in for it) on the tiny GPT, with checkpoints
-    under ``work`` (resumed when there are some), a sample log and the final state."""
+    """torchrun of ``script`` (the example, or a test's stand-in for it) with :func:`example_args`."""
     return [
         sys.executable,
         "-m",
@@ -110,17 +231,7 @@ def command(
         "--monitor-interval",
         "0.1",
         str(script),
-        *TINY,
-        "--data-dir",
-        str(data_dir),
-        "--checkpoint-dir",
-        str(work / "ckpt"),
-        "--resume",
-        "--sample-log",
-        str(work / "samples"),
-        "--final-state",
-        str(work / "final.pt"),
-        *args,
+        *example_args(data_dir, work, *args),
     ]
 
 
@@ -236,6 +347,12 @@ def assert_each_sample_once_per_epoch(steps: dict, world: int, num_samples: int,
         assert len(per_epoch[epoch]) == full_epoch, f"epoch {epoch} has {len(per_epoch[epoch])} samples"
 
 
+def method_args(method: str, steps: int) -> list[str]:
+    """The example's arguments for a ``method`` run of ``steps`` steps, checkpointed every 10, the newest
+    three kept (``test_fault_checkpoints.py`` damages two of the sign reference's)."""
+    return [*METHODS[method], "--steps", str(steps), "--checkpoint-every", "10", "--checkpoint-keep", "3"]
+
+
 def sigkill_restart(method: str, data_dir: Path, tmp_path: Path, reference) -> None:
     """SIGKILL one rank of a ``method`` run at a random step; torchrun restarts it; it must end as the
     uninterrupted run did, bit for bit (and, for topk, with the same sample ids at every step)."""
@@ -243,7 +360,7 @@ def sigkill_restart(method: str, data_dir: Path, tmp_path: Path, reference) -> N
     epoch_steps = (num_samples // 2) // BATCH
     # topk runs past one epoch so the sample log can show every sample once; the others are shorter.
     steps = epoch_steps + 12 if method == "topk" else 30
-    args = [*METHODS[method], "--steps", str(steps), "--checkpoint-every", "10"]
+    args = method_args(method, steps)
     uninterrupted = reference(args)
 
     rng = random.Random(f"{method}-{os.getpid()}-{time.time_ns()}")

@@ -1,4 +1,10 @@
-"""examples/train_lm.py runs under torchrun on 2 gloo ranks, checkpoints, and resumes at the right step."""
+"""examples/train_lm.py runs on 2 gloo ranks, checkpoints, and resumes at the right step.
+
+The FSDP2 run goes through ``torchrun`` as the README's does; the checkpoint-and-resume runs are forked from
+one process that imported the example (``_fault_runs.ForkedRanks``), in torchrun's worker environment:
+what they test is the example's checkpoints, and a torchrun launch costs ten times their steps. Resuming
+under torchrun's own restarts is tested in ``test_fault_*.py``.
+"""
 
 import json
 import math
@@ -12,14 +18,22 @@ import torch.distributed as dist
 import fastcomm
 from benchmarks.lm_methods import EXAMPLE, load_example
 
+sys.path.insert(0, str(Path(__file__).parent))
+import _fault_runs as fr  # noqa: E402
+
+forked = fr.forked  # the module-scoped fixture of the forked runs
+
 TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--max-files", "40", "--batch-size", "4",
         "--val-rows", "8", "--log-every", "2"]
 
 
+def _arguments(tmp_path: Path, *args: str) -> list[str]:
+    return [*TINY, "--data-dir", str(tmp_path / "data"), "--checkpoint-dir", str(tmp_path / "ckpt"), *args]
+
+
 def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(EXAMPLE), *TINY, "--data-dir", str(tmp_path / "data"),
-               "--checkpoint-dir", str(tmp_path / "ckpt"), *args]
+               str(EXAMPLE), *_arguments(tmp_path, *args)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -29,17 +43,20 @@ def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.distributed
 # PowerSGD (its warm-start Q's); top-k's resume: bit for bit after a SIGKILL, in test_fault_tolerance.py.
 @pytest.mark.parametrize("hook", ["powersgd"])
-def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(tmp_path: Path, hook: str) -> None:
+def test_train_lm_resumes_at_the_checkpointed_step_with_the_same_losses(
+    tmp_path: Path, hook: str, forked: fr.ForkedRanks
+) -> None:
     # Run A stops after step 6 as if killed; its last checkpoint is step 4. Run B resumes there and must
     # repeat A's steps 5 and 6 exactly (model, optimizer, schedule, hook residuals and PowerSGD's
     # warm-start Q's, loader position, RNG).
     common = ["--hook", hook, "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4"]
-    _torchrun(tmp_path, *common, "--stop-after", "6", "--json", str(tmp_path / "a.json"))
+    a_json, b_json = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    forked.run(_arguments(tmp_path, *common, "--stop-after", "6", "--json", a_json), tmp_path)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000004"]
-    resumed = _torchrun(tmp_path, *common, "--resume", "--json", str(tmp_path / "b.json"))
+    resumed = forked.run(_arguments(tmp_path, *common, "--resume", "--json", b_json), tmp_path)
     first, second = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
 
-    assert f"resumed {hook} (adamw) at step 4" in resumed.stderr
+    assert f"resumed {hook} (adamw) at step 4" in resumed
     assert first["start_step"] == 0 and len(first["train_losses"]) == 6
     assert second["start_step"] == 4 and len(second["train_losses"]) == 4
     losses = first["train_losses"] + second["train_losses"] + second["val_losses"]

@@ -1,11 +1,11 @@
 """Checkpoints that fail under a run of examples/train_lm.py, and the runs that share their references.
 
 Under ``torchrun`` on 2 gloo ranks of a tiny GPT (see ``_fault_runs.py``): a SIGKILL in the middle of a
-checkpoint write, a corrupt newest checkpoint (a flipped byte, a truncated file), and a SIGKILL of a rank
-at a random step under sign. Each must end with the model and optimizer state of an uninterrupted run, bit
-for bit. The checkpoint-write kill runs q8: it is q8's SIGKILL-and-restart test (a rank killed, torchrun
-restarting the group, the run resumed from a checkpoint and ending as the uninterrupted one did), so q8
-needs no random-step run of its own.
+checkpoint write, corrupt newest checkpoints (a flipped byte, a truncated file: both in one resumed run,
+which falls back past the two), and a SIGKILL of a rank at a random step under sign. Each must end with the
+model and optimizer state of an uninterrupted run, bit for bit. The checkpoint-write kill runs q8: it is
+q8's SIGKILL-and-restart test (a rank killed, torchrun restarting the group, the run resumed from a
+checkpoint and ending as the uninterrupted one did), so q8 needs no random-step run of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import _fault_runs as fr  # noqa: E402
 
-data_dir, reference = fr.data_dir, fr.reference  # the module-scoped fixtures of these tests
+data_dir, forked, reference = fr.data_dir, fr.forked, fr.reference  # the module-scoped fixtures here
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 KILLING = Path(__file__).parent / "_killing_train_lm.py"  # the example, with a rank killed in a write
@@ -41,38 +41,41 @@ def test_sigkill_during_a_checkpoint_write_uses_the_previous_one(
     fr.assert_bit_identical(fr.final_state(reference(args)), fr.final_state(tmp_path / "killed"))
 
 
-CORRUPT_ARGS = ["--hook", "sign", "--steps", "30", "--checkpoint-every", "10"]
+DAMAGED = {"flip": (30, 0), "truncate": (20, 1)}  # damage -> (step, rank) of the file it hits
 
 
 @pytest.fixture(scope="module")
-def stopped_at_20(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The work directory of a sign run stopped at step 20 (checkpoints 10 and 20 kept), run once: each
-    damage test copies it."""
-    work = tmp_path_factory.mktemp("stopped")
-    args = [*CORRUPT_ARGS, "--checkpoint-keep", "3", "--stop-after", "20"]
-    fr.run(fr.command(2, data_dir, work, *args), work)
-    return work
-
-
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
-    damage: str, data_dir: Path, tmp_path: Path, reference, stopped_at_20: Path
-) -> None:
-    args = list(CORRUPT_ARGS)
+def damaged_resume(
+    data_dir: Path, tmp_path_factory: pytest.TempPathFactory, reference
+) -> tuple[str, Path, Path]:
+    """The sign reference's checkpoints (steps 10, 20, 30) with the two newest damaged, a flipped byte in
+    rank 0's file of step 30 and rank 1's file of step 20 cut short, resumed under torchrun once: (its
+    stderr, its work directory, the reference's). Each damage test reads its own lines."""
+    args = fr.method_args("sign", 30)
     uninterrupted = reference(args)
-    args += ["--checkpoint-keep", "3"]
-    work = tmp_path / "damaged"
-    shutil.copytree(stopped_at_20, work)
-    victim = work / "ckpt" / "step-000000020" / "rank0.pt"
-    data = bytearray(victim.read_bytes())
-    if damage == "flip":
-        data[len(data) // 2] ^= 0x40
-    else:
-        del data[len(data) * 2 // 3 :]
-    victim.write_bytes(bytes(data))
+    work = tmp_path_factory.mktemp("damaged")
+    shutil.copytree(uninterrupted / "ckpt", work / "ckpt")
+    for damage, (step, rank) in DAMAGED.items():
+        victim = work / "ckpt" / f"step-{step:09d}" / f"rank{rank}.pt"
+        data = bytearray(victim.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x40
+        else:
+            del data[len(data) * 2 // 3 :]
+        victim.write_bytes(bytes(data))
     result = fr.run(fr.command(2, data_dir, work, *args), work)
+    return result.stderr, work, uninterrupted
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
+    damage: str, damaged_resume: tuple[str, Path, Path]
+) -> None:
+    stderr, work, uninterrupted = damaged_resume
+    step = DAMAGED[damage][0]
     reason = "SHA-256 mismatch" if damage == "flip" else "truncated"
-    assert "step-000000020 is unusable" in result.stderr and reason in result.stderr, result.stderr[-3000:]
-    assert "resumed sign (adamw) at step 10" in result.stderr
-    assert (work / "ckpt" / "step-000000020.corrupt").is_dir()
+    said = [line for line in stderr.splitlines() if f"step-{step:09d} is unusable" in line]
+    assert said and reason in said[0], stderr[-3000:]
+    assert (work / "ckpt" / f"step-{step:09d}.corrupt").is_dir()
+    assert "resumed sign (adamw) at step 10" in stderr, stderr[-3000:]
     fr.assert_bit_identical(fr.final_state(uninterrupted), fr.final_state(work))

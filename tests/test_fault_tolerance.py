@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import _fault_runs as fr  # noqa: E402
 
-data_dir, reference = fr.data_dir, fr.reference  # the module-scoped fixtures of these tests
+data_dir, forked, reference = fr.data_dir, fr.forked, fr.reference  # the module-scoped fixtures here
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
