@@ -139,6 +139,7 @@ class TrainConfig:
     hook: str = "none"
     steps: int = 500
     seed: int = 0
+    data_seed: int | None = None  # the training data order's seed (None: seed, which also sets the weights)
     batch_size: int = 16
     warmup_steps: int = 30
     lr: float | None = None  # None: the optimizer's BASE_LR
@@ -277,7 +278,8 @@ def train(
         optimizer, lambda step: lr_factor(step, config.warmup_steps, schedule_steps)
     )
     context = config.model.context
-    train_loader = loader(paths.train, config.batch_size, config.seed, rank, world)
+    data_seed = config.seed if config.data_seed is None else config.data_seed
+    train_loader = loader(paths.train, config.batch_size, data_seed, rank, world)
     val_loader = loader(paths.val, config.batch_size, VAL_SEED, rank, world)
     stream = EpochStream(train_loader)
 

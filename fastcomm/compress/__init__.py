@@ -17,6 +17,10 @@ name          class                   options (defaults)                   paylo
                                       ``orthogonalization="qr"``           matrix (two allreduces, summed)
 ============  ======================  ===================================  =================================
 
+``sparseloco`` (``SparseLoCoCompressor``; ``k=64``, ``chunk=4096``, ``decay=0.95``) sends, per chunk, the
+k largest entries as 16-bit positions and 2-bit values with one fp32 scale, and decays its error feedback:
+SparseLoCo's compressor for DiLoCo's pseudo-gradients (:mod:`fastcomm.compress.sparseloco`).
+
 Renamed names still resolve for one release with a ``DeprecationWarning`` naming the new one: ``"cast16"``
 is ``"cast"``. ``"auto"``, ``"compressor"`` and ``"none"`` are reserved (the hooks and DiLoCo give them other
 meanings).
@@ -41,6 +45,7 @@ from fastcomm.compress.protocol import AllreduceCompressor, Compressor, all_fini
 from fastcomm.compress.quantize import QuantCompressor
 from fastcomm.compress.registry import add_compressor, compressor, compressor_of, label
 from fastcomm.compress.sign import SignCompressor
+from fastcomm.compress.sparseloco import SparseLoCoCompressor
 from fastcomm.compress.topk import TopKCompressor, fit_to_k
 
 __all__ = [
@@ -50,6 +55,7 @@ __all__ = [
     "PowerSGDCompressor",
     "QuantCompressor",
     "SignCompressor",
+    "SparseLoCoCompressor",
     "TopKCompressor",
     "add_compressor",
     "all_finite",

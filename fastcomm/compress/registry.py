@@ -26,6 +26,7 @@ from fastcomm.compress.powersgd import PowerSGDCompressor
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.compress.quantize import QuantCompressor
 from fastcomm.compress.sign import SignCompressor
+from fastcomm.compress.sparseloco import SparseLoCoCompressor
 from fastcomm.compress.topk import TopKCompressor
 
 __all__ = [
@@ -51,6 +52,7 @@ BUILT_IN: Mapping[str, CompressorFactory] = {
     "sign": SignCompressor,
     "cast": CastCompressor,
     "powersgd": PowerSGDCompressor,
+    "sparseloco": SparseLoCoCompressor,
 }
 
 # old name -> its successor; the old name is served, with a DeprecationWarning, until the next release

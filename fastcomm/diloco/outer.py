@@ -16,53 +16,35 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from fastcomm.collectives import Residual, Traffic
 from fastcomm.collectives.residual import check_residual_dtype
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.compress.registry import compressor_of
 from fastcomm.diloco.fragments import Exchange, Fragment, split_parameters
+from fastcomm.diloco.schedule import InnerLRFollower, check_outer_lr, outer_lr_ramp
 
 __all__ = ["DiLoCo", "outer_lr_ramp"]
 
 _FORMAT = 1
 
 
-def _check_outer_lr(value: Any, where: str = "") -> float:
-    # a number: Python's, numpy's or a one-element tensor (what float() takes without parsing a string)
-    if isinstance(value, bool) or not hasattr(type(value), "__float__") or not float(value) > 0:
-        raise ValueError(f"outer_lr must be a number > 0 or a function of the step returning one, got "
-                         f"{value!r}{where}")
-    return float(value)
+DEFAULT_OUTER_MOMENTUM = 0.5
 
 
-def outer_lr_ramp(start: float, end: float, hold: int, until: int) -> Callable[[int], float]:
-    """An outer lr schedule for :class:`DiLoCo`: ``start`` up to inner step ``hold``, then linear to ``end``
-    at step ``until``, then ``end``.
-
-    Why: from scratch, a full outer step on the first syncs (when the replicas move far apart in ``H``
-    steps) can start a loss spike that a short run never recovers from; a lower outer lr then, rising
-    later while the inner LR decays, kept 4-bit DiLoCo near dense on the LM task (docs/diloco.md).
-
-    Example::
-
-        outer = fastcomm.DiLoCo(model, inner, sync_every=10, outer_momentum=0.5,
-                                outer_lr=fastcomm.outer_lr_ramp(0.5, 1.0, hold=100, until=500))
-    """
-    for name, value in (("start", start), ("end", end)):
-        _check_outer_lr(value, f" for {name}")
-    if isinstance(hold, bool) or not isinstance(hold, int) or not 0 <= hold < until:
-        raise ValueError(f"outer_lr_ramp needs 0 <= hold < until (ints), got hold={hold!r}, until={until!r}")
-
-    def lr(step: int) -> float:
-        if step <= hold:
-            return float(start)
-        if step >= until:
-            return float(end)
-        return start + (end - start) * (step - hold) / (until - hold)
-
-    return lr
+def _outer_defaults(
+    compressor: object, outer_lr: Any, outer_momentum: float | None
+) -> tuple[float | Callable[[int], float] | InnerLRFollower, float]:
+    """The outer lr and momentum where the caller left them unset (an explicit setting always wins): the
+    compressor's own outer step if it names one (SparseLoCo's: lr 1, no momentum, its error feedback in
+    place of the momentum), else an :class:`InnerLRFollower` and Nesterov momentum 0.5 (docs/diloco.md)."""
+    own = getattr(compressor, "outer_step", None)
+    if isinstance(own, Mapping):
+        lr = own["outer_lr"] if outer_lr is None else outer_lr
+        return lr, float(own["outer_momentum"]) if outer_momentum is None else outer_momentum
+    lr = InnerLRFollower() if outer_lr is None else outer_lr
+    return lr, DEFAULT_OUTER_MOMENTUM if outer_momentum is None else outer_momentum
 
 
 class DiLoCo:
@@ -106,11 +88,14 @@ class DiLoCo:
         model: the module whose parameters (those that require grad) are synced.
         inner_optimizer: the optimizer of those parameters (AdamW in the paper); its state is never reset.
         sync_every: ``H``, inner steps between two syncs of a fragment.
-        outer_lr: the outer SGD's learning rate (0.7 in the paper; 1.0 with ``outer_momentum=0`` is plain
-            averaging), or a function of the inner step at which an exchange is applied that returns it,
-            e.g. :func:`outer_lr_ramp` (a lower outer lr for the first syncs of a run from scratch, then
-            a higher one: see docs/diloco.md).
-        outer_momentum: the outer momentum (0.9 in the paper; see docs/diloco.md for short runs).
+        outer_lr: the outer SGD's learning rate: a number (0.7 in the paper; 1.0 with ``outer_momentum=0`` is
+            plain averaging), a function of the inner step at which an exchange is applied (e.g.
+            :func:`outer_lr_ramp`), or a :class:`~fastcomm.diloco.schedule.InnerLRFollower`. Unset: the
+            compressor's own outer step if it has one (``"sparseloco"``: 1.0), else
+            ``InnerLRFollower(0.5, 1.0)``: 0.5 until the inner LR (of the first parameter group) has
+            peaked, then rising to 1.0 as it decays (docs/diloco.md, "Defaults").
+        outer_momentum: the outer momentum; unset: the compressor's (``"sparseloco"``: 0, its error
+            feedback takes its place), else 0.5 (the paper's 0.9 overshoots at small ``H``: docs/diloco.md).
         nesterov: Nesterov momentum (the paper's) or heavy ball.
         compressor: ``None`` or ``"none"`` (plain fp32 all-reduce), a name of
             :func:`fastcomm.compressor` (``"quantize"``, ``"sign"``, ``"cast"``, one you added), or a
@@ -121,6 +106,10 @@ class DiLoCo:
         mixing: how an exchange applied late meets the local weights: ``None`` (default) keeps the local
             steps taken meanwhile; ``alpha`` in ``[0, 1)``: ``alpha * local + (1 - alpha) * global``
             (streaming DiLoCo's merge; 0.5 there).
+        eager: with ``delay >= 1``, eager updates (2025): at the issue, the outer step is taken at once
+            with an estimate of the ranks' mean (the last mean with this rank's share replaced by its fresh
+            pseudo-gradient), and the inner steps meanwhile start from there; when the exchange lands the
+            global weights are the exact ones and the local steps taken meanwhile are kept on top.
         process_group: the group of the replicas (default: the default group).
         chunk_bytes: the compressed all-reduce's piece size (default: the collectives' own).
         residual_dtype: keep each fragment's error-feedback residual in this dtype between syncs
@@ -132,12 +121,11 @@ class DiLoCo:
     Example::
 
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        outer = fastcomm.DiLoCo(model, inner, sync_every=50, outer_lr=0.7, outer_momentum=0.9,
-                                compressor="quantize", bits=4)
+        outer = fastcomm.DiLoCo(model, inner, sync_every=10, compressor="quantize", bits=4)
         for batch in loader:                        # this rank's own batches
             inner.zero_grad()
             model(batch).backward()
-            outer.step()                            # inner.step(); every 50 steps, the sync
+            outer.step()                            # inner.step(); every 10 steps, the sync
     """
 
     def __init__(
@@ -146,13 +134,14 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         *,
         sync_every: int = 50,
-        outer_lr: float | Callable[[int], float] = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float | Callable[[int], float] | InnerLRFollower | None = None,
+        outer_momentum: float | None = None,
         nesterov: bool = True,
         compressor: str | Compressor | AllreduceCompressor | None = None,
         fragments: int = 1,
         delay: int | None = None,
         mixing: float | None = None,
+        eager: bool = False,
         process_group: dist.ProcessGroup | None = None,
         chunk_bytes: int | None = None,
         residual_dtype: torch.dtype | None = None,
@@ -169,9 +158,12 @@ class DiLoCo:
             raise ValueError(f"delay must be an int in [0, sync_every={sync_every}], got {delay!r}")
         if mixing is not None and not 0 <= mixing < 1:
             raise ValueError(f"mixing must be None or in [0, 1), got {mixing!r}")
-        if not callable(outer_lr):
-            _check_outer_lr(outer_lr)
-        if not 0 <= outer_momentum < 1:
+        if eager and (delay == 0 or mixing is not None):
+            raise ValueError(f"eager needs delay >= 1 and mixing=None (an estimate stands in for an exchange "
+                             f"in flight), got delay={delay}, mixing={mixing!r}")
+        if outer_lr is not None and not callable(outer_lr):
+            check_outer_lr(outer_lr)
+        if outer_momentum is not None and not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -194,7 +186,8 @@ class DiLoCo:
                 "residual_dtype needs a compressor: a plain all-reduce (compressor=None) keeps no residual"
             )
         self.inner = inner_optimizer
-        self.sync_every, self.delay, self.mixing = sync_every, delay, mixing
+        self.sync_every, self.delay, self.mixing, self.eager = sync_every, delay, mixing, bool(eager)
+        outer_lr, outer_momentum = _outer_defaults(self.compressor, outer_lr, outer_momentum)
         self.outer_lr = outer_lr if callable(outer_lr) else float(outer_lr)
         self.outer_momentum, self.nesterov = float(outer_momentum), nesterov
         self.process_group, self.chunk_bytes = process_group, chunk_bytes
@@ -237,9 +230,12 @@ class DiLoCo:
         for fragment in self.fragments:
             if step % self.sync_every != fragment.offset:
                 continue
+            local_delta = fragment.global_weights - fragment.local_weights() if self.eager else None
             exchange = Exchange.start(fragment, step=step, due=step + self.delay, compressor=self.compressor,
                                       group=self.process_group, chunk_bytes=self.chunk_bytes,
                                       traffic=self.traffic)  # fmt: skip
+            if local_delta is not None:
+                exchange.sent_local = self._eager_step(fragment, local_delta)
             if self.delay == 0:
                 self._apply(exchange)
             else:
@@ -250,17 +246,41 @@ class DiLoCo:
         while self.in_flight:
             self._apply(self.in_flight.pop(0))
 
+    def _outer_update(self, fragment: Fragment, delta: Tensor, commit: bool) -> tuple[Tensor, float]:
+        """The outer step's update of ``delta`` and the outer lr (the momentum kept only if ``commit``)."""
+        momentum = fragment.momentum.mul(self.outer_momentum).add_(delta)
+        if commit:
+            fragment.momentum.copy_(momentum)
+        update = delta.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
+        lr = self.outer_lr
+        if isinstance(lr, InnerLRFollower):
+            lr = lr(float(self.inner.param_groups[0]["lr"]))
+        elif callable(lr):
+            lr = check_outer_lr(lr(self.inner_steps), f" (outer_lr({self.inner_steps}))")
+        return update, lr
+
+    def _eager_step(self, fragment: Fragment, local_delta: Tensor) -> Tensor:
+        """Eager update: the outer step taken at once with an estimate of the ranks' mean, the last mean
+        with this rank's share replaced by its fresh pseudo-gradient (this rank's alone at the first sync);
+        the local weights continue from there. Returns them (the exchange's ``sent_local``)."""
+        estimate = local_delta
+        if fragment.eager_mean is not None and fragment.eager_local is not None:
+            world = dist.get_world_size(self.process_group)
+            estimate = fragment.eager_mean + (local_delta - fragment.eager_local) / world
+        fragment.eager_local = local_delta
+        update, lr = self._outer_update(fragment, estimate, commit=False)
+        start = fragment.global_weights.add(update, alpha=-lr)
+        fragment.write_local(start)
+        return start
+
     def _apply(self, exchange: Exchange) -> None:
         exchange.settle()
         self.blocked_s += exchange.blocked_s
         fragment = self.fragments[exchange.fragment]
         fragment.residual.keep()  # in residual_dtype until the fragment's next exchange
-        delta = exchange.mean
-        momentum = fragment.momentum.mul_(self.outer_momentum).add_(delta)
-        update = delta.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
-        lr = self.outer_lr
-        if callable(lr):
-            lr = _check_outer_lr(lr(self.inner_steps), f" (outer_lr({self.inner_steps}))")
+        if self.eager:
+            fragment.eager_mean = exchange.mean.clone()
+        update, lr = self._outer_update(fragment, exchange.mean, commit=True)
         fragment.global_weights.add_(update, alpha=-lr)
         if exchange.sent_local is None:
             fragment.write_local(fragment.global_weights)
@@ -304,9 +324,10 @@ class DiLoCo:
             "format": _FORMAT, "config": self._config(), "inner_steps": self.inner_steps,
             "syncs": self.syncs, "bytes_sent": self.traffic.sent_bytes, "traffic": self.traffic.state_dict(),
             "fragments": [{"global_weights": f.global_weights.clone(), "momentum": f.momentum.clone(),
-                           "residual": f.residual.state_dict()}
+                           "residual": f.residual.state_dict(), **f.eager_state()}
                           for f in self.fragments],
             "in_flight": [exchange.state_dict() for exchange in self.in_flight],
+            "outer_lr": self.outer_lr.state_dict() if isinstance(self.outer_lr, InnerLRFollower) else None,
         }  # fmt: skip
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -321,8 +342,11 @@ class DiLoCo:
             fragment.momentum.copy_(saved["momentum"])
             fragment.residual = Residual(self.residual_dtype)
             fragment.residual.load_state_dict(saved["residual"])
+            fragment.load_eager_state(saved)
         self.in_flight = [Exchange.from_state_dict(e) for e in state_dict["in_flight"]]
         self.inner_steps, self.syncs = int(state_dict["inner_steps"]), int(state_dict["syncs"])
+        if isinstance(self.outer_lr, InnerLRFollower) and state_dict.get("outer_lr") is not None:
+            self.outer_lr.load_state_dict(state_dict["outer_lr"])
         # a checkpoint without "traffic" (older) holds the sent bytes alone
         self.traffic.load_state_dict(state_dict.get("traffic", {"sent_bytes": state_dict["bytes_sent"]}))
 
