@@ -145,7 +145,8 @@ class StreamLoader:
         timeout: with workers, seconds to wait for a batch before :class:`fastio.WorkerTimeoutError`
             (0: no limit).
         multiprocessing_context: ``"fork"`` (default), ``"spawn"``, ``"forkserver"`` or a context: how
-            worker processes start; spawned ones open the source anew (:mod:`fastio.pipeline.spawn`).
+            worker processes start; spawned ones open the source anew (:mod:`fastio.pipeline.spawn`); not
+            with ``pack=``, whose workers are threads.
         pin_memory_device: deprecated and ignored, with DataLoader's warning (use ``device=``).
         in_order: False: with workers, batches come as they are ready (``state_dict`` stays exact).
         pack: a :class:`fastio.Pack`: batches of fixed-length rows packed from a variable-length token

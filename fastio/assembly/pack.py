@@ -27,7 +27,10 @@ optionally ``"positions"`` (int32 ``[b, L]``) for attention masks. How a batch i
    ``cu_seqlens`` (``positions == 0``) of packed flash attention). An eos belongs to the document it ends.
 6. ``num_workers`` threads fill batches ahead into reused buffers; a set of buffers is refilled only when
    nothing outside the loader still views it (:meth:`fastio.sources.BatchBuffers.held`), else fresh ones
-   are used, so a kept batch is never overwritten. The output does not depend on ``num_workers``.
+   are used, so a kept batch is never overwritten. The output does not depend on ``num_workers``. As
+   in DataLoader, ``worker_init_fn`` runs first in each thread (:func:`fastio.worker_info` set), once per
+   thread: ``persistent_workers=True`` keeps them for every epoch. Rows come in order (``in_order=False``
+   allows it); no worker processes (``multiprocessing_context=``): no Python runs per batch.
 7. Resume: ``state_dict()`` records the epoch and the rows consumed (the carry: ``token_offset`` is where
    the rank's stream stands); after ``load_state_dict()`` the next ``iter()`` continues with exactly the
    rows that would have come, for any ``num_workers`` and any ``batch_size`` (rows, not batches, are
@@ -61,6 +64,8 @@ from fastio.files.gather import gather_ranges
 from fastio.pipeline.settings import AssemblySettings, OrderSettings, WorkerSettings
 from fastio.sources import BufferPool, ReadPlan, StageTimes, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers.batch_pass import BatchPass
+from fastio.workers.info import PassInfo
+from fastio.workers.kept import KeptWorkers
 from fastio.workers.threads import ThreadPipeline
 
 __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
@@ -275,7 +280,18 @@ class PackedEpoch(BatchPass):
             keep=keep,
         )
         self.times = self.producer.times
-        self.pipeline = ThreadPipeline(self.producer, self.n_batches, n, slots) if n else None
+        self.pipeline: ThreadPipeline | None = None
+        self.kept = packer.kept if n else None
+        info = PassInfo(n, packer.order.seed, epoch)
+        if self.kept is not None:
+            self.pipeline = self.kept.take((self.producer, info), self.n_batches, self.times)
+        if n and self.pipeline is None:
+            self.pipeline = ThreadPipeline(
+                self.producer, self.n_batches, n, slots, dataclasses.replace(info, init_fn=workers.init_fn),
+                workers.timeout, persistent=self.kept is not None,
+            )  # fmt: skip
+            if self.kept is not None:
+                self.kept.keep(self.pipeline)
 
     def __next__(self) -> dict[str, torch.Tensor]:
         batch, rows = self.take()
@@ -310,7 +326,8 @@ class TokenPacker:
         orders: ``orders(epoch) -> int64 [N]``, the loader's epoch order of the documents.
         order: the loader's order settings (seed and shuffle are kept in the state dict, so a resume with
             another order is refused; rank, world size, drop_last split the rows).
-        workers, assembly: the loader's (workers are threads; no stages, transform or collate).
+        workers, assembly: the loader's (workers are threads, kept across epochs when ``persistent``; no
+            stages, transform or collate).
         identity: what else the state dict records about ``orders`` (a mixed loader's streams and weights),
             so a resume on another order is refused.
 
@@ -348,11 +365,16 @@ class TokenPacker:
         self._plan_lock = threading.Lock()
         self.num_batches(0)
         python = assembly.transform is not None or assembly.collate is not None
-        if python or assembly.stages or workers.mode == "process":
+        if python or assembly.stages:
             raise ValueError(
-                "pack= makes batches of packed rows itself: it takes no transform, collate, stages or "
-                "worker_mode='process' (its workers are threads)"
+                "pack= makes batches of packed rows itself: it takes no transform, collate or stages"
             )
+        if workers.mode == "process":
+            raise ValueError(
+                "pack= makes its rows in worker threads (no Python runs per batch), not in worker processes: "
+                "drop multiprocessing_context= and WorkerOptions(mode='process'); num_workers= gives threads"
+            )
+        self.kept = KeptWorkers() if workers.persistent else None
 
     def output_specs(self, with_raw: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Output fields -> (dtype, per-row shape); ``with_raw`` adds the stored-dtype staging buffer.

@@ -27,7 +27,7 @@ from fastio.pipeline.settings import AssemblySettings, WorkerSettings
 from fastio.pipeline.spawn import SpawnedProducer
 from fastio.sources import ReadPlan, Source, shard_read_order
 from fastio.workers.batch_pass import BatchPass
-from fastio.workers.info import WorkerInfo, set_worker_info
+from fastio.workers.info import PassInfo
 from fastio.workers.kept import KeptWorkers
 from fastio.workers.processes import ProcessPipeline
 from fastio.workers.threads import ThreadPipeline
@@ -85,7 +85,7 @@ class EpochPass(BatchPass):
         self.pipeline: ThreadPipeline | ProcessPipeline | None = None
         self.kept = kept if n else None
         if self.kept is not None:
-            update = (epoch, indices, bounds) if processes else (self.producer, _PassInfo(n, seed, epoch))
+            update = (epoch, indices, bounds) if processes else (self.producer, PassInfo(n, seed, epoch))
             self.pipeline = self.kept.take(update, self.n_batches, self.times)
         if processes and self.pipeline is None:
             spawned = workers.start_method != "fork"
@@ -135,22 +135,9 @@ class EpochPass(BatchPass):
 
     def close(self) -> None:
         finished = self.finished
-        if self.kept is not None and self.pipeline is self.kept.pipeline:
-            self.pipeline = None  # its processes serve the next pass (persistent_workers=True)
         super().close()
         if not finished and self.bar is not None:
             self.bar.close()
-
-
-class _PassInfo:
-    """What a kept worker thread runs before its first batch of a new pass: the pass's
-    :func:`fastio.worker_info` (its ``worker_init_fn`` ran once, when the thread started)."""
-
-    def __init__(self, num_workers: int, seed: int, epoch: int) -> None:
-        self.num_workers, self.seed, self.epoch = num_workers, seed, epoch
-
-    def __call__(self, worker_id: int) -> None:
-        set_worker_info(WorkerInfo(worker_id, self.num_workers, self.seed, self.epoch))
 
 
 def _without(

@@ -27,12 +27,13 @@ Example::
 
 from fastio.assembly.structure import map_structure
 from fastio.workers.batch_pass import BatchPass
-from fastio.workers.info import WorkerInfo, set_worker_info, worker_info
+from fastio.workers.info import PassInfo, WorkerInfo, set_worker_info, worker_info
 from fastio.workers.processes import ProcessPipeline
 from fastio.workers.threads import ThreadPipeline
 
 __all__ = [
     "BatchPass",
+    "PassInfo",
     "ProcessPipeline",
     "ThreadPipeline",
     "WorkerInfo",

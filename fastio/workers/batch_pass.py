@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fastio.workers.kept import KeptWorkers
 from fastio.workers.processes import ProcessPipeline
 from fastio.workers.threads import ThreadPipeline
 
@@ -25,9 +26,10 @@ class BatchPass:
     the throughput report of :meth:`fastio.StreamLoader.stats`.
 
     Subclasses set ``epoch``, ``start`` (the epoch's units before the pass: samples of its order, or
-    packed rows), ``times`` (a :class:`fastio.sources.StageTimes`), ``producer`` and ``pipeline`` and call
-    :meth:`begin_pass`; their ``__next__`` is ``batch, size = self.take()``, then
-    whatever they do to the batch, then ``self.count(size)``.
+    packed rows), ``times`` (a :class:`fastio.sources.StageTimes`), ``producer`` and ``pipeline`` (and
+    ``kept``, with persistent workers: then a kept pipeline is left running at the pass's end) and call
+    :meth:`begin_pass`; their ``__next__`` is ``batch, size = self.take()``, then whatever they do to the
+    batch, then ``self.count(size)``.
 
     Example::
 
@@ -47,6 +49,7 @@ class BatchPass:
     producer: Callable[[int], Any]
     pipeline: ThreadPipeline | ProcessPipeline | None
     in_order: bool = True  # False: a pipeline hands out whichever batch in flight is ready first
+    kept: KeptWorkers | None = None  # persistent workers: their pipeline outlives the pass
 
     def begin_pass(self, n_batches: int, numbers: list[int] | None = None) -> None:
         """A pass of ``n_batches`` batches; ``numbers[j]``: batch ``j``'s number counted from the pass's start
@@ -119,12 +122,15 @@ class BatchPass:
             return
         self.finished = True
         self.ended = time.perf_counter() if self.begun is not None else None
+        if self.kept is not None and self.pipeline is self.kept.pipeline:
+            self.pipeline = None  # its workers serve the next pass (persistent_workers=True)
         if self.pipeline is not None:
             self.pipeline.stop()
 
     def __del__(self) -> None:
-        if getattr(self, "pipeline", None) is not None:
-            self.pipeline.stop()
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None and (self.kept is None or pipeline is not self.kept.pipeline):
+            pipeline.stop()
 
     def stats(self) -> dict[str, Any]:
         elapsed = (self.ended or time.perf_counter()) - self.begun if self.begun is not None else 0.0

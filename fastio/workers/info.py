@@ -1,5 +1,6 @@
 """What a worker knows: :func:`worker_info` says, inside a loader's Python code, which worker runs it and
-the current sample's seed; the loader sets it per thread with :func:`set_worker_info`.
+the current sample's seed; the loader sets it per thread with :func:`set_worker_info`, and a worker thread
+sets it for each pass it serves with a :class:`PassInfo` (which runs ``worker_init_fn`` after it, once).
 
 Example::
 
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 
-__all__ = ["WorkerInfo", "set_worker_info", "worker_info"]
+__all__ = ["PassInfo", "WorkerInfo", "set_worker_info", "worker_info"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,3 +69,29 @@ def set_worker_info(info: WorkerInfo | None) -> WorkerInfo | None:
     previous = worker_info()
     _current.info = info
     return previous
+
+
+@dataclasses.dataclass(frozen=True)
+class PassInfo:
+    """What a worker thread runs before its first batch of a pass: sets this pass's :func:`worker_info`
+    (``WorkerInfo(worker_id, num_workers, seed, epoch)``), then runs ``init_fn(worker_id)`` (DataLoader's
+    ``worker_init_fn``) when given. Give ``init_fn`` to the thread's first pass only: a kept thread
+    (``persistent_workers=True``) serves its later passes with ``PassInfo`` of none, so it runs once per
+    worker.
+
+    Example::
+
+        pipeline = ThreadPipeline(produce, n_batches, num_workers=2, slots=4,
+                                  worker_init=PassInfo(2, seed=0, epoch=0, init_fn=worker_init_fn))
+        pipeline.next_pass((next_produce, PassInfo(2, seed=0, epoch=1)), n_batches, times)
+    """
+
+    num_workers: int
+    seed: int
+    epoch: int
+    init_fn: Callable[[int], None] | None = None
+
+    def __call__(self, worker_id: int) -> None:
+        set_worker_info(WorkerInfo(worker_id, self.num_workers, self.seed, self.epoch))
+        if self.init_fn is not None:
+            self.init_fn(worker_id)

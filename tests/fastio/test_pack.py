@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -492,3 +494,74 @@ def test_state_dict_reports_a_pending_resume_and_a_running_pass_is_left_alone(co
     assert other.state_dict() == state  # the pending point, until the next iter()
     assert torch.equal(next(running)["tokens"], full[1]["tokens"])
     assert torch.equal(next(iter(other))["tokens"], full[4]["tokens"])
+
+
+class _Starts:
+    """A worker_init_fn that records each call: worker id, thread, what fastio.worker_info() says."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, threading.Thread, fastio.WorkerInfo | None]] = []
+
+    def __call__(self, worker_id: int) -> None:
+        self.calls.append((worker_id, threading.current_thread(), fastio.worker_info()))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_init_fn_runs_first_in_each_pack_thread(corpus, persistent):
+    directory, _ = corpus
+    pack, kwargs = Pack(seq_len=SEQ_LEN, eos=-1), {"shuffle": True, "seed": 3, "batch_size": 32}
+    starts = _Starts()
+    loader = _loader(directory, pack, num_workers=2, worker_init_fn=starts, persistent_workers=persistent,
+                     **kwargs)  # fmt: skip
+    serial = _loader(directory, pack, **kwargs)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        serial.set_epoch(epoch)
+        kept = list(loader)  # kept, not cloned
+        assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(kept, serial, strict=True))
+    passes = 1 if persistent else 3  # kept threads: worker_init_fn once per thread, not per epoch
+    assert sorted(worker for worker, _, _ in starts.calls) == [0] * passes + [1] * passes
+    assert len({thread for _, thread, _ in starts.calls}) == 2 * passes
+    assert all(thread is not threading.main_thread() for _, thread, _ in starts.calls)
+    infos = [info for _, _, info in starts.calls]
+    assert all(info is not None and (info.num_workers, info.seed) == (2, 3) for info in infos)
+    assert [info.id for info in infos] == [worker for worker, _, _ in starts.calls]
+    assert {info.epoch for info in infos} == set(range(passes))
+
+
+def test_kept_pack_threads_resume_mid_epoch_and_in_order_false_keeps_rows_in_order(corpus):
+    directory, _ = corpus
+    pack, kwargs = Pack(seq_len=SEQ_LEN, shift=True), {"shuffle": True, "seed": 8, "batch_size": 16}
+    loader = _loader(directory, pack, num_workers=2, persistent_workers=True, in_order=False, **kwargs)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        list(loader)
+    pipeline = loader._batches.kept.pipeline
+    loader.set_epoch(2)
+    iterator = iter(loader)
+    head = [next(iterator)["tokens"].clone() for _ in range(3)]
+    state = loader.state_dict()
+    assert "batches_ahead" not in state and state["rows_consumed"] == 3 * 16
+    with pytest.warns(UserWarning, match="continues unchanged"):
+        loader.load_state_dict(state)
+    rest = [b["tokens"].clone() for b in loader]
+    assert loader._batches.kept.pipeline is pipeline
+    serial = _loader(directory, pack, **kwargs)
+    serial.set_epoch(2)
+    assert all(torch.equal(a, b["tokens"]) for a, b in zip(head + rest, serial, strict=True))
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver", "fork"])
+def test_worker_processes_are_refused_with_a_named_reason(corpus, context):
+    directory, _ = corpus
+    message = "pack= makes its rows in worker threads.*drop multiprocessing_context="
+    with pytest.raises(ValueError, match=message):
+        _loader(directory, Pack(seq_len=SEQ_LEN), num_workers=2, multiprocessing_context=context)
+
+
+def test_timeout_bounds_the_wait_for_a_packed_batch(corpus):
+    directory, _ = corpus
+    slow_start = lambda worker_id: time.sleep(0.3)  # noqa: E731
+    loader = _loader(directory, Pack(seq_len=SEQ_LEN), num_workers=1, timeout=0.05, worker_init_fn=slow_start)
+    with pytest.raises(fastio.WorkerTimeoutError, match=r"batch 0 not made within timeout=0.05 s"):
+        next(iter(loader))
