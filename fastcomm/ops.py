@@ -9,7 +9,8 @@ kernels). Backends are picked once, at import:
   default on any device without a native kernel.
 * ``fastcomm._C`` (C++/OpenMP, built by ``setup.py``) registers ``CPU`` kernels for every op and, when built
   against a CUDA torch, a ``CUDA`` top-k selection kernel. ``FASTCOMM_NO_NATIVE=1`` skips loading it.
-* Triton kernels (:mod:`fastcomm.triton`) are registered for ``CUDA`` when triton imports and CUDA is there.
+* Triton kernels (:mod:`fastcomm.triton`) are registered for ``CUDA`` when triton imports and CUDA is there,
+  for the ops that have no C++ CUDA kernel.
 
 :func:`backend` reports what each op runs on and why, as data (:class:`Backend`). The public ops below
 (``fastcomm.ops.<name>``) take their signature, defaults and docstring from their reference twin, check
@@ -114,7 +115,8 @@ class OpSpec:
         reference: the plain-PyTorch twin, registered as the ``CompositeExplicitAutograd`` kernel.
         fake: the fake (meta) kernel: output shapes and dtypes for ``torch.compile`` and ``FakeTensor``.
         triton: the module of :mod:`fastcomm.triton` whose function ``name`` is the op's ``CUDA`` kernel,
-            or ``None`` when no Triton kernel exists (``fastcomm._C`` may still register a CUDA C++ one).
+            or ``None`` when no Triton kernel exists. A CUDA C++ kernel from ``fastcomm._C`` (top-k) is
+            registered first and stays the op's ``CUDA`` kernel.
 
     Example::
 
