@@ -19,6 +19,7 @@ pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) 
 
 import fastio  # noqa: E402
 from fastio.errors import CorruptShardError, SchemaMismatchError  # noqa: E402
+from fastio.format.parquet import tokens  # noqa: E402
 from fastio.format.parquet.opening import parquet_source  # noqa: E402
 from fastio.pipeline.order import epoch_order, rank_indices  # noqa: E402
 
@@ -222,7 +223,10 @@ def _shard_tokens(folder: Path) -> Path:
     return folder
 
 
-def test_packing_a_token_column_gives_what_the_same_documents_in_fastio_shards_give(data, tmp_path):
+def test_packing_a_token_column_gives_what_the_same_documents_in_fastio_shards_give(
+    data, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("FASTIO_CACHE", str(tmp_path / "cache"))
     pack = fastio.Pack("ids", seq_len=16, eos=7, shift=True, positions=True)
     ours = fastio.StreamLoader(str(data), batch_size=4, shuffle=True, seed=2, pack=pack)
     theirs = fastio.StreamLoader(
@@ -234,7 +238,34 @@ def test_packing_a_token_column_gives_what_the_same_documents_in_fastio_shards_g
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_packing_a_text_column_through_a_tokenizer(data):
+def test_the_token_files_are_kept_for_the_next_loader_and_made_again_for_a_changed_file(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("FASTIO_CACHE", str(tmp_path / "cache"))
+    folder = _write_set(tmp_path / "data", rows=(30, 30))
+    pack = fastio.Pack("ids", seq_len=8)
+    first = [b["tokens"] for b in fastio.StreamLoader(str(folder), batch_size=4, pack=pack)]
+    kept = sorted((tmp_path / "cache" / "local" / "parquet-tokens").glob("*.tokens"))
+    assert len(kept) == 2
+
+    def no_decode(*args):
+        raise AssertionError("decoded again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tokens, "_column_tokens", no_decode)
+        again = [b["tokens"] for b in fastio.StreamLoader(str(folder), batch_size=4, pack=pack)]
+    assert all((a == b).all() for a, b in zip(first, again, strict=True))
+    pq.write_table(_table(30, 31), folder / "train-00001-of-00002.parquet", row_group_size=GROUP)  # rewritten
+    changed = [b["tokens"] for b in fastio.StreamLoader(str(folder), batch_size=4, pack=pack)]
+    assert len(sorted((tmp_path / "cache" / "local" / "parquet-tokens").glob("*.tokens"))) == 3
+    monkeypatch.setenv("FASTIO_CACHE", str(tmp_path / "fresh"))
+    fresh = [b["tokens"] for b in fastio.StreamLoader(str(folder), batch_size=4, pack=pack)]
+    assert len(changed) == len(fresh) and all((a == b).all() for a, b in zip(changed, fresh, strict=True))
+
+
+def test_packing_a_text_column_through_a_tokenizer(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTIO_CACHE", str(tmp_path / "cache"))
+
     def tokenizer(texts: list[str]) -> list[list[int]]:
         return [[int(word) for word in t.split()[1:]] for t in texts]  # "row 12" -> [12]
 

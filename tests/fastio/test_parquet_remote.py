@@ -150,7 +150,8 @@ def test_a_resume_gives_the_same_batches_and_downloads_only_what_it_still_reads(
     assert again.stats()["source"]["downloads"] == 4  # the 4 row groups of the last third
 
 
-def test_packing_a_remote_token_column(served, tmp_path):
+def test_packing_a_remote_token_column(served, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTIO_CACHE", str(tmp_path / "tokens"))
     server, root, _ = served
     pack = fastio.Pack("ids", seq_len=12, eos=0)
     source = parquet_source(_url(server), ["ids"], cache_dir=tmp_path)

@@ -222,15 +222,20 @@ class RemoteParquetSource(RemoteSource):
         return self.layout.fixed_specs()
 
     def open_shard(self, shard: int, path: Path) -> RowGroup:
-        info, (f, g) = self.shards[shard], self._where[shard]
+        info = self.shards[shard]
+        key = (info.key, os.stat(path).st_ino)
+        reader = functools.partial(self._reader, shard, path)
+        return RowGroup(
+            info.url, self._where[shard][1], info.num_samples, self._estimates[shard], key, reader
+        )
+
+    def _reader(self, shard: int, path: Path) -> pq.ParquetFile:
+        """A reader of the cached row group, for one read (a ``pq.ParquetFile`` is not for two threads)."""
+        info, f = self.shards[shard], self._where[shard][0]
         assert info.ranges is not None  # every unit is ranges of its file
         opened = CachedRowGroupFile(path, info.ranges, self._tails[f], info.remote_size, info.url)
         # No pre-buffering: it coalesces chunks across small gaps, which a unit of some columns does not hold.
-        reader = pq.ParquetFile(opened, metadata=self._metas[f], pre_buffer=False)
-        key = (info.key, os.stat(path).st_ino)
-        return RowGroup(
-            info.url, g, info.num_samples, self._estimates[shard], key, functools.partial(_same, reader)
-        )
+        return pq.ParquetFile(opened, metadata=self._metas[f], pre_buffer=False)
 
     def local_source(self, shards: tuple[int, ...], opened: list[RowGroup]) -> ParquetSource:
         return ParquetSource(opened, self.layout, self.name, self.decoded, self.memory_limit, self.tokenizer)
@@ -250,10 +255,6 @@ class RemoteParquetSource(RemoteSource):
         for shard in range(len(self.shards)):
             with self.cached(shard) as path:
                 yield self.open_shard(shard, path)
-
-
-def _same(reader: pq.ParquetFile) -> pq.ParquetFile:
-    return reader
 
 
 def open_remote_parquet(target: str | list[str], options: Any) -> RemoteParquetSource:

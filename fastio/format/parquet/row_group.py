@@ -20,7 +20,8 @@ __all__ = ["RowGroup"]
 class RowGroup:
     """One row group as a shard: which file (``name``, for errors), which group, its rows, the bytes its
     selected columns take decoded (an estimate from the footer), its key in the decoded cache, and
-    ``reader()``, the file's ``pq.ParquetFile`` in this process.
+    ``reader()``, a ``pq.ParquetFile`` of the file for one read (pyarrow's readers are not for two threads
+    at once).
 
     Example::
 

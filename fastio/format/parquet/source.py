@@ -28,7 +28,6 @@ Example::
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -64,13 +63,15 @@ __all__ = ["ParquetSource", "decoded_estimate", "local_paths", "local_row_groups
 
 
 class _LocalFile:
-    """A local file's ``pq.ParquetFile``, opened once per process, and the size it had when the set opened
-    (a file that changed since is refused: its footer no longer describes it)."""
+    """A local file of a set: its footer, and the size it had when the set opened (a file that changed since
+    is refused: its footer no longer describes it).
+
+    :meth:`reader` opens the file anew for each call (about half a millisecond, against the milliseconds of
+    decoding a row group): a ``pq.ParquetFile`` must not read from two threads at once (pyarrow crashes), and
+    one kept per file would hold a descriptor per file of a set of thousands."""
 
     def __init__(self, path: str, meta: pq.FileMetaData) -> None:
         self.path, self.meta, self.size = path, meta, os.path.getsize(path)
-        self._opened: tuple[int, pq.ParquetFile] | None = None
-        self._lock = threading.Lock()
 
     def reader(self) -> pq.ParquetFile:
         size = os.path.getsize(self.path) if os.path.exists(self.path) else "no file"
@@ -79,11 +80,8 @@ class _LocalFile:
                 self.path, "file size", f"{self.size} bytes (when the source opened)", size,
                 "the file changed since; open the loader again",
             )  # fmt: skip
-        with self._lock:
-            if self._opened is None or self._opened[0] != os.getpid():
-                # No memory map: a file truncated under a mapping faults (SIGBUS) instead of raising.
-                self._opened = (os.getpid(), pq.ParquetFile(self.path, metadata=self.meta, memory_map=False))
-            return self._opened[1]
+        # No memory map: a file truncated under a mapping faults (SIGBUS) instead of raising.
+        return pq.ParquetFile(self.path, metadata=self.meta, memory_map=False)
 
 
 def local_paths(target: str | Sequence[str]) -> list[str]:
@@ -313,8 +311,9 @@ class ParquetSource(Source):
             docs = ParquetSource.local("data/").token_documents("input_ids")
         """
         threads = min(4, os.cpu_count() or 1)
+        local = all(os.path.isfile(g.name) for g in self.row_groups)
         return token_documents(
-            self.row_groups, self.layout, self.name, field_name, self.tokenizer, self, threads
+            self.row_groups, self.layout, self.name, field_name, self.tokenizer, self, threads, keep=local
         )
 
 

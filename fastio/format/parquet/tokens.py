@@ -1,8 +1,17 @@
 """A Parquet column as the documents of ``pack=`` (:func:`token_documents`): a column of integer lists
 (``input_ids``), or a text column with a tokenizer. The packer gathers tokens from mapped files, and a
 Parquet page is compressed and encoded, so the column is decoded once, row group by row group, into one
-flat token file per Parquet file (in a folder of its own under the cache directory, removed with the
-source); each row is one document.
+flat token file per Parquet file; each row is one document.
+
+Where the token files go:
+
+1. A column of integer lists of local files: kept in the cache directory
+   (``<cache_dir>/local/parquet-tokens/``, beside local copies of compressed tars: not counted against
+   ``cache_limit``, never evicted), named by a digest of the file's path, size, modification time and
+   footer, the column and the row groups, with the token count of every row beside them. The next loader
+   over the same file (a restart, another rank of the node, the next job) maps them without decoding; a
+   changed file gets new ones.
+2. Otherwise (a tokenizer's output, a remote set): a folder of the source's own, removed with it.
 
 Example::
 
@@ -14,29 +23,35 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
+import itertools
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from fastio.errors import SchemaMismatchError
 from fastio.files.mapped import MappedFile, MappedTable
-from fastio.files.paths import default_cache_dir
+from fastio.files.paths import LOCAL_COPIES, default_cache_dir
+from fastio.format.parquet.footer import footer_length
 from fastio.sources.base import TokenDocuments
 
 if TYPE_CHECKING:
     from fastio.format.parquet.layout import ParquetLayout
     from fastio.format.parquet.row_group import RowGroup
 
-__all__ = ["Tokenizer", "token_documents"]
+__all__ = ["Tokenizer", "kept_tokens_path", "token_documents"]
 
 Tokenizer = Callable[[list[str]], Sequence[Sequence[int]]]
 _EXPECTED = "a column of integer lists (e.g. input_ids), or a string column with tokenizer="
+Decoded = tuple["RowGroup", np.ndarray, np.ndarray]
 
 
 def _column_tokens(
@@ -77,11 +92,11 @@ def _column_tokens(
 
 def _decoded(
     groups: Iterable[RowGroup], field: str, tokenizer: Tokenizer | None, threads: int
-) -> Iterator[tuple[RowGroup, np.ndarray, np.ndarray]]:
+) -> Iterator[Decoded]:
     """Each row group with its column's (token counts, tokens), in order; ``threads`` > 1 decodes that many
     row groups ahead at once (pyarrow decodes without the GIL)."""
 
-    def decode(group: RowGroup) -> tuple[RowGroup, np.ndarray, np.ndarray]:
+    def decode(group: RowGroup) -> Decoded:
         column = group.reader().read_row_group(group.index, columns=[field]).column(field)
         chunk = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
         return (group, *_column_tokens(chunk, group.name, field, group.index, tokenizer))
@@ -99,13 +114,61 @@ def _decoded(
             yield ahead.popleft().result()
 
 
+def kept_tokens_path(path: str, field: str, row_groups: Sequence[int]) -> Path:
+    """Where the token file of ``field`` in ``row_groups`` of the local Parquet file ``path`` is kept (see the
+    module docstring); its row counts are at the same path plus ``.counts.npy``.
+
+    Example::
+
+        kept_tokens_path("data/train-00000-of-00004.parquet", "input_ids", [0, 1, 2])
+    """
+    stat = os.stat(path)
+    with open(path, "rb") as fh:
+        fh.seek(max(0, stat.st_size - 8))
+        length = footer_length(path, fh.read(8), stat.st_size)
+        fh.seek(stat.st_size - 8 - length)
+        footer = fh.read(length)
+    identity = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{field}|{list(row_groups)}"
+    digest = hashlib.sha256(identity.encode() + footer).hexdigest()[:32]
+    return default_cache_dir() / LOCAL_COPIES / "parquet-tokens" / f"{digest}.tokens"
+
+
+def _kept(path: Path, dtype: np.dtype) -> np.ndarray | None:
+    """The row counts of a kept token file, or None when it is not there whole."""
+    try:
+        counts = np.load(f"{path}.counts.npy")
+        whole = path.stat().st_size == int(counts.sum()) * dtype.itemsize
+    except (OSError, ValueError):
+        return None
+    return counts if whole else None
+
+
+def _write(decoded: Iterable[Decoded], path: Path, keep_counts: bool) -> np.ndarray:
+    """Write the tokens of one file's decoded row groups to ``path`` (through a temporary name); their row
+    counts (also beside it, when kept)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    counts = []
+    with open(tmp, "wb") as out:
+        for _, lengths, flat in decoded:
+            out.write(memoryview(np.ascontiguousarray(flat)).cast("B"))
+            counts.append(lengths)
+    rows = np.concatenate(counts).astype(np.int64)
+    if keep_counts:
+        counts_tmp = Path(f"{tmp}.counts.npy")
+        np.save(counts_tmp, rows)
+        os.replace(counts_tmp, f"{path}.counts.npy")
+    os.replace(tmp, path)
+    return rows
+
+
 def token_documents(
     groups: Iterable[RowGroup], layout: ParquetLayout, name: str, field: str, tokenizer: Tokenizer | None,
-    owner: object, threads: int = 1,
+    owner: object, threads: int = 1, keep: bool = False,
 ) -> TokenDocuments:  # fmt: skip
     """The rows of ``field`` in ``groups`` (a set's row groups, in order) as token documents (see the module
-    docstring); the token files go with ``owner``. ``threads``: row groups decoded at once (1: each read
-    while the iteration stands on it, what a remote source's pins need).
+    docstring). ``threads``: row groups decoded at once (1: each read while the iteration stands on it, what
+    a remote source's pins need). ``keep``: the groups are of local files, whose token files are kept; else
+    they go with ``owner``.
 
     Example::
 
@@ -114,40 +177,48 @@ def token_documents(
     """
     if field not in layout.columns:
         raise SchemaMismatchError(name, field, _EXPECTED, f"no such column (read: {list(layout.columns)})")
-    base = default_cache_dir() / "parquet-tokens"
-    base.mkdir(parents=True, exist_ok=True)
-    folder = tempfile.mkdtemp(prefix="tokens-", dir=base)
-    weakref.finalize(owner, shutil.rmtree, folder, True)
+    kind = layout.type_of(field)
+    listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    dtype = np.dtype(kind.value_type.to_pandas_dtype()) if listed else np.dtype(np.int32)
+    keep = keep and listed and tokenizer is None
+    own: list[Path] = []
+
+    def own_path() -> Path:
+        if not own:
+            base = default_cache_dir() / "parquet-tokens"
+            base.mkdir(parents=True, exist_ok=True)
+            own.append(Path(tempfile.mkdtemp(prefix="tokens-", dir=base)))
+            weakref.finalize(owner, shutil.rmtree, own[0], True)
+        return own[0] / f"{len(files):06d}.tokens"
+
     files: list[MappedFile] = []
-    shard, src, counts = [], [], []
-    dtype: np.dtype | None = None
-    current: tuple[str, Any] | None = None  # (file name, open token file)
-    written = 0
-    for group, lengths, flat in _decoded(groups, field, tokenizer, threads):
-        if current is None or current[0] != group.name:
-            if current is not None:
-                current[1].close()
-                files.append(MappedFile(current[1].name))
-            current = (group.name, open(os.path.join(folder, f"{len(files):06d}.tokens"), "wb"))
-            written = 0
-        if dtype is not None and flat.dtype != dtype:
-            raise SchemaMismatchError(group.name, field, f"{dtype} tokens (as before)", str(flat.dtype))
-        dtype = flat.dtype
-        starts = written + np.concatenate([[0], np.cumsum(lengths)[:-1]]) * dtype.itemsize
-        shard.append(np.full(len(lengths), len(files), dtype=np.int32))
-        src.append(starts.astype(np.int64))
-        counts.append(lengths)
-        current[1].write(memoryview(np.ascontiguousarray(flat)).cast("B"))
-        written += flat.nbytes
-    if current is not None:
-        current[1].close()
-        files.append(MappedFile(current[1].name))
-    assert dtype is not None  # a source holds at least one row group
+    counts: list[np.ndarray] = []
+    if keep:
+        runs = [(n, list(run)) for n, run in itertools.groupby(groups, key=lambda g: g.name)]
+        paths = [kept_tokens_path(n, field, [g.index for g in run]) for n, run in runs]
+        found = [_kept(p, dtype) for p in paths]
+        todo = [g for (_, run), f in zip(runs, found, strict=True) if f is None for g in run]
+        decoded = _decoded(todo, field, tokenizer, threads)
+        for (_, run), path, rows in zip(runs, paths, found, strict=True):
+            if rows is None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                rows = _write(itertools.islice(decoded, len(run)), path, keep_counts=True)
+            files.append(MappedFile(path))
+            counts.append(rows)
+    else:
+        for _, items in itertools.groupby(
+            _decoded(groups, field, tokenizer, threads), key=lambda t: t[0].name
+        ):
+            path = own_path()
+            counts.append(_write(items, path, keep_counts=False))
+            files.append(MappedFile(path))
+    shard = np.concatenate([np.full(len(c), i, dtype=np.int32) for i, c in enumerate(counts)])
+    src = np.concatenate([np.concatenate([[0], np.cumsum(c)[:-1]]) * dtype.itemsize for c in counts])
     return TokenDocuments(
-        np.concatenate(shard), np.concatenate(src), np.concatenate(counts), np.dtype(dtype).newbyteorder("="),
-        MappedTable(files), _no_checksums,
+        shard, src.astype(np.int64), np.concatenate(counts), dtype.newbyteorder("="), MappedTable(files),
+        _no_checksums,
     )  # fmt: skip
 
 
 def _no_checksums(shard_ids: np.ndarray) -> None:
-    """The token files were written by this process from decoded pages: nothing to verify."""
+    """Token files are written whole (through a temporary name) and checked against their row counts."""
