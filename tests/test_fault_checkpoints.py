@@ -1,8 +1,8 @@
 """Checkpoints that fail under a run of examples/train_lm.py, and the runs that share their references.
 
-Under ``torchrun`` on 2 gloo ranks of a tiny GPT (see ``_fault_runs.py``): a SIGKILL in the middle of a
-checkpoint write, corrupt newest checkpoints (a flipped byte, a truncated file: both in one resumed run,
-which falls back past the two), and a SIGKILL of a rank at a random step under sign. Each must end with the
+On 2 gloo ranks of a tiny GPT (see ``_fault_runs.py``): under ``torchrun``, a SIGKILL in the middle of a
+checkpoint write and a SIGKILL of a rank at a random step under sign; corrupt newest checkpoints (a flipped
+byte, a truncated file: both in one resumed run, which falls back past the two). Each must end with the
 model and optimizer state of an uninterrupted run, bit for bit. The checkpoint-write kill runs q8: it is
 q8's SIGKILL-and-restart test (a rank killed, torchrun restarting the group, the run resumed from a
 checkpoint and ending as the uninterrupted one did), so q8 needs no random-step run of its own.
@@ -46,11 +46,12 @@ DAMAGED = {"flip": (30, 0), "truncate": (20, 1)}  # damage -> (step, rank) of th
 
 @pytest.fixture(scope="module")
 def damaged_resume(
-    data_dir: Path, tmp_path_factory: pytest.TempPathFactory, reference
+    data_dir: Path, tmp_path_factory: pytest.TempPathFactory, reference, forked: fr.ForkedRanks
 ) -> tuple[str, Path, Path]:
     """The sign reference's checkpoints (steps 10, 20, 30) with the two newest damaged, a flipped byte in
-    rank 0's file of step 30 and rank 1's file of step 20 cut short, resumed under torchrun once: (its
-    stderr, its work directory, the reference's). Each damage test reads its own lines."""
+    rank 0's file of step 30 and rank 1's file of step 20 cut short, resumed once (in forked ranks: no
+    restart is involved): (its ranks' output, its work directory, the reference's). Each damage test reads
+    its own lines."""
     args = fr.method_args("sign", 30)
     uninterrupted = reference(args)
     work = tmp_path_factory.mktemp("damaged")
@@ -63,8 +64,7 @@ def damaged_resume(
         else:
             del data[len(data) * 2 // 3 :]
         victim.write_bytes(bytes(data))
-    result = fr.run(fr.command(2, data_dir, work, *args), work)
-    return result.stderr, work, uninterrupted
+    return forked.run(fr.example_args(data_dir, work, *args), work), work, uninterrupted
 
 
 @pytest.mark.parametrize("damage", DAMAGED)
