@@ -13,7 +13,7 @@ check of its logic):
 2. The simulation: as many CPU processes over gloo, with ``FASTCOMM_NO_NATIVE=1`` (every op is its
    plain-PyTorch twin from :mod:`fastcomm.reference`), build fresh states (the same options and seed) and
    feed the recorded inputs to the same hook and reductions in the recorded order; every output must equal
-   the recorded one bit for bit.
+   the recorded one bit for bit. Both launches go through :func:`benchmarks.common.launch`, time-boxed.
 
 Results: ``gpu_step_<gpu>.md``/``.json`` (``gpu_step_cpu_check`` for ``--device cpu``) in the harness's
 output folder (``FASTLIB_BENCH_OUTPUT``), naming the backend and the device of each row.
@@ -24,8 +24,10 @@ Run: ``python -m benchmarks.gpu_step`` (needs CUDA), or ``python -m benchmarks.g
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
-import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -37,11 +39,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import fastcomm
 import fastcomm.fsdp
+from benchmarks.common import free_port, launch, rank_env
 from benchmarks.gpu_ops_timing import gpu_slug
 from benchmarks.harness import Row, markdown_table, write_results
 from fastcomm.compress import QuantCompressor
@@ -264,13 +266,12 @@ def _direct_run(opts: Options, rank: int, device: torch.device, record: Record) 
         record.direct_step_s.append(time.perf_counter() - start)
 
 
-def _device_rank(rank: int, opts: Options, port: int, folder: str) -> None:
+def _device_rank(rank: int, opts: Options, folder: Path) -> None:
+    """One rank of the device run (``RANK``, ``MASTER_PORT``... from :func:`benchmarks.common.rank_env`)."""
     device = torch.device("cuda", 0) if opts.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        opts.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.world
-    )
+    dist.init_process_group(opts.backend)
     record = Record(rank)
     record.refused = _probe(device, opts.world)
     for part, run in (("ddp", _ddp_run), ("fsdp", _fsdp_run), ("direct", _direct_run)):
@@ -279,7 +280,7 @@ def _device_rank(rank: int, opts: Options, port: int, folder: str) -> None:
         except Exception:  # noqa: BLE001 - reported per part (a refused collective, say); the other goes on
             record.errors[part] = traceback.format_exc(limit=4)
         dist.barrier()
-    torch.save(record, Path(folder) / f"record_{rank}.pt")
+    torch.save(record, folder / f"record_{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -310,11 +311,11 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.contiguous().view(ints[a.dtype]), b.contiguous().view(ints[b.dtype]))
 
 
-def _simulate_rank(rank: int, opts: Options, port: int, folder: str) -> None:
+def _simulate_rank(rank: int, opts: Options, folder: Path) -> None:
     """Feed one device rank's recorded inputs to fresh CPU states; count the outputs that differ."""
     assert os.environ.get("FASTCOMM_NO_NATIVE") == "1" and not fastcomm.backend().native
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.world)
-    record: Record = torch.load(Path(folder) / f"record_{rank}.pt", weights_only=False)
+    dist.init_process_group("gloo")
+    record: Record = torch.load(folder / f"record_{rank}.pt", weights_only=False)
     verdict: dict[str, Any] = {}
     if "ddp" not in record.errors:
         params = [torch.zeros_like(p) for p in MLP(opts.width, opts.depth).parameters()]
@@ -340,61 +341,43 @@ def _simulate_rank(rank: int, opts: Options, port: int, folder: str) -> None:
             reductions[call.name](out, call.x.clone(), dist.group.WORLD, ops[call.extra["op"]])
             differ += not _same_bits(out, call.out.reshape(-1))
         verdict[part] = {"calls": len(getattr(record, part)), "differ": differ}
-    torch.save(verdict, Path(folder) / f"verdict_{rank}.pt")
+    torch.save(verdict, folder / f"verdict_{rank}.pt")
     dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_ROLES = {"device": _device_rank, "simulate": _simulate_rank}
 
 
-def _launch(
-    worker: Callable[..., None], opts: Options, folder: str, timeout_s: float, env: dict[str, str]
-) -> str:
-    """Run ``worker(rank, opts, port, folder)`` on ``opts.world`` spawned ranks; '' or why it failed."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # spawned children read their environment at start
-    try:
-        context = mp.start_processes(
-            worker, args=(opts, _free_port(), folder), nprocs=opts.world, join=False, start_method="spawn"
-        )
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                return f"timed out after {timeout_s:.0f} s"
-    except mp.ProcessRaisedException as exc:
-        return str(exc).strip().splitlines()[-1]
-    except mp.ProcessExitedException as exc:
-        return str(exc)
-    return ""
+def _launch(role: str, opts: Options, folder: Path, timeout_s: float, **env: str) -> str:
+    """Run ``opts.world`` ranks of ``role`` (this script with ``--role``); '' or why they failed."""
+    command = [sys.executable, "-m", "benchmarks.gpu_step", "--role", role, "--folder", str(folder)]
+    command += ["--options", json.dumps(dataclasses.asdict(opts))]
+    port = free_port()
+    ranks = launch(
+        [command] * opts.world,
+        [rank_env(rank, opts.world, port, **env) for rank in range(opts.world)],
+        [folder / f"{role}_{rank}.log" for rank in range(opts.world)],
+        timeout_s,
+    )
+    return "" if ranks.ok else ranks.describe()
 
 
 def _configure(opts: Options, timeout_s: float) -> tuple[list[Row], list[str]]:
     """Run one configuration and its simulation; its rows and notes."""
     where = f"{opts.backend}, world {opts.world}, {opts.device} tensors"
     notes: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="gpu_step_") as folder:
-        failure = _launch(_device_rank, opts, folder, timeout_s, {})
+    with tempfile.TemporaryDirectory(prefix="gpu_step_") as temporary:
+        folder = Path(temporary)
+        failure = _launch("device", opts, folder, timeout_s)
         if failure:
             return [
                 Row(f"run ({where})", opts.backend, "failed", float("nan"), "", extra={"why": failure})
             ], notes
-        records = [torch.load(Path(folder) / f"record_{r}.pt", weights_only=False) for r in range(opts.world)]
-        failure = _launch(_simulate_rank, opts, folder, timeout_s, {"FASTCOMM_NO_NATIVE": "1"})
+        records = [torch.load(folder / f"record_{r}.pt", weights_only=False) for r in range(opts.world)]
+        failure = _launch("simulate", opts, folder, timeout_s, FASTCOMM_NO_NATIVE="1")
         verdicts = [
-            torch.load(Path(folder) / f"verdict_{r}.pt", weights_only=False) if not failure else {}
+            torch.load(folder / f"verdict_{r}.pt", weights_only=False) if not failure else {}
             for r in range(opts.world)
         ]
     lead = records[0]
@@ -442,7 +425,13 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=150, help="seconds per launch of ranks")
+    parser.add_argument("--role", choices=sorted(_ROLES), help=argparse.SUPPRESS)  # a rank of a launch
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--options", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.role:
+        _ROLES[args.role](int(os.environ["RANK"]), Options(**json.loads(args.options)), args.folder)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_step needs a CUDA device (or --device cpu for a check of the script's logic)")
     width = args.width or (768 if args.device == "cuda" else 96)
