@@ -252,52 +252,26 @@ class ParquetSource(Source):
     def fetch(
         self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes
     ) -> dict[str, Any]:
+        """The batch of ``indices``: their row groups decoded (or kept), then each column cut from them."""
         start = time.perf_counter()
         indices = np.asarray(indices, dtype=np.int64)
         shard_of = np.searchsorted(self.cumulative, indices, side="right") - 1
-        rows = indices - self.cumulative[shard_of]
         shards = np.unique(shard_of)
         decoded = {int(s): self._decode(int(s)) for s in shards}
         decode_done = time.perf_counter()
-        if len(shards) == 1:
-            picks: list[tuple[int, Any, Any]] = [(int(shards[0]), slice(None), _run(rows))]
-        else:  # each row group's positions in the batch, grouped by one sort
-            order = np.argsort(shard_of, kind="stable")
-            bounds = np.searchsorted(shard_of[order], shards, side="right")
-            groups = np.split(order, bounds[:-1])
-            picks = [(int(s), where, _run(rows[where])) for s, where in zip(shards, groups, strict=True)]
+        picks = _picks(shard_of, indices - self.cumulative[shard_of], shards)
         batch: dict[str, Any] = {}
-        nbytes = 0
         for column in self.layout.fixed:
             out = buffers.fixed(column, len(indices))
             target = out.numpy()
-            for shard, where, local in picks:
-                target[where] = decoded[shard][column][local]
+            for shard, where, rows in picks:
+                target[where] = decoded[shard][column][rows]
             batch[column] = out
-            nbytes += out.numel() * out.element_size()
         for column in self.layout.arrays:
-            values: list[Any] = [None] * len(indices)
-            for shard, where, local in picks:
-                offsets, flat, valid = decoded[shard][column]
-                positions = range(len(indices)) if isinstance(where, slice) else where.tolist()
-                for at, row in zip(positions, _listed(local), strict=True):
-                    if valid[row]:
-                        values[at] = torch.from_numpy(flat[offsets[row] : offsets[row + 1]])
-            batch[column] = values
+            batch[column] = _array_rows(column, decoded, picks, len(indices))
         for column in self.layout.objects:
-            found: list[Any] = [None] * len(indices)
-            for shard, where, local in picks:
-                array = decoded[shard][column]
-                if isinstance(local, slice):
-                    taken = array.slice(local.start, local.stop - local.start).to_pylist()
-                else:
-                    taken = array.take(pa.array(local)).to_pylist()
-                if isinstance(where, slice):
-                    found = taken
-                else:
-                    for at, value in zip(where.tolist(), taken, strict=True):
-                        found[at] = value
-            batch[column] = found
+            batch[column] = _object_rows(column, decoded, picks, len(indices))
+        nbytes = sum(batch[c].numel() * batch[c].element_size() for c in self.layout.fixed)
         times.add("read", decode_done - start, nbytes)
         times.add("decode_transform", time.perf_counter() - decode_done)
         return batch
@@ -327,6 +301,46 @@ def _run(rows: np.ndarray) -> np.ndarray | slice:
 
 def _listed(rows: np.ndarray | slice) -> list[int] | range:
     return range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
+
+
+Pick = tuple[int, Any, Any]  # (row group, positions in the batch, rows in the row group): slices or arrays
+
+
+def _picks(shard_of: np.ndarray, rows: np.ndarray, shards: np.ndarray) -> list[Pick]:
+    """Where each row group's rows go in the batch (grouped by one sort) and which rows they are."""
+    if len(shards) == 1:
+        return [(int(shards[0]), slice(None), _run(rows))]
+    order = np.argsort(shard_of, kind="stable")
+    groups = np.split(order, np.searchsorted(shard_of[order], shards, side="right")[:-1])
+    return [(int(s), where, _run(rows[where])) for s, where in zip(shards, groups, strict=True)]
+
+
+def _array_rows(column: str, decoded: dict[int, dict[str, Any]], picks: list[Pick], size: int) -> list[Any]:
+    """A variable-length numeric column's rows as 1-D tensors viewing the decoded values (None: null)."""
+    values: list[Any] = [None] * size
+    for shard, where, rows in picks:
+        offsets, flat, valid = decoded[shard][column]
+        positions = range(size) if isinstance(where, slice) else where.tolist()
+        for at, row in zip(positions, _listed(rows), strict=True):
+            if valid[row]:
+                values[at] = torch.from_numpy(flat[offsets[row] : offsets[row + 1]])
+    return values
+
+
+def _object_rows(column: str, decoded: dict[int, dict[str, Any]], picks: list[Pick], size: int) -> list[Any]:
+    """Any other column's rows as Python values (pyarrow's ``to_pylist``)."""
+    found: list[Any] = [None] * size
+    for shard, where, rows in picks:
+        array = decoded[shard][column]
+        if isinstance(rows, slice):
+            taken = array.slice(rows.start, rows.stop - rows.start).to_pylist()
+        else:
+            taken = array.take(pa.array(rows)).to_pylist()
+        if isinstance(where, slice):
+            return taken
+        for at, value in zip(where.tolist(), taken, strict=True):
+            found[at] = value
+    return found
 
 
 def open_parquet(target: str | list[str], options: OpenOptions) -> ParquetSource:
