@@ -17,18 +17,18 @@ torch.set_num_threads(int(os.environ.get("FASTLIB_TEST_THREADS", min(2, os.cpu_c
 
 
 # `make test` runs the suite on three pytest-xdist workers, a file to a worker (--dist loadfile), in the order
-# collected: these files take 40 s to 3 min each on 2 cores (--durations=0, summed per file), so they start
-# first, longest first, and the short files fill in around them. Only the order changes; a run without
-# xdist runs them first too.
+# collected: these files take 15 s to 1 min of wall each on 2 cores (--durations=0, summed per file, and the
+# CPU of their ranks), so they start first, longest first, and the short files fill in around them. Only the
+# order changes; a run without xdist runs them first too.
 LONG_FIRST = (
     "tests/test_fault_tolerance.py",
     "tests/test_fault_checkpoints.py",
-    "tests/test_fault_elastic.py",
-    "tests/test_fault_survivor.py",
     "tests/fastio/test_remote_parts.py",
-    "tests/test_examples.py",
     "tests/fastcomm/test_clean_exit.py",
     "tests/fastcomm/test_hooks_stress.py",
+    "tests/test_examples.py",
+    "tests/test_fault_elastic.py",
+    "tests/test_fault_survivor.py",
 )
 
 
