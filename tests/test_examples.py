@@ -1,14 +1,13 @@
-"""examples/train_lm.py runs on 2 gloo ranks, checkpoints, and resumes at the right step.
+"""examples/train_lm.py runs on 2 gloo ranks (DDP and FSDP2), checkpoints, and resumes at the right step.
 
-The FSDP2 run goes through ``torchrun`` as the README's does; the checkpoint-and-resume runs are forked from
-one process that imported the example (``_fault_runs.ForkedRanks``), in torchrun's worker environment:
-what they test is the example's checkpoints, and a torchrun launch costs ten times their steps. Resuming
-under torchrun's own restarts is tested in ``test_fault_*.py``.
+The runs' ranks are forked from one process that imported the example (``_fault_runs.ForkedRanks``), in
+torchrun's worker environment: what they test is the example's training and checkpoints, and a torchrun
+launch costs ten times their steps. The example under ``torchrun`` itself, as the README runs it, killed and
+restarted, is in ``test_fault_*.py``.
 """
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import fastcomm
-from benchmarks.lm_methods import EXAMPLE, load_example
+from benchmarks.lm_methods import load_example
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fault_runs as fr  # noqa: E402
@@ -29,14 +28,6 @@ TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--max-files", "40
 
 def _arguments(tmp_path: Path, *args: str) -> list[str]:
     return [*TINY, "--data-dir", str(tmp_path / "data"), "--checkpoint-dir", str(tmp_path / "ckpt"), *args]
-
-
-def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(EXAMPLE), *_arguments(tmp_path, *args)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 @pytest.mark.slow
@@ -112,11 +103,13 @@ def test_model_config_names_the_bad_value(bad: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_train_lm_trains_under_fsdp2_with_a_compressed_reduce_scatter(tmp_path: Path) -> None:
-    result = _torchrun(tmp_path, "--fsdp", "--hook", "quantize", "--opt", "bits=8", "--steps", "4",
-                       "--eval-every", "4", "--json", str(tmp_path / "fsdp.json"))
+def test_train_lm_trains_under_fsdp2_with_a_compressed_reduce_scatter(
+    tmp_path: Path, forked: fr.ForkedRanks
+) -> None:
+    args = ["--fsdp", "--hook", "quantize", "--opt", "bits=8", "--steps", "4", "--eval-every", "4"]
+    output = forked.run(_arguments(tmp_path, *args, "--json", str(tmp_path / "fsdp.json")), tmp_path)
     run = json.loads((tmp_path / "fsdp.json").read_text())
-    assert "quantize (adamw) under FSDP2" in result.stderr
+    assert "quantize (adamw) under FSDP2" in output
     assert len(run["train_losses"]) == 4 and all(math.isfinite(x) for x in run["train_losses"])
     assert run["hook_stats"]["steps"] == 4 and run["hook_stats"]["compression_ratio"] > 3
 
