@@ -106,6 +106,7 @@ SUITE = (
     ),
     Benchmark("bench_images", ("--quick",), (1.3, 1.3)),
     Benchmark("bench_shuffle", ("--epochs", "1"), (0.4, 0.4)),
+    Benchmark("bench_ft", (), (2.0, 2.0)),
     Benchmark(
         "bench_hooks",
         (

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 # Imported on first use. fastcomm.fsdp imports torch.distributed.fsdp and DTensor (~0.9 s of CPU), which a
 # DDP job never needs; fastcomm.hooks brings the DDP hooks, the advisor and CompressedAdam's hook, which
 # FSDP and DiLoCo jobs never need.
-_LAZY_MODULES = frozenset({"advise", "fsdp", "hooks", "integrations"})
+_LAZY_MODULES = frozenset({"advise", "fsdp", "ft", "hooks", "integrations"})
 _FROM_HOOKS = frozenset(
     {
         "AutoState",

@@ -31,6 +31,7 @@ _SHORT = {
     ],
     "bench_images": ["--quick"],
     "bench_shuffle": ["--epochs", "1"],
+    "bench_ft": [],
     "bench_hooks": ["--quick", "--network", "both", "--configs", _HOOKS],
     "bench_convergence": [
         "--methods", "none,cadam,diloco_q4", "--steps", "250", "--warmup-steps", "2", "--timed-steps", "6",
@@ -115,6 +116,7 @@ def test_without_root_netlab_parts_are_skipped_with_one_line_each(ran, monkeypat
         "bench_loader": _SHORT["bench_loader"],
         "bench_images": _SHORT["bench_images"],
         "bench_shuffle": _SHORT["bench_shuffle"],
+        "bench_ft": _SHORT["bench_ft"],
         "bench_hooks": ["--quick", "--network", "loopback", "--configs", _HOOKS],
         "bench_convergence": [*_SHORT["bench_convergence"], "--skip-speed"],
         "bench_fsdp": [*_SHORT["bench_fsdp"][:-3], "loopback", *_SHORT["bench_fsdp"][-2:]],
@@ -150,6 +152,7 @@ def test_full_without_root_passes_only_what_leaves_netlab_out(monkeypatch):
         "bench_loader": [],
         "bench_images": [],
         "bench_shuffle": [],
+        "bench_ft": [],
         "bench_hooks": ["--network", "loopback"],
         "bench_convergence": ["--skip-speed"],
         "bench_fsdp": ["--network", "loopback"],

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torchft.process_group import ProcessGroup as TorchftProcessGroup
 
-from fastcomm.collectives import Residual, Traffic, all_reduce
+from fastcomm.collectives import Residual, Traffic, all_gather_flat, all_reduce
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.ft.errors import CompressorMismatchError, NoProcessGroupError
 
@@ -105,7 +105,7 @@ class ManagedExchange:
             return
         mine = zlib.crc32(self.fingerprint.encode())
         gathered = torch.empty(group.size(), dtype=torch.int64)
-        dist.all_gather_into_tensor(gathered, torch.tensor([mine], dtype=torch.int64), group=group)
+        all_gather_flat(gathered, torch.tensor([mine], dtype=torch.int64), group=group)
         self._checked = group
         if any(int(value) != mine for value in gathered):
             raise CompressorMismatchError(

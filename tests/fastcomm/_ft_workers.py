@@ -110,8 +110,8 @@ def make_loader(path: str, batch_size: int):
 
 def global_order(path: str) -> list[int]:
     """The epoch-0 order every replica's share is cut from (one loader of world size 1)."""
-    loader = make_loader(path, 1)(0, 1)
-    return [int(batch["idx"][0]) for batch in loader]
+    loader = make_loader(path, 512)(0, 1)
+    return [int(i) for batch in loader for i in batch["idx"]]
 
 
 class _Log:

@@ -54,6 +54,14 @@ def runs(tmp_path_factory):
     results = {name: workers.run(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
     cpu = {name: round(result["replica_cpu_s"], 1) for name, result in results.items()}
     print(f"fastcomm.ft launches: replica CPU seconds {cpu}, forkserver {workers.forkserver_cpu_s():.1f}")
+    for name, result in results.items():
+        survivor = result["finals"].get(0, {"times": [(0, 0.0)] * 2, "loss": float("nan"), "stats": {}})
+        times = [t for _, t in survivor["times"]]
+        stand = max(b - a for a, b in zip(times, times[1:], strict=False))
+        print(
+            f"{name}: loss {survivor['loss']:.5f}, survivor stood still {stand:.2f} s at most, wall "
+            f"{result['wall_s']:.1f} s, {survivor['stats'].get('discarded_steps', '-')} steps discarded"
+        )
     return results
 
 
