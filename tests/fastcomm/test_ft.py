@@ -160,3 +160,68 @@ def test_ddp_whose_buckets_are_rebuilt_is_named(small_ddp):
 def test_auto_is_refused_with_what_to_name_instead(small_ddp):
     with pytest.raises(ValueError, match='"quantize" with bits=8'):
         fastcomm.ft.register(small_ddp(), SimpleNamespace(), "auto")
+
+
+def test_a_new_quorum_folds_the_segment_residual_into_what_the_replica_owes():
+    residual = fastcomm.collectives.Residual(worker=torch.ones(10), server=torch.ones(8), segment_start=8,
+                                             world_size=2)  # fmt: skip
+    owed = residual.owed()
+    fastcomm.ft.exchange.refit(residual)
+    assert residual.server is None and torch.equal(residual.worker, owed)
+
+
+class _Quorum(SimpleNamespace):
+    """A Manager as ReplicaData sees it: this replica's rank among ``n`` replicas."""
+
+    def participating_rank(self) -> int:
+        return self.rank
+
+    def num_participants(self) -> int:
+        return self.n
+
+
+def test_replica_data_reads_each_committed_sample_once_across_quorums(tmp_path):
+    """3 replicas commit 2 steps; a step of 3 fails (one died); 2 replicas read it again and commit 3 more."""
+    workers.write_dataset(tmp_path / "data", 200)
+    make = workers.make_loader(str(tmp_path / "data"), 4)
+    committed: list[int] = []
+
+    def steps(replicas: list, n: int, count: int, commit: bool) -> None:
+        for rank, data in enumerate(replicas):
+            data.split(_Quorum(rank=rank, n=n))
+        for _ in range(count):
+            batches = [data.next() for data in replicas]
+            for data, batch in zip(replicas, batches, strict=True):
+                if commit:
+                    data.commit()
+                    committed.extend(int(i) for i in batch["idx"])
+                else:
+                    data.rollback()
+
+    three = [fastcomm.ft.ReplicaData(make) for _ in range(3)]
+    steps(three, 3, 2, commit=True)
+    steps(three, 3, 1, commit=False)
+    two = three[:2]
+    steps(two, 2, 3, commit=True)
+    joined = fastcomm.ft.ReplicaData(make)
+    joined.load_state_dict(two[0].state_dict())  # a restarted replica heals the committed position
+    steps([*two, joined], 3, 1, commit=True)
+    order = workers.global_order(str(tmp_path / "data"))
+    assert len(committed) == len(set(committed)) == 4 * (3 * 2 + 2 * 3 + 3)
+    assert set(committed) == set(order[: len(committed)])
+
+
+def test_heal_state_sends_a_copy_taken_at_the_quorum():
+    registered = {}
+    manager = SimpleNamespace(
+        register_state_dict_fn=lambda key, load, save: registered.update({key: (load, save)})
+    )
+    model = torch.nn.Linear(2, 2)
+    fastcomm.ft.heal_state(manager, model=model)
+    load, save = registered[fastcomm.ft.state.HEAL_KEY]
+    sent = save()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the sender trains on while the joiner downloads
+    assert not torch.equal(sent["model"]["weight"], model.weight)
+    load(sent)
+    assert torch.equal(sent["model"]["weight"], model.weight)
