@@ -299,17 +299,22 @@ class _SparseResult:
         return (self.out.numel(), self.out.dtype, self.out.device) == (like.numel(), like.dtype, like.device)
 
     def fill(self, indices: Tensor, values: Tensor, world_size: int) -> Tensor:
-        """Sum the gathered entries in rank order in fp32, divide by ``W``, cast to the bucket's dtype."""
+        """Sum the gathered entries in rank order in fp32, divide by ``W``, cast to the bucket's dtype.
+
+        ``index_fill_``, ``index_select`` and ``index_copy_`` rather than indexing with a tensor: each entry
+        is a cache miss in a bucket larger than the caches, and the advanced-indexing kernels cost about
+        twice as much per entry (a 16.8M bucket at 1%, two ranks: 17.5 ms against 30 on one core).
+        """
         if self.touched is not None:
-            self.out[self.touched] = 0
+            self.out.index_fill_(0, self.touched, 0)
         ops.sparse_accumulate(self.sums, indices, values)
         touched = indices.long()
-        means = self.sums[touched] / world_size
+        means = self.sums.index_select(0, touched).div_(world_size)
         if self.out is self.sums:
-            self.sums[touched] = means  # duplicates write the same value
+            self.sums.index_copy_(0, touched, means)  # duplicates write the same value
         else:
-            self.sums[touched] = 0
-            self.out[touched] = means.to(self.out.dtype)
+            self.sums.index_fill_(0, touched, 0)
+            self.out.index_copy_(0, touched, means.to(self.out.dtype))
         self.touched = touched
         return self.out
 
