@@ -15,6 +15,7 @@ a real Lighthouse, with short timeouts (1 s heartbeat, 5 s collectives). Few lau
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,7 +52,12 @@ def runs(tmp_path_factory):
         "streaming": Job(**STREAMING),
         "streaming_faults": Job(**STREAMING, kills=[Kill(2, 0, "interval", 40)]),
     }
-    results = {name: workers.run(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
+    # three launches at a time: most of a launch's wall time is waiting (quorums, heartbeat timeouts)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {
+            name: pool.submit(workers.run, job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()
+        }
+        results = {name: future.result() for name, future in futures.items()}
     cpu = {name: round(result["replica_cpu_s"], 1) for name, result in results.items()}
     print(f"fastcomm.ft launches: replica CPU seconds {cpu}, forkserver {workers.forkserver_cpu_s():.1f}")
     for name, result in results.items():
