@@ -107,6 +107,7 @@ SUITE = (
     Benchmark("bench_images", ("--quick",), (1.3, 1.3)),
     Benchmark("bench_shuffle", ("--epochs", "1"), (0.4, 0.4)),
     Benchmark("bench_ft", (), (2.0, 2.0)),
+    Benchmark("bench_parquet", ("--repeats", "2", "--hf-rows", "5000"), (1.5, 1.5)),
     Benchmark(
         "bench_hooks",
         (
