@@ -32,6 +32,7 @@ _SHORT = {
     "bench_images": ["--quick"],
     "bench_shuffle": ["--epochs", "1"],
     "bench_ft": [],
+    "bench_parquet": ["--repeats", "2", "--hf-rows", "5000"],
     "bench_hooks": ["--quick", "--network", "both", "--configs", _HOOKS],
     "bench_convergence": [
         "--methods", "none,cadam,diloco_q4", "--steps", "250", "--warmup-steps", "2", "--timed-steps", "6",
@@ -117,6 +118,7 @@ def test_without_root_netlab_parts_are_skipped_with_one_line_each(ran, monkeypat
         "bench_images": _SHORT["bench_images"],
         "bench_shuffle": _SHORT["bench_shuffle"],
         "bench_ft": _SHORT["bench_ft"],
+        "bench_parquet": _SHORT["bench_parquet"],
         "bench_hooks": ["--quick", "--network", "loopback", "--configs", _HOOKS],
         "bench_convergence": [*_SHORT["bench_convergence"], "--skip-speed"],
         "bench_fsdp": [*_SHORT["bench_fsdp"][:-3], "loopback", *_SHORT["bench_fsdp"][-2:]],
@@ -153,6 +155,7 @@ def test_full_without_root_passes_only_what_leaves_netlab_out(monkeypatch):
         "bench_images": [],
         "bench_shuffle": [],
         "bench_ft": [],
+        "bench_parquet": [],
         "bench_hooks": ["--network", "loopback"],
         "bench_convergence": ["--skip-speed"],
         "bench_fsdp": ["--network", "loopback"],
