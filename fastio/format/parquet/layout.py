@@ -147,9 +147,12 @@ def leaf_columns(meta: pq.FileMetaData, columns: Sequence[str]) -> list[int]:
 
         leaf_columns(meta, ["input_ids"])   # [1]: "input_ids.list.element"
     """
-    wanted = set(columns)
     schema = meta.schema
-    return [i for i in range(len(schema)) if schema.column(i).path.split(".")[0] in wanted]
+
+    def of(path: str) -> bool:  # a leaf's dotted path: the column itself, or a field inside it
+        return any(path == c or path.startswith(f"{c}.") for c in columns)
+
+    return [i for i in range(len(schema)) if of(schema.column(i).path)]
 
 
 def null_free(meta: pq.FileMetaData, leaves: Sequence[int]) -> bool:
