@@ -89,6 +89,16 @@ def test_a_pattern_a_list_and_a_file_open_like_the_folder(data):
         assert rows == list(range(TOTAL if target != files[0] else ROWS[0]))
 
 
+def test_a_folder_of_several_splits_is_refused_with_the_pattern_of_each(tmp_path):
+    folder = _write_set(tmp_path / "data", rows=(20, 20))
+    pq.write_table(_table(0, 5), folder / "test-00000-of-00001.parquet")
+    with pytest.raises(
+        ValueError, match=r"several splits .*test-\*\.parquet \(1 files\).*train-\*\.parquet \(2 files\)"
+    ):
+        fastio.StreamLoader(str(folder), batch_size=4)
+    assert sum(len(b["y"]) for b in fastio.StreamLoader(str(folder / "train-*.parquet"), batch_size=8)) == 40
+
+
 def test_columns_reads_only_those(data):
     loader = fastio.StreamLoader(parquet_source(data, columns=["text", "y"]), batch_size=8)
     batch = next(iter(loader))
@@ -105,12 +115,12 @@ def test_a_schema_that_differs_between_files_names_the_file_and_the_column(tmp_p
     folder = _write_set(tmp_path / "data", rows=(20, 20))
     table = _table(40, 20)
     pq.write_table(
-        table.set_column(0, "y", table.column("y").cast(pa.int32())), folder / "train-00002.parquet"
+        table.set_column(0, "y", table.column("y").cast(pa.int32())), folder / "train-00002-of-00003.parquet"
     )
-    with pytest.raises(SchemaMismatchError, match=r"train-00002\.parquet: field 'y': schema says int64"):
+    with pytest.raises(SchemaMismatchError, match=r"train-00002-of-00003\.parquet: field 'y': schema says int64"):
         fastio.StreamLoader(str(folder), batch_size=4)
-    pq.write_table(table.drop_columns(["text"]), folder / "train-00002.parquet")
-    with pytest.raises(SchemaMismatchError, match=r"train-00002\.parquet: field 'text'.*no such column"):
+    pq.write_table(table.drop_columns(["text"]), folder / "train-00002-of-00003.parquet")
+    with pytest.raises(SchemaMismatchError, match=r"train-00002-of-00003\.parquet: field 'text'.*no such column"):
         fastio.StreamLoader(str(folder), batch_size=4)
     assert parquet_source(folder, columns=["y", "emb"]).shard_sizes == [
         13,

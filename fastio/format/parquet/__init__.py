@@ -24,13 +24,15 @@ Its row in :mod:`fastio.registry` is ``"parquet"``.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from fastio.files.paths import is_path_list
 
-__all__ = ["PARQUET_SUFFIX", "is_parquet", "is_parquet_url", "parquet_files_in"]
+__all__ = ["PARQUET_SUFFIX", "folder_splits", "is_parquet", "is_parquet_url", "parquet_files_in"]
 
 PARQUET_SUFFIX = ".parquet"
+_SHARD_NAME = re.compile(r"^(?P<split>.+?)-\d+-of-\d+\.parquet$")  # the Hub's "train-00000-of-00004.parquet"
 
 
 def parquet_files_in(directory: str) -> list[str]:
@@ -46,6 +48,25 @@ def parquet_files_in(directory: str) -> list[str]:
         dirs.sort()
         found.extend(os.path.join(root, f) for f in sorted(files) if f.endswith(PARQUET_SUFFIX))
     return sorted(found)
+
+
+def folder_splits(directory: str, paths: list[str]) -> dict[str, list[str]]:
+    """The files of a folder grouped by what names a split: their subfolder and, in Hub-style names
+    (``train-00000-of-00004.parquet``), the part before the shard number. A folder of one group is one
+    split; a Hub repository's ``data/`` often holds several (train, validation, test).
+
+    Example::
+
+        folder_splits("data", ["data/test-00000-of-00001.parquet", "data/train-00000-of-00002.parquet"])
+        # {"test-*": [...], "train-*": [...]}
+    """
+    splits: dict[str, list[str]] = {}
+    for path in paths:
+        folder, name = os.path.split(os.path.relpath(path, directory))
+        match = _SHARD_NAME.match(name)
+        group = os.path.join(folder, f"{match.group('split')}-*" if match else "*")
+        splits.setdefault(group, []).append(path)
+    return splits
 
 
 def is_parquet(target: Any) -> bool:

@@ -39,7 +39,7 @@ import torch
 
 from fastio.errors import CorruptShardError, EmptySourceError
 from fastio.files.paths import expand_pattern
-from fastio.format.parquet import PARQUET_SUFFIX, parquet_files_in
+from fastio.format.parquet import PARQUET_SUFFIX, folder_splits, parquet_files_in
 from fastio.format.parquet.decoded import DEFAULT_MEMORY, DecodedRowGroups
 from fastio.format.parquet.footer import local_metadata
 from fastio.format.parquet.layout import (
@@ -94,6 +94,15 @@ def local_paths(target: str | Sequence[str]) -> list[str]:
     """
     if isinstance(target, str) and os.path.isdir(target):
         paths = parquet_files_in(target)
+        splits = folder_splits(target, paths)
+        if len(splits) > 1:  # a Hub repository's data/ with train and test: never mix them silently
+            listed = ", ".join(
+                f"{os.path.join(target, g)}.parquet ({len(p)} files)" for g, p in splits.items()
+            )
+            raise ValueError(
+                f"{target}: the folder holds several splits ({listed}); name one with a pattern, e.g. "
+                f"{os.path.join(target, next(iter(splits)))}.parquet, or pass a list of files"
+            )
     else:
         paths = expand_pattern(target)
     if not paths:
