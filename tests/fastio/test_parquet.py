@@ -117,10 +117,14 @@ def test_a_schema_that_differs_between_files_names_the_file_and_the_column(tmp_p
     pq.write_table(
         table.set_column(0, "y", table.column("y").cast(pa.int32())), folder / "train-00002-of-00003.parquet"
     )
-    with pytest.raises(SchemaMismatchError, match=r"train-00002-of-00003\.parquet: field 'y': schema says int64"):
+    with pytest.raises(
+        SchemaMismatchError, match=r"train-00002-of-00003\.parquet: field 'y': schema says int64"
+    ):
         fastio.StreamLoader(str(folder), batch_size=4)
     pq.write_table(table.drop_columns(["text"]), folder / "train-00002-of-00003.parquet")
-    with pytest.raises(SchemaMismatchError, match=r"train-00002-of-00003\.parquet: field 'text'.*no such column"):
+    with pytest.raises(
+        SchemaMismatchError, match=r"train-00002-of-00003\.parquet: field 'text'.*no such column"
+    ):
         fastio.StreamLoader(str(folder), batch_size=4)
     assert parquet_source(folder, columns=["y", "emb"]).shard_sizes == [
         13,
