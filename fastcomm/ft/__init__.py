@@ -17,6 +17,8 @@ name                                what it is
 ==================================  ===================================================================
 
 Needs torchft: ``pip install 'fastcomm[ft]'`` (torchft 0.2.0 and its opentelemetry pins; see docs/ft.md).
+Without it the package imports, and :func:`connect` or :class:`ManagedExchange` raise an ``ImportError``
+that says how to install it.
 
 Example::
 
@@ -26,14 +28,6 @@ Example::
     fastcomm.ft.heal_state(manager, model=model, inner=inner, outer=outer)
     outer.start()
 """
-
-try:
-    import torchft  # noqa: F401 - fails here, with the fix, rather than deep inside a call
-except ImportError as error:  # pragma: no cover - the extra is not installed
-    raise ImportError(
-        f"fastcomm.ft needs torchft ({error}): pip install 'fastcomm[ft]' (torchft 0.2.0 with --no-deps, and "
-        f"opentelemetry-api, -sdk and -exporter-otlp-proto-http; `make install` does it)"
-    ) from error
 
 from fastcomm.ft.data import ReplicaData
 from fastcomm.ft.ddp import ManagedHookState, managed_hook, register

@@ -10,7 +10,11 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+import types
+
 __all__ = [
+    "require_torchft",
     "AsyncQuorumError",
     "CompressorMismatchError",
     "FaultToleranceError",
@@ -18,6 +22,17 @@ __all__ = [
     "NoProcessGroupError",
     "RebuildingBucketsError",
 ]
+
+
+def require_torchft() -> types.ModuleType:
+    """torchft, or an ``ImportError`` that says how to install it (the ``ft`` extra)."""
+    try:
+        return importlib.import_module("torchft")
+    except ImportError as error:
+        raise ImportError(
+            f"fastcomm.ft needs torchft ({error}): pip install --no-deps torchft==0.2.0, then "
+            f"pip install 'fastcomm[ft]' (its opentelemetry pins); `make install` does both"
+        ) from error
 
 
 class FaultToleranceError(RuntimeError):

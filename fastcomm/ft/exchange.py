@@ -24,11 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torchft.process_group import ProcessGroup as TorchftProcessGroup
 
 from fastcomm.collectives import Residual, Traffic, all_gather_flat, all_reduce
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
-from fastcomm.ft.errors import CompressorMismatchError, NoProcessGroupError
+from fastcomm.ft.errors import CompressorMismatchError, NoProcessGroupError, require_torchft
 
 __all__ = ["ManagedExchange", "process_group_of", "refit"]
 
@@ -43,7 +42,7 @@ def process_group_of(manager: Any) -> Any:
         pg = process_group_of(manager)      # a torchft.ProcessGroupGloo, say
     """
     pg = getattr(manager, "_pg", None)
-    if not isinstance(pg, TorchftProcessGroup):
+    if not isinstance(pg, require_torchft().process_group.ProcessGroup):
         raise NoProcessGroupError(
             f"the torchft.Manager holds no torchft process group (got {type(pg).__name__}): build it with "
             f"pg=torchft.ProcessGroupGloo() (CPU) or torchft.ProcessGroupNCCL() (CUDA), or use "

@@ -12,26 +12,23 @@ import os
 import socket
 import urllib.parse
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-from torchft.checkpointing import HTTPTransport
 
-from fastcomm.ft.errors import LighthouseUnreachableError
+from fastcomm.ft.errors import LighthouseUnreachableError, require_torchft
 
 __all__ = ["connect", "lighthouse_address"]
 
 
-class _AdvertisedHTTPTransport(HTTPTransport):
+def _advertised_transport(torchft: Any, host: str, timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint server, advertised at ``host`` instead of ``socket.gethostname()``."""
-
-    def __init__(self, host: str, timeout: timedelta) -> None:
-        self._host = host  # before the server starts: its constructor logs address()
-        super().__init__(timeout=timeout, num_chunks=0)
-
-    def address(self) -> str:
-        return f"http://{self._host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+    transport = torchft.checkpointing.HTTPTransport(timeout=timeout, num_chunks=0)
+    address = urllib.parse.urlparse(transport.address())
+    advertised = address._replace(netloc=f"{host}:{address.port}").geturl()
+    transport.address = lambda: advertised  # what metadata() hands the peers that heal from this one
+    return transport
 
 
 def lighthouse_address(lighthouse: str | None = None) -> str:
@@ -72,7 +69,7 @@ def connect(
     connect_timeout: timedelta = timedelta(seconds=10),
     heartbeat: timedelta = timedelta(milliseconds=100),
     init_sync: bool = True,
-) -> Manager:
+) -> Any:
     """A ``torchft.Manager`` for this replica group's rank ``rank``, with a synchronous quorum.
 
     Args:
@@ -106,11 +103,13 @@ def connect(
         store_host, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     else:
         store_host, store_port = getattr(store, "host", host), store.port  # type: ignore[attr-defined]
-    pg = ProcessGroupNCCL(timeout=timeout) if torch.cuda.is_available() else ProcessGroupGloo(timeout=timeout)
-    return Manager(
-        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas, use_async_quorum=False,
+    torchft = require_torchft()
+    groups = torchft.ProcessGroupNCCL if torch.cuda.is_available() else torchft.ProcessGroupGloo
+    return torchft.Manager(
+        pg=groups(timeout=timeout), load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
+        use_async_quorum=False,
         timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout, rank=rank,
         world_size=world_size, store_addr=store_host, store_port=store_port, lighthouse_addr=address,
         replica_id=replica_id, hostname=host, heartbeat_interval=heartbeat,
-        checkpoint_transport=_AdvertisedHTTPTransport(host, timeout), init_sync=init_sync,
+        checkpoint_transport=_advertised_transport(torchft, host, timeout), init_sync=init_sync,
     )  # fmt: skip
