@@ -119,8 +119,8 @@ class StreamLoader:
             batch, see :mod:`fastio.pipeline.order`). On sources that declare ``requires_shard_order``
             (remote stores), ``True`` is the full permutation where the cache holds every shard, else a
             sliding window of parts of shards where the source reads parts (``"parts"``, fastio shards and
-            tars with sidecars: ``stats()["shuffle_window_parts"]``), else of the shards the cache holds
-            (``"window"``, ``stats()["shuffle_window_shards"]``).
+            uncompressed tars, sidecar or not: ``stats()["shuffle_window_parts"]``), else of the shards the
+            cache holds (``"window"``, ``stats()["shuffle_window_shards"]``).
         seed: with the epoch, the only source of randomness.
         num_workers: workers ahead of the consumer (0: batches are made in the consumer's thread).
         pin_memory: page-locked output buffers; default: False, as in DataLoader, but True with a CUDA

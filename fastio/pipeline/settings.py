@@ -140,7 +140,7 @@ def order_for_source(
         if split is None:
             raise ValueError(
                 f"shuffle='parts' on {source.name}: only a remote source that reads parts of shards (fastio "
-                "shards, tars with .fidx sidecars), alone and not packed, has them; use shuffle=True"
+                "shards, uncompressed tars), alone and not packed, has them; use shuffle=True"
             )
         return order.in_parts(dataclasses.replace(split, window=order.shuffle_window)), split
     if not source.requires_shard_order:
