@@ -231,3 +231,45 @@ def test_heal_state_sends_a_copy_taken_at_the_quorum():
     assert not torch.equal(sent["model"]["weight"], model.weight)
     load(sent)
     assert torch.equal(sent["model"]["weight"], model.weight)
+
+
+@pytest.fixture(scope="module")
+def solo_manager():
+    """One replica's Manager in this process, with a Lighthouse of its own, for the module's tests."""
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000
+    )
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    lighthouse = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    manager = fastcomm.ft.connect("solo", lighthouse=lighthouse, store=store)
+    yield manager
+    manager.shutdown(wait=False)
+    server.shutdown()
+
+
+METHODS = [("quantize", {"bits": 4}), ("sign", {}), ("topk", {"ratio": 0.1}), ("cast", {}),
+           ("powersgd", {"rank": 2}), ("none", {})]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "options"), METHODS)
+def test_each_method_steps_through_the_managed_hook(solo_manager, small_ddp, method, options):
+    """One replica: every method's exchange runs through the Manager, and "none" leaves the gradient exact."""
+    manager = solo_manager
+    ddp = small_ddp()
+    ddp.find_unused_parameters = True  # the check reads it; this model has no unused parameter either way
+    state = fastcomm.ft.register(ddp, manager, method, **options)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    begin = manager.current_step()
+    for _ in range(3):
+        manager.start_quorum()
+        ddp(x).square().mean().backward()
+        reduced = [p.grad.clone() for p in ddp.parameters()]
+        assert manager.should_commit()
+        ddp.zero_grad()
+    assert manager.current_step() == begin + 3 and state.stats()["failed_exchanges"] == 0
+    if method == "none":
+        ddp.module(x).square().mean().backward()
+        assert all(torch.equal(p.grad, r) for p, r in zip(ddp.module.parameters(), reduced, strict=True))
