@@ -34,6 +34,10 @@ PARQUET     ?= pyarrow==26.0.1
 # decode also needs FFmpeg 4-9 shared libraries, which pip does not provide (Debian 12: apt-get install
 # libavformat59 libavfilter8 libavdevice59); without them, or when this install fails, the rows say why.
 PEERS       ?= torchdata==0.11.0 spdl==0.8.0 spdl-core==0.8.0 spdl-io==0.8.0
+# bench_parquet's Hugging Face row: `datasets` --no-deps (its fsspec cap would move the REMOTE pins), then its
+# torch-free requirements with theirs.
+HF_DATASETS ?= datasets==5.2.0
+HF_DEPS     ?= dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 pandas==3.1.1 huggingface_hub==2.4.0
 PEERS_STAMP := $(VENV)/.fastlib-peers
 NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
@@ -71,8 +75,9 @@ $(INTEGRATIONS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) Makefile
 	touch $@
 
 # Not fatal: a benchmark whose peer is missing writes the reason in its row instead.
-$(PEERS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) Makefile
-	$(PIP) install --no-deps $(PEERS) && touch $@ || echo "peers not installed; their benchmark rows will say why"
+$(PEERS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) $(INTEGRATIONS_STAMP) Makefile
+	$(PIP) install --no-deps $(PEERS) $(HF_DATASETS) && $(PIP) install $(HF_DEPS) && touch $@ \
+	    || echo "peers not installed; their benchmark rows will say why"
 
 # The peers too (a few seconds, --no-deps), so that CI runs tests/test_peers.py rather than skipping it.
 install:
