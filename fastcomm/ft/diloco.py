@@ -69,6 +69,11 @@ class FaultTolerantDiLoCo:
                 "asynchronous quorum lets a replica still healing into the sync, and DiLoCo's sync needs "
                 "every replica's pseudo-gradient (torchft's own DiLoCo asks the same)"
             )
+        if getattr(outer, "eager", False):
+            raise ValueError(
+                "fastcomm.ft does not run DiLoCo's eager updates: a discarded sync would keep the estimate's "
+                "outer step in the global weights; build the DiLoCo with eager=False"
+            )
         period = outer.sync_every // len(outer.fragments)
         if outer.delay > period:
             raise ValueError(f"fastcomm.ft needs delay <= sync_every / fragments = {period}, got "
