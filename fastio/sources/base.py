@@ -286,6 +286,10 @@ class Source(Protocol):
         return {}
 
 
+def _nothing_to_settle() -> None:
+    """A source that writes nothing in the background for later loaders."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenDocuments:
     """Where every sample's token array of one field lies, for ``StreamLoader(pack=...)``
@@ -298,6 +302,8 @@ class TokenDocuments:
         dtype: the stored integer dtype of the tokens (native byte order).
         table: the mapped files the gathers read from.
         verify: ``verify(shard_ids)`` runs before shards are read (checksums once per shard; may be a no-op).
+        settle: ``settle()`` runs when a pass has yielded its last batch: waits for what the source writes in
+            the background for later loaders (Parquet's kept token files; default: nothing).
 
     Example::
 
@@ -311,6 +317,7 @@ class TokenDocuments:
     dtype: np.dtype
     table: MappedTable
     verify: Callable[[np.ndarray], None]
+    settle: Callable[[], None] = _nothing_to_settle
 
 
 REQUIRED_MEMBERS = ("name", "num_samples", "shard_sizes", "per_sample", "requires_shard_order")

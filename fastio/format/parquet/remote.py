@@ -248,7 +248,10 @@ class RemoteParquetSource(RemoteSource):
 
             docs = RemoteParquetSource(url, columns=["input_ids"]).token_documents("input_ids")
         """
-        return token_documents(self._held_groups(), self.layout, self.name, field_name, self.tokenizer, self)
+        in_memory = sum(self._estimates) <= self.memory_limit
+        return token_documents(
+            self._held_groups(), self.layout, self.name, field_name, self.tokenizer, self, in_memory=in_memory
+        )
 
     def _held_groups(self) -> Iterator[RowGroup]:
         """Every row group, each brought into the cache and pinned while the caller stands on it."""

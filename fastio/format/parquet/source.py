@@ -295,9 +295,11 @@ class ParquetSource(Source):
         """
         threads = min(4, os.cpu_count() or 1)
         local = all(os.path.isfile(g.name) for g in self.row_groups)
+        in_memory = sum(g.decoded_bytes for g in self.row_groups) <= self.memory_limit
         return token_documents(
-            self.row_groups, self.layout, self.name, field_name, self.tokenizer, self, threads, keep=local
-        )
+            self.row_groups, self.layout, self.name, field_name, self.tokenizer, self, threads, keep=local,
+            in_memory=in_memory,
+        )  # fmt: skip
 
 
 def _run(rows: np.ndarray) -> np.ndarray | slice:

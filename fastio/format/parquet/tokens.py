@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import itertools
+import logging
 import os
 import shutil
 import tempfile
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from fastio.errors import SchemaMismatchError
 from fastio.files.mapped import MappedFile, MappedTable
@@ -52,6 +56,7 @@ __all__ = ["Tokenizer", "kept_tokens_path", "token_documents"]
 Tokenizer = Callable[[list[str]], Sequence[Sequence[int]]]
 _EXPECTED = "a column of integer lists (e.g. input_ids), or a string column with tokenizer="
 Decoded = tuple["RowGroup", np.ndarray, np.ndarray]
+_log = logging.getLogger(__name__)
 
 
 def _column_tokens(
@@ -97,7 +102,9 @@ def _decoded(
     row groups ahead at once (pyarrow decodes without the GIL)."""
 
     def decode(group: RowGroup) -> Decoded:
-        column = group.reader().read_row_group(group.index, columns=[field]).column(field)
+        # One column: pyarrow's own threads would only contend with this pool's.
+        read = group.reader().read_row_group(group.index, columns=[field], use_threads=threads <= 1)
+        column = read.column(field)
         chunk = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
         return (group, *_column_tokens(chunk, group.name, field, group.index, tokenizer))
 
@@ -161,14 +168,54 @@ def _write(decoded: Iterable[Decoded], path: Path, keep_counts: bool) -> np.ndar
     return rows
 
 
+class _HeldTokens:
+    """One row group's decoded tokens kept in memory, as an entry of the :class:`MappedTable` the packer's
+    gathers read (what a :class:`MappedFile` offers them: its address, size and a size check)."""
+
+    def __init__(self, name: str, group: int, flat: np.ndarray) -> None:
+        self.path = f"{name} (row group {group}, decoded in memory)"
+        self.array = np.ascontiguousarray(flat).view(np.uint8)
+        self.size = self.array.nbytes
+        self.address = int(self.array.ctypes.data) if self.size else 0
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The bytes as a tensor (read only; for the gathers without the native kernels)."""
+        with warnings.catch_warnings():  # pyarrow's buffers are read only; nothing writes through this view
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(self.array)
+
+    def current_size(self) -> int:
+        return self.size
+
+    def check_size(self) -> None:
+        """Memory does not shrink: nothing to check."""
+
+
+def _write_kept(runs: list[tuple[Path, list[Decoded]]]) -> None:
+    """Write kept token files from decoded row groups held in memory (a background thread, at the lowest
+    priority: the next loader over the files needs them, this one reads its memory)."""
+    if hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+    for path, decoded in runs:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write(decoded, path, keep_counts=True)
+        except OSError as error:  # the next loader decodes again; this one reads its memory
+            _log.warning("fastio parquet: token file %s not kept (%s)", path, error)
+
+
 def token_documents(
     groups: Iterable[RowGroup], layout: ParquetLayout, name: str, field: str, tokenizer: Tokenizer | None,
-    owner: object, threads: int = 1, keep: bool = False,
+    owner: object, threads: int = 1, keep: bool = False, in_memory: bool = False,
 ) -> TokenDocuments:  # fmt: skip
     """The rows of ``field`` in ``groups`` (a set's row groups, in order) as token documents (see the module
     docstring). ``threads``: row groups decoded at once (1: each read while the iteration stands on it, what
     a remote source's pins need). ``keep``: the groups are of local files, whose token files are kept; else
-    they go with ``owner``.
+    they go with ``owner``. ``in_memory``: the decoded tokens fit the memory budget: they are kept in memory
+    and read from there (no token file written first; with ``keep``, the kept files are written in a
+    background thread for the next loader).
 
     Example::
 
@@ -189,36 +236,59 @@ def token_documents(
             base.mkdir(parents=True, exist_ok=True)
             own.append(Path(tempfile.mkdtemp(prefix="tokens-", dir=base)))
             weakref.finalize(owner, shutil.rmtree, own[0], True)
-        return own[0] / f"{len(files):06d}.tokens"
+        return own[0] / f"{len(entries):06d}.tokens"
 
-    files: list[MappedFile] = []
+    entries: list[MappedFile | _HeldTokens] = []
     counts: list[np.ndarray] = []
+    settle: Callable[[], None] = _nothing_to_settle
+
+    def hold(items: Iterable[Decoded]) -> list[Decoded]:
+        held = list(items)
+        for group, lengths, flat in held:
+            entries.append(_HeldTokens(group.name, group.index, flat.astype(dtype, copy=False)))
+            counts.append(lengths.astype(np.int64, copy=False))
+        return held
+
     if keep:
         runs = [(n, list(run)) for n, run in itertools.groupby(groups, key=lambda g: g.name)]
         paths = [kept_tokens_path(n, field, [g.index for g in run]) for n, run in runs]
         found = [_kept(p, dtype) for p in paths]
         todo = [g for (_, run), f in zip(runs, found, strict=True) if f is None for g in run]
         decoded = _decoded(todo, field, tokenizer, threads)
+        unwritten: list[tuple[Path, list[Decoded]]] = []
         for (_, run), path, rows in zip(runs, paths, found, strict=True):
+            if rows is None and in_memory:
+                unwritten.append((path, hold(itertools.islice(decoded, len(run)))))
+                continue
             if rows is None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 rows = _write(itertools.islice(decoded, len(run)), path, keep_counts=True)
-            files.append(MappedFile(path))
+            entries.append(MappedFile(path))
             counts.append(rows)
+        if unwritten:
+            writer = threading.Thread(target=_write_kept, args=(unwritten,), name="fastio-kept-tokens")
+            writer.start()
+            settle = writer.join
+    elif in_memory:
+        hold(_decoded(groups, field, tokenizer, threads))
     else:
         for _, items in itertools.groupby(
             _decoded(groups, field, tokenizer, threads), key=lambda t: t[0].name
         ):
             path = own_path()
             counts.append(_write(items, path, keep_counts=False))
-            files.append(MappedFile(path))
-    shard = np.concatenate([np.full(len(c), i, dtype=np.int32) for i, c in enumerate(counts)])
+            entries.append(MappedFile(path))
+    shard = np.repeat(np.arange(len(counts), dtype=np.int32), [len(c) for c in counts])
     src = np.concatenate([np.concatenate([[0], np.cumsum(c)[:-1]]) * dtype.itemsize for c in counts])
     return TokenDocuments(
-        shard, src.astype(np.int64), np.concatenate(counts), dtype.newbyteorder("="), MappedTable(files),
-        _no_checksums,
+        shard, src.astype(np.int64), np.concatenate(counts), dtype.newbyteorder("="), MappedTable(entries),
+        _no_checksums, settle,
     )  # fmt: skip
 
 
 def _no_checksums(shard_ids: np.ndarray) -> None:
     """Token files are written whole (through a temporary name) and checked against their row counts."""
+
+
+def _nothing_to_settle() -> None:
+    """Every token file is written before the first batch."""
