@@ -108,6 +108,10 @@ SUITE = (
     Benchmark("bench_shuffle", ("--epochs", "1"), (0.4, 0.4)),
     Benchmark("bench_ft", (), (2.0, 2.0)),
     Benchmark("bench_parquet", ("--repeats", "2", "--hf-rows", "5000"), (1.5, 1.5)),
+    # bench_diloco_seeds: 3 runs of 30 steps of a 137k-parameter LM in one pair of ranks (97 s at a load of
+    # 16; the full profile: about 45 runs of 250 steps, 40 min)
+    Benchmark("bench_diloco_seeds", ("--rows", "none_reorder,diloco_q4_defaults", "--seeds", "0", "--steps",
+                                     "30", "--choice-rows", ""), (0.6, 0.6)),
     Benchmark(
         "bench_hooks",
         (

@@ -17,8 +17,8 @@ name          class                   options (defaults)                   paylo
                                       ``orthogonalization="qr"``           matrix (two allreduces, summed)
 ============  ======================  ===================================  =================================
 
-``sparseloco`` (``SparseLoCoCompressor``; ``k=64``, ``chunk=4096``, ``decay=0.95``) sends, per chunk, the
-k largest entries as 16-bit positions and 2-bit values with one fp32 scale, and decays its error feedback:
+``sparseloco`` (``SparseLoCoCompressor``; ``k=120``, ``chunk=4096``, ``decay=1.0``) sends, per chunk, the
+k largest entries as 16-bit positions and 2-bit values with one fp32 scale, with (decaying) error feedback:
 SparseLoCo's compressor for DiLoCo's pseudo-gradients (:mod:`fastcomm.compress.sparseloco`).
 
 Renamed names still resolve for one release with a ``DeprecationWarning`` naming the new one: ``"cast16"``

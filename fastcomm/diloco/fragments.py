@@ -67,9 +67,6 @@ class Fragment:
     global_weights: Tensor
     momentum: Tensor
     residual: Residual = field(default_factory=Residual)
-    # eager updates: the last mean pseudo-gradient and this rank's own last one (None before the first)
-    eager_mean: Tensor | None = None
-    eager_local: Tensor | None = None
 
     @classmethod
     def of(
@@ -87,16 +84,6 @@ class Fragment:
     def local_weights(self) -> Tensor:
         """This rank's weights of the fragment, fp32, flat (a copy)."""
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])
-
-    def eager_state(self) -> dict[str, Tensor]:
-        """The eager update's last means, for a checkpoint (empty before the first exchange)."""
-        kept = {"eager_mean": self.eager_mean, "eager_local": self.eager_local}
-        return {key: value.clone() for key, value in kept.items() if value is not None}
-
-    def load_eager_state(self, saved: dict[str, Tensor]) -> None:
-        """Restore :meth:`eager_state` (absent keys: none yet)."""
-        for key in ("eager_mean", "eager_local"):
-            setattr(self, key, saved[key].clone() if key in saved else None)
 
     def write_local(self, flat: Tensor) -> None:
         """Copy ``flat`` into the parameters (rounded to their dtype)."""

@@ -107,9 +107,13 @@ class DiLoCo:
             steps taken meanwhile; ``alpha`` in ``[0, 1)``: ``alpha * local + (1 - alpha) * global``
             (streaming DiLoCo's merge; 0.5 there).
         eager: with ``delay >= 1``, eager updates (2025): at the issue, the outer step is taken at once
-            with an estimate of the ranks' mean (the last mean with this rank's share replaced by its fresh
-            pseudo-gradient), and the inner steps meanwhile start from there; when the exchange lands the
-            global weights are the exact ones and the local steps taken meanwhile are kept on top.
+            with this rank's own pseudo-gradient standing in for the ranks' mean, and the inner steps
+            meanwhile start from there; when the exchange lands the global weights are the exact ones (the
+            same on every rank) and the local steps taken meanwhile are kept on top.
+        keep_unsent: after a sync each replica restarts from the global weights minus ``decay`` times
+            what its compressor has not sent, and the residual starts from zero (the local weights carry
+            it); needs an all-gathered compressor (``block == 0``). Unset: the compressor's own choice
+            (``"sparseloco"``: on; docs/diloco.md, "SparseLoCo"), else off.
         process_group: the group of the replicas (default: the default group).
         chunk_bytes: the compressed all-reduce's piece size (default: the collectives' own).
         residual_dtype: keep each fragment's error-feedback residual in this dtype between syncs
@@ -142,6 +146,7 @@ class DiLoCo:
         delay: int | None = None,
         mixing: float | None = None,
         eager: bool = False,
+        keep_unsent: bool | None = None,
         process_group: dist.ProcessGroup | None = None,
         chunk_bytes: int | None = None,
         residual_dtype: torch.dtype | None = None,
@@ -187,6 +192,13 @@ class DiLoCo:
             )
         self.inner = inner_optimizer
         self.sync_every, self.delay, self.mixing, self.eager = sync_every, delay, mixing, bool(eager)
+        own = getattr(self.compressor, "outer_step", None)
+        if keep_unsent is None:
+            keep_unsent = bool(own.get("keep_unsent", False)) if isinstance(own, Mapping) else False
+        if keep_unsent and getattr(self.compressor, "block", None) != 0:
+            raise ValueError("keep_unsent needs a compressor whose payloads are all-gathered (block == 0, as "
+                             f"'sparseloco' or 'topk'), got {self.compressor!r}")
+        self.keep_unsent = bool(keep_unsent)
         outer_lr, outer_momentum = _outer_defaults(self.compressor, outer_lr, outer_momentum)
         self.outer_lr = outer_lr if callable(outer_lr) else float(outer_lr)
         self.outer_momentum, self.nesterov = float(outer_momentum), nesterov
@@ -260,15 +272,10 @@ class DiLoCo:
         return update, lr
 
     def _eager_step(self, fragment: Fragment, local_delta: Tensor) -> Tensor:
-        """Eager update: the outer step taken at once with an estimate of the ranks' mean, the last mean
-        with this rank's share replaced by its fresh pseudo-gradient (this rank's alone at the first sync);
-        the local weights continue from there. Returns them (the exchange's ``sent_local``)."""
-        estimate = local_delta
-        if fragment.eager_mean is not None and fragment.eager_local is not None:
-            world = dist.get_world_size(self.process_group)
-            estimate = fragment.eager_mean + (local_delta - fragment.eager_local) / world
-        fragment.eager_local = local_delta
-        update, lr = self._outer_update(fragment, estimate, commit=False)
+        """Eager update: the outer step taken at once with this rank's own pseudo-gradient standing in for
+        the ranks' mean (the momentum left as it is); the local weights continue from there. Returns them
+        (the exchange's ``sent_local``)."""
+        update, lr = self._outer_update(fragment, local_delta, commit=False)
         start = fragment.global_weights.add(update, alpha=-lr)
         fragment.write_local(start)
         return start
@@ -278,8 +285,6 @@ class DiLoCo:
         self.blocked_s += exchange.blocked_s
         fragment = self.fragments[exchange.fragment]
         fragment.residual.keep()  # in residual_dtype until the fragment's next exchange
-        if self.eager:
-            fragment.eager_mean = exchange.mean.clone()
         update, lr = self._outer_update(fragment, exchange.mean, commit=True)
         fragment.global_weights.add_(update, alpha=-lr)
         if exchange.sent_local is None:
@@ -288,7 +293,19 @@ class DiLoCo:
             fragment.write_local(torch.lerp(fragment.global_weights, fragment.local_weights(), self.mixing))
         else:
             fragment.write_local(fragment.global_weights + (fragment.local_weights() - exchange.sent_local))
+        if self.keep_unsent:
+            self._keep_unsent(fragment)
         self.syncs += 1
+
+    def _keep_unsent(self, fragment: Fragment) -> None:
+        """Move what this rank still owes from the error-feedback residual into its local weights
+        (``local -= decay * owed``): the next pseudo-gradient holds it, so the residual starts from zero."""
+        owed = fragment.residual.owed()
+        if owed is None:
+            return
+        decay = float(getattr(self.compressor, "decay", 1.0))
+        fragment.write_local(fragment.local_weights().sub_(owed, alpha=decay))
+        fragment.residual.take("worker", owed, owed.numel()).zero_()
 
     def stats(self) -> dict[str, float]:
         """Inner steps, syncs applied, traffic and seconds spent waiting.
@@ -324,7 +341,7 @@ class DiLoCo:
             "format": _FORMAT, "config": self._config(), "inner_steps": self.inner_steps,
             "syncs": self.syncs, "bytes_sent": self.traffic.sent_bytes, "traffic": self.traffic.state_dict(),
             "fragments": [{"global_weights": f.global_weights.clone(), "momentum": f.momentum.clone(),
-                           "residual": f.residual.state_dict(), **f.eager_state()}
+                           "residual": f.residual.state_dict()}
                           for f in self.fragments],
             "in_flight": [exchange.state_dict() for exchange in self.in_flight],
             "outer_lr": self.outer_lr.state_dict() if isinstance(self.outer_lr, InnerLRFollower) else None,
@@ -342,7 +359,6 @@ class DiLoCo:
             fragment.momentum.copy_(saved["momentum"])
             fragment.residual = Residual(self.residual_dtype)
             fragment.residual.load_state_dict(saved["residual"])
-            fragment.load_eager_state(saved)
         self.in_flight = [Exchange.from_state_dict(e) for e in state_dict["in_flight"]]
         self.inner_steps, self.syncs = int(state_dict["inner_steps"]), int(state_dict["syncs"])
         if isinstance(self.outer_lr, InnerLRFollower) and state_dict.get("outer_lr") is not None:
