@@ -99,7 +99,8 @@ install:
 # worker fills (measured in a cgroup: 549 s of CPU either way, 334 s of wall on 2 workers, 317 s on 3).
 TEST_WORKERS ?= 3
 TEST_THREADS ?= 1
-NO_NATIVE_TESTS := tests/fastcomm/test_ops.py tests/fastcomm/test_ops_into.py tests/fastio/test_no_native.py
+NO_NATIVE_TESTS := tests/fastcomm/test_ops.py tests/fastcomm/test_ops_table.py tests/fastcomm/test_ops_into.py \
+                   tests/fastcomm/test_ops_into_checks.py tests/fastio/test_no_native.py
 # Tests marked `alone` (gloo timed against the advisor's model) run after the suite, on an idle machine: beside
 # it the load reached 7-10 on 2 cores and they skipped (saying so), measuring nothing.
 ALONE_TESTS := tests/fastcomm/test_advise.py
