@@ -26,6 +26,9 @@ inline uint32_t magnitude_key(float v) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// How many iterations ahead a loop of scattered reads (sampled positions, sparse indices) prefetches.
+constexpr int64_t kPrefetchAhead = 32;
+
 // Must equal reference.approx_sample_size.
 inline int64_t approx_sample_size(int64_t n, int64_t k) {
   if (k <= 0) return 0;

@@ -285,10 +285,21 @@ std::tuple<at::Tensor, at::Tensor> select_approx(const SelectJob<scalar_t>& job,
   const int64_t stride = n / m;
   const int64_t rank = std::max<int64_t>(1, ceil_div(m * k, n));
   std::vector<uint32_t> sample(m);
+  // The positions first, then their reads with prefetches kPrefetchAhead samples ahead: each sample is a
+  // cache miss (sampled ~1 in stride elements of a tensor larger than the caches), and a loop computing the
+  // position of each read just before it keeps only a few in flight (16.8M elements, k = 1%: 100K samples,
+  // 1.4 ms against 2.3-6.6 ms, measured in isolation).
+  std::vector<int64_t> where(m);
   at::parallel_for(0, m, 4096, [&](int64_t lo, int64_t hi) {
     for (int64_t s = lo; s < hi; ++s) {
-      const int64_t p = s * stride + static_cast<int64_t>(hash32(static_cast<uint64_t>(s), 0) % stride);
-      sample[s] = key_of(job.acc(p));
+      where[s] = s * stride + static_cast<int64_t>(hash32(static_cast<uint64_t>(s), 0) % stride);
+    }
+    for (int64_t s = lo; s < hi; ++s) {
+      if (s + kPrefetchAhead < hi) {
+        __builtin_prefetch(job.x + where[s + kPrefetchAhead]);
+        if (job.source != nullptr) __builtin_prefetch(job.source + where[s + kPrefetchAhead]);
+      }
+      sample[s] = key_of(job.acc(where[s]));
     }
   });
   std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(), std::greater<uint32_t>());
