@@ -9,13 +9,15 @@ time, of ``x_noop_floor`` (this step / the same run's no-op hook step, the compu
 fastcomm hooks, of ``speedup_vs_fp16`` (torch's fp16 hook's step / this step), each ratio taken inside one
 run of one tree. ``ratio`` is this tree's step / the first tree's, round by round, then the median.
 
-Needs root and ``ip`` (:mod:`benchmarks.netlab`), as bench_hooks' netlab network does; an old tree needs its
-native modules built or copied (``fastcomm/_C*.so``, ``fastio/_C*.so``) when its ``csrc/`` is the same.
+Needs root and ``ip`` (:mod:`benchmarks.netlab`), as bench_hooks' netlab network does. Each tree needs its
+own native modules (``fastcomm/_C*.so``, ``fastio/_C*.so``) built from its own ``csrc/`` (another tree's
+copy is right only where ``git diff A B -- csrc setup.py`` is empty), and the machine as quiet as can be
+had: the ratios compare the seconds of separate runs.
 
 Example::
 
     git worktree add --detach /tmp/base 6b4c53f
-    cp fastcomm/_C*.so /tmp/base/fastcomm/ && cp fastio/_C*.so /tmp/base/fastio/
+    (cd /tmp/base && python setup.py build_ext --inplace)  # the python of the venv that runs the benchmark
     python -m benchmarks.bench_hook_versions --tree base=/tmp/base --tree new=. --rounds 3
 """
 
@@ -72,9 +74,11 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", action="append", required=True, help="name=path of a source tree")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help="bench_hooks configurations (noop and torch_fp16 are always added: "
-                             "the ratios use them)")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="bench_hooks configurations (noop and torch_fp16 are always added: the ratios use them)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per tree per round")
     args = parser.parse_args(argv)
     trees = {name: Path(path).resolve() for name, path in (spec.split("=", 1) for spec in args.tree)}
