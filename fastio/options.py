@@ -43,6 +43,7 @@ __all__ = [
     "ReadOptions",
     "RemoteOptions",
     "WorkerOptions",
+    "columns_read",
     "grouped_options",
 ]
 
@@ -57,15 +58,27 @@ class ReadOptions:
         verify: shard checksums: None (lazily, once per process per shard), True (all at open), False.
         tar_strict: tar shards must end with an end-of-archive marker; ``False`` serves the members before
             the damage instead of raising :class:`fastio.CorruptShardError`.
+        columns: Parquet: the columns to read (only their column chunks are read, or fetched); None: every
+            one. A format that cannot select columns refuses it (:func:`columns_read`).
 
     Example::
 
         fastio.StreamLoader("data/shard-{000..003}.tar", batch_size=8, read=ReadOptions(decode="pil"))
+        fastio.StreamLoader("data/train-*.parquet", batch_size=8, read=ReadOptions(columns=["input_ids"]))
     """
 
     decode: Callable[[str, bytes], Any] | str | None = None
     verify: bool | None = None
     tar_strict: bool = True
+    columns: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.columns is not None:
+            if isinstance(self.columns, str) or not all(isinstance(c, str) for c in self.columns):
+                raise TypeError(
+                    f"ReadOptions(columns=...) takes a list of column names, got {self.columns!r}"
+                )
+            object.__setattr__(self, "columns", tuple(self.columns))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +203,7 @@ class OpenOptions:
     Each source reads the options it knows and ignores the rest.
 
     Attributes:
-        decode, verify, tar_strict: as in :class:`ReadOptions`.
+        decode, verify, tar_strict, columns: as in :class:`ReadOptions`.
         cache_dir: as in :class:`RemoteOptions` (a string).
         cache_limit, storage_options: as in :class:`RemoteOptions`.
 
@@ -205,6 +218,7 @@ class OpenOptions:
     cache_dir: str | None = None
     cache_limit: int | str | None = None
     storage_options: Mapping[str, Any] | None = None
+    columns: Sequence[str] | None = None
 
     @classmethod
     def of(cls, read: ReadOptions, remote: RemoteOptions) -> OpenOptions:
@@ -216,7 +230,34 @@ class OpenOptions:
         """
         cache_dir = None if remote.cache_dir is None else os.fspath(remote.cache_dir)
         return cls(read.decode, read.verify, read.tar_strict, cache_dir, remote.cache_limit,
-                   remote.storage_options)  # fmt: skip
+                   remote.storage_options, read.columns)  # fmt: skip
+
+
+def columns_read(options: OpenOptions, target: Any, source: Any) -> Any:
+    """``source``, opened from ``target`` with ``options``, once it is known to have read only
+    ``options.columns`` (when given): a source that selects columns says which (``selected_columns``, as a
+    Parquet source does); any other, or a source object handed to the loader ready made, is a ``ValueError``
+    saying what to do.
+
+    Example::
+
+        source = columns_read(options, "data/train-*.parquet", open_source("data/train-*.parquet", options))
+    """
+    if options.columns is None:
+        return source
+    name = getattr(source, "name", type(source).__name__)
+    if source is target:
+        raise ValueError(
+            f"read=ReadOptions(columns=...) with a source object ({name}): a ready-made source has read its "
+            "columns already; pass them where it is made (parquet_source(path, columns=[...]))"
+        )
+    selected = getattr(source, "selected_columns", None)
+    if selected is None:
+        raise ValueError(
+            f"read=ReadOptions(columns={list(options.columns)}) but {name} ({type(source).__name__}) cannot "
+            "select columns (Parquet sets can); drop columns= for it, or select fields in a transform"
+        )
+    return source
 
 
 # The option groups by their StreamLoader keyword, and the loader's flat names of their fields (one release).
@@ -264,7 +305,9 @@ def grouped_options(given: Mapping[str, Any], flat: Mapping[str, Any]) -> dict[s
     """
     unknown = sorted(set(flat) - set(FLAT_NAMES))
     if unknown:
-        raise TypeError(f"StreamLoader() got an unexpected keyword argument {unknown[0]!r}")
+        homes = [f" (it is {k}=fastio.{g.__name__}({unknown[0]}=...))" for k, g in GROUPS.items()
+                 if unknown[0] in {f.name for f in dataclasses.fields(g)}]  # fmt: skip
+        raise TypeError(f"StreamLoader() got an unexpected keyword argument {unknown[0]!r}{''.join(homes)}")
     groups: dict[str, Any] = {}
     for keyword, kind in GROUPS.items():
         value = given.get(keyword)

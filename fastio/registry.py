@@ -10,7 +10,8 @@ its folder under :mod:`fastio.format` plus one row here: local and remote at onc
    ``hf`` and ``memory`` go to the first built-in format whose ``url_matches(url)`` is True, whose
    ``url_opener`` reads it through :mod:`fastio.remote` (fsspec and its per-store extras): ``.parquet`` URLs
    (:mod:`fastio.format.parquet`), compressed tars, then ``.tar`` URLs, brace patterns, globs and lists,
-   then a directory URL (no file suffix in its last part) as a fastio shard directory.
+   then a directory URL (no file suffix in its last part) as a fastio shard directory, or, without an
+   ``index.json``, as the folder of ``.parquet`` files it lists (:mod:`fastio.format.parquet.folder`).
 2. Anything else goes to the first format (:func:`register_format`) whose ``matches(target)`` is True.
    Formats registered by users are consulted first (newest last), then the built-ins in this order: an
    object that already is a :class:`~fastio.sources.Source`; ``.parquet`` paths, patterns, lists, or a folder
@@ -60,7 +61,7 @@ from fastio.format.parquet import is_parquet, is_parquet_url
 from fastio.format.shards import is_shard_directory, is_shard_directory_url
 from fastio.format.tar import is_tar, is_tar_url
 from fastio.format.tar.compression import COMPRESSED_SUFFIXES, is_compressed_tar
-from fastio.options import OpenOptions
+from fastio.options import OpenOptions, columns_read
 from fastio.sources.base import Source, missing_members
 
 __all__ = [
@@ -134,7 +135,7 @@ _BUILTIN_FORMATS = (
     Format("parquet", is_parquet, "fastio.format.parquet.source:open_parquet", None,
            is_parquet_url, "fastio.format.parquet.remote:open_remote_parquet"),
     Format("fastio-shards", is_shard_directory, "fastio.format.shards.source:open_shard_directory",
-           _SHARD_DIRECTORY, is_shard_directory_url, "fastio.format.shards.remote:open_remote_shards"),
+           _SHARD_DIRECTORY, is_shard_directory_url, "fastio.format.parquet.folder:open_remote_folder"),
     Format("compressed-tar", is_compressed_tar, "fastio.format.tar.compressed:open_compressed_tars",
            _COMPRESSED, is_compressed_tar, "fastio.format.tar.remote:open_remote_tars"),
     Format("webdataset-tar", is_tar, "fastio.format.tar.source:open_tar_shards", "WebDataset .tar shards",
@@ -336,11 +337,17 @@ def open_source(source: Any, options: OpenOptions | None = None, **fields: Any) 
                 f"{_shown(target)}: no source is registered for URL scheme {scheme!r} (registered: "
                 f"{', '.join(schemes())}); fastio.registry.register_scheme({scheme!r}, opener) adds one"
             )
-        return _checked(_resolve(opener)(target, options), f"the opener of {scheme}://", target)
+        return columns_read(
+            options, target, _checked(_resolve(opener)(target, options), f"the opener of {scheme}://", target)
+        )
     for row in formats():
         if _resolve(row.matches)(target):
             _refuse_empty_directory(target, row)
-            return _checked(_resolve(row.opener)(target, options), f"format {row.name!r}", target)
+            return columns_read(
+                options,
+                target,
+                _checked(_resolve(row.opener)(target, options), f"format {row.name!r}", target),
+            )
     if not os.path.exists(target):
         raise FileNotFoundError(f"{target}: no such shard directory or tar shard")
     expected = [row.description for row in formats() if row.description]

@@ -294,11 +294,9 @@ class PackedEpoch(BatchPass):
                 self.kept.keep(self.pipeline)
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        try:
-            batch, rows = self.take()
-        except StopIteration:
-            self.producer.docs.settle()  # what the source writes for later loaders is whole when a pass ends
-            raise
+        if self.yielded >= self.n_batches:  # the end: what the source writes for later loaders is whole
+            self.producer.docs.settle()
+        batch, rows = self.take()
         if self.device is not None:
             # A blocking copy: the reused host buffer may be refilled as soon as the consumer lets go of it.
             batch = {k: v.to(self.device) for k, v in batch.items()}

@@ -106,6 +106,21 @@ def test_columns_reads_only_those(data):
     assert batch["text"][:2] == ["row 0", "row 1"]
 
 
+def test_read_options_columns_select_a_sets_columns_and_are_refused_where_they_cannot_hold(data, tmp_path):
+    loader = fastio.StreamLoader(str(data), batch_size=8, read=fastio.ReadOptions(columns=["y", "ids"]))
+    assert loader._source.selected_columns == ["y", "ids"] and next(iter(loader)).keys() == {"y", "ids"}
+    with pytest.raises(ValueError, match="cannot select columns"):
+        fastio.StreamLoader(
+            str(_shard_tokens(tmp_path / "tokens")), batch_size=4, read=fastio.ReadOptions(columns=["ids"])
+        )
+    with pytest.raises(ValueError, match=r"parquet_source\(path, columns="):
+        fastio.StreamLoader(parquet_source(data), batch_size=4, read=fastio.ReadOptions(columns=["y"]))
+    with pytest.raises(TypeError, match=r"read=fastio.ReadOptions\(columns=...\)"):
+        fastio.StreamLoader(str(data), batch_size=4, columns=["y"])
+    with pytest.raises(TypeError, match="list of column names"):
+        fastio.ReadOptions(columns="y")
+
+
 def test_a_missing_column_names_the_file_and_the_column(data):
     with pytest.raises(SchemaMismatchError, match=r"train-00000-of-00003\.parquet.*'label'.*no such column"):
         parquet_source(data, columns=["y", "label"])
@@ -275,6 +290,33 @@ def test_the_token_files_are_kept_for_the_next_loader_and_made_again_for_a_chang
     monkeypatch.setenv("FASTIO_CACHE", str(tmp_path / "fresh"))
     fresh = [b["tokens"] for b in fastio.StreamLoader(str(folder), batch_size=4, pack=pack)]
     assert len(changed) == len(fresh) and all((a == b).all() for a, b in zip(changed, fresh, strict=True))
+
+
+@pytest.mark.parametrize("memory_limit", [10**9, 1], ids=["in-memory", "token-files"])
+def test_a_packed_token_column_resumes_exactly_from_memory_and_from_token_files(
+    data, tmp_path, monkeypatch, memory_limit
+):
+    monkeypatch.setenv("FASTIO_CACHE", str(tmp_path / "cache"))
+    source = parquet_source(data, columns=["ids"], memory_limit=memory_limit)
+    held = {type(entry).__name__ for entry in source.token_documents("ids").table.files}
+    assert held == ({"_HeldTokens"} if memory_limit > 1 else {"MappedFile"})  # decoded once into either
+    pack = fastio.Pack("ids", seq_len=8, eos=0, shift=True)
+
+    def loader(of: object, shuffle: bool) -> fastio.StreamLoader:
+        return fastio.StreamLoader(of, batch_size=3, shuffle=shuffle, seed=5, pack=pack)
+
+    first = loader(source, True)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    rest = [b["tokens"] for b in it]
+    again = loader(source, True)
+    again.load_state_dict(state)
+    assert len(rest) > 3
+    assert all((a == b).all() for a, b in zip(rest, (b["tokens"] for b in again), strict=True))
+    ours = [b["tokens"] for b in loader(source, False)]
+    want = [b["tokens"] for b in loader(str(_shard_tokens(tmp_path / "tokens")), False)]
+    assert len(ours) == len(want) and all((a == b).all() for a, b in zip(ours, want, strict=True))
 
 
 def test_packing_a_text_column_through_a_tokenizer(data, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import fastio  # noqa: E402
 from fastio.errors import CorruptShardError  # noqa: E402
 from fastio.format.parquet.opening import parquet_source  # noqa: E402
 from fastio.format.parquet.remote import RemoteParquetSource  # noqa: E402
+from fastio.remote import RemoteNotFoundError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _remote_helpers import FAST_RETRY, cache_folder_bytes  # noqa: E402
@@ -172,3 +173,25 @@ def test_a_corrupt_remote_footer_is_a_named_error(tmp_path):
         pytest.raises(CorruptShardError, match=rf"{names[1]}: field 'footer'"),
     ):
         RemoteParquetSource(_url(server), cache_dir=tmp_path / "cache", retry=FAST_RETRY)
+
+
+def test_a_folder_url_reads_its_parquet_files_where_the_store_lists_them_else_asks_for_a_glob(
+    served, tmp_path
+):
+    server, root, names = served
+    fsspec = pytest.importorskip("fsspec")
+    memory = fsspec.filesystem("memory")
+    for name in names:
+        memory.pipe(f"/hub-{tmp_path.name}/data/{name}", (root / "data" / name).read_bytes())
+    folder = f"memory://hub-{tmp_path.name}/data/"
+    loader = fastio.StreamLoader(
+        folder, batch_size=32, read=fastio.ReadOptions(columns=["y"]), remote=fastio.RemoteOptions(tmp_path)
+    )
+    assert sorted(y for b in loader for y in b["y"].tolist()) == list(range(FILES * ROWS))
+    memory.pipe(
+        f"/hub-{tmp_path.name}/data/test-00000-of-00001.parquet", (root / "data" / names[0]).read_bytes()
+    )
+    with pytest.raises(ValueError, match=r"several splits .*test-\*\.parquet.*train-\*\.parquet"):
+        fastio.StreamLoader(folder, batch_size=32, remote=fastio.RemoteOptions(tmp_path))
+    with pytest.raises(RemoteNotFoundError, match=r"no index\.json .*name them with a glob"):
+        fastio.StreamLoader(server.url("data/"), batch_size=32, remote=fastio.RemoteOptions(tmp_path))

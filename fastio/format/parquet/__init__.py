@@ -29,7 +29,14 @@ from typing import Any
 
 from fastio.files.paths import is_path_list
 
-__all__ = ["PARQUET_SUFFIX", "folder_splits", "is_parquet", "is_parquet_url", "parquet_files_in"]
+__all__ = [
+    "PARQUET_SUFFIX",
+    "folder_splits",
+    "is_parquet",
+    "is_parquet_url",
+    "one_split",
+    "parquet_files_in",
+]
 
 PARQUET_SUFFIX = ".parquet"
 _SHARD_NAME = re.compile(r"^(?P<split>.+?)-\d+-of-\d+\.parquet$")  # the Hub's "train-00000-of-00004.parquet"
@@ -67,6 +74,26 @@ def folder_splits(directory: str, paths: list[str]) -> dict[str, list[str]]:
         group = os.path.join(folder, f"{match.group('split')}-*" if match else "*")
         splits.setdefault(group, []).append(path)
     return splits
+
+
+def one_split(directory: str, paths: list[str]) -> list[str]:
+    """``paths``, the files of a folder, when they make one split (:func:`folder_splits`); else a
+    ``ValueError`` naming each split's pattern: a Hub repository's ``data/`` with train and test is never
+    read as one set.
+
+    Example::
+
+        one_split("data", ["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet"])
+    """
+    splits = folder_splits(directory, paths)
+    if len(splits) > 1:
+        where = directory.rstrip("/")
+        listed = ", ".join(f"{where}/{g}.parquet ({len(p)} files)" for g, p in splits.items())
+        raise ValueError(
+            f"{directory}: the folder holds several splits ({listed}); name one with a pattern, e.g. "
+            f"{where}/{next(iter(splits))}.parquet, or pass a list of files"
+        )
+    return paths
 
 
 def is_parquet(target: Any) -> bool:

@@ -51,7 +51,12 @@ from fastio.remote.fetch import (
 from fastio.remote.shard import Shard, cache_key
 from fastio.sources.base import TokenDocuments
 
-__all__ = ["CachedRowGroupFile", "RemoteParquetSource", "open_remote_parquet", "remote_footer"]
+__all__ = [
+    "CachedRowGroupFile",
+    "RemoteParquetSource",
+    "open_remote_parquet",
+    "remote_footer",
+]
 
 
 class CachedRowGroupFile(io.RawIOBase):
@@ -240,6 +245,11 @@ class RemoteParquetSource(RemoteSource):
     def local_source(self, shards: tuple[int, ...], opened: list[RowGroup]) -> ParquetSource:
         return ParquetSource(opened, self.layout, self.name, self.decoded, self.memory_limit, self.tokenizer)
 
+    @property
+    def selected_columns(self) -> list[str]:
+        """The columns read (what ``read=ReadOptions(columns=...)`` asked, or every one)."""
+        return list(self.layout.columns)
+
     def token_documents(self, field_name: str) -> TokenDocuments:
         """The documents of a token (or text) column for ``pack=``: every row group is brought into the
         cache once, now, and its column decoded into token files (:mod:`fastio.format.parquet.tokens`).
@@ -262,13 +272,13 @@ class RemoteParquetSource(RemoteSource):
 
 def open_remote_parquet(target: str | list[str], options: Any) -> RemoteParquetSource:
     """The registry's opener of Parquet files at URLs (``options``: a :class:`fastio.options.OpenOptions`; its
-    cache and storage settings apply; every column is read).
+    cache and storage settings and its ``columns`` apply).
 
     Example::
 
         source = open_remote_parquet("http://127.0.0.1:8000/data/*.parquet", OpenOptions(cache_dir="/c"))
     """
     return RemoteParquetSource(
-        target, cache_dir=options.cache_dir, cache_limit=options.cache_limit,
+        target, options.columns, cache_dir=options.cache_dir, cache_limit=options.cache_limit,
         storage_options=dict(options.storage_options or {}),
     )  # fmt: skip

@@ -39,7 +39,7 @@ import torch
 
 from fastio.errors import CorruptShardError, EmptySourceError
 from fastio.files.paths import expand_pattern
-from fastio.format.parquet import PARQUET_SUFFIX, folder_splits, parquet_files_in
+from fastio.format.parquet import PARQUET_SUFFIX, one_split, parquet_files_in
 from fastio.format.parquet.decoded import DEFAULT_MEMORY, DecodedRowGroups
 from fastio.format.parquet.footer import local_metadata
 from fastio.format.parquet.layout import (
@@ -93,16 +93,7 @@ def local_paths(target: str | Sequence[str]) -> list[str]:
         local_paths("data/")   # ["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet"]
     """
     if isinstance(target, str) and os.path.isdir(target):
-        paths = parquet_files_in(target)
-        splits = folder_splits(target, paths)
-        if len(splits) > 1:  # a Hub repository's data/ with train and test: never mix them silently
-            listed = ", ".join(
-                f"{os.path.join(target, g)}.parquet ({len(p)} files)" for g, p in splits.items()
-            )
-            raise ValueError(
-                f"{target}: the folder holds several splits ({listed}); name one with a pattern, e.g. "
-                f"{os.path.join(target, next(iter(splits)))}.parquet, or pass a list of files"
-            )
+        paths = one_split(target, parquet_files_in(target))
     else:
         paths = expand_pattern(target)
     if not paths:
@@ -285,6 +276,11 @@ class ParquetSource(Source):
         times.add("decode_transform", time.perf_counter() - decode_done)
         return batch
 
+    @property
+    def selected_columns(self) -> list[str]:
+        """The columns read (what ``read=ReadOptions(columns=...)`` asked, or every one)."""
+        return list(self.layout.columns)
+
     def token_documents(self, field_name: str) -> TokenDocuments:
         """The documents of a column of integer lists (or, with ``tokenizer=``, of strings), for ``pack=``
         (:mod:`fastio.format.parquet.tokens`).
@@ -355,11 +351,12 @@ def _object_rows(column: str, decoded: dict[int, dict[str, Any]], picks: list[Pi
 
 
 def open_parquet(target: str | list[str], options: OpenOptions) -> ParquetSource:
-    """The registry's opener of local Parquet data (every column; for ``columns=``, a tokenizer or another
-    memory budget: :func:`fastio.format.parquet.opening.parquet_source`).
+    """The registry's opener of local Parquet data (``options.columns``: ``read=ReadOptions(columns=...)``,
+    default every column; for a tokenizer or another memory budget:
+    :func:`fastio.format.parquet.opening.parquet_source`).
 
     Example::
 
-        source = open_parquet("data/train-*.parquet", OpenOptions())
+        source = open_parquet("data/train-*.parquet", OpenOptions(columns=("input_ids",)))
     """
-    return ParquetSource.local(target)
+    return ParquetSource.local(target, options.columns)
