@@ -1,8 +1,8 @@
 """StreamLoader on the rest of DataLoader's signature (sampler=, batch_sampler=, generator=,
 persistent_workers=, prefetch_factor=, timeout=, multiprocessing_context=, pin_memory=, pin_memory_device=,
 in_order=, batch_size=None): the same batches as ``torch.utils.data.DataLoader`` on the same map-style
-dataset, DataLoader's own argument errors and warnings, and named errors for what fastio refuses. Spawned
-and forkserver workers: test_dataloader_args_spawn.py."""
+dataset, and DataLoader's own warnings. The argument errors and what fastio refuses:
+test_dataloader_args_errors.py; spawned and forkserver workers: test_dataloader_args_spawn.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import pathlib
 import re
+import sys
 import threading
 import warnings
 import zlib
@@ -21,7 +22,6 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
-    Dataset,
     DistributedSampler,
     Sampler,
     SequentialSampler,
@@ -30,22 +30,9 @@ from torch.utils.data import (
 )
 
 import fastio
-from fastio.sources import Source
 
-NUM_SAMPLES = 37
-
-
-class Numbers(Dataset):
-    """Sample ``i`` is ``[i, pid of the process that read it]``."""
-
-    def __init__(self, n: int = NUM_SAMPLES) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i, os.getpid()])
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _dataloader_args_helpers import NUM_SAMPLES, Numbers, same  # noqa: E402
 
 
 class EveryThirdBackwards(Sampler[int]):
@@ -59,31 +46,6 @@ class EveryThirdBackwards(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.n - 1, -1, -3))
-
-
-class Blocking(Dataset):
-    """Never answers: each read waits on an event nobody sets."""
-
-    def __len__(self) -> int:
-        return 5
-
-    def __getitem__(self, i: int) -> int:
-        threading.Event().wait()
-        return i
-
-
-class ShardOrderSquares(Source):
-    """A source read shard by shard (as remote stores are)."""
-
-    name, num_samples, shard_sizes, requires_shard_order = "shard-order squares", 10, [5, 5], True
-
-    def fixed_specs(self):
-        return {"y": (torch.int64, ())}
-
-    def fetch(self, indices, buffers, threads, times):
-        out = buffers.fixed("y", len(indices))
-        out.copy_(torch.from_numpy(indices) ** 2)
-        return {"y": out}
 
 
 def _seed(case: object) -> int:
@@ -208,15 +170,6 @@ def test_prefetch_factor_sets_batches_in_flight(workers: int, factor: int, prefe
     assert sorted(i for batch in _indices(loader) for i in batch) == list(range(NUM_SAMPLES))
 
 
-@pytest.mark.parametrize("mode", ["process", "thread"])
-def test_timeout_raises_a_named_error(mode: str) -> None:
-    loader = fastio.StreamLoader(
-        Blocking(), batch_size=2, num_workers=1, timeout=0.2, workers=fastio.WorkerOptions(mode=mode)
-    )
-    with pytest.raises(fastio.WorkerTimeoutError, match=r"batch 0 not made within timeout=0.2 s"):
-        next(iter(loader))
-
-
 @pytest.mark.parametrize("context", ["fork", multiprocessing.get_context("fork")])
 def test_fork_context_is_honoured(context) -> None:
     loader = fastio.StreamLoader(Numbers(), batch_size=4, num_workers=2, multiprocessing_context=context)
@@ -240,113 +193,6 @@ def test_resume_with_a_repeating_sampler_continues_its_order() -> None:
     assert head + _indices(resumed) == expected
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
-    [
-        (
-            {"sampler": [1, 2], "shuffle": True},
-            ValueError,
-            "sampler option is mutually exclusive with shuffle",
-        ),
-        ({"batch_sampler": [[1]], "batch_size": 3}, ValueError, "batch_sampler option is mutually exclusive"),
-        (
-            {"batch_sampler": [[1]], "drop_last": True},
-            ValueError,
-            "batch_sampler option is mutually exclusive",
-        ),
-        ({"batch_sampler": [[1]], "sampler": [1]}, ValueError, "batch_sampler option is mutually exclusive"),
-        ({"timeout": -1}, ValueError, "timeout option should be non-negative"),
-        (
-            {"prefetch_factor": 2},
-            ValueError,
-            "prefetch_factor option could only be specified in multiprocessing",
-        ),
-        (
-            {"num_workers": 1, "prefetch_factor": -1},
-            ValueError,
-            "prefetch_factor option should be non-negative",
-        ),
-        (
-            {"num_workers": 1, "prefetch_factor": 2, "workers": fastio.WorkerOptions(prefetch=3)},
-            ValueError,
-            "not both",
-        ),
-        ({"persistent_workers": True}, ValueError, "persistent_workers option needs num_workers > 0"),
-        ({"multiprocessing_context": "fork"}, ValueError, "can only be used with multi-process loading"),
-        ({"num_workers": 1, "multiprocessing_context": "bogus"}, ValueError, "should specify a valid start"),
-        ({"num_workers": 1, "multiprocessing_context": 3}, TypeError, "should be a valid context object"),
-        (
-            {
-                "num_workers": 1,
-                "multiprocessing_context": "spawn",
-                "workers": fastio.WorkerOptions(mode="thread"),
-            },
-            ValueError,
-            "WorkerOptions(mode='thread')",
-        ),
-        ({"generator": torch.Generator(), "shuffle": "shard"}, ValueError, "shard-aware shuffle"),
-        (
-            {"sampler": [1, 2], "shuffle": "shard"},
-            ValueError,
-            "mutually exclusive with shuffle: shuffle='shard'",
-        ),
-        (
-            {
-                "sampler": DistributedSampler(range(4), 2, 0),
-                "order": fastio.OrderOptions(world_size=2, rank=0),
-            },
-            ValueError,
-            "both split the indices",
-        ),
-        (
-            {"batch_size": None, "drop_last": True},
-            ValueError,
-            "batch_size=None option disables auto-batching",
-        ),
-        (
-            {"batch_size": None, "batch_sampler": [[1]]},
-            ValueError,
-            "batch_sampler option is mutually exclusive",
-        ),
-    ],
-)
-def test_contradictory_arguments_raise(kwargs: dict, error: type, message: str) -> None:
-    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
-        fastio.StreamLoader(Numbers(), **kwargs)
-
-
-def test_sampler_on_a_source_read_shard_by_shard_is_refused() -> None:
-    with pytest.raises(ValueError, match="read shard by shard.*shuffle='shard'"):
-        fastio.StreamLoader(ShardOrderSquares(), batch_sampler=[[0, 9]])
-
-
-def test_persistent_worker_processes_on_a_source_read_shard_by_shard_are_refused() -> None:
-    with pytest.raises(ValueError, match="persistent_workers=True with worker processes on .*mode='thread'"):
-        fastio.StreamLoader(
-            ShardOrderSquares(), batch_size=2, num_workers=1, persistent_workers=True, transform=_same
-        )
-
-
-def test_spawned_workers_on_a_source_read_shard_by_shard_are_refused() -> None:
-    with pytest.raises(ValueError, match="multiprocessing_context='spawn' on .*read shard by shard"):
-        fastio.StreamLoader(ShardOrderSquares(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
-
-
-def test_sampler_index_outside_the_dataset_is_named() -> None:
-    loader = fastio.StreamLoader(Numbers(), batch_size=2, sampler=[3, NUM_SAMPLES + 4])
-    with pytest.raises(IndexError, match=f"index {NUM_SAMPLES + 4}, outside the {NUM_SAMPLES} samples"):
-        next(iter(loader))
-
-
-def test_state_of_another_kind_of_order_is_refused() -> None:
-    sampled = fastio.StreamLoader(Numbers(), batch_size=2, sampler=range(NUM_SAMPLES))
-    seeded = fastio.StreamLoader(Numbers(), batch_size=2, shuffle=True, seed=3)
-    with pytest.raises(ValueError, match="sampler"):
-        seeded.load_state_dict(sampled.state_dict())
-    with pytest.raises(ValueError, match="fastio's own order"):
-        sampled.load_state_dict(seeded.state_dict())
-
-
 def test_sampler_indices_reach_transforms_seeded_per_sample() -> None:
     def noisy(sample: torch.Tensor) -> float:
         return float(torch.rand(()))
@@ -364,10 +210,6 @@ def test_sampler_indices_reach_transforms_seeded_per_sample() -> None:
 
 # -- pin_memory_device, in_order, persistent_workers on every source, batch_size=None, sampler with ranks and
 # pack= (issue 39): each against DataLoader on the same data where DataLoader defines the result.
-
-
-def _same(sample):
-    return sample
 
 
 class SlowFirst(Numbers):
@@ -451,7 +293,7 @@ class _Starts:
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_persistent_workers_on_a_shard_directory_serve_every_epoch(shard_dir, fio, mode: str) -> None:
-    kwargs = dict(batch_size=10, shuffle=True, seed=5, num_workers=2, transform=_same)
+    kwargs = dict(batch_size=10, shuffle=True, seed=5, num_workers=2, transform=same)
     starts = _Starts()
     loader = fastio.StreamLoader(
         shard_dir, persistent_workers=True, worker_init_fn=starts, workers=fastio.WorkerOptions(mode=mode),
