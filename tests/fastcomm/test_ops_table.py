@@ -224,15 +224,19 @@ def test_backend_round_trips_through_json():
 
 
 def test_backend_without_native_kernels_says_they_were_disabled():
-    script = (
-        "import json, fastcomm; print(json.dumps({o: e.to_dict() for o, e in fastcomm.backend().items()}))"
-    )
-    env = {**os.environ, "FASTCOMM_NO_NATIVE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    if os.environ.get("FASTCOMM_NO_NATIVE") == "1":  # `make test`'s fallback pass: this process is the case
+        report = json.loads(json.dumps({o: e.to_dict() for o, e in fastcomm.backend().items()}))
+    else:
+        script = (
+            "import json, fastcomm; "
+            "print(json.dumps({o: e.to_dict() for o, e in fastcomm.backend().items()}))"
+        )
+        env = {**os.environ, "FASTCOMM_NO_NATIVE": "1"}
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
     assert list(report) == list(ops.OP_NAMES)
     for entry in report.values():
         assert entry["cpu"]["implementation"] == "reference"
