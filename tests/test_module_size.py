@@ -1,6 +1,7 @@
-"""No module grows past 500 lines: not in fastcomm or fastio, and not among the benchmarks, the examples or
-the tests' helper modules either. A file that long holds more than one job (split it along its seams, see
-STYLE.md "One job per file"); test files themselves are lists of cases and are not held to it."""
+"""No module grows past 500 lines: not in fastcomm or fastio, and not among the benchmarks, the examples, the
+tests' helper modules or the test files (tests/**/test_*.py) either. A file that long holds more than one job:
+split it along its seams (see STYLE.md "One job per file"); a test file into files of one theme each, with
+what they share in a tests/<folder>/_<name>.py helper module rather than copied."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ PACKAGE_ROOTS = [pathlib.Path(package.__file__).parent for package in (fastcomm,
 REPO_ROOT = PACKAGE_ROOTS[0].parent  # both packages are installed from this checkout
 TESTS = REPO_ROOT / "tests"
 # What the repository runs besides the packages: benchmark scripts and their helpers, the examples, and the
-# tests' shared modules (workers, harnesses, fixtures), which are code the tests import, not test cases.
+# tests' shared modules (workers, harnesses, fixtures), which are code the tests import, and the test files.
 SCRIPT_GROUPS = {
     "benchmarks": sorted((REPO_ROOT / "benchmarks").glob("*.py")),
     "examples": sorted((REPO_ROOT / "examples").glob("*.py")),
     "tests helpers": sorted([*TESTS.rglob("_*.py"), *TESTS.rglob("conftest.py")]),
+    "test files": sorted(TESTS.rglob("test_*.py")),
 }
 PACKAGE_MODULES = [path for root in PACKAGE_ROOTS for path in root.rglob("*.py")]
 MODULES = sorted({*PACKAGE_MODULES, *(path for group in SCRIPT_GROUPS.values() for path in group)})
