@@ -243,7 +243,9 @@ def main(argv: Sequence[str] | None = None) -> str:
                  "same tokens per rank as dense; each gap is against its reference at the same seed")
     notes.append(f"the defaults were chosen on seeds {list(CHOICE_SEEDS)} and confirmed on "
                  f"{list(CONFIRM_SEEDS)}, which played no part in choosing them")  # fmt: skip
-    notes.append(f"benchmark wall time: {time.monotonic() - started:.0f} s")
+    trained = sum(result.get("wall_s", 0.0) for result in results.values() if result)
+    notes.append(f"benchmark wall time: {time.monotonic() - started:.0f} s; the runs' own: "
+                 f"{trained / 60:.0f} min (each timed when it was trained, cached in --work-dir)")
     name = NAME if args.steps <= STEPS else f"{NAME}_{args.steps}"  # a longer run beside the main one
     text = write_results(name, rows, notes=notes, plot_metric="gap_worst_pct")
     _plot(rows, output_dir() / f"{name}.png")
