@@ -86,6 +86,25 @@ def test_only_footers_and_the_selected_chunks_are_fetched(served, tmp_path):
             assert r.end - r.start == sum(n for _, n in inside) and len(inside) == 2, (r, chunks)
 
 
+def test_footers_are_kept_in_the_cache_within_its_limit_and_fetched_again_for_a_changed_file(tmp_path):
+    names = _write(tmp_path / "www" / "data")
+    with HttpServer(tmp_path / "www") as server:
+        first = RemoteParquetSource(_url(server), ["y"], tmp_path / "cache", "1MB", retry=FAST_RETRY)
+        footers = [pq.read_metadata(tmp_path / "www" / "data" / n).serialized_size for n in names]
+        assert first.resident_bytes() == sum(8 + f + 8 for f in footers)  # size, footer, its length and PAR1
+        server.clear_log()
+        again = RemoteParquetSource(_url(server), ["y"], tmp_path / "cache", "1MB", retry=FAST_RETRY)
+        assert {r.method for r in server.log()} == {"HEAD"} and len(server.log()) == FILES
+        assert again.shard_sizes == first.shard_sizes
+        changed = tmp_path / "www" / "data" / names[0]
+        pq.write_table(pa.table({"y": np.arange(7), "ids": [[1]] * 7, "blob": [b""] * 7}), changed)
+        server.clear_log()
+        fresh = RemoteParquetSource(_url(server), ["y"], tmp_path / "cache", "1MB", retry=FAST_RETRY)
+        assert [r.path for r in server.log() if r.method == "GET"] == [f"/data/{names[0]}"]
+        assert fresh.shard_sizes[0] == 7
+        assert cache_folder_bytes(tmp_path / "cache") <= 1_000_000
+
+
 def test_remote_batches_equal_a_local_sources_and_come_from_the_cache_next_epoch(served, tmp_path):
     server, root, _ = served
     local = fastio.StreamLoader(

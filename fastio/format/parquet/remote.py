@@ -4,7 +4,8 @@ remote source. Only the footer and the needed row groups' column chunks are fetc
 1. Opening: per file, its size (one ``HEAD``) and its last :data:`~fastio.format.parquet.footer.TAIL_BYTES`
    (one ranged ``GET``; a second for a longer footer), parsed into its metadata; every file's selected
    columns are checked against the first's (:class:`fastio.SchemaMismatchError` naming the file and the
-   column).
+   column). The tail is kept in the cache (``<file>.footer``, counted against ``cache_limit``, never
+   evicted): the next open of a file of the same size reads it there, its ``HEAD`` the only request.
 2. Each non-empty row group is a cache unit (:class:`fastio.remote.Shard` with ``ranges``): the byte ranges
    of its selected column chunks, fetched by range and kept back to back; the cache holds, evicts and
    counts them as it does parts of any shard.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import io
@@ -33,6 +35,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
+from fastio.errors import CorruptShardError
 from fastio.format.parquet.decoded import DEFAULT_MEMORY, DecodedRowGroups
 from fastio.format.parquet.footer import TAIL_BYTES, chunk_ranges, footer_length, footer_metadata
 from fastio.format.parquet.row_group import RowGroup
@@ -52,11 +55,14 @@ from fastio.remote.shard import Shard, cache_key
 from fastio.sources.base import TokenDocuments
 
 __all__ = [
+    "FOOTER_SUFFIX",
     "CachedRowGroupFile",
     "RemoteParquetSource",
     "open_remote_parquet",
     "remote_footer",
 ]
+
+FOOTER_SUFFIX = ".footer"  # a file's kept tail in the cache: its size (8 bytes, little-endian), the tail
 
 
 class CachedRowGroupFile(io.RawIOBase):
@@ -199,12 +205,7 @@ class RemoteParquetSource(RemoteSource):
             download_threads, thread_name_prefix="fastio-open"
         ) as pool:
             sizes = list(pool.map(lambda url: remote_size(url, self.retry, self.storage_options), listed))
-            footers = list(
-                pool.map(
-                    lambda a: remote_footer(*a, self.retry, self.storage_options),
-                    zip(listed, sizes, strict=True),
-                )
-            )
+            footers = list(pool.map(lambda a: self._footer(*a), zip(listed, sizes, strict=True)))
         self._tails = [tail for tail, _ in footers]
         self._metas = [meta for _, meta in footers]
         self.layout, leaves = plan_set(listed, self._metas, columns)
@@ -222,6 +223,24 @@ class RemoteParquetSource(RemoteSource):
                 self._where.append((f, g))
         self._estimates = [decoded_estimate(self._metas[f], g, leaves[f]) for f, g in self._where]
         self.shards_ready()
+
+    def _footer(self, url: str, size: int) -> tuple[bytes, pq.FileMetaData]:
+        """A file's footer (its last bytes) and metadata: kept in the cache by an earlier open of a file of
+        this size (read there, no request), else fetched (:func:`remote_footer`) and kept, when the cache
+        has room (a kept footer counts against ``cache_limit``, in :meth:`resident_bytes`)."""
+        key = cache_key(url, f"{url.rsplit('/', 1)[-1]}{FOOTER_SUFFIX}")
+        with contextlib.suppress(OSError, CorruptShardError):
+            kept = self.cache.path(key).read_bytes()
+            if int.from_bytes(kept[:8], "little") == size:  # of the file as it is now (its size)
+                return kept[8:], footer_metadata(url, kept[8:], size)
+        tail, meta = remote_footer(url, size, self.retry, self.storage_options)
+        tail = tail[-(footer_length(url, tail[-8:], size) + 8) :]  # the footer itself: what pyarrow reads
+        self.cache.keep(key, size.to_bytes(8, "little") + tail)
+        return tail, meta
+
+    def resident_bytes(self) -> int:
+        """The kept footers' bytes: never evicted, counted against ``cache_limit``."""
+        return sum(8 + len(tail) for tail in self._tails)
 
     def fixed_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return self.layout.fixed_specs()
