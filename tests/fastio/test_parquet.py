@@ -319,6 +319,19 @@ def test_a_packed_token_column_resumes_exactly_from_memory_and_from_token_files(
     assert len(ours) == len(want) and all((a == b).all() for a, b in zip(ours, want, strict=True))
 
 
+def test_kept_token_files_are_written_past_the_page_cache_whole_or_the_plain_way(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokens, "_BLOCK", 8192)  # several staged blocks, the last one padded then cut
+    arrays = [np.arange(n, dtype=np.int32) * (n + 1) for n in (1, 2047, 3000, 5)]
+    want = np.concatenate(arrays).tobytes()
+    if tokens._write_direct(tmp_path / "direct", arrays):  # False where the filesystem refuses O_DIRECT
+        assert (tmp_path / "direct").read_bytes() == want
+    monkeypatch.delattr(tokens.os, "O_DIRECT", raising=False)
+    assert not tokens._write_direct(tmp_path / "plain", arrays)
+    decoded = [(None, np.array([len(a)]), a) for a in arrays]
+    rows = tokens._write(decoded, tmp_path / "kept.tokens", keep_counts=True, direct=True)
+    assert (tmp_path / "kept.tokens").read_bytes() == want and rows.tolist() == [1, 2047, 3000, 5]
+
+
 def test_packing_a_text_column_through_a_tokenizer(data, tmp_path, monkeypatch):
     monkeypatch.setenv("FASTIO_CACHE", str(tmp_path / "cache"))
 
