@@ -19,8 +19,9 @@
      ``DataLoader`` (``num_workers`` 0 and 2), over the first ``--hf-rows`` rows (it is slow).
 3. Packed tokens/s: ``input_ids`` packed into ``[8, --seq-len]`` rows, no eos, no document ids, counting the
    tokens of the full rows: fastio's ``pack=`` (a fresh loader per run over an empty cache: the one-time
-   decode of the column into token files included; a fresh loader over the token files an earlier one
-   kept; a later epoch of one loader), against ``iter_batches`` with a minimal packer (concatenate each
+   decode of the column into memory included, and the token files a background thread writes meanwhile
+   for the next loader; a fresh loader over the token files an earlier one kept; a later epoch of one
+   loader), against ``iter_batches`` with a minimal packer (concatenate each
    record batch's flat tokens, cut rows from a running buffer), and ``datasets`` with the same packer.
 
 Bars (the issue's): fastio >= 0.9x ``iter_batches`` (with tensors) with 1 worker and scaling with workers;
@@ -391,7 +392,8 @@ def _notes(rows: list[Row], args: argparse.Namespace, size_mb: float) -> list[st
         f"with workers): {scaling}; packed tokens/s: "
         + ", ".join(f"{r.backend.split('=', 1)[1]}: {r.ratio:.2f}x" for r in packed_first)
         + f" (CPU time {packed_first[0].extra['cpu_ratio']:.2f}x; first epochs, fresh loaders: the one-time "
-        "decode of the column into token files included); "
+        "decode of the column into memory included, and the kept token files that a background thread writes "
+        "meanwhile for the next loader, waited for at the pass's end); "
         + "".join(
             f"a new loader over kept token files {r.ratio:.2f}x (CPU {r.extra['cpu_ratio']:.2f}x); "
             for r in kept
