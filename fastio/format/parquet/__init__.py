@@ -13,10 +13,12 @@ list of files, or a folder of them (a Hugging Face Hub-style folder of shards su
   the shards of a batch source; :func:`~fastio.format.parquet.source.parquet_source`, the one call that
   opens a local or remote set with ``columns=``.
 * :mod:`~fastio.format.parquet.tokens`: a token (or, with a tokenizer, a text) column as the documents of
-  ``pack=``.
+  ``pack=``, decoded into memory (or token files past ``memory_limit``), kept as files for the next loader.
 * :mod:`~fastio.format.parquet.remote`: :class:`~fastio.format.parquet.remote.RemoteParquetSource`, files at
   URLs read through the node cache of :mod:`fastio.remote`: the footer and the needed row groups' column
-  chunks, by range.
+  chunks, by range; each file's footer kept in the cache for the next open.
+* :mod:`~fastio.format.parquet.folder`: a directory URL, opened as a fastio shard directory (its
+  ``index.json``) or as the ``.parquet`` files it lists.
 
 Its row in :mod:`fastio.registry` is ``"parquet"``.
 """
