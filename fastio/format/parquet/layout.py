@@ -157,13 +157,16 @@ def leaf_columns(meta: pq.FileMetaData, columns: Sequence[str]) -> list[int]:
 
 def null_free(meta: pq.FileMetaData, leaves: Sequence[int]) -> bool:
     """True when every row group's statistics of these leaf columns report no null (False when one lacks the
-    count: a null may be there).
+    count: a null may be there). A row group of no rows holds no null, whatever its statistics say (pyarrow
+    writes none for an empty file's one row group).
 
     Example::
 
         null_free(meta, leaf_columns(meta, ["label"]))
     """
     for g in range(meta.num_row_groups):
+        if meta.row_group(g).num_rows == 0:
+            continue
         for c in leaves:
             stats = meta.row_group(g).column(c).statistics
             if stats is None or not stats.has_null_count or stats.null_count:
