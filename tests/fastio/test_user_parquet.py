@@ -3,6 +3,7 @@ hangs and unhelpful errors found, each failing before its fix."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -34,3 +35,22 @@ def test_an_empty_file_leaves_numeric_columns_tensors(tmp_path: Path) -> None:
     assert all(isinstance(b["y"], torch.Tensor) and isinstance(b["x"], torch.Tensor) for b in batches)
     assert torch.cat([b["y"] for b in batches]).tolist() == list(range(total))
     assert torch.cat([b["x"] for b in batches]).tolist() == [i / 2 for i in range(total)]
+
+
+def test_a_file_rewritten_at_the_same_size_is_refused(tmp_path: Path) -> None:
+    # A file rewritten between epochs at the same size was read through the old footer's offsets (here: the
+    # new rows, silently; with another layout, whatever bytes lay there).
+    from fastio.errors import CorruptShardError
+    from fastio.format.parquet.opening import parquet_source
+
+    _write(tmp_path / "d", [8, 8])
+    path = tmp_path / "d" / "part-1.parquet"
+    size, mtime = path.stat().st_size, path.stat().st_mtime_ns
+    loader = fastio.StreamLoader(parquet_source(str(tmp_path / "d"), memory_limit=1), batch_size=4)
+    assert torch.cat([b["y"] for b in loader]).tolist() == list(range(16))
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(0, "y", pa.array(np.arange(108, 116, dtype=np.int64))), path, row_group_size=4)
+    assert path.stat().st_size == size
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
+    with pytest.raises(CorruptShardError, match="part-1.parquet.*rewritten"):
+        list(loader)

@@ -63,22 +63,30 @@ __all__ = ["ParquetSource", "decoded_estimate", "local_paths", "local_row_groups
 
 
 class _LocalFile:
-    """A local file of a set: its footer, and the size it had when the set opened (a file that changed since
-    is refused: its footer no longer describes it).
+    """A local file of a set: its footer, and the size and modification time it had when the set opened (a
+    file that changed since is refused: its footer no longer describes it; one rewritten at the same size
+    would be read through the old footer's offsets).
 
     :meth:`reader` opens the file anew for each call (about half a millisecond, against the milliseconds of
     decoding a row group): a ``pq.ParquetFile`` must not read from two threads at once (pyarrow crashes), and
     one kept per file would hold a descriptor per file of a set of thousands."""
 
     def __init__(self, path: str, meta: pq.FileMetaData) -> None:
-        self.path, self.meta, self.size = path, meta, os.path.getsize(path)
+        stat = os.stat(path)
+        self.path, self.meta, self.size, self.mtime = path, meta, stat.st_size, stat.st_mtime_ns
 
     def reader(self) -> pq.ParquetFile:
-        size = os.path.getsize(self.path) if os.path.exists(self.path) else "no file"
+        stat = os.stat(self.path) if os.path.exists(self.path) else None
+        size = "no file" if stat is None else stat.st_size
         if size != self.size:
             raise CorruptShardError(
                 self.path, "file size", f"{self.size} bytes (when the source opened)", size,
                 "the file changed since; open the loader again",
+            )  # fmt: skip
+        if stat.st_mtime_ns != self.mtime:
+            raise CorruptShardError(
+                self.path, "modification time", f"{self.mtime} ns (when the source opened)", stat.st_mtime_ns,
+                "the file was rewritten since, at the same size; open the loader again",
             )  # fmt: skip
         # No memory map: a file truncated under a mapping faults (SIGBUS) instead of raising.
         return pq.ParquetFile(self.path, metadata=self.meta, memory_map=False)
