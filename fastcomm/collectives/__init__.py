@@ -33,7 +33,8 @@ name                                    what it is
 ``then``, ``when_done``                 future callbacks that a clean interpreter exit waits for
 ``OrderedWorker``                       a thread that runs jobs in submission order
 ``SecondCollective``, ``lane_for``,     the lane: where an exchange's second collective is issued
-``finish_on_lane``, ``timeout_of``
+``finish_on_lane``, ``timeout_of``,
+``release_lane``
 ======================================  ================================================================
 
 Example::
@@ -44,7 +45,7 @@ Example::
     fastcomm.collectives.all_reduce(tensor, compressor, residual=residual)
 """
 
-from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_for, timeout_of
+from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_for, release_lane, timeout_of
 from fastcomm.collectives._layout import (
     DEFAULT_CHUNK_BYTES,
     Timer,
@@ -82,6 +83,7 @@ __all__ = [
     "mean_over_ranks",
     "piece_seed",
     "reduce_scatter",
+    "release_lane",
     "ring_bytes",
     "segment_layout",
     "then",

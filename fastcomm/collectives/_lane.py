@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from fastcomm.collectives._threads import OrderedWorker
 
-__all__ = ["Lane", "SecondCollective", "finish_on_lane", "lane_for", "timeout_of"]
+__all__ = ["Lane", "SecondCollective", "finish_on_lane", "lane_for", "release_lane", "timeout_of"]
 
 
 class SecondCollective(Protocol):
@@ -111,3 +111,20 @@ def lane_for(process_group: dist.ProcessGroup | None) -> Lane | None:
             lane = None
         _LANES[parent] = lane
         return lane
+
+
+def release_lane(process_group: dist.ProcessGroup) -> None:
+    """Forget ``process_group``'s entry: a group its owner replaced and will not use again.
+
+    torchft makes a new process group at every quorum; without this, each old one stayed in the cache
+    (with its ``None``: torchft's groups get no lane) for the rest of the run. A lane that was made ends
+    its thread after the jobs already submitted; its group is left to its owner.
+
+    Example::
+
+        release_lane(old_quorum_group)      # fastcomm.ft.ManagedExchange does it at each new quorum
+    """
+    with _LANES_LOCK:
+        lane = _LANES.pop(process_group, None)
+    if lane is not None:
+        lane.worker.stop(timeout=0.0)

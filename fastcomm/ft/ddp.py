@@ -4,6 +4,7 @@ The same compressors as :func:`fastcomm.register`'s hooks (``fastcomm.compress``
 exchanges (:func:`fastcomm.collectives.all_reduce`), and one error-feedback residual per bucket; each
 bucket goes through :class:`~fastcomm.ft.ManagedExchange`, so a peer killed inside the exchange makes the
 step fail on the survivors (``manager.should_commit()`` is ``False``) instead of crashing or hanging them.
+``"auto"`` picks each bucket's method again at every quorum, alike on its replicas (:mod:`fastcomm.ft.auto`).
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real types.
@@ -17,13 +18,14 @@ from torch.nn.parallel import DistributedDataParallel
 from fastcomm.collectives import Residual, bucket_stream, completed
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.compress.registry import compressor_of
+from fastcomm.ft.auto import OPTIONS, QuorumAuto
 from fastcomm.ft.errors import RebuildingBucketsError
 from fastcomm.ft.exchange import ManagedExchange
 
 __all__ = ["METHODS", "ManagedHookState", "managed_hook", "register"]
 
-# the methods of fastcomm.register that a quorum of changing size can run (auto measures one fixed world)
-METHODS = ("quantize", "sign", "topk", "cast", "powersgd", "none")
+# the methods of fastcomm.register that a quorum of changing size can run (auto decides at each quorum)
+METHODS = ("quantize", "sign", "topk", "cast", "powersgd", "auto", "none")
 
 
 @dataclass
@@ -46,9 +48,13 @@ class ManagedHookState:
     residuals: dict[int, Residual] = field(default_factory=dict)
     compressors: dict[int, Compressor | AllreduceCompressor | None] = field(default_factory=dict)
     failed_steps: int = 0
+    auto: QuorumAuto | None = None  # "auto": the current quorum's choices
 
     def compressor_for(self, numel: int) -> Compressor | AllreduceCompressor | None:
-        """The compressor of a bucket of ``numel`` elements (top-k's ``k`` follows from ``ratio``)."""
+        """The compressor of a bucket of ``numel`` elements (top-k's ``k`` follows from ``ratio``; auto's is
+        the current quorum's choice)."""
+        if self.auto is not None:
+            return self.auto.compressor(numel)
         if numel not in self.compressors:
             if self.method == "none":
                 self.compressors[numel] = None
@@ -61,8 +67,16 @@ class ManagedHookState:
         return self.compressors[numel]
 
     def stats(self) -> dict[str, float]:
-        """The traffic (``sent_bytes``, ``dense_bytes``, ``compression_ratio``) and the failed exchanges."""
-        return {**self.exchange.traffic.stats(), "failed_exchanges": self.exchange.failures}
+        """The traffic (``sent_bytes``, ``dense_bytes``, ``compression_ratio``) and the failed exchanges;
+        under ``"auto"``, how many bucket sizes the current quorum gave each method
+        (``auto_<method>_buckets``, the sizes in ``state.auto.choices``) and its size
+        (``auto_quorum_size``)."""
+        stats = {**self.exchange.traffic.stats(), "failed_exchanges": self.exchange.failures}
+        if self.auto is not None:
+            for method in ("dense", *self.auto.candidates):
+                stats[f"auto_{method}_buckets"] = sum(1 for c in self.auto.choices.values() if c == method)
+            stats["auto_quorum_size"] = self.auto.world_size
+        return stats
 
     def state_dict(self) -> dict[str, Any]:
         return {"method": self.method, "options": dict(self.options)}
@@ -84,7 +98,14 @@ def managed_hook(state: ManagedHookState, bucket: dist.GradBucket) -> torch.futu
     """
     buffer = bucket.buffer()
     index = bucket.index()
+    if state.auto is not None and state.exchange.begin(state.auto.decide) is None:
+        state.residuals.pop(index, None)  # the quorum, its check or auto's decision failed: step skipped
+        return completed(buffer)
     compressor = state.compressor_for(buffer.numel())
+    if compressor is None and index in state.residuals and state.exchange.manager.is_participating():
+        owed = state.residuals.pop(index).owed()  # auto went dense: what the bucket owes goes with it
+        if owed is not None:
+            buffer.add_(owed.to(buffer.dtype))
     residual = None if compressor is None else state.residuals.setdefault(index, Residual())
     shapes = [p.shape for p in bucket.parameters()] if isinstance(compressor, AllreduceCompressor) else None
     seed = bucket_stream(0, state.exchange.manager.current_step(), index)
@@ -98,7 +119,9 @@ def register(ddp: DistributedDataParallel, manager: Any, method: str = "quantize
     """Install a compressing comm hook on ``ddp`` whose exchanges go through ``manager``'s quorum.
 
     1. ``method`` names a compressor of :func:`fastcomm.compressor` (``"quantize"`` with ``bits``,
-       ``"sign"``, ``"topk"`` with ``ratio``, ``"cast"``, ``"powersgd"``) or ``"none"`` (fp32 sum).
+       ``"sign"``, ``"topk"`` with ``ratio``, ``"cast"``, ``"powersgd"``), ``"auto"`` (with
+       ``candidates``, ``margin``, ``link``: each bucket's method picked again at every quorum, for its
+       size, alike on its replicas; :class:`~fastcomm.ft.auto.QuorumAuto`) or ``"none"`` (fp32 sum).
     2. Each bucket is averaged over the replicas of the current quorum (:class:`ManagedExchange`): it waits
        for the quorum, sends zeros from a replica that sits the step out, divides by those taking part, and
        reports a failure to the Manager instead of raising.
@@ -115,7 +138,8 @@ def register(ddp: DistributedDataParallel, manager: Any, method: str = "quantize
 
     Raises:
         RebuildingBucketsError: ``ddp`` rebuilds its buckets after the first step.
-        ValueError: ``"auto"`` (it measures one fixed world; a quorum changes size) or an unknown name.
+        ValueError: an unknown name, or an option ``"auto"`` does not take under torchft (its warm-up,
+            timed trial and recheck: a quorum's world can change under them).
 
     Example::
 
@@ -123,11 +147,14 @@ def register(ddp: DistributedDataParallel, manager: Any, method: str = "quantize
         state = fastcomm.ft.register(ddp, manager, "quantize", bits=8)
     """
     if method not in METHODS:
+        raise ValueError(f"fastcomm.ft.register takes {METHODS}, got {method!r}")
+    refused = sorted(set(options) - set(OPTIONS)) if method == "auto" else []
+    if refused:
         raise ValueError(
-            f"fastcomm.ft.register takes {METHODS}, got {method!r}"
-            + (": auto times one fixed world and picks once; under torchft the world changes at every "
-               "quorum, so name its usual pick, \"quantize\" with bits=8" if method == "auto" else "")
-        )  # fmt: skip
+            f'fastcomm.ft.register(..., "auto") takes {OPTIONS}, got {refused}: '
+            f"under torchft auto picks from the advisor's model at each quorum's first exchange, with no "
+            f"warm-up, timed trial or recheck (a quorum's world can change under them)"
+        )
     if not ddp.find_unused_parameters:
         raise RebuildingBucketsError(
             "build the DistributedDataParallel with find_unused_parameters=True: otherwise it rebuilds its "
@@ -135,7 +162,13 @@ def register(ddp: DistributedDataParallel, manager: Any, method: str = "quantize
             "sizes than its peers' (as torchft's own DDP wrapper does)"
         )
     state = ManagedHookState(ManagedExchange(manager), method, dict(options))
-    settings = repr(state.compressor_for(1 << 16)) if method != "topk" else repr(sorted(options.items()))
+    if method == "auto":
+        parameters = list(ddp.module.parameters())
+        largest = sum(p.numel() for p in parameters)  # the kernels are timed at the largest bucket's size
+        state.auto = QuorumAuto(parameters[0].device.type, largest, **options)
+        settings = state.auto.settings()
+    else:
+        settings = repr(state.compressor_for(1 << 16)) if method != "topk" else repr(sorted(options.items()))
     state.exchange.fingerprint = f"{method} {settings}"
     ddp.register_comm_hook(state, managed_hook)
     return state

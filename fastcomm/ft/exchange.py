@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import weakref
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives import Residual, Traffic, all_gather_flat, all_reduce
+from fastcomm.collectives import Residual, Traffic, all_gather_flat, all_reduce, release_lane
 from fastcomm.compress.protocol import AllreduceCompressor, Compressor
 from fastcomm.ft.errors import CompressorMismatchError, NoProcessGroupError, require_torchft
 
@@ -91,12 +92,45 @@ class ManagedExchange:
         self.traffic = Traffic()
         self.failures = 0
         self._checked: dist.ProcessGroup | None = None
+        self._group: dist.ProcessGroup | None = None  # the last quorum's group seen
         self._fitted: weakref.WeakKeyDictionary[Residual, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 
     def group(self) -> dist.ProcessGroup:
-        """The current quorum's process group (waits for the quorum)."""
+        """The current quorum's process group (waits for the quorum).
+
+        A new quorum's group replaces the last one for good (torchft aborts it): its entry in the
+        collectives' lane cache is dropped (:func:`fastcomm.collectives.release_lane`).
+        """
         self.manager.wait_quorum()
-        return self.pg.parent
+        group = self.pg.parent
+        if group is not self._group:
+            if self._group is not None:
+                release_lane(self._group)
+            self._group = group
+        return group
+
+    def begin(self, prepare: Callable[[dist.ProcessGroup], None] | None = None) -> dist.ProcessGroup | None:
+        """The current quorum's group, its settings checked and ``prepare(group)`` run; ``None`` (reported
+        to the Manager) if the quorum or either failed, or an earlier exchange of this step did.
+
+        Raises:
+            CompressorMismatchError: the replicas' ``fingerprint`` differ (:meth:`check`).
+        """
+        manager = self.manager
+        if manager.errored():
+            return None
+        try:
+            group = self.group()
+            self.check(group)
+            if prepare is not None:
+                prepare(group)
+        except CompressorMismatchError:
+            raise
+        except Exception as error:  # noqa: BLE001 - torchft's contract: report, never raise mid-step
+            manager.report_error(error)
+            self.failures += 1
+            return None
+        return group
 
     def check(self, group: dist.ProcessGroup) -> None:
         """At the first exchange on ``group``: every replica's ``fingerprint`` must be this one's."""
@@ -136,13 +170,8 @@ class ManagedExchange:
             Manager, ``tensor`` undefined) or an earlier one of this step did.
         """
         manager = self.manager
-        if manager.errored():
-            return False
-        try:
-            group = self.group()
-        except Exception as error:  # noqa: BLE001 - a quorum that failed: the Manager skips the step
-            manager.report_error(error)
-            self.failures += 1
+        group = self.begin()
+        if group is None:
             return False
         participants = manager.num_participants()
         if not manager.is_participating():
@@ -152,14 +181,11 @@ class ManagedExchange:
             refit(residual)
             self._fitted[residual] = group
         try:
-            self.check(group)
             if compressor is None:
                 dist.all_reduce(tensor, group=group)
             else:
                 all_reduce(tensor, compressor, residual=residual, op=dist.ReduceOp.SUM, group=group,
                            seed=seed, shapes=shapes, traffic=self.traffic)  # fmt: skip
-        except CompressorMismatchError:
-            raise
         except Exception as error:  # noqa: BLE001 - torchft's contract: report, never raise mid-step
             manager.report_error(error)
             self.failures += 1

@@ -47,13 +47,14 @@ from fastcomm.hooks.engine.compression import run_compressed
 from fastcomm.hooks.engine.options import require_int, require_real
 from fastcomm.hooks.engine.twophase import TwoPhaseState, two_phase_bucket
 
-__all__ = ["CANDIDATES", "AutoState", "auto_hook", "choose"]
+__all__ = ["CANDIDATES", "DEFAULT_CANDIDATES", "AutoState", "auto_hook", "choose", "measured_figures"]
 
 _TRIAL_STEPS = 3  # steps under a new choice, then as many dense ones, before their times are compared
 
 # candidate name -> the advisor's method (its compressor): the two-phase ones, the exchange auto runs
 CANDIDATES: dict[str, Method] = {m.name: m for m in METHODS if m.exchange == "two_phase"}
-_DEFAULT = ("cast_bf16_two_phase", "quantize8", "quantize4")
+# the candidates by default: those at loss parity under any optimizer
+DEFAULT_CANDIDATES = ("cast_bf16_two_phase", "quantize8", "quantize4")
 _PROBE_NUMELS = (1024, 1 << 20)
 # kernels are timed on as many elements as the largest bucket seen, within these bounds (64 MB of fp32 at
 # the most: DDP's 25 MB buckets and the hooks' residuals and codes beside them are past a CPU's L3 slice)
@@ -113,7 +114,7 @@ class AutoState(TwoPhaseState):
 
     def __init__(
         self,
-        candidates: tuple[str, ...] = _DEFAULT,
+        candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
         warmup_steps: int = 4,
         recheck_every: int = 500,
         margin: float = 0.1,
@@ -161,10 +162,8 @@ class AutoState(TwoPhaseState):
             self._measured_at < 0 or steps - self._measured_at >= self.recheck_every
         )
         if due:
-            self.measured = _agreed(
-                self.link or _probe_link(self.process_group),
-                _local_rates(bucket.buffer().device.type, self.candidates, self._largest),
-                self.process_group,
+            self.measured = measured_figures(
+                self.link, bucket.buffer().device.type, self.candidates, self._largest, self.process_group
             )
             self.choices, self.reverted, self._measured_at = {}, False, steps
             self._phase, self._periods = "chosen", {"dense": [], "chosen": []}
@@ -230,6 +229,21 @@ def _candidates(names: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(method_of(name, tuple(CANDIDATES.values()), stacklevel=4).name for name in names)
     except ValueError as error:
         raise ValueError(f"candidates: {error}") from error
+
+
+def measured_figures(link: Link | None, device: str, candidates: tuple[str, ...], largest: int,
+                     group: dist.ProcessGroup | None) -> tuple[Link, KernelRates]:  # fmt: skip
+    """What :func:`choose` decides from, the same on every rank of ``group``: ``link`` (or one probed on
+    ``group``: two timed allreduces) and the ``candidates``' kernels timed here on ``device`` at ``largest``
+    elements, each the slowest rank's (one MAX allreduce). A collective on ``group``: every rank calls it
+    at the same point.
+
+    Example::
+
+        link, rates = measured_figures(None, "cpu", ("quantize8",), 1 << 20, group)
+        choose(1 << 20, group.size(), link, rates, ("quantize8",), 0.1)      # the same on every rank
+    """
+    return _agreed(link or _probe_link(group), _local_rates(device, candidates, largest), group)
 
 
 def _probe_link(group: dist.ProcessGroup | None) -> Link:

@@ -10,8 +10,8 @@ A job is one of:
 
 * ``"diloco"``: :class:`fastcomm.DiLoCo` (4-bit quantize, ``sync_every`` H, ``fragments``, ``delay``) under
   :class:`fastcomm.ft.FaultTolerantDiLoCo`, SGD with momentum inner;
-* ``"ddp"``: a DDP model with :func:`fastcomm.ft.register` (8-bit quantize), SGD with momentum, a quorum a
-  step.
+* ``"ddp"``: a DDP model with :func:`fastcomm.ft.register` (8-bit quantize, or ``"auto"`` given a 1 MB/s
+  link), SGD with momentum, a quorum a step.
 
 Where a replica can be killed (``Kill.where``): ``"interval"`` (after the backward of inner step ``step``,
 between syncs), ``"sync"`` (inside the exchange issued at step ``step``: phase 1 sent, before its
@@ -66,6 +66,8 @@ class Job:
     kills: list[Kill] = field(default_factory=list)
     step_sleep_s: float = 0.0  # a slower step, for the benchmark's failure rate in time
     odd_bits: int | None = None  # replica 1's bits instead of ``bits``: settings that do not match
+    restart_after_s: float = 0.0  # how long a killed replica stays away before it is started again
+    method: str = "quantize"  # DDP: the hook's method ("auto": on a given 1 MB/s link, decided per quorum)
     heartbeat_timeout_ms: int = 1000
     join_timeout_ms: int = 5000
     timeout_s: int = 5
@@ -172,6 +174,7 @@ def _replica(job: Job, replica: int, incarnation: int, lighthouse: str, out_dir:
 
     import fastcomm
     import fastcomm.ft
+    from fastcomm.advise.model import Link
     from fastcomm.diloco import fragments
 
     torch.set_num_threads(1)
@@ -192,7 +195,8 @@ def _replica(job: Job, replica: int, incarnation: int, lighthouse: str, out_dir:
     if job.mode == "ddp":
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-        hook = fastcomm.ft.register(ddp, manager, "quantize", bits=8)
+        options = {"link": Link(1e-6, 1e6)} if job.method == "auto" else {"bits": 8}
+        hook = fastcomm.ft.register(ddp, manager, job.method, **options)
         real_all_reduce = hook.exchange.all_reduce
 
         def all_reduce(*args: Any, **kwargs: Any) -> bool:
@@ -215,6 +219,8 @@ def _replica(job: Job, replica: int, incarnation: int, lighthouse: str, out_dir:
             time.sleep(job.step_sleep_s)
             times.append((manager.current_step(), time.time()))
         stats: dict[str, Any] = {"failed_exchanges": hook.exchange.failures, "step": manager.current_step()}
+        if hook.auto is not None:  # each quorum's size and its choice by bucket size, in order
+            stats["auto_decisions"] = [(n, dict(choices)) for n, choices in hook.auto.decisions]
     else:
         bits = job.odd_bits if job.odd_bits is not None and replica == 1 else job.bits
         outer = fastcomm.DiLoCo(model, inner, sync_every=job.sync_every, outer_lr=0.7, outer_momentum=0.5,
@@ -279,10 +285,17 @@ def run(job: Job, out_dir: Path, deadline_s: float = 120.0) -> dict[str, Any]:
     for replica in range(job.replicas):
         start(replica)
     exits: list[tuple[int, int, int | None]] = []
+    restarts: dict[int, float] = {}  # replica -> when it is started again
     cpu = _CpuMeter()
     try:
-        while any(p.is_alive() for p in processes.values()) and time.time() - begin < deadline_s:
+        while (
+            restarts or any(p.is_alive() for p in processes.values())
+        ) and time.time() - begin < deadline_s:
             cpu.read([p.pid for p in processes.values()])
+            for replica, due in list(restarts.items()):
+                if time.time() >= due:
+                    del restarts[replica]
+                    start(replica)
             for replica, process in list(processes.items()):
                 if process.is_alive() or process.exitcode is None:
                     continue
@@ -290,7 +303,7 @@ def run(job: Job, out_dir: Path, deadline_s: float = 120.0) -> dict[str, Any]:
                 del processes[replica]
                 if process.exitcode == -signal.SIGKILL:
                     incarnations[replica] += 1
-                    start(replica)
+                    restarts[replica] = time.time() + job.restart_after_s
             time.sleep(0.05)
     finally:
         for process in processes.values():

@@ -27,6 +27,9 @@ pytest.importorskip("torchft", reason="fastcomm.ft needs torchft: pip install 'f
 
 import fastcomm  # noqa: E402
 import fastcomm.ft  # noqa: E402
+from fastcomm.advise.kernels import kernel_rates  # noqa: E402
+from fastcomm.advise.model import Link  # noqa: E402
+from fastcomm.hooks.auto import choose  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _ft_workers as workers  # noqa: E402
@@ -34,10 +37,14 @@ from _ft_workers import Job, Kill  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
+SLOW_LINK = Link(1e-6, 1e6)  # 1 MB/s: compression pays even on a tiny bucket
 DILOCO_KILLS = [Kill(2, 0, "interval", 32), Kill(1, 0, "sync", 65), Kill(2, 1, "interval", 102)]
 DDP_KILLS = [Kill(1, 0, "exchange", 40), Kill(1, 1, "exchange", 90)]
 STREAMING = {"mode": "diloco", "sync_every": 6, "fragments": 2, "delay": 3, "steps": 240}
-LAUNCHES = ["diloco", "diloco_faults", "ddp", "ddp_faults", "streaming", "streaming_faults"]
+# replica 1 stays away 1.5 s: the two others step as a quorum of 2 meanwhile
+AUTO = {"mode": "ddp", "method": "auto", "steps": 100, "step_sleep_s": 0.05, "restart_after_s": 1.5,
+        "kills": [Kill(1, 0, "exchange", 20)]}  # fmt: skip
+LAUNCHES = ["diloco", "diloco_faults", "ddp", "ddp_faults", "streaming", "streaming_faults", "ddp_auto"]
 RESUME_BOUND_S = 15.0  # heartbeat timeout (1 s) + a failed collective (at most its 5 s timeout) + a quorum
 
 
@@ -51,6 +58,7 @@ def runs(tmp_path_factory):
         "ddp_faults": Job(mode="ddp", kills=DDP_KILLS),
         "streaming": Job(**STREAMING),
         "streaming_faults": Job(**STREAMING, kills=[Kill(2, 0, "interval", 40)]),
+        "ddp_auto": Job(**AUTO),
     }
     # three launches at a time: most of a launch's wall time is waiting (quorums, heartbeat timeouts)
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -88,6 +96,18 @@ def test_every_live_replica_ends_with_the_same_weights(runs, name):
         mine = final["stats"]["global"] if key == "global" else final["weights"]
         assert torch.equal(mine, first), f"replica {replica}'s {key} weights differ from replica 0's"
         assert final["stats"]["step"] == result["job"]["steps"]
+
+
+def test_auto_decides_at_each_quorum_alike_on_its_replicas(runs):
+    """3 replicas, then 2 while replica 1 is away, then 3: each quorum's choice is made again for its
+    size, and the replicas that end together hold the same last decision (and the same weights, above)."""
+    finals = runs["ddp_auto"]["finals"]
+    decisions = {replica: final["stats"]["auto_decisions"] for replica, final in finals.items()}
+    sizes = [n for n, _ in decisions[0]]
+    assert 2 in sizes and sizes[-1] == 3, f"replica 0's quorum sizes: {sizes}"
+    assert all(choices for _, choices in decisions[0]), "a quorum exchanged without a choice"
+    assert all("dense" not in choices.values() for _, choices in decisions[0]), decisions[0]
+    assert all(decisions[r][-1] == decisions[0][-1] for r in finals), decisions
 
 
 @pytest.mark.parametrize(("name", "reference"), [("diloco_faults", "diloco"), ("ddp_faults", "ddp"),
@@ -163,9 +183,50 @@ def test_ddp_whose_buckets_are_rebuilt_is_named(small_ddp):
         fastcomm.ft.register(small_ddp(), SimpleNamespace(), "quantize", bits=8)
 
 
-def test_auto_is_refused_with_what_to_name_instead(small_ddp):
-    with pytest.raises(ValueError, match='"quantize" with bits=8'):
-        fastcomm.ft.register(small_ddp(), SimpleNamespace(), "auto")
+def test_auto_refuses_the_options_of_a_fixed_world_by_name(small_ddp):
+    with pytest.raises(ValueError, match="no warm-up, timed trial or recheck"):
+        fastcomm.ft.register(small_ddp(), SimpleNamespace(), "auto", recheck_every=100)
+
+
+def test_auto_decides_again_for_each_quorum_size(monkeypatch):
+    """Per quorum: the figures agreed on its group, then each bucket size gets the model's pick for that
+    quorum's size; the same quorum asked again decides nothing more."""
+    rates = kernel_rates("cpu")
+    agreed = []
+    monkeypatch.setattr(fastcomm.ft.auto, "measured_figures", lambda link, *args: agreed.append(args[-1])
+                        or (link, rates))  # fmt: skip
+    auto = fastcomm.ft.auto.QuorumAuto("cpu", 136, link=SLOW_LINK)
+    quorums = [SimpleNamespace(size=lambda n=n: n) for n in (2, 3, 2)]
+    for group in quorums:
+        auto.decide(group)
+        auto.decide(group)
+        auto.choice(136)
+    assert agreed == quorums
+    expected = [choose(136, n, SLOW_LINK, rates, auto.candidates, 0.1) for n in (2, 3, 2)]
+    assert [(n, choices[136]) for n, choices in auto.decisions] == list(zip((2, 3, 2), expected, strict=True))
+    assert "dense" not in expected
+
+
+def test_a_new_quorum_drops_the_old_groups_entry_of_the_lane_cache():
+    """torchft makes a group a quorum; each got a (None) entry in the lane cache, kept for the whole run."""
+    import warnings
+
+    import torch.distributed as dist
+    from torchft.process_group import ProcessGroupGloo
+
+    from fastcomm.collectives import _lane
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    exchange = fastcomm.ft.ManagedExchange(SimpleNamespace(_pg=pg, wait_quorum=lambda: None))
+    groups = []
+    for quorum in range(3):
+        pg.configure(f"127.0.0.1:{store.port}/quorum{quorum}", "solo", 0, 1)
+        groups.append(exchange.group())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a torchft group has no lane: None is cached
+            fastcomm.collectives.lane_for(groups[-1])
+    assert [group in _lane._LANES for group in groups] == [False, False, True]
 
 
 def test_a_new_quorum_folds_the_segment_residual_into_what_the_replica_owes():
@@ -251,7 +312,7 @@ def solo_manager():
 
 
 METHODS = [("quantize", {"bits": 4}), ("sign", {}), ("topk", {"ratio": 0.1}), ("cast", {}),
-           ("powersgd", {"rank": 2}), ("none", {})]  # fmt: skip
+           ("powersgd", {"rank": 2}), ("auto", {"link": SLOW_LINK}), ("none", {})]  # fmt: skip
 
 
 @pytest.mark.parametrize(("method", "options"), METHODS)
@@ -270,6 +331,8 @@ def test_each_method_steps_through_the_managed_hook(solo_manager, small_ddp, met
         assert manager.should_commit()
         ddp.zero_grad()
     assert manager.current_step() == begin + 3 and state.stats()["failed_exchanges"] == 0
+    if method == "auto":  # a quorum of one replica sends nothing: dense, decided once for the quorum
+        assert [n for n, _ in state.auto.decisions] == [1] and state.stats()["auto_dense_buckets"] >= 1
     if method == "none":
         ddp.module(x).square().mean().backward()
         assert all(torch.equal(p.grad, r) for p, r in zip(ddp.module.parameters(), reduced, strict=True))
