@@ -2,10 +2,11 @@
 
 A method is an optimizer of ``examples/train_lm.py`` (``--optimizer``), a communication hook
 (``--hook``: a :func:`fastcomm.register` name, ``torch_fp16``, ``noop`` or ``none``) and their options
-(``--opt key=value``). :mod:`benchmarks.bench_convergence`, :mod:`benchmarks.bench_diloco`,
-:mod:`benchmarks.bench_diloco_seeds` and :mod:`benchmarks.bench_fsdp` name methods by their row here and
-turn a row into the example's arguments (:func:`arguments`) or its ``TrainConfig`` fields
-(:func:`config_fields`); the example itself knows no method names.
+(``--opt key=value``). :mod:`benchmarks.bench_convergence` and :mod:`benchmarks.bench_fsdp`'s LM part
+name methods by their row here and turn a row into the example's arguments (:func:`arguments`) or its
+``TrainConfig`` fields (:func:`config_fields`); the example itself knows no method names.
+:mod:`benchmarks.bench_diloco` and :mod:`benchmarks.bench_diloco_seeds` (through
+:mod:`benchmarks.diloco_jobs`) use only :func:`load_example`: their rows are DiLoCo's keyword arguments.
 
 Example::
 

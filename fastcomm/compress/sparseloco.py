@@ -12,6 +12,13 @@ from the global weights *minus what it has not sent* (``decay`` times its residu
 starts from zero, instead of from the global weights with the residual kept aside. From scratch at H=10 the
 paper's restart throws away 97-98% of every interval's local progress, which the next interval redoes while
 the residual still holds it: about 5 points further from dense here (docs/diloco.md, "SparseLoCo").
+
+The mean of sparse pseudo-gradients (``rescale``): where few ranks picked the same entry, the ranks' mean
+holds an entry one rank of ``R`` sent at ``1/R`` of its value, so the outer step is shorter than a dense
+mean's by the overlap of the ranks' picks. With ``rescale`` (the default) :class:`fastcomm.DiLoCo` divides
+the summed pseudo-gradient by the mean number of ranks that sent an entry, measured at each sync from the
+exchange itself (:meth:`SparseLoCoCompressor.mean_scale`: entries in the union of the picks over entries one
+rank sends); identical picks leave the mean as it is, disjoint ones give each entry its sender's value.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class SparseLoCoCompressor:
         chunk: elements per chunk (at most 65536).
         decay: the error-feedback accumulator's decay per round, in ``(0, 1]``: 1 with DiLoCo's
             ``keep_unsent`` (the default there), 0.95 for the paper's restart (``keep_unsent=False``).
+        rescale: DiLoCo scales the ranks' mean by :meth:`mean_scale` (the mean number of senders of an
+            entry, divided out); ``False``: the plain mean over ranks.
 
     Example::
 
@@ -67,6 +76,7 @@ class SparseLoCoCompressor:
     k: int = 120
     chunk: int = 4096
     decay: float = 1.0
+    rescale: bool = True
     block = 0
     # the outer step this compressor is made for (the paper's): DiLoCo's defaults when unset there
     outer_step: ClassVar[Mapping[str, float | bool]] = MappingProxyType(
@@ -85,6 +95,8 @@ class SparseLoCoCompressor:
         decay = self.decay
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+        if not isinstance(self.rescale, bool):
+            raise ValueError(f"rescale must be True or False, got {self.rescale!r}")
 
     def _chunks(self, numel: int) -> int:
         return max(1, -(-numel // self.chunk))
@@ -93,6 +105,21 @@ class SparseLoCoCompressor:
         """Bytes of the positions, of the codes and of the scales of ``numel`` elements."""
         entries = self._chunks(numel) * self.k
         return 2 * entries, -(-entries // 4), 4 * self._chunks(numel)
+
+    def mean_scale(self, mean: Tensor) -> float:
+        """The factor that turns the ranks' mean of sparse pseudo-gradients into the mean over the ranks
+        that sent each entry, on average: entries in ``mean`` (the union of the ranks' picks) over the
+        entries one rank sends, at least 1 (at most the world size, when no two ranks picked alike).
+
+        Example::
+
+            mean = torch.zeros(8192); mean[:240] = 1.0  # two ranks, 120 + 120 entries, none shared
+            SparseLoCoCompressor(k=60, chunk=4096).mean_scale(mean)  # 240 / 120 = 2.0
+        """
+        numel = mean.numel()
+        last = numel - (self._chunks(numel) - 1) * self.chunk
+        sent = (self._chunks(numel) - 1) * self.k + min(self.k, last)
+        return max(1.0, int(torch.count_nonzero(mean)) / sent)
 
     def wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return sum(self._sizes(numel))

@@ -9,7 +9,7 @@ through an all-reduce: issued at one step, waited for and applied at a later one
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +109,7 @@ class Exchange:
     sent_local: Tensor | None
     work: CompressedWork | dist.Work | None = None
     divide_by: int = 1  # a plain all-reduce sums; the mean divides by the world size
+    scale_of: Callable[[Tensor], float] | None = None  # a sparse mean's rescale (SparseLoCo's mean_scale)
     blocked_s: float = 0.0
 
     @classmethod
@@ -131,6 +132,8 @@ class Exchange:
                 extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
                 exchange.work = all_reduce(delta, compressor, residual=fragment.residual, group=group,
                                            async_op=True, seed=step, traffic=traffic, **extra)  # fmt: skip
+                if getattr(compressor, "rescale", False) is True:
+                    exchange.scale_of = getattr(compressor, "mean_scale", None)
         except PeerCollectiveError:
             raise
         except Exception as error:
@@ -138,7 +141,8 @@ class Exchange:
         return exchange
 
     def settle(self) -> None:
-        """Wait for the all-reduce (the time waited is ``blocked_s``); ``mean`` is then the mean."""
+        """Wait for the all-reduce (the time waited is ``blocked_s``); ``mean`` is then the mean (a sparse one
+        rescaled by ``scale_of``, the mean number of ranks that sent an entry divided out)."""
         if self.work is None:
             return
         begin = time.perf_counter()
@@ -152,6 +156,8 @@ class Exchange:
         self.work = None
         if self.divide_by > 1:
             self.mean.div_(self.divide_by)
+        if self.scale_of is not None:
+            self.mean.mul_(self.scale_of(self.mean))
 
     def state_dict(self) -> dict[str, object]:
         """The settled exchange (a checkpoint never holds one in flight)."""

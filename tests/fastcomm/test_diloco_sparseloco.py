@@ -10,6 +10,7 @@ from torch import nn
 import fastcomm
 from fastcomm.collectives import Residual, all_reduce
 from fastcomm.compress import SparseLoCoCompressor
+from fastcomm.diloco.fragments import Exchange
 
 
 def _generator(case: object) -> torch.Generator:
@@ -62,11 +63,23 @@ def test_the_payload_is_500x_smaller_than_fp32_gradients_per_step_at_h10_and_dec
 @pytest.mark.parametrize(
     ("options", "match"),
     [({"k": 0}, "k must"), ({"chunk": 1 << 17}, "chunk must"), ({"k": 9, "chunk": 8}, "at most chunk"),
-     ({"decay": 0.0}, "decay"), ({"decay": 1.5}, "decay")],
+     ({"decay": 0.0}, "decay"), ({"decay": 1.5}, "decay"), ({"rescale": 1}, "rescale")],
 )
 def test_bad_options_raise_value_error_naming_them(options, match):
     with pytest.raises(ValueError, match=match):
         SparseLoCoCompressor(**options)
+
+
+def test_the_rescaled_mean_gives_an_entry_its_senders_mean_measured_from_the_exchange():
+    compressor = SparseLoCoCompressor(k=4, chunk=64)
+    x = torch.randn(2, 128, generator=_generator("rescale"))
+    x[1].copy_(x[0].roll(16))  # the two ranks pick disjoint entries (the top-4 of each chunk moved by 16)
+    sent = [_roundtrip(compressor, x[rank], None)[0] for rank in range(2)]
+    mean = (sent[0] + sent[1]) / 2  # what the all-gathered mean of two ranks is
+    assert compressor.mean_scale(mean) == 2.0  # 16 entries in the union, 8 sent by each rank
+    torch.testing.assert_close(mean * compressor.mean_scale(mean), sent[0] + sent[1])
+    assert compressor.mean_scale(sent[0]) == 1.0  # identical picks (one rank): the mean as it is
+    assert compressor.mean_scale(torch.zeros(128)) == 1.0  # nothing sent: at least 1
 
 
 def test_the_compressed_all_reduce_sends_k_per_chunk_and_keeps_the_rest_owed(one_rank):
@@ -86,6 +99,7 @@ def test_diloco_takes_the_papers_outer_step_unless_told_otherwise(one_rank):
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     outer = fastcomm.DiLoCo(model, inner, sync_every=2, compressor="sparseloco", k=16, chunk=256)
     assert (outer.outer_lr, outer.outer_momentum, outer.keep_unsent) == (1.0, 0.0, True)
+    assert outer.compressor.rescale and not fastcomm.compressor("sparseloco", rescale=False).rescale
     mine = fastcomm.DiLoCo(model, inner, sync_every=2, compressor="sparseloco", outer_lr=0.8,
                            outer_momentum=0.3)  # fmt: skip
     assert (mine.outer_lr, mine.outer_momentum) == (0.8, 0.3)
@@ -113,3 +127,14 @@ def test_keep_unsent_restarts_each_replica_from_the_global_weights_minus_its_dec
     owed = (start - before) - sent
     torch.testing.assert_close(fragment.local_weights(), fragment.global_weights - 0.5 * owed)
     assert not fragment.residual.owed().any()  # the owed part lives in the local weights now
+
+
+def test_an_exchange_rescales_its_mean_once_when_it_settles():
+    class _Done:
+        def wait(self) -> None:
+            pass
+
+    exchange = Exchange(0, 1, 1, torch.ones(4), None, work=_Done(), divide_by=2, scale_of=lambda mean: 3.0)
+    exchange.settle()
+    exchange.settle()  # settled: nothing more
+    torch.testing.assert_close(exchange.mean, torch.full((4,), 1.5))
