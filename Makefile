@@ -34,11 +34,12 @@ PARQUET     ?= pyarrow==26.0.1
 # decode also needs FFmpeg 4-9 shared libraries, which pip does not provide (Debian 12: apt-get install
 # libavformat59 libavfilter8 libavdevice59); without them, or when this install fails, the rows say why.
 PEERS       ?= torchdata==0.11.0 spdl==0.8.0 spdl-core==0.8.0 spdl-io==0.8.0
-# bench_parquet's Hugging Face row: `datasets` --no-deps (its fsspec cap would move the REMOTE pins), then its
-# torch-free requirements with theirs.
+PEERS_STAMP := $(VENV)/.fastlib-peers
+# bench_parquet's Hugging Face row, for `make bench` only (no test needs it; pandas alone is ~30 s of install):
+# `datasets` --no-deps (its fsspec cap would move the REMOTE pins), then its torch-free requirements with theirs.
 HF_DATASETS ?= datasets==5.2.0
 HF_DEPS     ?= dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 pandas==3.1.1 huggingface_hub==2.4.0
-PEERS_STAMP := $(VENV)/.fastlib-peers
+HF_STAMP    := $(VENV)/.fastlib-hf-datasets
 NATIVE_SRC  := setup.py pyproject.toml $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
 .PHONY: test bench install lint clean
@@ -75,9 +76,13 @@ $(INTEGRATIONS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) Makefile
 	touch $@
 
 # Not fatal: a benchmark whose peer is missing writes the reason in its row instead.
-$(PEERS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) $(INTEGRATIONS_STAMP) Makefile
-	$(PIP) install --no-deps $(PEERS) $(HF_DATASETS) && $(PIP) install $(HF_DEPS) && touch $@ \
-	    || echo "peers not installed; their benchmark rows will say why"
+$(PEERS_STAMP): $(BUILD_STAMP) $(DEPS_STAMP) Makefile
+	$(PIP) install --no-deps $(PEERS) && touch $@ || echo "peers not installed; their benchmark rows will say why"
+
+# After the REMOTE pins (fsspec) are in. Not fatal either: bench_parquet's row then says why.
+$(HF_STAMP): $(INTEGRATIONS_STAMP) Makefile
+	$(PIP) install --no-deps $(HF_DATASETS) && $(PIP) install $(HF_DEPS) && touch $@ \
+	    || echo "datasets not installed; bench_parquet's row will say why"
 
 # The peers too (a few seconds, --no-deps), so that CI runs tests/test_peers.py rather than skipping it.
 install:
@@ -121,7 +126,7 @@ test: install
 # The short profile (under 20 min on 2 cores); FULL=1 runs every benchmark in full (about 2 h).
 # Results go to benchmarks/runs/<UTC time>/; UPDATE_RESULTS=1 writes the committed benchmarks/results/ instead,
 # in full.
-bench: install
+bench: install $(HF_STAMP)
 	$(PY) -m benchmarks.run_all $(if $(filter 1 yes true,$(FULL)),--full) $(if $(filter 1 yes true,$(UPDATE_RESULTS)),--update-results)
 
 lint: $(STAMP)
