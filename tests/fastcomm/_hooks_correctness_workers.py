@@ -61,12 +61,10 @@ def correctness_worker(rank: int, world_size: int) -> None:
                     bits=4, block=64, stochastic=stochastic, min_compress_numel=0, **wire
                 )
                 hook = fastcomm.quantize_hook
+            # rank 0's simulation of every rank: the residuals, and the servers' (sized at step 0 by the codec)
             sims = [
-                {
-                    "res": [torch.zeros(sum(s), dtype=dtype) for _ in range(world_size)],
-                    "server": [torch.zeros(10**6, dtype=torch.float32) for _ in range(world_size)],
-                }
-                for s in BUCKET_SIZES
+                {"res": [torch.zeros(sum(s), dtype=dtype) for _ in range(world_size)], "server": []}
+                for s in (BUCKET_SIZES if rank == 0 else ())
             ]
             for step in range(steps):
                 all_grads = [
