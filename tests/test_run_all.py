@@ -33,7 +33,7 @@ _SHORT = {
     "bench_shuffle": ["--epochs", "1"],
     "bench_ft": [],
     "bench_parquet": ["--repeats", "2", "--hf-rows", "5000"],
-    "bench_diloco_seeds": ["--rows", "none_reorder,diloco_q4_defaults", "--seeds", "0", "--steps", "30",
+    "bench_diloco_seeds": ["--rows", "diloco_q4_defaults", "--seeds", "0", "--steps", "30",
                            "--choice-rows", ""],
     "bench_hooks": ["--quick", "--network", "both", "--configs", _HOOKS],
     "bench_convergence": [
