@@ -61,7 +61,7 @@ def correctness_worker(rank: int, world_size: int) -> None:
                     bits=4, block=64, stochastic=stochastic, min_compress_numel=0, **wire
                 )
                 hook = fastcomm.quantize_hook
-            # rank 0's simulation of every rank: the residuals, and the servers' (sized at step 0 by the codec)
+            # rank 0's simulation of every rank: residuals, and servers (sized at step 0 by the codec)
             sims = [
                 {"res": [torch.zeros(sum(s), dtype=dtype) for _ in range(world_size)], "server": []}
                 for s in (BUCKET_SIZES if rank == 0 else ())
