@@ -37,8 +37,6 @@ TINY = [
     "1",
     "--n-head",
     "2",
-    "--max-files",
-    "40",
     "--batch-size",
     str(BATCH),
     "--val-rows",
@@ -71,12 +69,25 @@ METHODS = {
 }
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One prepared data set for the module (the example's shards of 40 stdlib files)."""
-    directory = tmp_path_factory.mktemp("data")
-    load_example().prepare_data(directory, max_files=40)
-    return directory
+def data_set(max_files: int):
+    """A module-scoped ``data_dir`` fixture: the example's shards of ``max_files`` stdlib files, prepared once
+    per module (the runs find the count in the set's ``meta.json``: see :func:`data_args`).
+
+    Example::
+
+        data_dir = data_set(21)  # at a test module's top level
+    """
+
+    @pytest.fixture(scope="module")
+    def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        directory = tmp_path_factory.mktemp("data")
+        load_example().prepare_data(directory, max_files=max_files)
+        return directory
+
+    return data_dir
+
+
+data_dir = data_set(40)  # 38 train files (146 steps of an epoch on 2 ranks), 2 validation files
 
 
 @pytest.fixture(scope="module")
@@ -197,13 +208,19 @@ def train_dir(data_dir: Path) -> Path:
     return found / "train"
 
 
+def data_args(data_dir: Path) -> list[str]:
+    """The example's arguments that find the set prepared in ``data_dir`` (its directory and file count)."""
+    (meta,) = data_dir.glob("stdlib-*/meta.json")
+    files = json.loads(meta.read_text())
+    return ["--data-dir", str(data_dir), "--max-files", str(files["train_files"] + files["val_files"])]
+
+
 def example_args(data_dir: Path, work: Path, *args: str) -> list[str]:
     """The example's arguments for the tiny GPT, with checkpoints under ``work`` (resumed when there are
     some), a sample log and the final state, then ``args``."""
     return [
         *TINY,
-        "--data-dir",
-        str(data_dir),
+        *data_args(data_dir),
         "--checkpoint-dir",
         str(work / "ckpt"),
         "--resume",
@@ -281,7 +298,7 @@ def run_and_kill(command: list[str], work: Path, kill_step: int, kill_rank: int)
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
                 killed_at = step
                 break
-            time.sleep(0.002)
+            time.sleep(0.01)  # a step takes longer: the kill still lands within one
         assert killed_at >= 0, f"rank {kill_rank} never reached step {kill_step} (rc {process.poll()})"
         process.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:

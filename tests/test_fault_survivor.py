@@ -35,8 +35,7 @@ def test_the_survivor_of_a_lost_peer_exits_with_a_clear_error_in_time(
     timeout = 10.0 if how == "SIGSTOP" else 30.0
     argv = [
         *fr.TINY,
-        "--data-dir",
-        str(data_dir),
+        *fr.data_args(data_dir),
         "--hook",
         method,
         "--steps",
