@@ -49,7 +49,9 @@ def test_a_file_rewritten_at_the_same_size_is_refused(tmp_path: Path) -> None:
     loader = fastio.StreamLoader(parquet_source(str(tmp_path / "d"), memory_limit=1), batch_size=4)
     assert torch.cat([b["y"] for b in loader]).tolist() == list(range(16))
     table = pq.read_table(path)
-    pq.write_table(table.set_column(0, "y", pa.array(np.arange(108, 116, dtype=np.int64))), path, row_group_size=4)
+    pq.write_table(
+        table.set_column(0, "y", pa.array(np.arange(108, 116, dtype=np.int64))), path, row_group_size=4
+    )
     assert path.stat().st_size == size
     os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
     with pytest.raises(CorruptShardError, match="part-1.parquet.*rewritten"):
