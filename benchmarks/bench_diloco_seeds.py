@@ -82,16 +82,21 @@ SETTINGS: dict[str, Setting] = {
                                      dict(_Q4, delay=2), against="diloco_q4_defaults"),
     "sparseloco": Setting("DiLoCo(sync_every=10, compressor='sparseloco'): top-120 of 4096 per chunk, "
                           "2-bit values, error feedback in place of outer momentum, outer lr 1, the unsent "
-                          "part kept in the local weights",
+                          "part kept in the local weights, the mean rescaled by its senders (rescale)",
                           {"sync_every": 10, "compressor": "sparseloco"}, target=3.0),
-    "sparseloco_lr15": Setting("the same with outer_lr=1.5: an entry sent by one rank of two arrives at half "
-                               "its value in the mean", {"sync_every": 10, "compressor": "sparseloco",
-                                                          "outer_lr": 1.5}, target=3.0),
-    "sparseloco_decay095": Setting("the same with the paper's decay 0.95",
-                                   {"sync_every": 10, "compressor": "sparseloco", "decay": 0.95}),
-    "sparseloco_k64_reset": Setting("the paper's restart from the global weights, top-64 of 4096 (1.6%)",
+    "sparseloco_mean": Setting("the same with the plain mean over ranks (rescale=False, the default before): "
+                               "an entry sent by one rank of two arrives at half its value",
+                               {"sync_every": 10, "compressor": "sparseloco", "rescale": False}, target=3.0),
+    "sparseloco_lr15": Setting("the plain mean with outer_lr=1.5 (picked at seed 0, tied to 2 ranks)",
+                               {"sync_every": 10, "compressor": "sparseloco", "rescale": False,
+                                "outer_lr": 1.5}, target=3.0),
+    "sparseloco_decay095": Setting("the plain mean with the paper's decay 0.95",
+                                   {"sync_every": 10, "compressor": "sparseloco", "decay": 0.95,
+                                    "rescale": False}),
+    "sparseloco_k64_reset": Setting("the paper's restart from the global weights, top-64 of 4096 (1.6%), "
+                                    "the plain mean",
                                     {"sync_every": 10, "compressor": "sparseloco", "k": 64,
-                                     "keep_unsent": False}),
+                                     "keep_unsent": False, "rescale": False}),
 }
 # rows trained on the choice seeds only (candidates that were not chosen)
 CHOICE_ONLY = ("diloco_q4_avg", "diloco_q4_m05", "diloco_q4_ramp", "sparseloco_decay095",
