@@ -59,7 +59,9 @@ class DiLoCo:
 
     1. Counts one inner step ``s`` (steps count from 1, on every rank alike).
     2. Applies each exchange due at ``s``: waits for its all-reduce (the ranks' mean pseudo-gradient
-       ``delta``), then the outer Nesterov SGD on the fragment's global weights (fp32)::
+       ``delta``; with a sparse compressor's ``rescale``, as ``"sparseloco"``'s, divided by the mean number
+       of ranks that sent an entry instead of all of them), then the outer Nesterov SGD on the
+       fragment's global weights (fp32)::
 
            momentum = outer_momentum * momentum + delta
            global  -= outer_lr * (delta + outer_momentum * momentum)      # nesterov=False: momentum
