@@ -303,6 +303,12 @@ class ShardCache:
         ``cancel`` was set meanwhile."""
         job.part.parent.mkdir(parents=True, exist_ok=True)
         needed, extra = job.size or 0, job.extra
+        if self.limit is not None and extra > self.limit:  # fits no cache of this limit, pinned or not
+            raise CacheFullError(
+                str(self.directory), self.limit, 0, needed + extra,
+                f"cannot hold what {job.dest.name} keeps beside it ({extra} bytes: the index or metadata made"
+                f" from it, reserved before it is made); raise cache_limit to at least {extra} bytes", extra,
+            )  # fmt: skip
         while True:
             with flock(self.directory / _GLOBAL_LOCK, fcntl.LOCK_EX):
                 used = self._evict_until(needed + extra) if self.limit is not None else 0

@@ -1,0 +1,22 @@
+"""The remote cache as a user meets it (fastio.remote.cache): the cases a hunt for hangs and unhelpful errors
+found, each failing before its fix."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fastio.remote.cache import CacheFullError, CacheStalledError, ShardCache
+
+
+def test_an_entry_whose_index_exceeds_the_limit_is_refused_at_once(tmp_path) -> None:
+    # A remote tar without a .fidx reserves room for its index, sized as the tar until indexed: a cache_limit
+    # under that waited stall_s in an empty cache, then said "raise cache_limit to at least 0 bytes".
+    cache = ShardCache(tmp_path, cache_limit=60_000, stall_s=2.0)
+    start = time.monotonic()
+    with pytest.raises(CacheFullError) as refused:
+        cache.reserve("ds/shard-0.tar", 71_680, extra=71_680)
+    assert time.monotonic() - start < 1.0 and not isinstance(refused.value, CacheStalledError)
+    assert refused.value.suggested_limit == 71_680 and "shard-0.tar" in str(refused.value)
+    assert "at least 71680 bytes" in str(refused.value) and not cache.has("ds/shard-0.tar")
