@@ -20,10 +20,10 @@ while the entry is downloaded) and ``<key>.pin`` (held shared by every process r
    otherwise; it then starts only while the bytes in the cache (every file of the cache folder: entries,
    sidecars, reservations and their placeholders, lock files: what :meth:`ShardCache.usage` reports) plus
    the new entry's sidecar are at most the limit, so the cache folder holds at most the limit plus one
-   shard's file (a download whose process died, its temporary file, is removed first). When every entry
-   is pinned it waits for a pin to go, as :mod:`fastio.remote.room` says (a
-   wait a batch needs raises :class:`CacheStalledError` once nothing can change). Reservations are made one
-   at a time under ``.fastio-cache.lock``.
+   shard's file (a download whose process died, its temporary file, is removed first); then files kept for
+   good (``kept=``) that this process's source does not need. When every entry is pinned it waits for a
+   pin to go, as :mod:`fastio.remote.room` says (a wait a batch needs raises :class:`CacheStalledError`
+   once nothing can change). Reservations are made one at a time under ``.fastio-cache.lock``.
 
 The recency of an entry is the mtime of its pin file (set on every pin); :meth:`mark_read` moves it back by
 ``_READ_SHIFT_S`` so read entries sort before any unread one while keeping their order.
@@ -123,6 +123,8 @@ class ShardCache:
             no download in progress, no pin taken or let go) before :class:`CacheStalledError`.
         sidecars: suffixes of the files a format keeps beside an entry (``<entry><suffix>``, an index built
             from it), evicted with the entry; the cache knows no format, its user names them.
+        kept: suffixes of files a source keeps for good (no pin file): evicted after every unpinned entry,
+            oldest first, but for those in ``protected`` (this process's source's); made again when needed.
 
     Example::
 
@@ -132,13 +134,13 @@ class ShardCache:
 
     def __init__(
         self, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str | None = None,
-        wait_s: float = 600.0, stall_s: float = 10.0, sidecars: Sequence[str] = (),
+        wait_s: float = 600.0, stall_s: float = 10.0, sidecars: Sequence[str] = (), kept: Sequence[str] = (),
     ) -> None:  # fmt: skip
         self.directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.limit = parse_size(cache_limit)
         self.wait_s, self.stall_s = float(wait_s), float(stall_s)
-        self.sidecars = tuple(sidecars)
+        self.sidecars, self.kept, self.protected = tuple(sidecars), tuple(kept), set[Path]()
         self._lock = threading.Lock()
         self._pins: dict[str, tuple[int, int]] = {}  # key -> (descriptor holding the shared flock, count)
         self.evictions = 0
@@ -161,11 +163,10 @@ class ShardCache:
 
     def has(self, key: str, size: int | None = None) -> bool:
         """True when entry ``key`` is there (of ``size`` bytes, when given)."""
-        try:
-            actual = self.path(key).stat().st_size
-        except FileNotFoundError:
-            return False
-        return size is None or actual == size
+        with contextlib.suppress(FileNotFoundError):
+            actual = self.path(key).stat().st_size  # raises when it is not there
+            return size is None or actual == size
+        return False
 
     # -- pins --------------------------------------------------------------------------------------------
     def pin(self, key: str) -> None:
@@ -259,29 +260,34 @@ class ShardCache:
                     total += os.stat(os.path.join(root, name)).st_size
         return total
 
-    def _entries(self) -> list[tuple[float, Path, Path]]:
-        """``(recency, data path, pin path)`` of every complete entry, oldest (or read) first."""
-        found = []
+    def _entries(self) -> list[tuple[bool, float, Path, Path | None]]:
+        """``(kept, recency, data path, pin path)`` of every complete entry, oldest (or read) first, then of
+        every kept file not ``protected`` (pin path None), oldest first."""
+        found: list[tuple[bool, float, Path, Path | None]] = []
         for root, files in self._walk():
             names = set(files)
             for name in files:
+                path = Path(root, name)
+                if self.kept and name.endswith(self.kept) and path not in self.protected:
+                    with contextlib.suppress(FileNotFoundError):
+                        found.append((True, path.stat().st_mtime, path, None))
                 if not name.endswith(".pin") or name[: -len(".pin")] not in names:
                     continue
-                pin_path = Path(root) / name
                 with contextlib.suppress(FileNotFoundError):
-                    found.append((pin_path.stat().st_mtime, Path(root) / name[: -len(".pin")], pin_path))
+                    found.append((False, path.stat().st_mtime, Path(root, name[: -len(".pin")]), path))
         return sorted(found)
 
     def _evict_until(self, needed: int) -> int:
-        """Evict unpinned entries (read first, then LRU) until ``needed`` more bytes fit; returns usage."""
+        """Evict unpinned entries (read first, then LRU), then kept files not ``protected``, until ``needed``
+        more bytes fit; returns usage."""
         assert self.limit is not None
         used = self.usage()
-        for _, data, pin_path in self._entries():
+        for _, _, data, pin_path in self._entries():
             if used + needed <= self.limit:
                 break
-            fd = open_lock(pin_path)
+            fd = -1 if pin_path is None else open_lock(pin_path)  # None: a kept file, made again if needed
             try:
-                if not try_flock(fd):
+                if fd >= 0 and not try_flock(fd):
                     continue  # pinned by some process: being read or about to be
                 freed = 0
                 for victim in (data, *(Path(f"{data}{suffix}") for suffix in self.sidecars)):
@@ -291,7 +297,8 @@ class ShardCache:
                 used -= freed
                 self.evictions += 1
             finally:
-                close_lock(fd)
+                if fd >= 0:
+                    close_lock(fd)
         return used
 
     def _reserve(

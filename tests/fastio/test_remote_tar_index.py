@@ -214,3 +214,19 @@ def test_two_loaders_on_one_node_cache_index_each_tar_once_and_read_it_whole(tmp
     kept = list(cache_dir.rglob(f"*{KEPT_INDEX_SUFFIX}"))
     assert len(kept) == TARS
     shutil.rmtree(cache_dir)
+
+
+def test_another_datasets_kept_indexes_make_way_and_the_order_stays(tmp_path, tars, limit):
+    # Kept indexes and metas of a dataset no loader of this process reads (the same tars at another URL) were
+    # never evicted: they piled up in a shared cache_dir and the next loader stalled, "every entry pinned".
+    cache_dir, epochs = tmp_path / "cache", []
+    for _ in range(3):  # a new server, a new port: another dataset to the cache
+        with HttpServer(tmp_path / "www") as server:
+            source = _source(server, cache_dir, limit)
+            source.cache.stall_s = 3.0
+            try:
+                epochs.append(_keys(_loader(source)))
+            finally:
+                source.close()
+    assert epochs[0] == epochs[1] == epochs[2] and len(epochs[0]) == 87
+    assert len(list(cache_dir.rglob(f"*{KEPT_INDEX_SUFFIX}"))) < 3 * TARS  # others' made way

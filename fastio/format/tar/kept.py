@@ -1,8 +1,9 @@
 """What the remote tar source (:mod:`fastio.format.tar.remote`) keeps per tar in the node cache for good, so
 that the next run opens without a request and reads parts of every plain tar: its meta (:class:`TarMeta`,
 ``<entry>.meta.json``: count, sizes, fields) and a plain tar's index (``<entry>`` +
-:data:`KEPT_INDEX_SUFFIX`: the bytes of a ``.fidx`` sidecar, published or made from the tar). The cache
-never evicts them (they have no pin file); they count against ``cache_limit`` as the source's resident bytes.
+:data:`KEPT_INDEX_SUFFIX`: the bytes of a ``.fidx`` sidecar, published or made from the tar). They count
+against ``cache_limit`` as the source's resident bytes; the cache never evicts a source's own (it protects
+them: ``ShardCache(kept=...)``), and evicts other sources' after every unpinned entry, oldest first.
 
 Example::
 

@@ -64,6 +64,7 @@ from fastio.sources.base import ShardParts
 __all__ = ["RemoteTarSource", "open_remote_tars"]
 
 _log = logging.getLogger(__name__)
+_KEPT = (".meta.json", KEPT_INDEX_SUFFIX)  # kept per tar; another dataset's are evicted for room
 
 
 def _decompressor(kind: str) -> Callable[[IO[bytes], IO[bytes]], int]:
@@ -118,8 +119,8 @@ class RemoteTarSource(RemoteSource):
             raise RemoteNotFoundError(str(urls), "the pattern names no shard")
         name = listed[0] if len(listed) == 1 else f"{listed[0]} (+{len(listed) - 1})"
         super().__init__(
-            name, ShardCache(cache_dir, cache_limit, sidecars=(INDEX_SUFFIX,)), retry or RetryPolicy(),
-            storage_options,
+            name, ShardCache(cache_dir, cache_limit, sidecars=(INDEX_SUFFIX,), kept=_KEPT),
+            retry or RetryPolicy(), storage_options,
             download_threads, ahead,
         )  # fmt: skip
         if decode is not None and decode != "pil" and not callable(decode):
@@ -138,6 +139,8 @@ class RemoteTarSource(RemoteSource):
                 key, kind = cache_key(url, decompressed_name(url)), compression_of(url)
                 unpack = None if kind is None else _decompressor(kind)
                 self.shards.append(Shard(url, key, size, None, encoding=kind, unpack=unpack))
+            for shard in range(len(self.shards)):  # its kept files: others' are evicted for room, not these
+                self.cache.protected.update((self._meta_path(shard), self._kept_index_path(shard)))
             metas = list(pool.map(self._meta, range(len(self.shards))))
         for info, meta in zip(self.shards, metas, strict=True):
             info.local_size, info.num_samples = meta.tar_size, meta.num_samples
