@@ -211,13 +211,17 @@ class RemoteTarSource(RemoteSource):
     def _read_kept_index(self, shard: int) -> bytes | None:
         """The index kept in the cache, when it is whole and of this tar (size and sample count), else None;
         taken as the tar's."""
-        info = self._files[shard]
-        with contextlib.suppress(OSError, CorruptShardError):
-            data = self._kept_index_path(shard).read_bytes()
+        info, path = self._files[shard], self._kept_index_path(shard)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        with contextlib.suppress(CorruptShardError, ValueError):
             index = parse_sidecar(info.url, data, info.remote_size)
             if index is not None and index.num_samples == info.num_samples:
                 self._sidecars[shard] = data
                 return data
+        path.unlink(missing_ok=True)  # cut, or not this tar's: its room freed; made again from the tar
         return None
 
     def _keep_index(self, shard: int) -> None:
