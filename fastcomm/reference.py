@@ -33,6 +33,7 @@ __all__ = [
     "approx_sample_size",
     "dequantize_blockwise",
     "dequantize_blockwise_into",
+    "pack_codes",
     "powersgd_back_project",
     "powersgd_expand",
     "powersgd_project",
@@ -43,6 +44,7 @@ __all__ = [
     "sparse_accumulate",
     "topk_select",
     "uniform_hash",
+    "unpack_codes",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -185,7 +187,7 @@ def _block_absmax(flat32: Tensor, block: int) -> Tensor:
     return torch.where(torch.isfinite(padded).all(dim=1), absmax, float("nan"))
 
 
-def _pack(codes: Tensor, bits: int) -> Tensor:
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Pack unsigned ``bits``-wide codes, ``p = 8 // bits`` a byte: element ``i`` at bit ``(i % p) * bits``
     of byte ``i // p``."""
     per_byte = 8 // bits
@@ -195,7 +197,8 @@ def _pack(codes: Tensor, bits: int) -> Tensor:
     return (padded.view(-1, per_byte) << shifts).sum(dim=1).to(torch.uint8)
 
 
-def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
+def unpack_codes(packed: Tensor, bits: int, numel: int) -> Tensor:
+    """The first ``numel`` codes of ``packed``, as :func:`pack_codes` lays them out (int32)."""
     per_byte = 8 // bits
     shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
     codes = (packed.reshape(-1).to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
@@ -274,7 +277,7 @@ def quantize_blockwise(
         u = torch.full_like(flat, 0.5)
     w = v + (qmax + u)
     codes = torch.clamp(w, 0.0, 2 * qmax).to(torch.int32) + 1
-    packed = _pack(codes, bits)
+    packed = pack_codes(codes, bits)
     if residual is not None:
         sent = dequantize_blockwise(packed, scales, n, bits, block, torch.float32)
         residual.copy_((flat - sent).to(x.dtype).view_as(residual))
@@ -298,7 +301,7 @@ def dequantize_blockwise(
         tensor(True)
     """
     qmax = 2 ** (bits - 1) - 1
-    signed = _unpack(codes, bits, numel) - (qmax + 1)
+    signed = unpack_codes(codes, bits, numel) - (qmax + 1)
     block_of = torch.arange(numel, device=codes.device) // block
     return (signed.to(torch.float32) * scales.reshape(-1)[block_of]).to(dtype)
 
@@ -401,7 +404,7 @@ def sign_compress(
         counts[-1] = n - (nchunks - 1) * chunk
     scales = (padded.sum(dim=1) / counts).float()
     positive = acc >= 0
-    packed = _pack(positive.to(torch.int32), 1)
+    packed = pack_codes(positive.to(torch.int32), 1)
     if residual is not None:
         chunk_of = torch.arange(n, device=x.device) // chunk
         sent = torch.where(positive, scales[chunk_of], -scales[chunk_of])
@@ -420,7 +423,7 @@ def sign_decompress(
         >>> sign_decompress(packed, scales, 2)
         tensor([ 2., -2.])
     """
-    bits = _unpack(packed, 1, numel).bool()
+    bits = unpack_codes(packed, 1, numel).bool()
     magnitude = scales.reshape(-1)[torch.arange(numel, device=packed.device) // chunk]
     return torch.where(bits, magnitude, -magnitude).to(dtype)
 

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from fastcomm import ops
+from fastcomm import ops, reference
 from fastcomm.compress.protocol import all_finite
 
 __all__ = ["SparseLoCoCompressor"]
@@ -142,13 +142,7 @@ class SparseLoCoCompressor:
             residual_out.view(-1).copy_(accumulated[:numel])
         position_bytes, code_bytes, _ = self._sizes(numel)
         payload[:position_bytes].copy_(positions.to(torch.int32).to(torch.int16).view(-1).view(torch.uint8))
-        flat = codes.to(torch.uint8).view(-1)
-        packed = torch.zeros(code_bytes * 4, dtype=torch.uint8, device=x.device)
-        packed[: flat.numel()] = flat
-        quads = packed.view(-1, 4)
-        payload[position_bytes : position_bytes + code_bytes].copy_(
-            quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
-        )
+        payload[position_bytes : position_bytes + code_bytes].copy_(reference.pack_codes(codes.view(-1), 2))
         payload[position_bytes + code_bytes :].copy_(scales.view(-1).view(torch.uint8))
 
     def _unpack(self, payload: Tensor, numel: int) -> tuple[Tensor, Tensor]:
@@ -158,9 +152,9 @@ class SparseLoCoCompressor:
         within = payload[:position_bytes].clone().view(torch.int16).to(torch.int32) & 0xFFFF
         starts = torch.arange(chunks, dtype=torch.int32, device=payload.device).repeat_interleave(self.k)
         packed = payload[position_bytes : position_bytes + code_bytes]
-        codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)
+        codes = reference.unpack_codes(packed, 2, chunks * self.k)
         scales = payload[position_bytes + code_bytes :].clone().view(torch.float32)
-        levels = codes[: chunks * self.k].float().mul_(2 / _LEVELS).sub_(1.0)
+        levels = codes.float().mul_(2 / _LEVELS).sub_(1.0)
         return starts * self.chunk + within, levels.view(chunks, self.k).mul_(scales[:, None]).view(-1)
 
     def decompress_into(

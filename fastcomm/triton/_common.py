@@ -181,7 +181,7 @@ def _pack_kernel(
 
 
 def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
-    """Pack one ``bits``-wide code per byte of ``codes`` into ``out``, as ``reference._pack`` lays them out.
+    """Pack one ``bits``-wide code per byte of ``codes`` into ``out``, laid out as ``reference.pack_codes``.
 
     Used when a row length is not a multiple of the codes per byte, so a byte straddles two rows and the
     row kernels write one code per byte first.
