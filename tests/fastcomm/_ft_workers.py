@@ -36,6 +36,7 @@ import torch
 
 DIM_IN, DIM_OUT, NOISE = 16, 8, 0.1
 # imported once by the forkserver (torch._dynamo: what an optimizer's constructor imports, seconds of CPU)
+AWAY = "away"  # the file :func:`run` keeps while a killed replica has not healed yet
 PRELOAD = ["_ft_workers", "torchft", "fastcomm.ft", "fastio", "torch._dynamo"]
 
 
@@ -67,6 +68,9 @@ class Job:
     step_sleep_s: float = 0.0  # a slower step, for the benchmark's failure rate in time
     odd_bits: int | None = None  # replica 1's bits instead of ``bits``: settings that do not match
     restart_after_s: float = 0.0  # how long a killed replica stays away before it is started again
+    # while a killed replica is away (killed, not yet healed), each other replica's steps take at least this
+    # long: a test's survivors must not finish before it is back, however slowly a loaded machine starts it
+    away_step_s: float = 0.0
     method: str = "quantize"  # DDP: the hook's method ("auto": on a given 1 MB/s link, decided per quorum)
     heartbeat_timeout_ms: int = 1000
     join_timeout_ms: int = 5000
@@ -159,6 +163,12 @@ def _kill_if(job: Job, replica: int, incarnation: int, where: str, step: int) ->
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _pace(job: Job, out_dir: Path) -> None:
+    """The job's step sleep, or ``away_step_s`` while :func:`run` says a killed replica is away."""
+    away = job.away_step_s if job.away_step_s and (out_dir / AWAY).exists() else 0.0
+    time.sleep(max(job.step_sleep_s, away))
+
+
 def replica_main(job: Job, replica: int, incarnation: int, lighthouse: str, out: str) -> None:
     """One replica's whole run (a process of its own); an exception is written beside its log."""
     try:
@@ -216,7 +226,7 @@ def _replica(job: Job, replica: int, incarnation: int, lighthouse: str, out_dir:
             else:
                 data.rollback()
             inner.zero_grad()
-            time.sleep(job.step_sleep_s)
+            _pace(job, out_dir)
             times.append((manager.current_step(), time.time()))
         stats: dict[str, Any] = {"failed_exchanges": hook.exchange.failures, "step": manager.current_step()}
         if hook.auto is not None:  # each quorum's size and its choice by bucket size, in order
@@ -243,7 +253,7 @@ def _replica(job: Job, replica: int, incarnation: int, lighthouse: str, out_dir:
             _kill_if(job, replica, incarnation, "interval", outer.inner_steps + 1)
             ft.step()
             inner.zero_grad()
-            time.sleep(job.step_sleep_s)
+            _pace(job, out_dir)
             times.append((outer.inner_steps, time.time()))
         outer.finish()
         stats = {
@@ -282,6 +292,12 @@ def run(job: Job, out_dir: Path, deadline_s: float = 120.0) -> dict[str, Any]:
         process.start()
         processes[replica] = process
 
+    def healed(replica: int) -> bool:
+        log = out_dir / f"r{replica}.{incarnations[replica]}.jsonl"
+        return log.exists() and '"healed"' in log.read_text()
+
+    away: set[int] = set()  # killed replicas whose next incarnation has not healed yet
+
     for replica in range(job.replicas):
         start(replica)
     exits: list[tuple[int, int, int | None]] = []
@@ -304,6 +320,12 @@ def run(job: Job, out_dir: Path, deadline_s: float = 120.0) -> dict[str, Any]:
                 if process.exitcode == -signal.SIGKILL:
                     incarnations[replica] += 1
                     restarts[replica] = time.time() + job.restart_after_s
+                    away.add(replica)
+            away -= {replica for replica in away if replica not in restarts and healed(replica)}
+            if away:
+                (out_dir / AWAY).touch()
+            else:
+                (out_dir / AWAY).unlink(missing_ok=True)
             time.sleep(0.05)
     finally:
         for process in processes.values():

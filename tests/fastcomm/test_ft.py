@@ -42,8 +42,11 @@ DILOCO_KILLS = [Kill(2, 0, "interval", 32), Kill(1, 0, "sync", 65), Kill(2, 1, "
 DDP_KILLS = [Kill(1, 0, "exchange", 40), Kill(1, 1, "exchange", 90)]
 STREAMING = {"mode": "diloco", "sync_every": 6, "fragments": 2, "delay": 3, "steps": 240}
 # replica 1 stays away 1.5 s: the two others step as a quorum of 2 meanwhile
+# while a killed replica is away, the others' steps take 0.25 s at least: however slowly a loaded machine
+# starts it again, it is back before they finish (the last kill leaves 48 steps, 12 s)
+AWAY_STEP_S = 0.25
 AUTO = {"mode": "ddp", "method": "auto", "steps": 100, "step_sleep_s": 0.05, "restart_after_s": 1.5,
-        "kills": [Kill(1, 0, "exchange", 20)]}  # fmt: skip
+        "kills": [Kill(1, 0, "exchange", 20)], "away_step_s": AWAY_STEP_S}  # fmt: skip
 LAUNCHES = ["diloco", "diloco_faults", "ddp", "ddp_faults", "streaming", "streaming_faults", "ddp_auto"]
 RESUME_BOUND_S = 15.0  # heartbeat timeout (1 s) + a failed collective (at most its 5 s timeout) + a quorum
 
@@ -53,11 +56,11 @@ def runs(tmp_path_factory):
     """Every launch of this module, once: name -> what :func:`_ft_workers.run` returned."""
     jobs = {
         "diloco": Job(mode="diloco"),
-        "diloco_faults": Job(mode="diloco", kills=DILOCO_KILLS),
+        "diloco_faults": Job(mode="diloco", kills=DILOCO_KILLS, away_step_s=AWAY_STEP_S),
         "ddp": Job(mode="ddp"),
-        "ddp_faults": Job(mode="ddp", kills=DDP_KILLS),
+        "ddp_faults": Job(mode="ddp", kills=DDP_KILLS, away_step_s=AWAY_STEP_S),
         "streaming": Job(**STREAMING),
-        "streaming_faults": Job(**STREAMING, kills=[Kill(2, 0, "interval", 40)]),
+        "streaming_faults": Job(**STREAMING, kills=[Kill(2, 0, "interval", 40)], away_step_s=AWAY_STEP_S),
         "ddp_auto": Job(**AUTO),
     }
     # three launches at a time: most of a launch's wall time is waiting (quorums, heartbeat timeouts)
