@@ -294,7 +294,7 @@ class RemoteSource(Source):
             return  # no pass prepared, or shards the pass does not read: nothing to wait for
         last = max(read, key=lambda s: position[s])
         info, start = self.shards[last], time.perf_counter()
-        await_turn(progress, int(position[last]), self.cache.watch(info.key), info.footprint, self._let_go)
+        await_turn(progress, int(position[last]), self.cache.watch(info.key), info, self._let_go)
         progress.add("network_wait_s", time.perf_counter() - start)
 
     def _owner(self) -> bool:

@@ -328,7 +328,7 @@ class ShardCache:
                     continue  # a process that died mid-download left its reserved room: take it now
             if on_wait is not None:
                 on_wait()  # e.g. let go of pins that are no longer needed, so room can appear
-            watch.check(needed)
+            watch.check(needed, extra)
             if _waited(cancel):
                 return False
 
@@ -373,7 +373,7 @@ class ShardCache:
             while not try_flock(fd):  # one download per entry per node; its holder may wait for room
                 if on_wait is not None:
                     on_wait()
-                watch.check(size or 0)
+                watch.check(size or 0, extra)
                 if _waited(cancel):
                     close_lock(fd)
                     return None

@@ -39,19 +39,21 @@ POLL_S = 0.02
 
 
 def await_turn(
-    progress: SharedProgress, position: int, watch: RoomWatch, size: int, let_go: Callable[[], None]
+    progress: SharedProgress, position: int, watch: RoomWatch, shard: Shard, let_go: Callable[[], None]
 ) -> None:
-    """Wait until the prefetcher has taken the room of the shard at read-order ``position`` (its
-    ``reserved_front`` reached it), calling ``let_go()`` and ``watch.check(size)`` between polls: the watch
-    ends a wait nothing can end with :class:`fastio.remote.room.CacheStalledError`.
+    """Wait until the prefetcher has taken the room of ``shard``, at read-order ``position`` (its
+    ``reserved_front`` reached it), calling ``let_go()`` and ``watch.check`` (the shard's file and index
+    bytes) between polls: the watch ends a wait nothing can end with
+    :class:`fastio.remote.room.CacheStalledError`.
 
     Example::
 
-        await_turn(progress, 3, cache.watch(shard.key), shard.remote_size, source._let_go)
+        await_turn(progress, 3, cache.watch(shard.key), shard, source._let_go)
     """
+    size = shard.local_size or shard.remote_size
     while progress.front("reserved_front") < position:
         let_go()
-        watch.check(size)
+        watch.check(size, shard.index_bytes)
         time.sleep(POLL_S)
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fastio.errors import FastIOError
+from fastio.files.paths import LOCAL_COPIES
 
 __all__ = ["CacheFullError", "CacheStalledError", "RoomWatch", "alive", "part_owner"]
 
@@ -66,8 +67,8 @@ class CacheFullError(FastIOError):
             message = (
                 f"{cache_dir}: cache_limit {limit} bytes is full ({used} bytes, every entry pinned: being"
                 f" read or about to be) and the next shard needs {needed} bytes; raise cache_limit to at"
-                f" least {used} bytes (what is pinned now), or give readers that share this cache_dir"
-                " their own"
+                f" least {self.suggested_limit} bytes (what is pinned now, and the room of what the next"
+                " shard keeps beside it), or give readers that share this cache_dir their own"
             )
         super().__init__(message)
 
@@ -78,27 +79,33 @@ class CacheFullError(FastIOError):
 
 class CacheStalledError(CacheFullError):
     """A batch needs a shard the cache has no room for, and none will come: every entry is pinned, no
-    download is in progress and nothing in the cache changed for ``stalled_s`` seconds.
+    download is in progress and nothing in the cache changed for ``stalled_s`` seconds. ``extra``: the bytes
+    the shard keeps beside it (its index), which the cache admits only under the limit; the limit that lets
+    the shard in, ``suggested_limit``, is ``used + extra`` (the shard's own file may pass the limit).
 
     Example::
 
-        err = CacheStalledError("/cache", 10, 12, 4, 10.0)
-        assert isinstance(err, CacheFullError) and "nothing changed" in str(err)
+        err = CacheStalledError("/cache", 10, 12, 4, 10.0, extra=3)
+        assert isinstance(err, CacheFullError) and "at least 15 bytes" in str(err)
     """
 
-    def __init__(self, cache_dir: str, limit: int, used: int, needed: int, stalled_s: float) -> None:
-        self.stalled_s = stalled_s
+    def __init__(
+        self, cache_dir: str, limit: int, used: int, needed: int, stalled_s: float, extra: int = 0
+    ) -> None:
+        self.stalled_s, self.extra = stalled_s, extra
+        beside = f" and the {extra} bytes it keeps beside it (its index)" if extra else ""
         detail = (
-            f"has no room for the next shard ({needed} bytes): {used} bytes are cached, every entry pinned by"
-            f" a reader, no download in progress, and nothing changed for {stalled_s:.0f} s, so no pin will"
-            f" go. Raise cache_limit to at least {used} bytes (what is pinned now); the limit a pass needs is"
-            " checked when it starts, so pins beyond it belong to other processes or ranks sharing this"
-            " cache_dir: count theirs too, or give each its own cache_dir"
+            f"has no room for the next shard ({needed} bytes{beside}): {used} bytes are cached, every entry"
+            f" pinned by a reader, no download in progress, and nothing changed for {stalled_s:.0f} s, so no"
+            f" pin will go. Raise cache_limit to at least {used + extra} bytes (what is pinned now{beside}:"
+            " what lets this shard in); the limit a pass needs is checked when it starts, so pins beyond it"
+            " belong to other processes or ranks sharing this cache_dir: count theirs too, or give each its"
+            " own cache_dir"
         )
-        super().__init__(cache_dir, limit, used, needed, detail)
+        super().__init__(cache_dir, limit, used, needed, detail, used + extra)
 
     def __reduce__(self) -> tuple:
-        return (type(self), (self.cache_dir, self.limit, self.used, self.needed, self.stalled_s))
+        return (type(self), (self.cache_dir, self.limit, self.used, self.needed, self.stalled_s, self.extra))
 
 
 def _scan(directory: Path) -> tuple[int, int, bool]:
@@ -106,7 +113,9 @@ def _scan(directory: Path) -> tuple[int, int, bool]:
     is downloading)``. The fingerprint changes when an entry comes or goes or a download writes; not when a
     pin is taken or marked read (a lock or pin file comes or is touched), which frees nothing by itself."""
     used, seen, downloading = 0, [], False
-    for root, _, files in os.walk(directory):
+    for root, dirs, files in os.walk(directory):
+        if root == str(directory):  # other parts of fastio's local copies: not the cache's, not counted
+            dirs[:] = [d for d in dirs if d != LOCAL_COPIES]
         for name in files:
             if name.endswith(_NOT_COUNTED):
                 continue
@@ -174,8 +183,9 @@ class RoomWatch:
         self._fingerprint: int | None = None
         self._used, self._downloading = 0, False
 
-    def check(self, size: int) -> None:
-        """Log or raise as the wait so far calls for (``size``: bytes the entry needs)."""
+    def check(self, size: int, extra: int = 0) -> None:
+        """Log or raise as the wait so far calls for (``size``: bytes of the entry's file, ``extra``: of
+        what it keeps beside it; the cache admits it once what is cached plus ``extra`` fits the limit)."""
         if self.needed is not None and not self.needed():
             self._since = None
             return
@@ -191,9 +201,9 @@ class RoomWatch:
             self._next_scan = now + min(_SCAN_EVERY_S, self.stall_s / 4)
         limit = -1 if self.limit is None else self.limit
         if now - self._changed >= self.stall_s and not self._downloading:
-            raise CacheStalledError(str(self.directory), limit, self._used, size, now - self._changed)
+            raise CacheStalledError(str(self.directory), limit, self._used, size, now - self._changed, extra)
         if now - self._since >= self.wait_s and not self._downloading:  # a download is bounded by its retries
-            raise CacheFullError(str(self.directory), limit, self._used, size)
+            raise CacheFullError(str(self.directory), limit, self._used, size, "", self._used + extra)
         if now >= self._next_log:
             self._next_log = now + _LOG_EVERY_S
             _log.warning(

@@ -102,3 +102,20 @@ def test_the_errors_cross_processes_whole():
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err)
         assert back.suggested_limit == err.suggested_limit
+
+
+def test_a_stall_names_the_limit_that_lets_the_shard_and_its_index_in(tmp_path):
+    # A remote tar without a .fidx reserves its index's room (``extra``) with it, and the cache admits it
+    # once what is cached plus that room fits the limit. With a limit just above one tar the stall said
+    # "raise cache_limit to at least <what is pinned>", a number at or under the limit already set.
+    cache = ShardCache(tmp_path, cache_limit=1_000, stall_s=0.3)
+    cache.pin("a")
+    _fill(cache, "a", 300)  # pinned by a reader: nothing to evict
+    raised = _bounded(lambda: cache.reserve("b", 900, extra=900))
+    assert isinstance(raised, CacheStalledError)
+    assert (raised.used, raised.needed, raised.suggested_limit) == (300, 900, 1_200)
+    assert "at least 1200 bytes" in str(raised) and "900 bytes it keeps beside it" in str(raised)
+    assert pickle.loads(pickle.dumps(raised)).suggested_limit == 1_200
+    job = ShardCache(tmp_path, cache_limit=raised.suggested_limit).reserve("b", 900, extra=900)
+    assert job is not None  # the limit suggested lets it in, "a" still pinned
+    job.abort()
