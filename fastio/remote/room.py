@@ -93,11 +93,11 @@ class CacheStalledError(CacheFullError):
         self, cache_dir: str, limit: int, used: int, needed: int, stalled_s: float, extra: int = 0
     ) -> None:
         self.stalled_s, self.extra = stalled_s, extra
-        beside = f" and the {extra} bytes it keeps beside it (its index)" if extra else ""
+        beside = f", plus {extra} bytes kept beside it" if extra else ""
         detail = (
             f"has no room for the next shard ({needed} bytes{beside}): {used} bytes are cached, every entry"
             f" pinned by a reader, no download in progress, and nothing changed for {stalled_s:.0f} s, so no"
-            f" pin will go. Raise cache_limit to at least {used + extra} bytes (what is pinned now{beside}:"
+            f" pin will go. Raise cache_limit to at least {used + extra} bytes (what is cached now{beside}:"
             " what lets this shard in); the limit a pass needs is checked when it starts, so pins beyond it"
             " belong to other processes or ranks sharing this cache_dir: count theirs too, or give each its"
             " own cache_dir"

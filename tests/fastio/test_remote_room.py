@@ -114,7 +114,7 @@ def test_a_stall_names_the_limit_that_lets_the_shard_and_its_index_in(tmp_path):
     raised = _bounded(lambda: cache.reserve("b", 900, extra=900))
     assert isinstance(raised, CacheStalledError)
     assert (raised.used, raised.needed, raised.suggested_limit) == (300, 900, 1_200)
-    assert "at least 1200 bytes" in str(raised) and "900 bytes it keeps beside it" in str(raised)
+    assert "at least 1200 bytes" in str(raised) and "plus 900 bytes kept beside it" in str(raised)
     assert pickle.loads(pickle.dumps(raised)).suggested_limit == 1_200
     job = ShardCache(tmp_path, cache_limit=raised.suggested_limit).reserve("b", 900, extra=900)
     assert job is not None  # the limit suggested lets it in, "a" still pinned
