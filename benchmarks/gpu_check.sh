@@ -8,9 +8,10 @@
 #    if there is none: on top of the system torch (--system-site-packages) when that torch sees CUDA,
 #    otherwise with pip-installed torch==2.13.0 and triton==3.9.0.
 # 3. Builds fastcomm._C in place (the CUDA top-k kernel too when torch has CUDA and nvcc is found).
-# 4. Runs the op tests on CUDA tensors (Triton compiled), then benchmarks.gpu_ops_timing (every kernel beside
-#    memcpy and torch's op, 1M-256M elements, fp32/bf16/fp16) and benchmarks.gpu_step (a DDP and an FSDP2 step
-#    on CUDA tensors held bit for bit to the CPU reference; NCCL at world size 1, 2 ranks over gloo).
+# 4. Runs the op tests on CUDA tensors (Triton compiled) and the control collectives on NCCL, then
+#    benchmarks.gpu_ops_timing (every kernel beside memcpy and torch's op, 1M-256M elements, fp32/bf16/fp16)
+#    and benchmarks.gpu_step (a DDP and an FSDP2 step on CUDA tensors held bit for bit to the CPU
+#    reference; NCCL at world size 1, 2 ranks over gloo).
 # Results (gpu_ops_timing_<gpu>.*, gpu_step_<gpu>.*) go to GPU_CHECK_RESULTS (default benchmarks/results).
 # Every step runs under `timeout`, sized from one overall budget (GPU_CHECK_BUDGET_S, default 470 s).
 # Without an NVIDIA GPU it says so and exits 2 at once (nothing is installed or built).
@@ -108,7 +109,7 @@ step "op tests on CUDA tensors (Triton compiled: TRITON_INTERPRET unset)"
 # The Triton files first: a time box that cuts the run short then cuts test_ops.py's CPU-side cases.
 run 120 "tests" env -u TRITON_INTERPRET $PY -m pytest -q -rs -p no:cacheprovider --durations=5 \
   tests/fastcomm/test_triton_topk.py tests/fastcomm/test_triton_quantize.py tests/fastcomm/test_triton_sign.py \
-  tests/fastcomm/test_topk_cuda.py tests/fastcomm/test_ops.py
+  tests/fastcomm/test_topk_cuda.py tests/fastcomm/test_cuda_groups.py tests/fastcomm/test_ops.py
 
 mkdir -p "$RESULTS"
 step "kernel times against memcpy and torch's op (sizes $SIZES) -> $RESULTS"

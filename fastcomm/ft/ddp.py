@@ -161,9 +161,9 @@ def register(ddp: DistributedDataParallel, manager: Any, method: str = "quantize
             "buckets after the first step, and a restarted replica's first step would send buckets of other "
             "sizes than its peers' (as torchft's own DDP wrapper does)"
         )
-    state = ManagedHookState(ManagedExchange(manager), method, dict(options))
+    parameters = list(ddp.module.parameters())
+    state = ManagedHookState(ManagedExchange(manager, device=parameters[0].device), method, dict(options))
     if method == "auto":
-        parameters = list(ddp.module.parameters())
         largest = sum(p.numel() for p in parameters)  # the kernels are timed at the largest bucket's size
         state.auto = QuorumAuto(parameters[0].device.type, largest, **options)
         settings = state.auto.settings()

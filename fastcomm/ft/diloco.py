@@ -81,7 +81,8 @@ class FaultTolerantDiLoCo:
         self.manager, self.outer, self.data = manager, outer, data
         fingerprint = (f"DiLoCo sync_every={outer.sync_every} delay={outer.delay} "
                        f"fragments={[f.numel for f in outer.fragments]} {outer.compressor!r}")  # fmt: skip
-        self.exchange = ManagedExchange(manager, fingerprint=fingerprint)
+        device = outer.fragments[0].global_weights.device
+        self.exchange = ManagedExchange(manager, fingerprint=fingerprint, device=device)
         self.failed_syncs = 0
         self.last_error: Exception | None = None  # why the last discarded sync failed
         self.discarded_steps = 0

@@ -75,6 +75,8 @@ class ManagedExchange:
         manager: the ``torchft.Manager`` of this replica (``use_async_quorum`` either way).
         fingerprint: what must be equal on every replica of a quorum (the compressor's settings, say); it is
             compared at the first exchange of each quorum.
+        device: where the exchanged tensors are; the comparison's tensors go there too (a
+            ``torchft.ProcessGroupNCCL`` takes CUDA tensors only).
 
     Example::
 
@@ -85,10 +87,11 @@ class ManagedExchange:
             optimizer.step()
     """
 
-    def __init__(self, manager: Any, fingerprint: str = "") -> None:
+    def __init__(self, manager: Any, fingerprint: str = "", device: str | torch.device = "cpu") -> None:
         self.manager = manager
         self.pg = process_group_of(manager)
         self.fingerprint = fingerprint
+        self.device = torch.device(device)
         self.traffic = Traffic()
         self.failures = 0
         self._checked: dist.ProcessGroup | None = None
@@ -137,13 +140,14 @@ class ManagedExchange:
         if self._checked is group:
             return
         mine = zlib.crc32(self.fingerprint.encode())
-        gathered = torch.empty(group.size(), dtype=torch.int64)
-        all_gather_flat(gathered, torch.tensor([mine], dtype=torch.int64), group=group)
+        gathered = torch.empty(group.size(), dtype=torch.int64, device=self.device)
+        all_gather_flat(gathered, torch.tensor([mine], dtype=torch.int64, device=self.device), group=group)
         self._checked = group
-        if any(int(value) != mine for value in gathered):
+        values = gathered.tolist()
+        if any(value != mine for value in values):
             raise CompressorMismatchError(
                 f"the replicas of this quorum exchange with different settings (fingerprints "
-                f"{[int(v) for v in gathered]}; this replica's {mine} is {self.fingerprint!r}): start every "
+                f"{values}; this replica's {mine} is {self.fingerprint!r}): start every "
                 f"replica with the same method and options"
             )
 

@@ -172,7 +172,8 @@ class AutoState(TwoPhaseState):
         elif self._phase == "chosen" and len(self._periods["chosen"]) == _TRIAL_STEPS:
             self._phase = "dense"
         elif self._phase == "dense" and len(self._periods["dense"]) == _TRIAL_STEPS:
-            self._phase, self.trial_medians = "settled", _trial_medians(self._periods, self.process_group)
+            medians = _trial_medians(self._periods, self.process_group, bucket.buffer().device)
+            self._phase, self.trial_medians = "settled", medians
             self.reverted = self.trial_medians[0] > self.trial_medians[1]
         self._iteration_start = time.perf_counter()  # the probes and the judgement are not the model's time
         return key
@@ -236,26 +237,31 @@ def measured_figures(link: Link | None, device: str, candidates: tuple[str, ...]
     """What :func:`choose` decides from, the same on every rank of ``group``: ``link`` (or one probed on
     ``group``: two timed allreduces) and the ``candidates``' kernels timed here on ``device`` at ``largest``
     elements, each the slowest rank's (one MAX allreduce). A collective on ``group``: every rank calls it
-    at the same point.
+    at the same point. Its tensors are on ``device`` (a ``ProcessGroupNCCL`` takes CUDA tensors only).
 
     Example::
 
         link, rates = measured_figures(None, "cpu", ("quantize8",), 1 << 20, group)
         choose(1 << 20, group.size(), link, rates, ("quantize8",), 0.1)      # the same on every rank
     """
-    return _agreed(link or _probe_link(group), _local_rates(device, candidates, largest), group)
+    return _agreed(
+        link or _probe_link(group, device), _local_rates(device, candidates, largest), group, device
+    )
 
 
-def _probe_link(group: dist.ProcessGroup | None) -> Link:
-    """Latency and bandwidth from two timed ring allreduces (a small and a large probe), best of three."""
+def _probe_link(group: dist.ProcessGroup | None, device: str = "cpu") -> Link:
+    """Latency and bandwidth from two timed ring allreduces (a small and a large probe on ``device``), best
+    of three."""
     world_size = dist.get_world_size(group)
     times = []
     for numel in _PROBE_NUMELS:
-        probe = torch.ones(numel)
+        probe = torch.ones(numel, device=device)
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
             dist.all_reduce(probe, group=group)
+            if probe.is_cuda:  # NCCL's wait blocks the stream, not this thread
+                torch.cuda.synchronize(probe.device)
             best = min(best, time.perf_counter() - start)
         times.append(best)
     steps = 2 * (world_size - 1)
@@ -269,14 +275,18 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
 
 
-def _trial_medians(periods: dict[str, list[float]], group: dist.ProcessGroup | None) -> tuple[float, float]:
+def _trial_medians(
+    periods: dict[str, list[float]], group: dist.ProcessGroup | None, device: str | torch.device = "cpu"
+) -> tuple[float, float]:
     """The median step period of the trial steps under the choice and of the dense steps that followed
     them, on the slowest rank's clock (one MAX allreduce: every rank judges alike). The first dense step
     is left out: it pays what the compressed steps owed. The model predicts; this checks: the choice is
     kept only if its median is not above dense's, so auto is never the reason a job got slower for more
     than its trial steps."""
     medians = torch.tensor(
-        [_median(periods["chosen"]), _median(periods["dense"][1:] or periods["dense"])], dtype=torch.float64
+        [_median(periods["chosen"]), _median(periods["dense"][1:] or periods["dense"])],
+        dtype=torch.float64,
+        device=device,
     )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
     return float(medians[0]), float(medians[1])
@@ -290,13 +300,17 @@ def _local_rates(device: str, candidates: tuple[str, ...], largest: int) -> Kern
     return measure_rates(device, numel=min(max(largest, low), high), repeat=3, kernels=kernels)
 
 
-def _agreed(link: Link, rates: KernelRates, group: dist.ProcessGroup | None) -> tuple[Link, KernelRates]:
-    """The slowest rank's link and kernel figures (MAX of times over ranks): every rank chooses alike."""
+def _agreed(
+    link: Link, rates: KernelRates, group: dist.ProcessGroup | None, device: str = "cpu"
+) -> tuple[Link, KernelRates]:
+    """The slowest rank's link and kernel figures (MAX of times over ranks, a tensor on ``device``): every
+    rank chooses alike."""
     keys = sorted(rates.rates)
     times = torch.tensor(
         [link.alpha_s, 1.0 / link.bandwidth_Bps, 1.0 / rates.sparse_entries_per_s]
         + [1.0 / rates.rates[k] for k in keys],
         dtype=torch.float64,
+        device=device,
     )
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     values = times.tolist()
