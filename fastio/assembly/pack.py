@@ -18,9 +18,11 @@ optionally ``"positions"`` (int32 ``[b, L]``) for attention masks. How a batch i
 4. Equal counts: every rank computes every rank's stream length (cheap: sums of lengths) and all yield the
    minimum row count; the rows beyond it, and each stream's last partial row, are dropped. Batches are
    ``B`` consecutive rows; the last batch may have fewer rows, and ``drop_last=True`` drops it.
-5. Each batch is planned with numpy (``searchsorted`` of the rows' starts in the documents' cumulative
+5. Rows are planned with numpy (``searchsorted`` of the rows' starts in the documents' cumulative
    stream positions gives every ``(document, offset, length)`` run of every row), then filled by one
-   native :func:`fastio.files.gather.gather_ranges` call straight into the batch buffer, eos slots set after.
+   native :func:`fastio.files.gather.gather_ranges` call straight into the batch buffer, eos slots set
+   after; small batches a group of about 1 MiB at a time, each batch a view of it
+   (:mod:`fastio.assembly.pack_fill`).
    ``document_ids``: the document's number within its row, counting from 0 (a document continued from
    the previous row is 0 in the new row); ``positions``: the token's position within that document's
    piece of the row (0 at each document start and at each row start: the ``position_ids`` and
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,11 +59,12 @@ import numpy as np
 import torch
 
 from fastio._native import default_threads
-from fastio.assembly.pack_rows import EpochPlan, RowRuns, plan_rows
+from fastio.assembly.pack_fill import PackProducer
+from fastio.assembly.pack_options import Pack
+from fastio.assembly.pack_rows import EpochPlan
 from fastio.errors import EmptySourceError
-from fastio.files.gather import gather_ranges
 from fastio.pipeline.settings import AssemblySettings, OrderSettings, WorkerSettings
-from fastio.sources import BufferPool, ReadPlan, StageTimes, TokenDocuments, shard_read_order, torch_dtype
+from fastio.sources import ReadPlan, TokenDocuments, shard_read_order, torch_dtype
 from fastio.workers.batch_pass import BatchPass
 from fastio.workers.info import PassInfo
 from fastio.workers.kept import KeptWorkers
@@ -72,63 +74,6 @@ __all__ = ["Pack", "PackedEpoch", "TokenPacker"]
 
 _STATE_FORMAT = "fastio.StreamLoader.pack"
 _STATE_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Pack:
-    """How :class:`fastio.StreamLoader` packs a variable-length token field (see :mod:`fastio.assembly.pack`).
-
-    Args:
-        field: a 1-D variable-length integer array field
-            (``ShardWriter(schema={"tokens": ("int32", None)})``), or a ``.npy`` member of tar shards
-            (``"tokens.npy"``: 1-D integer arrays of one dtype).
-        seq_len: tokens per row (``seq_len + 1`` with ``shift``).
-        eos: a token placed after every document, or None for none.
-        shift: rows of ``seq_len + 1`` tokens overlapping by one, for ``inputs = row[:, :-1]``,
-            ``targets = row[:, 1:]``.
-        dtype: the output dtype of ``"tokens"`` (default: the field's); it must hold every value of the
-            field's dtype (``int32`` -> ``int64`` yes, ``int32`` -> ``int16`` no).
-        document_ids: add ``"document_ids"`` (int32 ``[b, L]``, the document's number within its row).
-        positions: add ``"positions"`` (int32 ``[b, L]``, the position within the document's piece).
-
-    Example::
-
-        pack = fastio.Pack("tokens", seq_len=2048, eos=50256, shift=True, dtype=torch.int64)
-    """
-
-    field: str = "tokens"
-    seq_len: int = 1024
-    eos: int | None = None
-    shift: bool = False
-    dtype: torch.dtype | None = None
-    document_ids: bool = True
-    positions: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.field, str) or not self.field:
-            raise ValueError(f"Pack field must be a field name, got {self.field!r}")
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, (int, np.integer)):
-            raise ValueError(f"Pack seq_len must be an int >= 1, got {self.seq_len!r}")
-        if self.seq_len < 1:
-            raise ValueError(f"Pack seq_len must be >= 1, got {self.seq_len}")
-        if self.eos is not None and (
-            isinstance(self.eos, bool) or not isinstance(self.eos, (int, np.integer))
-        ):
-            raise ValueError(f"Pack eos must be None or an int token, got {self.eos!r}")
-        if self.dtype is not None and (
-            not isinstance(self.dtype, torch.dtype)
-            or self.dtype.is_floating_point
-            or self.dtype.is_complex
-            or self.dtype == torch.bool
-        ):
-            raise ValueError(f"Pack dtype must be a torch integer dtype, got {self.dtype!r}")
-        object.__setattr__(self, "seq_len", int(self.seq_len))
-        object.__setattr__(self, "eos", None if self.eos is None else int(self.eos))
-
-    @property
-    def row_len(self) -> int:
-        """Tokens per output row: ``seq_len``, or ``seq_len + 1`` with ``shift``."""
-        return self.seq_len + int(self.shift)
 
 
 def _documents(source: Any, field_name: str) -> TokenDocuments:
@@ -160,89 +105,6 @@ def _out_dtype(pack: Pack, stored: np.dtype) -> torch.dtype:
     return out
 
 
-class _PackProducer:
-    """Fills batch ``job`` of a pass (rows ``start_row + job * B`` on) into buffers of ``specs`` (with the
-    stored-dtype staging buffer ``_RAW`` when the tokens are converted); holds no reference to the iterator.
-
-    Rows are planned a chunk of batches at a time (one vectorized pass per ~4096 rows, the last few chunks
-    kept), so a batch costs one native gather and a few slices."""
-
-    _RAW = "__stored_tokens__"
-    _CHUNK_ROWS = 4096
-    _KEEP_CHUNKS = 4
-
-    def __init__(
-        self,
-        pack: Pack,
-        docs: TokenDocuments,
-        plan: EpochPlan,
-        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-        *,
-        start_row: int,
-        batch_size: int,
-        threads: int,
-        pin: bool,
-        keep: int,
-    ) -> None:
-        self.pack, self.docs, self.plan, self.start_row = pack, docs, plan, start_row
-        self.batch_size, self.threads = batch_size, threads
-        self.convert = self._RAW in specs
-        self.pool = BufferPool(specs, self.batch_size, pin, keep)
-        self.times = StageTimes()
-        self.arange = np.arange(self.batch_size * self.pack.row_len, dtype=np.int64)
-        self.batches_per_chunk = max(1, self._CHUNK_ROWS // self.batch_size)
-        self._chunks: dict[int, RowRuns] = {}
-        self._chunk_lock = threading.Lock()
-
-    def _chunk(self, index: int) -> RowRuns:
-        with self._chunk_lock:
-            runs = self._chunks.get(index)
-            if runs is None:
-                first = self.start_row + index * self.batches_per_chunk * self.batch_size
-                rows = min(self.batches_per_chunk * self.batch_size, self.plan.rows - first)
-                pack = self.pack
-                runs = plan_rows(self.plan, self.docs, pack.seq_len, pack.row_len, pack.eos, first, rows)
-                self.docs.verify(runs.shard)  # checksums, once per shard and process
-                self._chunks[index] = runs
-                for old in sorted(self._chunks)[: -self._KEEP_CHUNKS]:
-                    del self._chunks[old]
-            return runs
-
-    def __call__(self, job: int) -> tuple[dict[str, torch.Tensor], int]:
-        start = time.perf_counter()
-        first = self.start_row + job * self.batch_size
-        rows = min(self.batch_size, self.plan.rows - first)
-        buffers = self.pool.acquire()
-        out = {name: buffers.fixed(name, rows) for name in self.pool.specs}
-        self._fill(self._chunk(job // self.batches_per_chunk), first, rows, out)
-        out.pop(self._RAW, None)
-        self.pool.release(buffers)
-        self.times.add("read", time.perf_counter() - start, out["tokens"].numel() * self.docs.dtype.itemsize)
-        return out, rows
-
-    def _fill(self, runs: RowRuns, first: int, rows: int, out: dict[str, torch.Tensor]) -> None:
-        pack, width, size = self.pack, self.pack.row_len, self.docs.dtype.itemsize
-        a, b = first - runs.first, first - runs.first + rows
-        ra, rb = runs.row_runs[a], runs.row_runs[b]
-        base = a * width  # token offset of this batch's first row within the chunk
-        tokens = out["tokens"]
-        target = out[self._RAW] if self.convert else tokens
-        dst = runs.dst[ra:rb] - base
-        gather_ranges(
-            self.docs.table, runs.shard[ra:rb], runs.src[ra:rb], runs.nbytes[ra:rb], target, self.threads,
-            dst=dst * size,
-        )  # fmt: skip
-        if self.convert:
-            tokens.copy_(target)
-        if pack.eos is not None:
-            tokens.view(-1).numpy()[runs.eos_at[runs.row_eos[a] : runs.row_eos[b]] - base] = pack.eos
-        lengths = runs.length[ra:rb]
-        if pack.document_ids:
-            out["document_ids"].view(-1).numpy()[:] = np.repeat(runs.run_in_row[ra:rb], lengths)
-        if pack.positions:
-            out["positions"].view(-1).numpy()[:] = self.arange[: rows * width] - np.repeat(dst, lengths)
-
-
 class PackedEpoch(BatchPass):
     """One pass over (the rest of) an epoch's packed rows for this rank; what ``iter(loader)`` returns.
 
@@ -268,7 +130,7 @@ class PackedEpoch(BatchPass):
         # Slots in flight, plus the batch the consumer holds while asking for the next, plus one spare.
         keep = slots + 2 if assembly.reuse_buffers else 0
         convert = packer.out_dtype != torch_dtype(packer.documents.dtype)
-        self.producer = _PackProducer(
+        self.producer = PackProducer(
             packer.pack,
             packer.documents,
             plan,
@@ -388,7 +250,7 @@ class TokenPacker:
         width = self.pack.row_len
         specs = {"tokens": (self.out_dtype, (width,))}
         if with_raw:
-            specs[_PackProducer._RAW] = (torch_dtype(self.documents.dtype), (width,))
+            specs[PackProducer.RAW] = (torch_dtype(self.documents.dtype), (width,))
         if self.pack.document_ids:
             specs["document_ids"] = (torch.int32, (width,))
         if self.pack.positions:

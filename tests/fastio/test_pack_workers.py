@@ -47,13 +47,17 @@ def test_output_independent_of_num_workers(corpus, workers):
             assert torch.equal(a[key], b[key]), key
 
 
-def test_buffers_reused_when_batches_are_released(corpus):
+@pytest.mark.parametrize("group_bytes", [1, 2000])
+def test_buffers_reused_when_batches_are_released(corpus, monkeypatch, group_bytes):
+    from fastio.assembly.pack_fill import PackProducer
+
+    monkeypatch.setattr(PackProducer, "GROUP_BYTES", group_bytes)  # 1: a batch per group; 2000: 4 batches
     directory, _ = corpus
     loader = pack_loader(
         directory, Pack(seq_len=SEQ_LEN), num_workers=2, workers=fastio.WorkerOptions(prefetch=1)
     )
-    pointers = {b["tokens"].data_ptr() for b in loader}
-    assert len(loader) > 50 and len(pointers) <= 2 + 1 + 2  # the pool: slots + held + spare
+    storages = {b["tokens"].untyped_storage().data_ptr() for b in loader}
+    assert len(loader) > 50 and len(storages) <= 2 + 1 + 2  # the pool: slots + held + spare
 
 
 def test_reuse_buffers_false_gives_fresh_tensors(corpus):
@@ -65,10 +69,10 @@ def test_reuse_buffers_false_gives_fresh_tensors(corpus):
 
 @pytest.mark.parametrize("workers", [0, 3])
 def test_rows_planned_in_small_chunks_match_reference(corpus, monkeypatch, workers):
-    from fastio.assembly.pack import _PackProducer
+    from fastio.assembly.pack_fill import PackProducer
 
-    monkeypatch.setattr(_PackProducer, "_CHUNK_ROWS", 7)  # 2 batches of 3 per chunk: most batches cross none
-    monkeypatch.setattr(_PackProducer, "_KEEP_CHUNKS", 1)  # workers ahead evict chunks others still need
+    monkeypatch.setattr(PackProducer, "CHUNK_ROWS", 7)  # 2 batches of 3 per chunk: most batches cross none
+    monkeypatch.setattr(PackProducer, "KEEP_CHUNKS", 1)  # workers ahead evict chunks others still need
     directory, docs = corpus
     order = epoch_order([SHARD_DOCS] * 9, seed=3, epoch=0, shuffle=True)
     pack = Pack(seq_len=SEQ_LEN, eos=-2, shift=True, positions=True)

@@ -28,6 +28,7 @@ import itertools
 import logging
 import mmap
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -242,15 +243,34 @@ class _HeldTokens:
         """Memory does not shrink: nothing to check."""
 
 
-def _write_kept(runs: list[tuple[Path, list[Decoded]]]) -> None:
-    """Write kept token files from decoded row groups held in memory (a background thread: the next loader
-    over the files needs them, this one reads its memory)."""
-    for path, decoded in runs:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _write(decoded, path, keep_counts=True, direct=True)
-        except OSError as error:  # the next loader decodes again; this one reads its memory
-            _log.warning("fastio parquet: token file %s not kept (%s)", path, error)
+class _KeptWriter:
+    """Writes kept token files from decoded row groups held in memory, in a background thread, each file as
+    soon as its row groups are decoded (the next loader over the files needs them; this one reads its
+    memory). :meth:`join` waits for the last."""
+
+    def __init__(self) -> None:
+        self._files: queue.SimpleQueue[tuple[Path, list[Decoded]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fastio-kept-tokens")
+        self._thread.start()
+
+    def put(self, path: Path, decoded: list[Decoded]) -> None:
+        self._files.put((path, decoded))
+
+    def close(self) -> None:
+        """No more files: the thread ends after writing those put."""
+        self._files.put(None)
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._files.get()) is not None:
+            path, decoded = item
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _write(decoded, path, keep_counts=True, direct=True)
+            except OSError as error:  # the next loader decodes again; this one reads its memory
+                _log.warning("fastio parquet: token file %s not kept (%s)", path, error)
 
 
 def token_documents(
@@ -302,19 +322,21 @@ def token_documents(
         found = [_kept(p, dtype) for p in paths]
         todo = [g for (_, run), f in zip(runs, found, strict=True) if f is None for g in run]
         decoded = _decoded(todo, field, tokenizer, threads)
-        unwritten: list[tuple[Path, list[Decoded]]] = []
-        for (_, run), path, rows in zip(runs, paths, found, strict=True):
-            if rows is None and in_memory:
-                unwritten.append((path, hold(itertools.islice(decoded, len(run)))))
-                continue
-            if rows is None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                rows = _write(itertools.islice(decoded, len(run)), path, keep_counts=True)
-            entries.append(MappedFile(path))
-            counts.append(rows)
-        if unwritten:
-            writer = threading.Thread(target=_write_kept, args=(unwritten,), name="fastio-kept-tokens")
-            writer.start()
+        writer = _KeptWriter() if in_memory and todo else None
+        try:
+            for (_, run), path, rows in zip(runs, paths, found, strict=True):
+                if rows is None and writer is not None:
+                    writer.put(path, hold(itertools.islice(decoded, len(run))))
+                    continue
+                if rows is None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    rows = _write(itertools.islice(decoded, len(run)), path, keep_counts=True)
+                entries.append(MappedFile(path))
+                counts.append(rows)
+        finally:
+            if writer is not None:
+                writer.close()
+        if writer is not None:
             settle = writer.join
     elif in_memory:
         hold(_decoded(groups, field, tokenizer, threads))
