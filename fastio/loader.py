@@ -83,6 +83,7 @@ from fastio.pipeline.arguments import (
     unbatched_collate,
 )
 from fastio.pipeline.batches import Batches, EpochOrders, SampleBatches
+from fastio.pipeline.closing import Closing
 from fastio.pipeline.sampled import (
     SamplerBatches,
     SamplerOrders,
@@ -99,7 +100,7 @@ from fastio.workers.batch_pass import BatchPass
 __all__ = ["StreamLoader", "collate_samples"]
 
 
-class StreamLoader:
+class StreamLoader(Closing):
     """Batches from a fastio shard directory, WebDataset tar shards, or a map-style Dataset.
 
     See the module docstring for how batches are made, buffer reuse and resume.

@@ -199,6 +199,13 @@ class MixedSource(Source):
         for source in self.sources:
             source.plan_reads(plan)
 
+    def close(self) -> None:
+        """Close each stream's source that has a ``close()`` (a remote one's threads and cache pins)."""
+        for source in self.sources:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
     def stats(self) -> dict[str, Any]:
         per_stream = {name: source.stats() for name, source in zip(self.names, self.sources, strict=True)}
         if not any(per_stream.values()):

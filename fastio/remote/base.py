@@ -34,6 +34,7 @@ import numpy as np
 from fastio.remote.cache import ShardCache
 from fastio.remote.entry import LocalEntry
 from fastio.remote.fetch import RetryPolicy, redact
+from fastio.remote.holds import SourceHolds
 from fastio.remote.prefetch import Prefetcher, await_turn
 from fastio.remote.progress import COUNTERS, SharedProgress
 from fastio.remote.room import RoomWatch
@@ -100,7 +101,8 @@ class RemoteSource(Source):
         self._lock = threading.Lock()
         self._memo: OrderedDict[tuple[int, ...], LocalEntry] = OrderedDict()
         self._opened: dict[int, tuple[Any, int]] = {}  # shard -> (opened, inode of the cached file)
-        self._holds: dict[int, int] = {}
+        self._holds = SourceHolds(cache)
+        weakref.finalize(self, self._holds.drop)  # a source dropped unclosed lets go of its pins
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._failed: dict[int, BaseException] = {}  # downloads of this pass that failed for good
         self._prefetcher: Prefetcher | None = None
@@ -195,12 +197,13 @@ class RemoteSource(Source):
             self.shards, self.cache, order, self._progress, expected, ahead=self.ahead, pool=self._pool,
             failed=self._failed, hold=self._hold, release=self._release, fill=self._fill, let_go=self._let_go,
         )  # fmt: skip
+        self._holds.stop = self._prefetcher.stop_event  # set if the source is dropped: its thread ends
         self._prefetcher.start()
 
     def _stop_prefetch(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.stop()
-            self._prefetcher = None
+            self._prefetcher = self._holds.stop = None
 
     def _cached(self, shard: int) -> bool:
         info = self.shards[shard]
@@ -244,22 +247,12 @@ class RemoteSource(Source):
         return self.cache.path(info.key)
 
     def _hold(self, shard: int) -> None:
-        with self._lock:
-            count = self._holds.get(shard, 0)
-            self._holds[shard] = count + 1
-        if count == 0:
-            self.cache.pin(self.shards[shard].key)
+        self._holds.hold(self.shards[shard].key)
 
     def _release(self, shard: int) -> None:
-        with self._lock:
-            count = self._holds[shard] - 1
-            if count:
-                self._holds[shard] = count
-                return
-            del self._holds[shard]
-            if not self._keep_mapped():
+        if self._holds.release(self.shards[shard].key) and not self._keep_mapped():
+            with self._lock:
                 self._opened.pop(shard, None)  # it may be evicted: a mapping would hold the disk
-        self.cache.unpin(self.shards[shard].key)
 
     def _keep_mapped(self) -> bool:
         """Keep shards mapped between uses when the whole set fits the cache: nothing is ever evicted then,
@@ -321,7 +314,8 @@ class RemoteSource(Source):
         """In a forked worker: no prefetcher, no pool, no pins (the cache dropped the inherited ones)."""
         self._lock = threading.Lock()
         self._memo = OrderedDict()
-        self._opened, self._holds, self._failed = {}, {}, {}
+        self._opened, self._failed = {}, {}
+        self._holds.forget_after_fork()
         self._pool, self._prefetcher = None, None  # the parent's: its thread and its pins stay there
         if self._progress is not None:
             self._progress.lock = threading.Lock()

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from fastio.errors import CorruptShardError
 from fastio.files.paths import LOCAL_COPIES, default_cache_dir
-from fastio.remote.locks import close_lock, flock, open_lock, try_flock
+from fastio.remote.locks import close_held, close_lock, flock, open_lock, try_flock
 from fastio.remote.room import CacheFullError, CacheStalledError, RoomWatch, alive, part_owner
 
 __all__ = [
@@ -141,10 +141,11 @@ class ShardCache:
         self.limit = parse_size(cache_limit)
         self.wait_s, self.stall_s = float(wait_s), float(stall_s)
         self.sidecars, self.kept, self.protected = tuple(sidecars), tuple(kept), set[Path]()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer may unpin on a thread that holds it
         self._pins: dict[str, tuple[int, int]] = {}  # key -> (descriptor holding the shared flock, count)
         self.evictions = 0
         _CACHES.add(self)
+        weakref.finalize(self, close_held, self._pins)  # a cache dropped with pins lets go of them
         self.clear_stale_parts()
 
     # -- names -------------------------------------------------------------------------------------------
@@ -232,8 +233,8 @@ class ShardCache:
 
     def _forget_inherited_pins(self) -> None:
         """In a forked child: drop the parent's pin descriptors without unlocking (the parent keeps them)."""
-        self._lock = threading.Lock()
-        self._pins = {}  # their descriptors were closed with every other lock descriptor
+        self._lock = threading.RLock()
+        self._pins.clear()  # their descriptors were closed with every other lock descriptor
 
     # -- space -------------------------------------------------------------------------------------------
     def _walk(self) -> Iterator[tuple[str, list[str]]]:

@@ -19,10 +19,10 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["close_lock", "flock", "open_lock", "try_flock"]
+__all__ = ["close_held", "close_lock", "flock", "open_lock", "try_flock"]
 
 _LOCK_FDS: set[int] = set()
-_LOCK_FDS_LOCK = threading.Lock()
+_LOCK_FDS_LOCK = threading.RLock()  # a finalizer may close a lock on a thread that holds it
 
 
 def open_lock(path: Path | str) -> int:
@@ -38,6 +38,15 @@ def close_lock(fd: int) -> None:
     with _LOCK_FDS_LOCK:
         _LOCK_FDS.discard(fd)
         os.close(fd)
+
+
+def close_held(held: dict[str, tuple[int, int]]) -> None:
+    """Close every descriptor of ``held`` (name -> (descriptor, count)) and empty it: the finalizer of a
+    table of held locks (the shard cache's pins), so they go with it."""
+    for fd, _ in list(held.values()):
+        with contextlib.suppress(OSError):
+            close_lock(fd)
+    held.clear()
 
 
 @contextlib.contextmanager
@@ -70,7 +79,7 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     global _LOCK_FDS_LOCK
-    _LOCK_FDS_LOCK = threading.Lock()
+    _LOCK_FDS_LOCK = threading.RLock()
     for fd in list(_LOCK_FDS):  # the parent's copies keep its locks; the child lets go of its own
         with contextlib.suppress(OSError):
             os.close(fd)

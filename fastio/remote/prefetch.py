@@ -21,8 +21,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import inspect
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,11 +96,12 @@ class Prefetcher:
         self.shards, self.cache, self.order = shards, cache, order
         self.progress, self.expected, self.ahead = progress, expected, ahead
         self.pool, self.failed = pool, failed
-        self.hold, self.release, self.fill, self.let_go = hold, release, fill, let_go
+        # Weakly: the thread must not keep the source alive (dropping it sets stop_event: the thread ends).
+        self.hold, self.release, self.fill, self.let_go = map(_weakly, (hold, release, fill, let_go))
         self.inflight: dict[int, concurrent.futures.Future[None]] = {}
         self._held: set[int] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self.stop_event = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -107,7 +110,7 @@ class Prefetcher:
 
     def stop(self) -> None:
         """Stop the thread, wait for the downloads it started, and unpin what it holds (idempotent)."""
-        self._stop.set()
+        self.stop_event.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
         self._thread = None
@@ -132,7 +135,7 @@ class Prefetcher:
             self.cache.mark_read(self.shards[shard].key)
 
     def _run(self) -> None:
-        progress, stop = self.progress, self._stop
+        progress, stop = self.progress, self.stop_event
         try:
             for pos, shard in enumerate(self.order.tolist()):
                 if pos:
@@ -193,4 +196,18 @@ class Prefetcher:
             job.abort()
             future.set_exception(exc)
         else:
+            job.abort()  # a no-op once filled; else (the source was dropped) its room and lock go
             future.set_result(None)
+
+
+def _weakly(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` (a bound method) without a reference to its object: a no-op once the object is gone."""
+    if not inspect.ismethod(call):
+        return call
+    method = weakref.WeakMethod(call)
+
+    def weak_call(*args: Any) -> Any:
+        bound = method()
+        return None if bound is None else bound(*args)
+
+    return weak_call

@@ -162,7 +162,8 @@ def test_a_pin_in_another_process_blocks_eviction(tmp_path):
     ready, done = multiprocessing.get_context("fork").Event(), multiprocessing.get_context("fork").Event()
 
     def hold() -> None:
-        ShardCache(tmp_path).pin("a")
+        reader = ShardCache(tmp_path)  # its pins go with it: it lives while the child waits
+        reader.pin("a")
         ready.set()
         done.wait(30)
 

@@ -3,10 +3,15 @@ found, each failing before its fix."""
 
 from __future__ import annotations
 
+import fcntl
+import gc
+import os
 import time
+from pathlib import Path
 
 import pytest
 
+import fastio
 from fastio.remote.cache import CacheFullError, CacheStalledError, ShardCache
 
 
@@ -37,3 +42,40 @@ def test_kept_files_no_source_here_needs_make_way_for_an_entry(tmp_path) -> None
     assert cache.has("ds/d.tar") and cache.has("ds/c.tar.meta.fidx")  # the protected one stays
     assert not cache.has("old/a.tar.meta.fidx") and cache.has("old/b.tar.meta.fidx")  # oldest first
     assert cache.usage() <= 12_000
+
+
+def _pinned(cache_dir: Path) -> list[str]:
+    """The entries some open file pins now: their pin files cannot be locked exclusively."""
+    pinned = []
+    for pin in sorted(cache_dir.rglob("*.pin")):
+        fd = os.open(pin, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pinned.append(pin.name)
+        finally:
+            os.close(fd)
+    return pinned
+
+
+def test_a_loader_dropped_or_closed_lets_go_of_its_pins(shard_dir, server, tmp_path, fio) -> None:
+    # A loader dropped mid-epoch kept its shards pinned until the process ended (its prefetcher thread kept
+    # the source alive; a whole set cached was pinned by descriptors nothing closed), so a second loader on
+    # a small cache stalled; StreamLoader had no close() nor ``with``.
+    sizes = [p.stat().st_size for p in shard_dir.glob("*.fio")]
+    limited = fastio.RemoteOptions(cache_dir=tmp_path / "cache", cache_limit=sum(sizes) // 3)
+    args = dict(batch_size=4, shuffle="shard", seed=3, order=fastio.OrderOptions(shuffle_window=1))
+    loader = fastio.StreamLoader(server.url("train/"), remote=limited, **args)
+    batches = iter(loader)
+    next(batches)
+    assert _pinned(tmp_path / "cache")
+    del loader, batches
+    gc.collect()
+    assert _pinned(tmp_path / "cache") == []
+    whole = fastio.RemoteOptions(cache_dir=tmp_path / "cache")  # no limit: the whole set kept pinned, mapped
+    with fastio.StreamLoader(server.url("train/"), remote=whole, **args) as loader:
+        for _ in range(2):
+            seen = [y for batch in loader for y in fio.check_batch(batch)]
+            assert sorted(seen) == list(range(fio.NUM_SAMPLES))
+        assert len(_pinned(tmp_path / "cache")) == len(sizes)
+    assert _pinned(tmp_path / "cache") == []
