@@ -263,11 +263,18 @@ class ParquetSource(Source):
         """The batch of ``indices``: their row groups decoded (or kept), then each column cut from them."""
         start = time.perf_counter()
         indices = np.asarray(indices, dtype=np.int64)
-        shard_of = np.searchsorted(self.cumulative, indices, side="right") - 1
-        shards = np.unique(shard_of)
-        decoded = {int(s): self._decode(int(s)) for s in shards}
+        span = (indices.min(), indices.max()) if len(indices) else (0, 0)
+        ends = np.searchsorted(self.cumulative, span, side="right") - 1
+        if len(indices) and ends[0] == ends[1]:  # one row group (a file-order read): no grouping of rows
+            shard = int(ends[0])
+            decoded = {shard: self._decode(shard)}
+            picks: list[Pick] = [(shard, slice(None), _run(indices - self.cumulative[shard]))]
+        else:
+            shard_of = np.searchsorted(self.cumulative, indices, side="right") - 1
+            shards = np.unique(shard_of)
+            decoded = {int(s): self._decode(int(s)) for s in shards}
+            picks = _picks(shard_of, indices - self.cumulative[shard_of], shards)
         decode_done = time.perf_counter()
-        picks = _picks(shard_of, indices - self.cumulative[shard_of], shards)
         batch: dict[str, Any] = {}
         for column in self.layout.fixed:
             out = buffers.fixed(column, len(indices))
