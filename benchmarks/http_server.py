@@ -4,6 +4,7 @@ A ``ThreadingHTTPServer`` in a thread of its own, serving the files under one fo
 
 1. ``GET`` and ``HEAD`` with keep-alive; one ``Range: bytes=first-last`` (also ``first-`` and ``-suffix``)
    answered 206 with ``Content-Range``, 416 past the end or for any other form; 404 outside the folder.
+   A file's answers carry an ``ETag`` (its mtime and size) and ``Last-Modified``, as file servers send.
 2. Bodies go out with ``sendfile``, so a benchmark measures the link, not this server.
 3. Every request is logged (:class:`Request`): :meth:`HttpServer.log`, :meth:`HttpServer.bytes_served`,
    and, for a client in another process, ``GET /__stats``: JSON of the requests and body bytes per path.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import email.utils
 import http.server
 import json
 import os
@@ -107,7 +109,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         file = (owner.root / path.lstrip("/")).resolve()
         if not file.is_relative_to(owner.root) or not file.is_file():
             return self._status(path, 404)
-        size = file.stat().st_size
+        stat = file.stat()
+        size = stat.st_size
         start, end, status = 0, size, 200
         wanted = self.headers.get("Range")
         if wanted is not None:
@@ -130,6 +133,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(end - start))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Type", "application/octet-stream")
+        # Validators, as file servers send them: a file rewritten in place (same size) is told apart.
+        self.send_header("ETag", f'"{stat.st_mtime_ns:x}-{size:x}"')
+        self.send_header("Last-Modified", email.utils.formatdate(stat.st_mtime, usegmt=True))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         # Every answer is logged before its last byte goes out, so a client that has its whole answer finds

@@ -58,7 +58,7 @@ from fastio.remote.errors import (
 __all__ = [
     "RemoteAccessError", "RemoteError", "RemoteNotFoundError", "RangeReader", "RemoteReadError",
     "RetryPolicy", "cat_ranges", "classify", "download", "expand_urls", "filesystem", "is_remote",
-    "read_bytes", "redact", "remote_size", "with_retries",
+    "object_info", "read_bytes", "redact", "remote_size", "with_retries",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -293,22 +293,33 @@ def expand_urls(pattern: str | Sequence[str], storage_options: dict[str, Any] | 
     return urls
 
 
+def object_info(url: str, policy: RetryPolicy, storage_options: dict[str, Any] | None = None) -> dict:
+    """What the store reports of the object at ``url`` (``fs.info``: its ``size``, checked to be there, and
+    what else the store gives, such as an HTTP server's ``ETag``), under ``policy``.
+
+    Example::
+
+        info = object_info("http://127.0.0.1:8000/train/shard-000000.bin", RetryPolicy())
+    """
+
+    def info() -> dict[str, Any]:
+        fs, path = filesystem(url, storage_options, policy.timeout)
+        found = dict(fs.info(path))
+        if found.get("size") is None:
+            raise RemoteReadError(url, 1, "the server does not report the object's size (no Content-Length)")
+        return found
+
+    return with_retries(info, url, policy)
+
+
 def remote_size(url: str, policy: RetryPolicy, storage_options: dict[str, Any] | None = None) -> int:
-    """The size in bytes of the object at ``url`` (``fs.info``), under ``policy``.
+    """The size in bytes of the object at ``url`` (:func:`object_info`), under ``policy``.
 
     Example::
 
         n = remote_size("s3://bucket/train/shard-000000.bin", RetryPolicy())
     """
-
-    def info() -> int:
-        fs, path = filesystem(url, storage_options, policy.timeout)
-        size = fs.info(path).get("size")
-        if size is None:
-            raise RemoteReadError(url, 1, "the server does not report the object's size (no Content-Length)")
-        return int(size)
-
-    return with_retries(info, url, policy)
+    return int(object_info(url, policy, storage_options)["size"])
 
 
 def read_bytes(url: str, policy: RetryPolicy, storage_options: dict[str, Any] | None = None) -> bytes:

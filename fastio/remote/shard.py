@@ -62,14 +62,21 @@ class Shard:
         return (self.local_size or self.remote_size) + self.index_bytes
 
 
-def cache_key(url: str, name: str) -> str:
-    """``<digest of the shard's folder URL>/<name>``: one folder per remote folder, without credentials.
+def cache_key(url: str, name: str, version: str | None = None) -> str:
+    """``<digest of the shard's folder URL>/<name>``: one folder per remote folder, without credentials;
+    with the object's ``version`` (its validators, :func:`fastio.remote.identity.version_of`) in the name
+    before its last suffix: a version republished at the URL is another entry, of the same suffix.
 
     Example::
 
         cache_key("http://host/train/shard-000.bin", "shard-000.bin")   # "3f0c.../shard-000.bin"
+        cache_key(url, "shard-000.bin", 'ETag="5f-a"')                  # "3f0c.../shard-000@v1d2e....bin"
     """
     folder = redact(url).rsplit("/", 1)[0]
+    if version is not None:
+        stem, dot, suffix = name.rpartition(".")
+        tag = f"@v{hashlib.sha256(version.encode()).hexdigest()[:16]}"
+        name = f"{stem}{tag}{dot}{suffix}" if stem else f"{name}{tag}"
     return f"{hashlib.sha256(folder.encode()).hexdigest()[:16]}/{name}"
 
 

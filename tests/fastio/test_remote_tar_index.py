@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import io
 import logging
+import os
 import shutil
 import sys
 import tarfile
@@ -159,9 +160,12 @@ def test_a_kept_index_of_another_tar_of_the_same_size_is_refused_never_read(tmp_
     cache_dir = tmp_path / "cache"
     with HttpServer(tmp_path / "www") as server:
         _source(server, cache_dir, limit).close()  # indexes kept
-        size = tars[0].stat().st_size
+        before = tars[0].stat()
         _write_tar(tars[0], 0, samples=10, swap=True)  # republished: same size, members elsewhere
-        assert tars[0].stat().st_size == size
+        # and its mtime kept, so the server's validators (ETag, Last-Modified) do not tell: the cache key
+        # is the old one, and the kept index is what must catch it
+        os.utime(tars[0], ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert tars[0].stat().st_size == before.st_size
         stale = _source(server, cache_dir, limit)
         try:
             with pytest.raises(CorruptShardError, match="shard-000.tar.*tar index.*header"):

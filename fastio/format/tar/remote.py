@@ -54,9 +54,9 @@ from fastio.remote.fetch import (
     expand_urls,
     filesystem,
     read_bytes,
-    remote_size,
     with_retries,
 )
+from fastio.remote.identity import remote_object
 from fastio.remote.parts import choose_parts, part_bounds, part_key, parts_of
 from fastio.remote.shard import Shard, cache_key
 from fastio.sources.base import ShardParts
@@ -134,11 +134,13 @@ class RemoteTarSource(RemoteSource):
         with concurrent.futures.ThreadPoolExecutor(
             download_threads, thread_name_prefix="fastio-open"
         ) as pool:
-            sizes = list(pool.map(lambda url: remote_size(url, self.retry, self.storage_options), listed))
-            for url, size in zip(listed, sizes, strict=True):
-                key, kind = cache_key(url, decompressed_name(url)), compression_of(url)
+            # The cache key names the tar's version (ETag, Last-Modified...: fastio.remote.identity).
+            objects = pool.map(lambda url: remote_object(url, self.retry, self.storage_options), listed)
+            for obj in objects:
+                kind = compression_of(obj.url)
+                key = cache_key(obj.url, decompressed_name(obj.url), obj.version)
                 unpack = None if kind is None else _decompressor(kind)
-                self.shards.append(Shard(url, key, size, None, encoding=kind, unpack=unpack))
+                self.shards.append(Shard(obj.url, key, obj.size, None, encoding=kind, unpack=unpack))
             for shard in range(len(self.shards)):  # its kept files: others' are evicted for room, not these
                 self.cache.protected.update((self._meta_path(shard), self._kept_index_path(shard)))
             metas = list(pool.map(self._meta, range(len(self.shards))))
