@@ -6,7 +6,8 @@ are, passes in what it keeps beside them (sidecar suffixes, a check, an unpacker
 through its own local source.
 
 * :mod:`fastio.remote.fetch`: reading objects with a bounded retry policy, errors naming the URL
-  (:mod:`fastio.remote.errors`).
+  (:mod:`fastio.remote.errors`); :mod:`fastio.remote.identity`: an object's size and validators (ETag,
+  Last-Modified...), which name its version in the cache.
 * :mod:`fastio.remote.cache`: the shard cache (whole shards, file locks, pins, eviction under a limit);
   :mod:`fastio.remote.room`: how a reservation waits for room, and the errors of a full cache;
   :mod:`fastio.remote.locks`: the cache's file locks, safe across forks.
@@ -16,7 +17,8 @@ through its own local source.
   cache; :mod:`fastio.remote.parts`: how many parts ``shuffle=True`` cuts shards into under a small cache.
 * :mod:`fastio.remote.base`: :class:`RemoteSource` (the pass's plan, the cache, the holds, the memoized
   local sources of :mod:`fastio.remote.entry`, the reads); :mod:`fastio.remote.prefetch`: the prefetcher
-  thread of a pass.
+  thread of a pass; :mod:`fastio.remote.holds`: the source's pins, let go of when it is closed or dropped
+  (the prefetcher refers to its source weakly, so dropping a loader ends its pass).
 
 The cache's unit is a :class:`Shard`: a whole shard, or, where a format splits them
 (:meth:`RemoteSource.use_units`), a part of one; below, "shard" means either.
