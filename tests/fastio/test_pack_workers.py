@@ -67,11 +67,18 @@ def test_reuse_buffers_false_gives_fresh_tensors(corpus):
     assert len({b["tokens"].data_ptr() for b in kept}) == len(kept)
 
 
-@pytest.mark.parametrize("workers", [0, 3])
-def test_rows_planned_in_small_chunks_match_reference(corpus, monkeypatch, workers):
+@pytest.mark.parametrize(
+    "workers, chunk_rows, group_bytes",
+    [(0, 7, 1 << 20), (3, 7, 1 << 20), (3, 20, 3000)],
+    ids=["serial", "threads", "threads-groups-of-4"],
+)
+def test_rows_planned_in_small_chunks_match_reference(corpus, monkeypatch, workers, chunk_rows, group_bytes):
     from fastio.assembly.pack_fill import PackProducer
 
-    monkeypatch.setattr(PackProducer, "CHUNK_ROWS", 7)  # 2 batches of 3 per chunk: most batches cross none
+    # 7: 2 batches of 3 per chunk, one group; 20 and 3000 bytes: groups of 4 batches (3 rows of 18 int32
+    # tokens, ids and positions: 648 bytes), chunks of one group (6 batches cut to whole groups)
+    monkeypatch.setattr(PackProducer, "CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(PackProducer, "GROUP_BYTES", group_bytes)
     monkeypatch.setattr(PackProducer, "KEEP_CHUNKS", 1)  # workers ahead evict chunks others still need
     directory, docs = corpus
     order = epoch_order([SHARD_DOCS] * 9, seed=3, epoch=0, shuffle=True)
