@@ -21,7 +21,7 @@ optionally ``"positions"`` (int32 ``[b, L]``) for attention masks. How a batch i
 5. Rows are planned with numpy (``searchsorted`` of the rows' starts in the documents' cumulative
    stream positions gives every ``(document, offset, length)`` run of every row), then filled by one
    native :func:`fastio.files.gather.gather_ranges` call straight into the batch buffer, eos slots set
-   after; small batches a group of about 1 MiB at a time, each batch a view of it
+   after; small batches a group of about 4 MiB at a time, each batch a view of it
    (:mod:`fastio.assembly.pack_fill`).
    ``document_ids``: the document's number within its row, counting from 0 (a document continued from
    the previous row is 0 in the new row); ``positions``: the token's position within that document's

@@ -4,13 +4,14 @@ slices and not a gather, a buffer hand-out and the bookkeeping around them:
 
 1. Rows are planned a chunk at a time (:func:`fastio.assembly.pack_rows.plan_rows` over ~4096 rows, the last
    few chunks kept).
-2. Consecutive batches form a group of about :attr:`PackProducer.GROUP_BYTES` of output (one batch when a
-   batch is that large already); a group never crosses a chunk. The first job of a group to run fills the
-   whole group with one native gather into one set of reused buffers (eos slots, ``document_ids`` and
-   ``positions`` after it, all vectorized); the jobs of its other batches, on any worker thread, wait for
-   that fill and take their rows as views of it.
+2. Consecutive batches form a group of about :attr:`PackProducer.GROUP_BYTES` (4 MiB) of output (one
+   batch when a batch is that large already); a group never crosses a chunk. The first job of a group to
+   run fills the whole group with one native gather into one set of reused buffers (eos slots,
+   ``document_ids`` and ``positions`` after it, all vectorized); the jobs of its other batches, on any
+   worker thread, wait for that fill and take their rows as views of it.
 3. A group's buffers are refilled only when no batch of it is held any more
-   (:meth:`fastio.sources.BatchBuffers.held` counts the views), as for one batch.
+   (:meth:`fastio.sources.BatchBuffers.held` counts the views), as for one batch: a batch kept by the
+   consumer keeps its whole group's memory (a fresh set is then used), not its rows only.
 
 Batches are the same rows, in the same order, whatever the group size, ``num_workers`` or resume row: groups
 are counted from the pass's first row.
@@ -66,7 +67,7 @@ class PackProducer:
     RAW = "__stored_tokens__"
     CHUNK_ROWS = 4096  # rows planned at once
     KEEP_CHUNKS = 4  # planned chunks kept (workers ahead and behind)
-    GROUP_BYTES = 1 << 20  # output bytes filled at once: one gather for many small batches
+    GROUP_BYTES = 1 << 22  # output bytes filled at once: one gather for many small batches
 
     def __init__(
         self,
