@@ -4,9 +4,12 @@ under ``torchrun`` on a tiny GPT, killed, restarted and compared bit for bit wit
 
 The test files split the work so that ``make test``'s pytest-xdist workers can run them side by side;
 each has its own module-scoped data set and reference runs, grouped so that no reference runs twice.
-What a test does not test the launch of (its uninterrupted references, the first leg of a run it
-interrupts, hand-started ranks) runs in ranks that :class:`ForkedRanks` forks from one process that imported
-the example once: a torchrun job's launcher and imports cost ten times its thirty training steps.
+Every rank is forked from one process that imported the example once (:class:`ForkedRanks`, its server
+``_example_ranks.py``): a rank that imports torch and the example costs ten times its thirty training steps.
+What a test does not test the launch of (its uninterrupted references, the legs of a run it restarts by hand,
+hand-started ranks) runs in ranks the server forks on its own; a kill test's job is a real ``torchrun``
+(launch, SIGKILL seen, group stopped and restarted), whose workers are ``_rank_client.py``: each has the
+server fork its rank, in torchrun's environment and with its output, and ends as that rank ends.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
+import _rank_client
 import pytest
 import torch
 
@@ -50,6 +56,7 @@ TINY = [
 ]
 RUN_TIMEOUT = 300  # seconds for one torchrun (a loaded 2-core machine)
 RANKS_SERVER = Path(__file__).with_name("_example_ranks.py")
+RANK_CLIENT = Path(_rank_client.__file__)  # torchrun's worker: the server forks its rank
 # The methods of the issue killed at a random step, as the example's arguments: topk, sign, and compressed
 # Adam past its warm-up (quantize 8-bit is killed in the middle of a checkpoint write, in
 # test_fault_checkpoints.py).
@@ -87,15 +94,22 @@ def data_set(max_files: int):
     return data_dir
 
 
-data_dir = data_set(40)  # 38 train files (146 steps of an epoch on 2 ranks), 2 validation files
+# 20 train files (an epoch is 74 steps on 2 ranks), 1 validation file; 20 files left one validation file of 5
+# rows, under one batch a rank
+data_dir = data_set(21)
+
+
+_SHARED: list[ForkedRanks] = []  # this test process's, for every module that forks ranks
 
 
 @pytest.fixture(scope="module")
-def forked() -> Iterator[ForkedRanks]:
-    """The module's :class:`ForkedRanks`, its server started at first use."""
-    ranks = ForkedRanks()
-    yield ranks
-    ranks.close()
+def forked(request: pytest.FixtureRequest) -> ForkedRanks:
+    """This test process's :class:`ForkedRanks`, its server started at first use and shared by the modules
+    it runs (the server's imports cost 4 s of CPU); closed at the session's end."""
+    if not _SHARED:
+        _SHARED.append(ForkedRanks())
+        request.config.add_cleanup(_SHARED[0].close)
+    return _SHARED[0]
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +129,9 @@ def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory, forked: 
 
 
 class ForkedRanks:
-    """Runs of the example whose ranks ``_example_ranks.py`` forks, one run at a time, in torchrun's worker
-    environment (without its launcher: nothing restarts them).
+    """Ranks of the example that ``_example_ranks.py`` forks: runs of their own, one at a time, in torchrun's
+    worker environment (without its launcher: nothing restarts them), and the ranks of real ``torchrun``
+    jobs whose workers are ``_rank_client.py`` (:meth:`torchrun_env`).
 
     Example::
 
@@ -127,24 +142,49 @@ class ForkedRanks:
 
     def __init__(self) -> None:
         self._server: subprocess.Popen[bytes] | None = None
+        self._socket_dir = ""
+        self._unfinished = False  # a run whose end was not read (its test failed first)
         self.pids: list[int] = []
 
-    def start(self, argv: list[str], cwd: Path, world: int = 2, **env: str) -> list[int]:
-        """Fork the ``world`` ranks of the example with ``argv`` in ``cwd`` (their output to
-        ``cwd/rank<r>.err``); return their pids."""
+    def _started(self) -> subprocess.Popen[bytes]:
+        """The server, started at first use with the socket its torchrun workers connect to (listening before
+        the server runs: a client that connects early waits in the backlog)."""
         if self._server is None:
+            self._socket_dir = tempfile.mkdtemp(prefix="ranks-")  # short: a socket path has 107 bytes
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(os.path.join(self._socket_dir, "socket"))
+            listener.listen(16)
             self._server = subprocess.Popen(
-                [sys.executable, str(RANKS_SERVER)],
+                [sys.executable, str(RANKS_SERVER), str(listener.fileno())],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 bufsize=0,
                 env=run_env(),
+                pass_fds=[listener.fileno()],
             )
+            listener.close()
+        return self._server
+
+    def torchrun_env(self, **extra: str) -> dict[str, str]:
+        """:func:`run_env` of a ``torchrun`` job of :func:`command`, whose workers have this server fork their
+        ranks."""
+        self._started()
+        return run_env(**{_rank_client.ADDRESS: os.path.join(self._socket_dir, "socket")}, **extra)
+
+    def start(self, argv: list[str], cwd: Path, world: int = 2, **env: str) -> list[int]:
+        """Fork the ``world`` ranks of the example with ``argv`` in ``cwd`` (their output to
+        ``cwd/rank<r>.err``); return their pids."""
+        self._started()
+        assert self._server is not None
+        if self._unfinished:  # the last run's test failed before its end: end it, so its replies go
+            self.kill()
+            self.wait(time.monotonic() + RUN_TIMEOUT)
         cwd.mkdir(parents=True, exist_ok=True)
         request = {"argv": argv, "world": world, "cwd": str(cwd), "logs": str(cwd), "env": env}
         assert self._server.stdin is not None
         self._server.stdin.write((json.dumps(request) + "\n").encode())
         self.pids = self.next_reply(time.monotonic() + RUN_TIMEOUT)["pids"]
+        self._unfinished = True
         return self.pids
 
     def next_reply(self, deadline: float) -> dict:
@@ -173,6 +213,7 @@ class ForkedRanks:
         statuses = {}
         while "done" not in (reply := self.next_reply(deadline)):
             statuses[reply["rank"]] = reply["status"]
+        self._unfinished = False
         return statuses
 
     def run(self, argv: list[str], cwd: Path, world: int = 2) -> str:
@@ -201,6 +242,7 @@ class ForkedRanks:
             except subprocess.TimeoutExpired:
                 self._server.kill()
                 self._server.wait()
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 def train_dir(data_dir: Path) -> Path:
@@ -232,10 +274,8 @@ def example_args(data_dir: Path, work: Path, *args: str) -> list[str]:
     ]
 
 
-def command(
-    nproc: int, data_dir: Path, work: Path, *args: str, restarts: int = 3, script: Path = EXAMPLE
-) -> list[str]:
-    """torchrun of ``script`` (the example, or a test's stand-in for it) with :func:`example_args`."""
+def torchrun(nproc: int, *script_and_args: str, restarts: int = 0) -> list[str]:
+    """The ``torchrun`` command line of a standalone job of ``nproc`` workers, each ``script_and_args``."""
     return [
         sys.executable,
         "-m",
@@ -247,9 +287,19 @@ def command(
         str(restarts),
         "--monitor-interval",
         "0.1",
-        str(script),
-        *example_args(data_dir, work, *args),
+        *script_and_args,
     ]
+
+
+def command(
+    nproc: int, data_dir: Path, work: Path, *args: str, restarts: int = 3, script: Path = EXAMPLE
+) -> list[str]:
+    """torchrun of ``script`` (the example, or a test's stand-in for it) with :func:`example_args`, each of
+    its workers a ``_rank_client.py`` whose rank the :class:`ForkedRanks` server forks: run it with that
+    server's :meth:`ForkedRanks.torchrun_env`."""
+    return torchrun(
+        nproc, str(RANK_CLIENT), str(script), *example_args(data_dir, work, *args), restarts=restarts
+    )
 
 
 def run_env(**extra: str) -> dict[str, str]:
@@ -259,11 +309,9 @@ def run_env(**extra: str) -> dict[str, str]:
     return environ
 
 
-def run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     cwd.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=cwd, env=env or run_env()
-    )
+    result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=cwd, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -280,14 +328,17 @@ def last_step(log: Path) -> int:
     return 0
 
 
-def run_and_kill(command: list[str], work: Path, kill_step: int, kill_rank: int) -> tuple[str, int]:
-    """Start ``command``; once rank ``kill_rank`` logged step ``kill_step``, SIGKILL it; wait for the end.
+def run_and_kill(
+    command: list[str], work: Path, kill_step: int, kill_rank: int, env: dict[str, str]
+) -> tuple[str, int]:
+    """Start ``command``; once rank ``kill_rank`` logged step ``kill_step``, SIGKILL it (the process that
+    trains, which wrote its pid beside its log); wait for the end.
 
     Returns torchrun's stderr and the step the killed rank had logged when the signal was sent.
     """
     work.mkdir(parents=True, exist_ok=True)
     stderr = open(work / "torchrun.err", "w+")
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=work, env=run_env())
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=work, env=env)
     log, pid_file = work / "samples" / f"rank{kill_rank}.log", work / "samples" / f"rank{kill_rank}.pid"
     deadline = time.monotonic() + RUN_TIMEOUT
     killed_at = -1
@@ -370,7 +421,7 @@ def method_args(method: str, steps: int) -> list[str]:
     return [*METHODS[method], "--steps", str(steps), "--checkpoint-every", "10", "--checkpoint-keep", "3"]
 
 
-def sigkill_restart(method: str, data_dir: Path, tmp_path: Path, reference) -> None:
+def sigkill_restart(method: str, data_dir: Path, tmp_path: Path, reference, forked: ForkedRanks) -> None:
     """SIGKILL one rank of a ``method`` run at a random step; torchrun restarts it; it must end as the
     uninterrupted run did, bit for bit (and, for topk, with the same sample ids at every step)."""
     num_samples = fastio.StreamLoader(train_dir(data_dir), batch_size=BATCH).num_samples
@@ -383,7 +434,11 @@ def sigkill_restart(method: str, data_dir: Path, tmp_path: Path, reference) -> N
     rng = random.Random(f"{method}-{os.getpid()}-{time.time_ns()}")
     kill_step, kill_rank = rng.randint(12, steps - 6), rng.randint(0, 1)
     stderr, killed_at = run_and_kill(
-        command(2, data_dir, tmp_path / "killed", *args), tmp_path / "killed", kill_step, kill_rank
+        command(2, data_dir, tmp_path / "killed", *args),
+        tmp_path / "killed",
+        kill_step,
+        kill_rank,
+        forked.torchrun_env(),
     )
     context = f"{method}: rank {kill_rank} killed at step {killed_at}"
     assert "resumed" in stderr and "at step" in stderr, context + "\n" + stderr[-3000:]

@@ -4,7 +4,8 @@ place of the example, with ``KILL_AT=STEP:RANK``.
 On torchrun's first attempt, rank RANK writes half of its file of checkpoint STEP, fsyncs it, then
 SIGKILLs itself, as a preemption in the middle of a write would; a restart (``TORCHELASTIC_RESTART_COUNT``
 above 0) writes normally. The fault goes in through ``fastcomm.Checkpointer.write_file``, the checkpointer's
-public seam, and the example's ``checkpointer=`` argument.
+public seam, and the example's ``checkpointer=`` argument. The tests run it through ``_rank_client.py``
+(``_fault_runs.command(..., script=...)``), whose server imports it once and calls its :func:`main`.
 
 Example::
 
@@ -32,7 +33,7 @@ import train_lm  # noqa: E402
 
 import fastcomm  # noqa: E402
 
-__all__ = ["KillingCheckpointer"]
+__all__ = ["KillingCheckpointer", "main"]
 
 
 class KillingCheckpointer(fastcomm.Checkpointer):
@@ -55,9 +56,14 @@ class KillingCheckpointer(fastcomm.Checkpointer):
         return super().write_file(path, payload)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """The example's ``main``, on torchrun's first attempt with the checkpointer of ``KILL_AT=STEP:RANK``."""
     checkpointer: Any = fastcomm.Checkpointer
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # a restart must not fail again
         step, rank = (int(part) for part in os.environ["KILL_AT"].split(":"))
         checkpointer = functools.partial(KillingCheckpointer, kill_step=step, kill_rank=rank)
-    sys.exit(train_lm.main(checkpointer=checkpointer))
+    return train_lm.main(argv, checkpointer=checkpointer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,9 @@
 """examples/train_lm.py runs on 2 gloo ranks (DDP and FSDP2), checkpoints, and resumes at the right step.
 
-The runs' ranks are forked from one process that imported the example (``_fault_runs.ForkedRanks``), in
-torchrun's worker environment: what they test is the example's training and checkpoints, and a torchrun
-launch costs ten times their steps. The example under ``torchrun`` itself, as the README runs it, killed and
-restarted, is in ``test_fault_*.py``.
+The FSDP2 run is the example as the README runs it, a script under ``torchrun``. The other runs' ranks are
+forked from one process that imported the example (``_fault_runs.ForkedRanks``), in torchrun's worker
+environment: what they test is the example's training and checkpoints, and a launch whose ranks import torch
+costs ten times their steps. The example under ``torchrun``, killed and restarted, is in ``test_fault_*.py``.
 """
 
 import json
@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import fastcomm
-from benchmarks.lm_methods import load_example
+from benchmarks.lm_methods import EXAMPLE, load_example
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fault_runs as fr  # noqa: E402
@@ -103,11 +103,12 @@ def test_model_config_names_the_bad_value(bad: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_train_lm_trains_under_fsdp2_with_a_compressed_reduce_scatter(
-    tmp_path: Path, forked: fr.ForkedRanks
-) -> None:
+def test_train_lm_trains_under_fsdp2_with_a_compressed_reduce_scatter(tmp_path: Path) -> None:
+    # The example as the README runs it: a script under torchrun, its ranks importing everything themselves
+    # (every other run of it in the tests has its ranks forked from a process that imported it once).
     args = ["--fsdp", "--hook", "quantize", "--opt", "bits=8", "--steps", "4", "--eval-every", "4"]
-    output = forked.run(_arguments(tmp_path, *args, "--json", str(tmp_path / "fsdp.json")), tmp_path)
+    argv = _arguments(tmp_path, *args, "--json", str(tmp_path / "fsdp.json"))
+    output = fr.run(fr.torchrun(2, str(EXAMPLE), *argv), tmp_path, fr.run_env()).stderr
     run = json.loads((tmp_path / "fsdp.json").read_text())
     assert "quantize (adamw) under FSDP2" in output
     assert len(run["train_losses"]) == 4 and all(math.isfinite(x) for x in run["train_losses"])

@@ -25,18 +25,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 KILLING = Path(__file__).parent / "_killing_train_lm.py"  # the example, with a rank killed in a write
 
 
-def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(data_dir: Path, tmp_path: Path, reference) -> None:
-    fr.sigkill_restart("sign", data_dir, tmp_path, reference)
+def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(
+    data_dir: Path, tmp_path: Path, reference, forked: fr.ForkedRanks
+) -> None:
+    fr.sigkill_restart("sign", data_dir, tmp_path, reference, forked)
 
 
 def test_sigkill_during_a_checkpoint_write_uses_the_previous_one(
-    data_dir: Path, tmp_path: Path, reference
+    data_dir: Path, tmp_path: Path, reference, forked: fr.ForkedRanks
 ) -> None:
     # Rank 1 writes half of its file of checkpoint 20, then SIGKILLs itself; the restart must ignore the
     # partial checkpoint, resume from step 10, and still end bit-identical to an uninterrupted run.
     args = ["--hook", "quantize", "--opt", "bits=8", "--steps", "30", "--checkpoint-every", "10"]
     command = fr.command(2, data_dir, tmp_path / "killed", *args, script=KILLING)
-    result = fr.run(command, tmp_path / "killed", env=fr.run_env(KILL_AT="20:1"))
+    result = fr.run(command, tmp_path / "killed", forked.torchrun_env(KILL_AT="20:1"))
     assert "resumed quantize (adamw) at step 10" in result.stderr, result.stderr[-3000:]
     fr.assert_bit_identical(fr.final_state(reference(args)), fr.final_state(tmp_path / "killed"))
 

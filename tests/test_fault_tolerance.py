@@ -18,10 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import _fault_runs as fr  # noqa: E402
 
-forked, reference = fr.forked, fr.reference  # the module-scoped fixtures here
-# topk runs one whole epoch and 12 steps: on 21 stdlib files (20 is the least the example takes; its
-# validation file held 5 rows, under one batch a rank) an epoch is 74 steps on 2 ranks, not 40 files' 146.
-data_dir = fr.data_set(21)
+data_dir, forked, reference = fr.data_dir, fr.forked, fr.reference  # the module-scoped fixtures here
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -30,6 +27,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 # (q8's is the kill in the middle of a checkpoint write).
 @pytest.mark.parametrize("method", ["topk", "cadam"])
 def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(
-    method: str, data_dir: Path, tmp_path: Path, reference
+    method: str, data_dir: Path, tmp_path: Path, reference, forked: fr.ForkedRanks
 ) -> None:
-    fr.sigkill_restart(method, data_dir, tmp_path, reference)
+    fr.sigkill_restart(method, data_dir, tmp_path, reference, forked)
