@@ -71,6 +71,9 @@ def test_a_loader_dropped_or_closed_lets_go_of_its_pins(shard_dir, server, tmp_p
     assert _pinned(tmp_path / "cache")
     del loader, batches
     gc.collect()
+    deadline = time.monotonic() + 10.0  # a download in flight holds the source until it ends
+    while _pinned(tmp_path / "cache") and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert _pinned(tmp_path / "cache") == []
     whole = fastio.RemoteOptions(cache_dir=tmp_path / "cache")  # no limit: the whole set kept pinned, mapped
     with fastio.StreamLoader(server.url("train/"), remote=whole, **args) as loader:
