@@ -289,7 +289,7 @@ def _tokens(paths: list[str], folder: Path, args: argparse.Namespace) -> list[Ro
         return run
 
     base = "pyarrow iter_batches + minimal packer"
-    runs = {base: baseline, **{f"fastio pack= num_workers={w}": fastio_run(w, None) for w in (0, 2)}}
+    runs = {base: baseline, **{f"fastio pack= num_workers={w}": fastio_run(w, None) for w in (0, 1, 2)}}
     kept = folder.parent / "kept-cache"
     fastio_run(0, kept)()  # the token files, kept for the next loaders
     runs["fastio pack= num_workers=0, a new loader (token files kept by an earlier one)"] = fastio_run(
@@ -354,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.full:
         args.rows *= 8
+    load_at_start = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="bench_parquet-"))
     try:
         folder = root / "data"
@@ -363,13 +364,13 @@ def main(argv: Sequence[str] | None = None) -> str:
         rows = _rows(paths, folder, args, args.files * args.rows) + _tokens(paths, folder, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    notes = _notes(rows, args, size_mb)
+    notes = _notes(rows, args, size_mb, load_at_start)
     table = write_results("bench_parquet", rows, notes=notes, plot_metric="rows_per_s")
     print(table)
     return table
 
 
-def _notes(rows: list[Row], args: argparse.Namespace, size_mb: float) -> list[str]:
+def _notes(rows: list[Row], args: argparse.Namespace, size_mb: float, load_at_start: float) -> list[str]:
     def row(prefix: str) -> Row:
         return next(r for r in rows if r.backend.startswith(prefix))
 
@@ -416,9 +417,10 @@ def _notes(rows: list[Row], args: argparse.Namespace, size_mb: float) -> list[st
         f"{args.row_group:,}; "
         f"batches of {args.batch_size}; {args.repeats} rounds of every contender (order rotated), medians of "
         "rates and of per-round ratios; each fastio run a fresh loader (decoding included)",
-        f"pyarrow {pa.__version__}, torch {torch.__version__}; load average (1 min) at the end "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: on a machine shared that much, wall-time rates "
-        "drift with the load and the CPU-time ratios (this process's threads) are the steadier comparison",
+        f"pyarrow {pa.__version__}, torch {torch.__version__}; load average (1 min) {load_at_start:.1f} at "
+        f"the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs: on a machine shared that "
+        "much, wall-time rates drift with the load and the CPU-time ratios (this process's threads) are the "
+        "steadier comparison",
     ]
 
 
