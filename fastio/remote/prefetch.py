@@ -6,7 +6,8 @@ furthest shard read; shards read to the end are swept (unpinned and marked read)
 It is given what it needs when built: the shards, the cache, the pass's progress and expected counts, and
 four calls into its source (``hold``, ``release``, ``fill``: download a reserved shard into its entry,
 ``let_go``: drop the source's pins on read shards while waiting for room). It reads nothing else of the
-source.
+source, and holds those calls weakly: the thread never keeps its source alive, and a source dropped
+mid-pass sets the prefetcher's ``stop_event`` (:mod:`fastio.remote.holds`), which ends the thread.
 
 Example::
 
