@@ -67,3 +67,65 @@ def test_the_version_is_every_validator_the_store_reports() -> None:
     url = "http://host/train/shard-000.bin"
     assert cache_key(url, "shard-000.bin", None) == cache_key(url, "shard-000.bin")
     assert cache_key(url, "shard-000.bin", 'ETag="5f-a"') != cache_key(url, "shard-000.bin", 'ETag="60-a"')
+
+
+def _rewrite_later(path: Path, write) -> None:
+    """``write(path)`` again, its mtime 2 s later (as a later publish would have it), the size unchanged."""
+    before = path.stat()
+    write(path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 2 * 10**9))
+    assert path.stat().st_size == before.st_size
+
+
+def test_a_parquet_file_republished_with_the_same_size_is_read_anew(tmp_path) -> None:
+    # Its footer and row groups were kept by URL and size: a file rewritten with other values of the same
+    # widths (same size) was read from the cache, the old rows.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(first: int):
+        def to(path: Path) -> None:
+            table = pa.table({"k": np.arange(first, first + 50, dtype=np.int64)})
+            pq.write_table(table, path, compression="none", use_dictionary=False, write_statistics=False,
+                           row_group_size=20)  # fmt: skip
+
+        return to
+
+    (tmp_path / "data").mkdir()
+    path = tmp_path / "data" / "part-0.parquet"
+    write(100)(path)
+    with HttpServer(tmp_path / "data") as server:
+
+        def keys() -> list[int]:
+            remote = fastio.RemoteOptions(cache_dir=str(tmp_path / "c"))
+            with fastio.StreamLoader(server.url("part-0.parquet"), batch_size=16, remote=remote) as loader:
+                return sorted(int(k) for batch in loader for k in batch["k"])
+
+        assert keys() == list(range(100, 150))
+        _rewrite_later(path, write(300))
+        assert keys() == list(range(300, 350))
+
+
+def test_a_shard_set_written_again_with_the_same_sizes_is_read_anew(tmp_path) -> None:
+    # The shards were kept by URL and size: a set written again in place (its index last, as the writer
+    # does) with other values of the same shapes was read from the cache, the old samples.
+    def write(first: int) -> None:
+        schema = {"k": ("int64", ())}
+        with fastio.ShardWriter(str(tmp_path / "data"), schema=schema, max_samples=16, overwrite=True) as w:
+            for k in range(first, first + 40):
+                w.write({"k": k})
+
+    write(100)
+    with HttpServer(tmp_path / "data") as server:
+
+        def keys() -> list[int]:
+            remote = fastio.RemoteOptions(cache_dir=str(tmp_path / "c"))
+            with fastio.StreamLoader(server.url(""), batch_size=8, remote=remote) as loader:
+                return sorted(int(k) for batch in loader for k in batch["k"])
+
+        assert keys() == list(range(100, 140))
+        before = (tmp_path / "data" / "index.json").stat().st_mtime_ns
+        write(300)
+        index = tmp_path / "data" / "index.json"
+        os.utime(index, ns=(before, max(index.stat().st_mtime_ns, before + 2 * 10**9)))
+        assert keys() == list(range(300, 340))

@@ -5,7 +5,9 @@ remote source. Only the footer and the needed row groups' column chunks are fetc
    (one ranged ``GET``; a second for a longer footer), parsed into its metadata; every file's selected
    columns are checked against the first's (:class:`fastio.SchemaMismatchError` naming the file and the
    column). The tail is kept in the cache (``<file>.footer``, counted against ``cache_limit``, never
-   evicted): the next open of a file of the same size reads it there, its ``HEAD`` the only request.
+   evicted): the next open of the same version of the file (its size, and its ETag, Last-Modified or
+   the store's equivalent where the store reports one: :mod:`fastio.remote.identity`) reads it there, its
+   ``HEAD`` the only request; a file republished at its URL is another cache entry, never read stale.
 2. Each non-empty row group is a cache unit (:class:`fastio.remote.Shard` with ``ranges``): the byte ranges
    of its selected column chunks, fetched by range and kept back to back; the cache holds, evicts and
    counts them as it does parts of any shard.
@@ -48,9 +50,9 @@ from fastio.remote.fetch import (
     RetryPolicy,
     cat_ranges,
     expand_urls,
-    remote_size,
     with_retries,
 )
+from fastio.remote.identity import RemoteObject, remote_object
 from fastio.remote.shard import Shard, cache_key
 from fastio.sources.base import TokenDocuments
 
@@ -204,31 +206,36 @@ class RemoteParquetSource(RemoteSource):
         with concurrent.futures.ThreadPoolExecutor(
             download_threads, thread_name_prefix="fastio-open"
         ) as pool:
-            sizes = list(pool.map(lambda url: remote_size(url, self.retry, self.storage_options), listed))
-            footers = list(pool.map(lambda a: self._footer(*a), zip(listed, sizes, strict=True)))
+            # one info request a file: its size, and its version (ETag, Last-Modified...) for the cache keys,
+            # so that a file republished at its URL, even at the same size, is never read from the cache
+            objects = list(pool.map(lambda url: remote_object(url, self.retry, self.storage_options), listed))
+            sizes = [obj.size for obj in objects]
+            footers = list(pool.map(self._footer, objects))
         self._tails = [tail for tail, _ in footers]
         self._metas = [meta for _, meta in footers]
         self.layout, leaves = plan_set(listed, self._metas, columns)
         digest = hashlib.sha256(repr(self.layout.columns).encode()).hexdigest()[:8]
         self._where: list[tuple[int, int]] = []  # per unit: (file, row group)
-        for f, (url, size, meta) in enumerate(zip(listed, sizes, self._metas, strict=True)):
+        for f, (url, size, meta, obj) in enumerate(zip(listed, sizes, self._metas, objects, strict=True)):
             for g in range(meta.num_row_groups):
                 rows = meta.row_group(g).num_rows
                 if not rows:
                     continue
                 ranges = tuple(chunk_ranges(meta, g, leaves[f]))
-                key = cache_key(url, f"{url.rsplit('/', 1)[-1]}@rg{g}-{digest}")
+                key = cache_key(url, f"{url.rsplit('/', 1)[-1]}@rg{g}-{digest}", obj.version)
                 local = sum(b - a for a, b in ranges)
                 self.shards.append(Shard(url, key, size, local, rows, ranges=ranges))
                 self._where.append((f, g))
         self._estimates = [decoded_estimate(self._metas[f], g, leaves[f]) for f, g in self._where]
         self.shards_ready()
 
-    def _footer(self, url: str, size: int) -> tuple[bytes, pq.FileMetaData]:
-        """A file's footer (its last bytes) and metadata: kept in the cache by an earlier open of a file of
-        this size (read there, no request), else fetched (:func:`remote_footer`) and kept, when the cache
-        has room (a kept footer counts against ``cache_limit``, in :meth:`resident_bytes`)."""
-        key = cache_key(url, f"{url.rsplit('/', 1)[-1]}{FOOTER_SUFFIX}")
+    def _footer(self, obj: RemoteObject) -> tuple[bytes, pq.FileMetaData]:
+        """A file's footer (its last bytes) and metadata: kept in the cache by an earlier open of this
+        version of the file, of this size (read there, no request), else fetched (:func:`remote_footer`)
+        and kept, when the cache has room (a kept footer counts against ``cache_limit``, in
+        :meth:`resident_bytes`)."""
+        url, size = obj.url, obj.size
+        key = cache_key(url, f"{url.rsplit('/', 1)[-1]}{FOOTER_SUFFIX}", obj.version)
         with contextlib.suppress(OSError, CorruptShardError):
             kept = self.cache.path(key).read_bytes()
             if int.from_bytes(kept[:8], "little") == size:  # of the file as it is now (its size)

@@ -109,26 +109,30 @@ class PartReader:
     """Samples ``[first, stop)`` of a shard, cached at ``path`` as :func:`part_ranges` lists them: the reader
     :class:`fastio.format.shards.source.ShardSource` reads it through (``file``, ``num_samples``, ``schema``,
     ``sections``, :meth:`variable_layout`, :meth:`ensure_verified`). Raises
-    :class:`fastio.CorruptShardError` when the file is not the size the ranges add up to.
+    :class:`fastio.CorruptShardError` when the file is not the size the ranges add up to, naming ``source``
+    (the remote shard, without credentials) when given, else the cached file.
 
     Example::
 
-        reader = PartReader(cache.path(key), head, 64, 128)
+        reader = PartReader(cache.path(key), head, 64, 128, source="http://host/train/shard-000004.fio")
     """
 
-    def __init__(self, path: str | os.PathLike[str], head: RemoteHead, first: int, stop: int) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], head: RemoteHead, first: int, stop: int, source: str | None = None
+    ) -> None:
         self.path = str(path)
+        named = f"{source} (cached at {self.path})" if source else self.path
         self.file = MappedFile(self.path)
         self.schema, self.num_samples = head.header.schema, stop - first
         ranges = part_ranges(head, first, stop)
         expected = sum(hi - lo for lo, hi in ranges)
         if self.file.size != expected:
             raise CorruptShardError(
-                self.path, "part", f"{expected} bytes (samples [{first}, {stop}))", f"{self.file.size} bytes"
+                named, "part", f"{expected} bytes (samples [{first}, {stop}))", f"{self.file.size} bytes"
             )
         if bytes(self.file.array[: PREFIX.size]) != head.prefix:
             raise CorruptShardError(
-                self.path, "prefix", "the shard's prefix when its header was read",
+                named, "prefix", "the shard's prefix when its header was read",
                 "another: the shard changed since (its size or header)",
             )  # fmt: skip
         self.sections: dict[str, dict[str, list[int]]] = {}

@@ -31,6 +31,7 @@ from fastio.remote.fetch import (
     read_bytes,
     redact,
 )
+from fastio.remote.identity import remote_object
 from fastio.remote.parts import choose_parts, part_bounds, part_key, parts_of
 from fastio.remote.shard import Shard, cache_key
 from fastio.sources.base import ShardParts
@@ -78,6 +79,10 @@ class RemoteShardSource(RemoteSource):
         self.verify = verify
         index_url = f"{root}/index.json"
         raw = read_bytes(index_url, self.retry, self.storage_options)
+        # The shards' cache entries are named after index.json's version (its ETag, Last-Modified... where the
+        # store reports one) and each entry's checksum: a set written again at its URL (the writer always
+        # writes its index last), even with shards of the same sizes, is never read from the cache stale.
+        index_version = remote_object(index_url, self.retry, self.storage_options).version
         try:
             index = json.loads(raw)
         except ValueError as exc:
@@ -108,7 +113,10 @@ class RemoteShardSource(RemoteSource):
                 )
             shard_url = f"{root}/{name}"
             size = entry["file_nbytes"]
-            self.shards.append(Shard(shard_url, cache_key(shard_url, name), size, size, entry["num_samples"]))
+            sums = [f"{k}={entry[k]}" for k in ("crc32", "sha256") if k in entry]
+            version = ";".join(v for v in (index_version, *sums) if v) or None
+            key = cache_key(shard_url, name, version)
+            self.shards.append(Shard(shard_url, key, size, size, entry["num_samples"]))
             self._checksums.append({k: entry[k] for k in ("crc32", "sha256") if k in entry})
         self.shards_ready()
         self._files = list(self.shards)  # the whole shards, whichever units are read
@@ -187,7 +195,8 @@ class RemoteShardSource(RemoteSource):
     def open_shard(self, shard: int, path: Path) -> ShardReader | PartReader:
         part = self._part_of.get(self.shards[shard].key)
         if part is not None and self._heads is not None:
-            return PartReader(path, self._heads[part[0]], part[1], part[2])
+            source = redact(self.shards[shard].url)
+            return PartReader(path, self._heads[part[0]], part[1], part[2], source=source)
         reader = ShardReader(path, verify=self.verify)
         self._check_reader(shard, str(path), reader.num_samples, reader.schema)
         return reader
