@@ -209,14 +209,14 @@ class RemoteParquetSource(RemoteSource):
             # one info request a file: its size, and its version (ETag, Last-Modified...) for the cache keys,
             # so that a file republished at its URL, even at the same size, is never read from the cache
             objects = list(pool.map(lambda url: remote_object(url, self.retry, self.storage_options), listed))
-            sizes = [obj.size for obj in objects]
             footers = list(pool.map(self._footer, objects))
         self._tails = [tail for tail, _ in footers]
         self._metas = [meta for _, meta in footers]
         self.layout, leaves = plan_set(listed, self._metas, columns)
         digest = hashlib.sha256(repr(self.layout.columns).encode()).hexdigest()[:8]
         self._where: list[tuple[int, int]] = []  # per unit: (file, row group)
-        for f, (url, size, meta, obj) in enumerate(zip(listed, sizes, self._metas, objects, strict=True)):
+        for f, (obj, meta) in enumerate(zip(objects, self._metas, strict=True)):
+            url = obj.url
             for g in range(meta.num_row_groups):
                 rows = meta.row_group(g).num_rows
                 if not rows:
@@ -224,7 +224,7 @@ class RemoteParquetSource(RemoteSource):
                 ranges = tuple(chunk_ranges(meta, g, leaves[f]))
                 key = cache_key(url, f"{url.rsplit('/', 1)[-1]}@rg{g}-{digest}", obj.version)
                 local = sum(b - a for a, b in ranges)
-                self.shards.append(Shard(url, key, size, local, rows, ranges=ranges))
+                self.shards.append(Shard(url, key, obj.size, local, rows, ranges=ranges))
                 self._where.append((f, g))
         self._estimates = [decoded_estimate(self._metas[f], g, leaves[f]) for f, g in self._where]
         self.shards_ready()

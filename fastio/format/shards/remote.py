@@ -78,11 +78,13 @@ class RemoteShardSource(RemoteSource):
         )  # fmt: skip
         self.verify = verify
         index_url = f"{root}/index.json"
-        raw = read_bytes(index_url, self.retry, self.storage_options)
         # The shards' cache entries are named after index.json's version (its ETag, Last-Modified... where the
         # store reports one) and each entry's checksum: a set written again at its URL (the writer always
         # writes its index last), even with shards of the same sizes, is never read from the cache stale.
+        # The version is asked before the index is read: a set rewritten between the two then keys its new
+        # entries under the old version, which no later open asks for, never old entries under the new one.
         index_version = remote_object(index_url, self.retry, self.storage_options).version
+        raw = read_bytes(index_url, self.retry, self.storage_options)
         try:
             index = json.loads(raw)
         except ValueError as exc:
@@ -113,11 +115,12 @@ class RemoteShardSource(RemoteSource):
                 )
             shard_url = f"{root}/{name}"
             size = entry["file_nbytes"]
-            sums = [f"{k}={entry[k]}" for k in ("crc32", "sha256") if k in entry]
+            checksums = {k: entry[k] for k in ("crc32", "sha256") if k in entry}
+            sums = (f"{k}={v}" for k, v in checksums.items())
             version = ";".join(v for v in (index_version, *sums) if v) or None
             key = cache_key(shard_url, name, version)
             self.shards.append(Shard(shard_url, key, size, size, entry["num_samples"]))
-            self._checksums.append({k: entry[k] for k in ("crc32", "sha256") if k in entry})
+            self._checksums.append(checksums)
         self.shards_ready()
         self._files = list(self.shards)  # the whole shards, whichever units are read
         self._heads: list[RemoteHead] | None = None  # fetched by range at the first split
