@@ -255,7 +255,8 @@ def _delay0(name: str) -> str | None:
 
     if not ROWS[name].get("delay"):
         return None
-    return next((n for n, o in ROWS.items() if not o.get("delay") and setting(o) == setting(ROWS[name])), None)
+    wanted = setting(ROWS[name])
+    return next((n for n, o in ROWS.items() if not o.get("delay") and setting(o) == wanted), None)
 
 
 def loss_rows(curves: dict[int, dict[str, Any]], names: Sequence[str]) -> tuple[list[Row], str, list[str]]:

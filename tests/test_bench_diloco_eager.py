@@ -90,4 +90,5 @@ def test_loss_rows_read_each_seed_against_dense_and_an_eager_row_against_its_del
     over = found["defaults_eager_d2"].extra["per_seed_over_delay0"]
     assert over == pytest.approx([100 * (1.012 / 1.01 - 1), 100 * (1.022 / 1.02 - 1)])
     assert "| defaults_eager_d2 | +1.20 | +2.20 | +1.70 | +2.20 | +0.20 (defaults) |" in table
-    assert notes == ["defaults_eager_d2: final loss over defaults's (same seeds) +0.20% to +0.20%: within 0.5% holds"]
+    assert notes == ["defaults_eager_d2: final loss over defaults's (same seeds) +0.20% to +0.20%: "
+                     "within 0.5% holds"]
