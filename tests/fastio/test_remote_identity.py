@@ -69,6 +69,12 @@ def test_the_version_is_every_validator_the_store_reports() -> None:
     assert cache_key(url, "shard-000.bin", 'ETag="5f-a"') != cache_key(url, "shard-000.bin", 'ETag="60-a"')
 
 
+def _read_k(url: str, cache: Path) -> list[int]:
+    """Every ``k`` a fresh loader over ``url`` reads through the cache at ``cache``, sorted."""
+    with fastio.StreamLoader(url, batch_size=8, remote=fastio.RemoteOptions(cache_dir=str(cache))) as loader:
+        return sorted(int(k) for batch in loader for k in batch["k"])
+
+
 def _rewrite_later(path: Path, write) -> None:
     """``write(path)`` again, its mtime 2 s later (as a later publish would have it), the size unchanged."""
     before = path.stat()
@@ -95,15 +101,10 @@ def test_a_parquet_file_republished_with_the_same_size_is_read_anew(tmp_path) ->
     path = tmp_path / "data" / "part-0.parquet"
     write(100)(path)
     with HttpServer(tmp_path / "data") as server:
-
-        def keys() -> list[int]:
-            remote = fastio.RemoteOptions(cache_dir=str(tmp_path / "c"))
-            with fastio.StreamLoader(server.url("part-0.parquet"), batch_size=16, remote=remote) as loader:
-                return sorted(int(k) for batch in loader for k in batch["k"])
-
-        assert keys() == list(range(100, 150))
+        url = server.url("part-0.parquet")
+        assert _read_k(url, tmp_path / "c") == list(range(100, 150))
         _rewrite_later(path, write(300))
-        assert keys() == list(range(300, 350))
+        assert _read_k(url, tmp_path / "c") == list(range(300, 350))
 
 
 def test_a_shard_set_written_again_with_the_same_sizes_is_read_anew(tmp_path) -> None:
@@ -117,15 +118,9 @@ def test_a_shard_set_written_again_with_the_same_sizes_is_read_anew(tmp_path) ->
 
     write(100)
     with HttpServer(tmp_path / "data") as server:
-
-        def keys() -> list[int]:
-            remote = fastio.RemoteOptions(cache_dir=str(tmp_path / "c"))
-            with fastio.StreamLoader(server.url(""), batch_size=8, remote=remote) as loader:
-                return sorted(int(k) for batch in loader for k in batch["k"])
-
-        assert keys() == list(range(100, 140))
+        assert _read_k(server.url(""), tmp_path / "c") == list(range(100, 140))
         before = (tmp_path / "data" / "index.json").stat().st_mtime_ns
         write(300)
         index = tmp_path / "data" / "index.json"
         os.utime(index, ns=(before, max(index.stat().st_mtime_ns, before + 2 * 10**9)))
-        assert keys() == list(range(300, 340))
+        assert _read_k(server.url(""), tmp_path / "c") == list(range(300, 340))
