@@ -47,9 +47,9 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from fastio.errors import CorruptShardError
 from fastio.files.paths import LOCAL_COPIES, default_cache_dir
 from fastio.remote.locks import close_held, close_lock, flock, open_lock, try_flock
+from fastio.remote.reservation import Reservation
 from fastio.remote.room import CacheFullError, CacheStalledError, RoomWatch, alive, part_owner
 
 __all__ = [
@@ -286,21 +286,44 @@ class ShardCache:
         for _, _, data, pin_path in self._entries():
             if used + needed <= self.limit:
                 break
-            fd = -1 if pin_path is None else open_lock(pin_path)  # None: a kept file, made again if needed
-            try:
-                if fd >= 0 and not try_flock(fd):
-                    continue  # pinned by some process: being read or about to be
-                freed = 0
-                for victim in (data, *(Path(f"{data}{suffix}") for suffix in self.sidecars)):
-                    with contextlib.suppress(FileNotFoundError):
-                        freed += victim.stat().st_size
-                        victim.unlink()
-                used -= freed
-                self.evictions += 1
-            finally:
-                if fd >= 0:
-                    close_lock(fd)
+            used -= self._evict(data, pin_path) or 0
         return used
+
+    def _evict(self, data: Path, pin_path: Path | None) -> int | None:
+        """Remove one entry and its sidecars unless a process pins it (``pin_path`` None: a kept file, made
+        again if needed); the bytes freed, None when pinned. Under ``.fastio-cache.lock``."""
+        fd = -1 if pin_path is None else open_lock(pin_path)
+        try:
+            if fd >= 0 and not try_flock(fd):
+                return None  # pinned by some process: being read or about to be
+            freed = 0
+            for victim in (data, *(Path(f"{data}{suffix}") for suffix in self.sidecars)):
+                with contextlib.suppress(FileNotFoundError):
+                    freed += victim.stat().st_size
+                    victim.unlink()
+            self.evictions += 1
+            return freed
+        finally:
+            if fd >= 0:
+                close_lock(fd)
+
+    def discard(self, key: str) -> int:
+        """Remove entry ``key``, every entry of a part of it (``<key>@...``) and their sidecars, except those
+        a process pins now: what a source calls when it learns the bytes cached under ``key`` are not the
+        object's any more (republished with the same size and validators). The entries removed.
+
+        Example::
+
+            cache.discard("3f0c.../shard-000.bin")   # the shard and its parts fetched again when read
+        """
+        whole = self.path(key)
+        prefix, removed = f"{whole.name}@", 0
+        with flock(self.directory / _GLOBAL_LOCK, fcntl.LOCK_EX):
+            for kept, _, data, pin_path in self._entries():
+                ours = data == whole or (data.parent == whole.parent and data.name.startswith(prefix))
+                if ours and not kept and self._evict(data, pin_path) is not None:
+                    removed += 1
+        return removed
 
     def _reserve(
         self, job: Reservation, cancel: threading.Event | None, on_wait: Callable[[], None] | None,
@@ -446,55 +469,3 @@ class ShardCache:
                     os.unlink(os.path.join(root, name))
                     removed += 1
         return removed
-
-
-class Reservation:
-    """An entry being made: its temporary file ``part`` (written by the caller from byte 0) and the
-    placeholder ``room`` of the ``extra`` bytes its sidecars take, the entry's download lock held until
-    :meth:`finish` or :meth:`abort`. Usable from another thread than the one that reserved it.
-
-    Example::
-
-        job = cache.reserve(key, size)
-        job.part.write_bytes(data); job.finish()
-    """
-
-    def __init__(self, dest: Path, size: int | None, lock_fd: int, extra: int, cache_lock: Path) -> None:
-        suffix = f"part-{os.getpid()}-{threading.get_ident()}"
-        self.part = dest.with_name(f".{dest.name}.{suffix}")
-        self.room = dest.with_name(f".{dest.name}.index.{suffix}")
-        self.dest, self.size, self.extra, self._fd, self._cache_lock = dest, size, extra, lock_fd, cache_lock
-
-    def finish(
-        self, check: Callable[[Path], None] | None = None, beside: Callable[[Path], None] | None = None
-    ) -> Path:
-        """Verify the size (and ``check(part)``), rename into place and write what is kept beside the entry
-        (``beside(entry path)``, a sidecar, in the room of its placeholder: at most ``extra`` bytes), both
-        under the cache's lock, release the entry's lock; returns the entry's path. Raises
-        :class:`fastio.CorruptShardError` for a wrong size (the temporary file is removed)."""
-        try:
-            actual = self.part.stat().st_size
-            if self.size is not None and actual != self.size:
-                raise CorruptShardError(str(self.dest), "download", f"{self.size} bytes", f"{actual} bytes")
-            if check is not None:
-                check(self.part)
-            # Under the cache's lock: a count of its bytes never sees a file between two names (and skips
-            # it), and no reservation takes the placeholder's room before the sidecar has it.
-            with flock(self._cache_lock, fcntl.LOCK_EX):
-                os.replace(self.part, self.dest)
-                if beside is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        self.room.unlink()
-                    beside(self.dest)
-        finally:
-            self.abort()
-        return self.dest
-
-    def abort(self) -> None:
-        """Drop the temporary file and the placeholder, release the lock (idempotent)."""
-        for path in (self.part, self.room):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        if self._fd >= 0:
-            close_lock(self._fd)
-            self._fd = -1

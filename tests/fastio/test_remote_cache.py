@@ -107,6 +107,23 @@ def test_an_entry_is_evicted_with_the_sidecars_its_user_names_and_no_other_file(
     assert Path(f"{cache.path('a')}.notes").exists()  # not named: kept
 
 
+def test_discard_removes_an_entry_and_its_parts_but_no_pinned_one_and_nothing_else(tmp_path):
+    # What a source calls when the bytes under a key turn out not to be the object's (republished unseen).
+    cache = ShardCache(tmp_path, sidecars=(".idx",))
+    keys = ("v1/a.tar", "v1/a.tar@0-4", "v1/a.tar@4-8", "v1/a.tar@8-9", "v1/a.tar2", "v1/b.tar@0-4")
+    for key in keys:
+        cache.pin(key)
+        _fill(cache, key, 10)
+        if key != "v1/a.tar@8-9":  # being read by this process: it stays
+            cache.unpin(key)
+    Path(f"{cache.path('v1/a.tar')}.idx").write_bytes(b"i" * 5)
+    assert cache.discard("v1/a.tar") == 3
+    assert [k for k in keys if cache.has(k)] == ["v1/a.tar@8-9", "v1/a.tar2", "v1/b.tar@0-4"]
+    assert not Path(f"{cache.path('v1/a.tar')}.idx").exists()
+    cache.unpin("v1/a.tar@8-9")
+    assert cache.discard("v1/a.tar") == 1 and cache.discard("v1/none.tar") == 0
+
+
 def test_pinned_entries_are_never_evicted_and_a_full_cache_is_named(tmp_path):
     cache = ShardCache(tmp_path, cache_limit=150, wait_s=0.2)
     cache.pin("a")

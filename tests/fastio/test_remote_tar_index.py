@@ -159,7 +159,11 @@ def test_the_order_and_its_resume_are_the_same_whatever_the_cache_keeps(tmp_path
 def test_a_kept_index_of_another_tar_of_the_same_size_is_refused_never_read(tmp_path, tars, limit):
     cache_dir = tmp_path / "cache"
     with HttpServer(tmp_path / "www") as server:
-        _source(server, cache_dir, limit).close()  # indexes kept
+        first = _source(server, cache_dir, 100 * limit)  # indexes kept, and every whole tar
+        key = first.shards[0].key
+        first.cache.pin(key)  # the old tar: the most recent entry, the last one evicted for room
+        first.cache.unpin(key)
+        first.close()
         before = tars[0].stat()
         _write_tar(tars[0], 0, samples=10, swap=True)  # republished: same size, members elsewhere
         # and its mtime kept, so the server's validators (ETag, Last-Modified) do not tell: the cache key
@@ -172,7 +176,10 @@ def test_a_kept_index_of_another_tar_of_the_same_size_is_refused_never_read(tmp_
                 _keys(_loader(stale))
         finally:
             stale.close()
-        fresh = _source(server, cache_dir, limit)  # the stale index was dropped: indexed again
+        # The index dropped, and the old tar cached under the same key (indexed again, it would give the old
+        # index back): the tar is downloaded and indexed again.
+        assert not first.cache.has(key)
+        fresh = _source(server, cache_dir, limit)
         try:
             keys = _keys(_loader(fresh))
         finally:

@@ -324,7 +324,9 @@ class RemoteTarSource(RemoteSource):
     def check_download(self, shard: int, part: Path) -> None:
         """A part's members must have their tar headers where the tar's index puts them
         (:func:`fastio.format.tar.parts.check_part`); where not, the index (kept or published) is of another
-        tar of the same size: the kept index and meta are dropped, so the next run indexes the tar again."""
+        tar of the same size, republished with the same validators: the kept index and meta are dropped, and
+        so are the tar and its parts cached under its key (of the old bytes, which the index describes), so
+        the next run downloads the tar and indexes it again."""
         where = self._part_of.get(self.shards[shard].key)
         if where is None or self._indexes is None:
             return
@@ -333,6 +335,7 @@ class RemoteTarSource(RemoteSource):
         except CorruptShardError:
             for path in (self._kept_index_path(where[0]), self._meta_path(where[0])):
                 path.unlink(missing_ok=True)
+            self.cache.discard(self._files[where[0]].key)
             raise
 
     def after_download(self, shard: int, path: Path) -> None:
