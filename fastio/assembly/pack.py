@@ -150,7 +150,7 @@ class PackedEpoch(BatchPass):
         if n and self.pipeline is None:
             self.pipeline = ThreadPipeline(
                 self.producer, self.n_batches, n, slots, dataclasses.replace(info, init_fn=workers.init_fn),
-                workers.timeout, persistent=self.kept is not None,
+                workers.timeout, persistent=self.kept is not None, unit=self.producer.group_batches,
             )  # fmt: skip
             if self.kept is not None:
                 self.kept.keep(self.pipeline)

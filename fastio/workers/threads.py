@@ -3,8 +3,12 @@ the fast path for shards and tar members. Batches land in the producer's reused 
 (:class:`fastio.sources.BufferPool`: a set is refilled only when nothing outside still views it).
 
 Batch ``j`` is handed out only in order, at most ``slots`` batches in flight; an exception in a worker is
-re-raised in the consumer. Worker threads still running at interpreter exit are stopped and joined first (a
-daemon thread caught inside the native gather by the shutdown would abort the process).
+re-raised in the consumer. ``unit > 1``: a worker takes ``unit`` consecutive batches at once and makes them
+one after the other (packing's groups: the first fills a buffer, the rest are views of it), up to one unit
+per worker in flight, so that batches far cheaper than a thread switch are not handed over one switch each;
+a waiting side is woken only when it has something to do. Worker threads still running at interpreter exit
+are stopped and joined first (a daemon thread caught inside the native gather by the shutdown would abort
+the process).
 
 Example::
 
@@ -51,7 +55,7 @@ class ThreadPipeline:
     ``worker_init(worker_id)``, when given, runs first in each thread. ``timeout > 0``: :meth:`get` gives
     :class:`fastio.errors.WorkerTimeoutError` when a batch takes longer than that many seconds.
     ``persistent=True`` (DataLoader's ``persistent_workers``): the threads outlive the pass and serve the
-    next one (:meth:`next_pass`), ``worker_init`` having run once.
+    next one (:meth:`next_pass`), ``worker_init`` having run once. ``unit``: batches a worker takes at once.
 
     Example::
 
@@ -68,8 +72,13 @@ class ThreadPipeline:
         worker_init: Callable[[int], None] | None = None,
         timeout: float = 0.0,
         persistent: bool = False,
+        unit: int = 1,
     ) -> None:
         self.produce, self.n_batches, self.slots, self.timeout = produce, n_batches, slots, timeout
+        self.unit = max(1, unit)
+        self.ahead = slots if self.unit == 1 else max(slots, self.unit * num_workers)  # batches in flight
+        self.idle_workers = 0
+        self.consumer_waits = False
         self.worker_init, self.persistent = worker_init, persistent
         self.pass_init: Callable[[int], None] | None = None
         self.generation = 0  # passes served before this one: a batch of an earlier pass is dropped
@@ -87,7 +96,7 @@ class ThreadPipeline:
         _running_thread_pipelines.add(self)
 
     def _idle(self) -> bool:
-        return self.next_job >= self.n_batches or self.next_job >= self.released + self.slots
+        return self.next_job >= self.n_batches or self.next_job >= self.released + self.ahead
 
     def _work(self, worker_id: int) -> None:
         if self.worker_init is not None:
@@ -98,27 +107,34 @@ class ThreadPipeline:
                 while (
                     not self.stopped and self._idle() and (self.persistent or self.next_job < self.n_batches)
                 ):
+                    self.idle_workers += 1
                     self.cond.wait()
+                    self.idle_workers -= 1
                 if self.stopped or self.next_job >= self.n_batches:
                     return
-                job, generation, produce, pass_init = (
+                first, generation, produce, pass_init = (
                     self.next_job,
                     self.generation,
                     self.produce,
                     self.pass_init,
                 )
-                self.next_job += 1
+                stop = self.next_job = min(first + self.unit, self.n_batches)
             if served != generation and pass_init is not None:
                 pass_init(worker_id)
             served = generation
-            try:
-                result = (True, produce(job))
-            except BaseException as exc:  # handed to the consumer, which re-raises it
-                result = (False, exc)
-            with self.cond:
-                if generation == self.generation:
+            for job in range(first, stop):
+                try:
+                    result = (True, produce(job))
+                except BaseException as exc:  # handed to the consumer, which re-raises it
+                    result = (False, exc)
+                with self.cond:
+                    if generation != self.generation or self.stopped:
+                        break
                     self.results[job] = result
-                    self.cond.notify_all()
+                    if self.consumer_waits or self.idle_workers:
+                        self.cond.notify_all()
+                if not result[0]:
+                    break
 
     def next_pass(self, update: Any, n_batches: int, times: Any) -> bool:
         """Serve another pass with the same threads (``persistent=True``): ``update = (produce, pass_init)``,
@@ -150,7 +166,8 @@ class ThreadPipeline:
     def _wait(self, job: int, ready: bool) -> tuple[int, bool, Any]:
         with self.cond:
             self.released = job  # the consumer moved past job - 1: another batch may start
-            self.cond.notify_all()
+            if self.idle_workers and not self._idle():
+                self.cond.notify_all()
             deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
             while not (self.results if ready else job in self.results):
                 if not any(t.is_alive() for t in self.threads):
@@ -161,7 +178,9 @@ class ThreadPipeline:
                         False,
                         WorkerTimeoutError(f"fastio: batch {job} not made within timeout={self.timeout} s"),
                     )
+                self.consumer_waits = True
                 self.cond.wait(timeout=1.0 if deadline is None else min(1.0, deadline - time.monotonic()))
+                self.consumer_waits = False
             job = min(self.results) if ready else job
             return (job, *self.results.pop(job))
 

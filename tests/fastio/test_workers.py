@@ -143,3 +143,42 @@ def test_kept_thread_pipeline_serves_the_next_pass_with_one_init_per_thread():
     assert sorted(inits) == [0, 1] and set(pass_inits) <= {0, 1} and pass_inits
     assert all(thread.is_alive() for thread in pipeline.threads), "kept threads wait for the next pass"
     pipeline.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_thread_pipeline_in_units_makes_each_batch_once_in_order_within_one_unit_per_worker(workers):
+    # Packing's groups: a worker takes `unit` consecutive batches at once (the last unit short here).
+    made, lock = [], threading.Lock()
+
+    def produce(job: int) -> tuple[int, threading.Thread]:
+        with lock:
+            made.append(job)
+        return job, threading.current_thread()
+
+    n, unit = 23, 4
+    pipeline = ThreadPipeline(produce, n_batches=n, num_workers=workers, slots=2, unit=unit)
+    makers = []
+    for job in range(n):
+        ok, (value, thread) = pipeline.get(job)
+        assert ok and value == job
+        makers.append(thread)
+        with lock:
+            assert max(made) < job + max(2, unit * workers), "at most one unit per worker ahead"
+    pipeline.stop()
+    assert sorted(made) == list(range(n)), "each batch made once"
+    assert all(len(set(makers[u : u + unit])) == 1 for u in range(0, n, unit)), "a unit is one worker's"
+
+
+def test_thread_pipeline_in_units_hands_a_failure_over_and_a_kept_one_serves_the_next_pass():
+    def produce(job: int) -> int:
+        if job == 5:
+            raise ValueError("batch 5 is bad")
+        return job
+
+    pipeline = ThreadPipeline(produce, n_batches=8, num_workers=2, slots=2, unit=3, persistent=True)
+    assert [pipeline.get(job) for job in range(5)] == [(True, j) for j in range(5)]
+    ok, error = pipeline.get(5)
+    assert not ok and isinstance(error, ValueError) and "batch 5" in str(error)
+    assert pipeline.next_pass((lambda job: -job, None), n_batches=7, times=None)
+    assert [pipeline.get(job) for job in range(7)] == [(True, -j) for j in range(7)]
+    pipeline.stop()
