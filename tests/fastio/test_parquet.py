@@ -8,6 +8,7 @@ as named errors naming the file and the column."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ pq = pytest.importorskip("pyarrow.parquet", reason="the parquet extra (pyarrow) 
 import fastio  # noqa: E402
 from fastio.errors import CorruptShardError, SchemaMismatchError  # noqa: E402
 from fastio.format.parquet import tokens  # noqa: E402
+from fastio.format.parquet.decoded import DecodedRowGroups  # noqa: E402
 from fastio.format.parquet.opening import parquet_source  # noqa: E402
 from fastio.pipeline.order import epoch_order, rank_indices  # noqa: E402
 
@@ -361,3 +363,40 @@ def test_parquet_mixes_with_fastio_shards_through_streams(data, tmp_path):
     for batch in batches[:-1]:
         assert batch["stream"].tolist().count(0) in (12, 13)
         assert ((batch["y"] >= 10_000) == (batch["stream"] == 1)).all()
+
+
+def test_row_groups_decode_ahead_of_the_pass_each_once(data):
+    source = parquet_source(data)  # the set fits its memory budget: DECODE_AHEAD row groups decode ahead
+    loader = fastio.StreamLoader(source, batch_size=5)
+    batches = iter(loader)
+    first = _check(next(batches))  # needs the first row group only
+    deadline = time.monotonic() + 10
+    while source.stats()["row_groups_decoded"] < 1 + source.DECODE_AHEAD and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert source.stats()["row_groups_decoded"] == 1 + source.DECODE_AHEAD, "decoded before any batch asked"
+    assert first + [y for b in batches for y in _check(b)] == list(range(TOTAL))
+    assert source.stats()["row_groups_decoded"] == len(source.shard_sizes), "each row group decoded once"
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_shuffled_pass_decodes_its_row_groups_side_by_side_in_threads_and_processes(data, mode):
+    loader = fastio.StreamLoader(
+        str(data), batch_size=9, shuffle=True, seed=2, num_workers=2, workers=fastio.WorkerOptions(mode=mode)
+    )
+    assert sorted(y for b in loader for y in _check(b)) == list(range(TOTAL))
+
+
+def test_a_background_decode_that_fails_is_raised_by_the_batch_that_needs_it():
+    decoded = DecodedRowGroups()
+
+    def bad() -> dict:
+        raise CorruptShardError("a.parquet", "row group 3", "a row group pyarrow can decode", "ArrowInvalid")
+
+    decoded.prefetch("a", bad)
+    with pytest.raises(CorruptShardError, match="row group 3"):
+        decoded.get("a", bad)
+    decoded.prefetch("a", lambda: {"y": np.arange(4)})
+    deadline = time.monotonic() + 10
+    while not decoded.decodes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert decoded.get("a", bad)["y"].tolist() == [0, 1, 2, 3], "kept from the background decode"

@@ -1,7 +1,9 @@
 """The decoded row groups a Parquet source keeps in memory (:class:`DecodedRowGroups`): a row group is
 decoded once, by one thread, while others that need it wait for that decode; the least recently used are
 dropped past a byte budget. Batches cut from a decoded row group copy out of it (fixed columns into the
-loader's buffers), so dropping one never changes a batch already made.
+loader's buffers), so dropping one never changes a batch already made. :meth:`DecodedRowGroups.prefetch`
+starts a decode on a background thread (pyarrow decodes without the GIL): the row groups a batch will need
+next, or all those one batch needs at once, decode side by side while the loader cuts batches.
 
 Example::
 
@@ -12,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import weakref
@@ -25,6 +28,7 @@ import pyarrow as pa
 __all__ = ["DEFAULT_MEMORY", "DecodedRowGroups", "decoded_size"]
 
 DEFAULT_MEMORY = 2 << 30  # bytes of decoded row groups a source keeps, by default
+_DECODE_THREADS = min(4, os.cpu_count() or 1)  # background decodes at once
 _CACHES: weakref.WeakSet[DecodedRowGroups] = weakref.WeakSet()
 
 
@@ -72,12 +76,36 @@ class DecodedRowGroups:
         self._pending: dict[Hashable, concurrent.futures.Future[dict[str, Any]]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         _CACHES.add(self)
 
     def reset_after_fork(self) -> None:
-        """Fresh locks and no pending decodes (those ran in the parent's threads)."""
+        """Fresh locks, no pending decodes and no decode threads (those ran in the parent)."""
         self._lock = threading.Lock()
         self._pending = {}
+        self._threads = None
+
+    def prefetch(self, key: Hashable, decode: Callable[[], dict[str, Any]]) -> None:
+        """Start decoding ``key`` on a background thread, unless it is kept or being decoded. A failure is
+        left for the :meth:`get` that needs the row group (it decodes again and raises).
+
+        Example::
+
+            decoded.prefetch(("a.parquet", 4), lambda: decode_row_group(4))
+        """
+        with self._lock:
+            if key in self._entries or key in self._pending:
+                return
+            if self._threads is None:
+                self._threads = concurrent.futures.ThreadPoolExecutor(
+                    _DECODE_THREADS, thread_name_prefix="fastio-parquet-decode"
+                )
+            threads = self._threads
+        threads.submit(self._decode_quietly, key, decode)
+
+    def _decode_quietly(self, key: Hashable, decode: Callable[[], dict[str, Any]]) -> None:
+        with contextlib.suppress(Exception):
+            self.get(key, decode)
 
     def get(self, key: Hashable, decode: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The decoded row group ``key``: kept, being decoded by another thread (waited for), or decoded

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -184,6 +184,7 @@ class ParquetSource(Source):
     """
 
     per_sample = False
+    DECODE_AHEAD = 2  # row groups decoded ahead of the one a pass reads
 
     def __init__(
         self,
@@ -202,6 +203,7 @@ class ParquetSource(Source):
         self.cumulative = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self.requires_shard_order = sum(g.decoded_bytes for g in self.row_groups) > memory_limit
         self._columns = list(layout.columns)
+        self._next: dict[int, list[int]] = {}  # a row group -> those the pass reads after it (decoded ahead)
 
     @classmethod
     def local(
@@ -235,7 +237,21 @@ class ParquetSource(Source):
         """``row_groups_decoded`` (by this process) and ``decoded_bytes`` (kept now)."""
         return {"row_groups_decoded": self.decoded.decodes, "decoded_bytes": self.decoded.bytes}
 
+    def prepare(self, shard_order: np.ndarray, epoch: int, indices: np.ndarray | None = None) -> None:
+        """The pass's row group order: each decoded row group starts the decode of the next ones, as many as
+        the memory budget holds beside the two a batch may span (at most ``DECODE_AHEAD``)."""
+        held = self.shards_held()
+        ahead = self.DECODE_AHEAD if held is None else max(0, min(self.DECODE_AHEAD, held - 2))
+        order = [int(s) for s in shard_order]
+        self._next = {s: order[i + 1 : i + 1 + ahead] for i, s in enumerate(order)} if ahead else {}
+
     def _decode(self, shard: int) -> dict[str, Any]:
+        columns = self.decoded.get(self.row_groups[shard].key, self._decoder(shard))
+        for later in self._next.get(shard, ()):
+            self.decoded.prefetch(self.row_groups[later].key, self._decoder(later))
+        return columns
+
+    def _decoder(self, shard: int) -> Callable[[], dict[str, Any]]:
         group = self.row_groups[shard]
 
         def decode() -> dict[str, Any]:
@@ -255,7 +271,7 @@ class ParquetSource(Source):
                 )
             return decode_columns(table, self.layout, group.name, group.index)
 
-        return self.decoded.get(group.key, decode)
+        return decode
 
     def fetch(
         self, indices: np.ndarray, buffers: BatchBuffers, threads: int, times: StageTimes
@@ -272,6 +288,9 @@ class ParquetSource(Source):
         else:
             shard_of = np.searchsorted(self.cumulative, indices, side="right") - 1
             shards = np.unique(shard_of)
+            if self.shards_held() is None:  # every row group fits: those of this batch decode side by side
+                for s in shards[1:]:
+                    self.decoded.prefetch(self.row_groups[int(s)].key, self._decoder(int(s)))
             decoded = {int(s): self._decode(int(s)) for s in shards}
             picks = _picks(shard_of, indices - self.cumulative[shard_of], shards)
         decode_done = time.perf_counter()
