@@ -50,6 +50,11 @@ class Lane:
 
     def __init__(self, parent: dist.ProcessGroup) -> None:
         ranks = dist.get_process_group_ranks(parent)
+        # Every rank makes the lane at the same point of its collectives on ``parent``. A barrier there first:
+        # new_group's own barrier waits on the store, where a peer that died (a rank killed in its first
+        # step) goes unseen for the whole timeout (gloo's default: 30 minutes), while a collective on the
+        # parent fails at once on the closed connection. Behind a phase 1 in flight, it waits for it.
+        dist.barrier(group=parent)
         self.group = dist.new_group(
             ranks=ranks,
             backend=dist.get_backend(parent),
