@@ -31,6 +31,7 @@ from torch import nn
 
 import fastcomm
 from fastcomm.collectives import two_phase as _twophase
+from fastcomm.hooks.registry import build_state
 
 # Ranks are forked by a forkserver that imported torch, fastcomm and what DDP's constructor imports
 # (torch._dynamo: 5-10 s) once: a rank then starts in milliseconds, where a spawned one imports for seconds.
@@ -58,7 +59,7 @@ ADAM_CASES = {
     "adam-warmup": {"warmup_steps": MAX_STEPS},
     "adam": {"warmup_steps": 2, "min_compress_numel": 0},
 }
-FAULTS = ("kill", "stop", "stop-before-phase2")
+FAULTS = ("kill", "kill-first", "stop", "stop-before-phase2")
 
 
 def _stop_before_phase2(workdir: str, step: list[int]) -> None:
@@ -93,15 +94,18 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
         if hook != "dense":
             name, options = HOOK_CASES[hook]
-            fastcomm.register(ddp, name, **options, **({} if hierarchical else {"process_group": group}))
+            if fault == "kill-first" and hierarchical:  # torch's own registration: the node groups are made
+                ddp.register_comm_hook(*build_state(name, options))  # at the first compressed bucket
+            else:
+                fastcomm.register(ddp, name, **options, **({} if hierarchical else {"process_group": group}))
     current = [0]  # the step the loop is in, for _stop_before_phase2's report
     for step in range(MAX_STEPS):
         current[0] = step
-        if rank == 1 and step == FAULT_STEP:
+        if rank == 1 and step == (0 if fault == "kill-first" else FAULT_STEP):
             if fault == "stop-before-phase2":
                 _stop_before_phase2(workdir, current)
             else:
-                workers.signal_self(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                workers.signal_self(signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
         started = time.monotonic()
         phase = "forward"
         try:

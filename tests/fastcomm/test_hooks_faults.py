@@ -4,7 +4,10 @@
 process group's timeout) at the start of a step. The survivor must raise in that same step, within the
 group's timeout plus slack, and never train on with stale buffers. DDP without a hook is the reference:
 its own allreduce raises gloo's error from backward. The ``-hier`` cases run 4 ranks as 2 nodes x 2
-(``node_size=2``); rank 1 dies inside node 0, and rank 0, waiting on its shard, must raise.
+(``node_size=2``); rank 1 dies inside node 0, and rank 0, waiting on its shard, must raise. ``kill-first``:
+rank 1 dies before its first step, before the second process groups (the phase-2 lane; the node groups of
+a hook registered with DDP's own ``register_comm_hook``) are made at the first bucket: the survivor must
+fail on the closed connection, well within the timeout, not wait it out in ``new_group``.
 
 DDP re-raises an error of a hook's future from ``loss.backward()`` as a ``RuntimeError`` carrying the
 hook's exception as text (its type does not cross DDP's C++ reducer), so the assertions read the message.
@@ -37,6 +40,8 @@ CASES = [
     ("sign", "stop-before-phase2"),
     ("sign-hier", "kill"),
     ("quantize-hier", "kill"),
+    ("quantize", "kill-first"),
+    ("quantize-hier", "kill-first"),
 ]
 
 
@@ -44,11 +49,12 @@ CASES = [
 def test_survivor_raises_when_peer_fails(tmp_path, hook, fault):
     report = faults.run_with_fault(tmp_path, hook, fault, TIMEOUT_S, LIMIT_S)
     assert report["phase"] != "finished", f"{hook}: the survivor trained on after its peer died: {report}"
-    assert report["step"] == faults.FAULT_STEP, f"{hook}: raised at another step than the fault: {report}"
+    fault_step = 0 if fault == "kill-first" else faults.FAULT_STEP
+    assert report["step"] == fault_step, f"{hook}: raised at another step than the fault: {report}"
     if fault == "stop-before-phase2":  # the peer stopped where it was told to
         assert report["peer_stopped_step"] == faults.FAULT_STEP, report
     assert report["phase"] == "backward", report
-    assert report["seconds"] < TIMEOUT_S + SLACK_S, report
+    assert report["seconds"] < (TIMEOUT_S if fault == "kill-first" else TIMEOUT_S + SLACK_S), report
     if hook == "dense":  # DDP's own allreduce: gloo's error as is
         assert report["type"] == "RuntimeError", report
         return
@@ -57,4 +63,4 @@ def test_survivor_raises_when_peer_fails(tmp_path, hook, fault):
     message = f"{report['type']}: {report['message']}"
     assert "PeerCollectiveError: fastcomm " in message, report
     assert "a collective with the other ranks failed" in message, report
-    assert "on bucket" in message, report
+    assert "on bucket" in message or "node groups" in message, report

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fastcomm.collectives import OrderedWorker, timeout_of
+from fastcomm.collectives import OrderedWorker, PeerCollectiveError, timeout_of
 from fastcomm.hooks.engine.options import require_int
 
 __all__ = ["NodeGroups", "OrderedWorker", "check_node_size", "node_groups", "resolve_node_size"]
@@ -134,6 +134,14 @@ def node_groups(node_size: int) -> NodeGroups:
 
         def make(ranks: list[int], desc: str) -> dist.ProcessGroup:
             return dist.new_group(ranks=ranks, backend=backend, timeout=timeout, group_desc=desc)
+
+        # A peer killed before this point (made at the first compressed bucket when the hook was not
+        # registered through fastcomm.register) fails the barrier at once on the closed connection, where
+        # new_group's own barrier on the store would wait out the whole timeout (as for the phase-2 lane).
+        try:
+            dist.barrier()
+        except RuntimeError as error:
+            raise PeerCollectiveError("hierarchical node groups barrier", None, error) from error
 
         node_ranks = [list(range(n * node_size, (n + 1) * node_size)) for n in range(nodes)]
         reduce_groups = [make(ranks, "fastcomm_node_reduce") for ranks in node_ranks]
