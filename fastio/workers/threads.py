@@ -131,7 +131,7 @@ class ThreadPipeline:
                     if generation != self.generation or self.stopped:
                         break
                     self.results[job] = result
-                    if self.consumer_waits or self.idle_workers:
+                    if self.consumer_waits:  # an idle worker waits on the consumer's release, not on results
                         self.cond.notify_all()
                 if not result[0]:
                     break
