@@ -21,13 +21,18 @@ from _dataloader_args_helpers import NUM_SAMPLES, Numbers, same  # noqa: E402
 
 
 class Blocking(Dataset):
-    """Never answers: each read waits on an event nobody sets."""
+    """Does not answer until the test is over: each read waits on :attr:`release` (set by the test at its end,
+    so that no worker thread stays blocked in this process for the tests after it: ``test_safety`` joins the
+    threads of every pipeline still running, as atexit does)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
 
     def __len__(self) -> int:
         return 5
 
     def __getitem__(self, i: int) -> int:
-        threading.Event().wait()
+        self.release.wait()
         return i
 
 
@@ -47,11 +52,15 @@ class ShardOrderSquares(Source):
 
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_timeout_raises_a_named_error(mode: str) -> None:
+    blocking = Blocking()
     loader = fastio.StreamLoader(
-        Blocking(), batch_size=2, num_workers=1, timeout=0.2, workers=fastio.WorkerOptions(mode=mode)
+        blocking, batch_size=2, num_workers=1, timeout=0.2, workers=fastio.WorkerOptions(mode=mode)
     )
-    with pytest.raises(fastio.WorkerTimeoutError, match=r"batch 0 not made within timeout=0.2 s"):
-        next(iter(loader))
+    try:
+        with pytest.raises(fastio.WorkerTimeoutError, match=r"batch 0 not made within timeout=0.2 s"):
+            next(iter(loader))
+    finally:
+        blocking.release.set()
 
 
 @pytest.mark.parametrize(
