@@ -35,6 +35,8 @@ name                                    what it is
 ``SecondCollective``, ``lane_for``,     the lane: where an exchange's second collective is issued
 ``finish_on_lane``, ``timeout_of``,
 ``release_lane``
+``wait_for_peers``                      what runs before a group is made at first use: a dead peer fails
+                                        it at once, not after the timeout
 ======================================  ================================================================
 
 Example::
@@ -45,7 +47,14 @@ Example::
     fastcomm.collectives.all_reduce(tensor, compressor, residual=residual)
 """
 
-from fastcomm.collectives._lane import SecondCollective, finish_on_lane, lane_for, release_lane, timeout_of
+from fastcomm.collectives._lane import (
+    SecondCollective,
+    finish_on_lane,
+    lane_for,
+    release_lane,
+    timeout_of,
+    wait_for_peers,
+)
 from fastcomm.collectives._layout import (
     DEFAULT_CHUNK_BYTES,
     Timer,
@@ -88,5 +97,6 @@ __all__ = [
     "segment_layout",
     "then",
     "timeout_of",
+    "wait_for_peers",
     "when_done",
 ]

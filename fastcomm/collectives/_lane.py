@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from fastcomm.collectives._threads import OrderedWorker
 
-__all__ = ["Lane", "SecondCollective", "finish_on_lane", "lane_for", "release_lane", "timeout_of"]
+__all__ = [
+    "Lane", "SecondCollective", "finish_on_lane", "lane_for", "release_lane", "timeout_of", "wait_for_peers",
+]  # fmt: skip
 
 
 class SecondCollective(Protocol):
@@ -50,11 +52,9 @@ class Lane:
 
     def __init__(self, parent: dist.ProcessGroup) -> None:
         ranks = dist.get_process_group_ranks(parent)
-        # Every rank makes the lane at the same point of its collectives on ``parent``. A barrier there first:
-        # new_group's own barrier waits on the store, where a peer that died (a rank killed in its first
-        # step) goes unseen for the whole timeout (gloo's default: 30 minutes), while a collective on the
-        # parent fails at once on the closed connection. Behind a phase 1 in flight, it waits for it.
-        dist.barrier(group=parent)
+        # Every rank makes the lane at the same point of its collectives on ``parent``; behind a phase 1 in
+        # flight, this waits for it.
+        wait_for_peers(parent)
         self.group = dist.new_group(
             ranks=ranks,
             backend=dist.get_backend(parent),
@@ -72,6 +72,26 @@ class Lane:
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the lane's thread after the jobs submitted before it."""
         self.worker.submit(job)
+
+
+def wait_for_peers(group: dist.ProcessGroup | None) -> None:
+    """Return once every rank of ``group`` has called this; raise at once where a peer is dead.
+
+    A one-element CPU all-reduce: gloo fails it on the closed connection of a killed peer, where
+    ``dist.new_group``'s own barrier on the store would wait out the whole timeout (gloo's default: 30
+    minutes). What fastcomm runs before it makes a group at first use (the phase-2 lane, the node groups of
+    hierarchical hooks), every rank at the same point of its collectives on ``group``. A group without a CPU
+    backend (NCCL only) is left alone: there a dead peer is only ever seen by the timeout.
+
+    Example::
+
+        wait_for_peers(None)   # the default group
+    """
+    try:
+        (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):  # no CPU backend on this group
+        return
+    dist.all_reduce(torch.zeros(1), group=group)
 
 
 def timeout_of(group: dist.ProcessGroup) -> timedelta | None:

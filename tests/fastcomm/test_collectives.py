@@ -126,3 +126,12 @@ def test_a_failed_exchange_raises_peer_collective_error_with_its_type(one_rank, 
     pending[0].set_exception(RuntimeError("Connection closed by peer"))  # the all-gather fails
     with pytest.raises(fastcomm.PeerCollectiveError, match="Connection closed by peer"):
         work.wait()
+
+
+def test_wait_for_peers_leaves_a_group_without_a_cpu_backend_alone():
+    # NCCL only: no CPU all-reduce to run (there a dead peer is only ever seen by the timeout)
+    class NcclOnly:
+        def _get_backend(self, device: torch.device) -> None:
+            raise RuntimeError(f"No backend type associated with device type {device.type}")
+
+    assert fastcomm.collectives.wait_for_peers(NcclOnly()) is None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fastcomm.collectives import OrderedWorker, PeerCollectiveError, timeout_of
+from fastcomm.collectives import OrderedWorker, PeerCollectiveError, timeout_of, wait_for_peers
 from fastcomm.hooks.engine.options import require_int
 
 __all__ = ["NodeGroups", "OrderedWorker", "check_node_size", "node_groups", "resolve_node_size"]
@@ -136,10 +136,9 @@ def node_groups(node_size: int) -> NodeGroups:
             return dist.new_group(ranks=ranks, backend=backend, timeout=timeout, group_desc=desc)
 
         # A peer killed before this point (made at the first compressed bucket when the hook was not
-        # registered through fastcomm.register) fails the barrier at once on the closed connection, where
-        # new_group's own barrier on the store would wait out the whole timeout (as for the phase-2 lane).
+        # registered through fastcomm.register) fails at once here, not after the whole timeout in new_group.
         try:
-            dist.barrier()
+            wait_for_peers(None)
         except RuntimeError as error:
             raise PeerCollectiveError("hierarchical node groups barrier", None, error) from error
 
