@@ -3,8 +3,8 @@
 :func:`measure_allreduce` starts ``world_size`` processes joined over gloo on this machine (a file store
 in a temporary folder, TCP over loopback), times ``dist.all_reduce`` of fp32 tensors of each size and returns
 the slower rank's median. :func:`fit_link` fits ``alpha`` and ``bandwidth`` of the ring model
-(:func:`~fastcomm.advise.model.ring_allreduce`) to such times by least squares, weighting each point by
-``1 / time`` so small and large sizes count alike.
+(:func:`~fastcomm.advise.model.ring_allreduce`) to such times: each parameter from the sizes it dominates,
+by least squares of the relative error.
 """
 
 from __future__ import annotations
@@ -116,14 +116,25 @@ def measure_allreduce(
     return {int(size): max(report[int(size)] for report in reports) for size in sizes}
 
 
+# A size whose time is at least this many times the fitted latency term sets the bandwidth
+BANDWIDTH_SIZES_X_LATENCY = 8.0
+
+
 def fit_link(
     times: Mapping[int, float], world_size: int, overlaps_compute: bool = False, name: str = "fitted"
 ) -> Link:
     """The :class:`Link` whose ring allreduce best fits ``times`` (bytes -> seconds) over ``world_size``.
 
-    ``t = 2 (p-1) alpha + 2 (p-1)/p * n / B`` is linear in ``alpha`` and ``1/B``: a weighted least-squares
-    line through the points (weights ``1/t``, so the relative error is what is minimised), each parameter
-    kept positive.
+    ``t = 2 (p-1) alpha + 2 (p-1)/p * n / B`` is linear in ``alpha`` and ``1/B``:
+
+    1. A least-squares line through every point, each weighted by ``1 / t`` (the relative error is what is
+       minimised), each parameter kept positive.
+    2. ``1 / B`` again, from the sizes whose time is at least ``BANDWIDTH_SIZES_X_LATENCY`` times that
+       latency term (with two such sizes or more), by least squares of the time itself, so the largest
+       sizes, past any cache, count most: mid-size messages that gloo copies partly in cache (1 MB, 8 MB
+       on a machine with a large L3) run faster than large ones, and counted alike they pulled ``B`` up by
+       up to a third, so the line missed 12-48 MB allreduces (DDP's buckets) by 20-40%.
+    3. ``alpha`` again, from every point with that ``B``.
 
     Example::
 
@@ -135,21 +146,37 @@ def fit_link(
         raise ValueError("fit_link needs times at two sizes or more and world_size >= 2")
     p = world_size
     rows = [(2.0 * (p - 1), 2.0 * (p - 1) / p * n, t) for n, t in times.items()]
+    alpha, inverse_bandwidth = _line(rows)
+    large = [row for row in rows if row[2] >= BANDWIDTH_SIZES_X_LATENCY * row[0] * alpha]
+    if alpha > 0 and len(large) >= 2:
+        inverse_bandwidth = max(_one_slope([(b, t - a * alpha, 1.0) for a, b, t in large]), 1e-15)
+        alpha = max(_one_slope([(a, t - b * inverse_bandwidth, t) for a, b, t in rows]), 0.0)
+    return Link(alpha, 1.0 / inverse_bandwidth, overlaps_compute, name)
+
+
+def _line(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(x, y)`` of the least-squares ``a x + b y = t`` over ``(a, b, t)`` rows, weights ``1 / t``, each
+    kept positive (``y`` at least 1e-15)."""
     weights = [1.0 / t for _, _, t in rows]
-    # normal equations of sum w^2 (a x + b y - t)^2, for (x, y) = (alpha, 1/B)
+    # normal equations of sum w^2 (a x + b y - t)^2
     saa = sum((w * a) ** 2 for (a, _, _), w in zip(rows, weights, strict=True))
     sbb = sum((w * b) ** 2 for (_, b, _), w in zip(rows, weights, strict=True))
     sab = sum(w * w * a * b for (a, b, _), w in zip(rows, weights, strict=True))
     sat = sum(w * w * a * t for (a, _, t), w in zip(rows, weights, strict=True))
     sbt = sum(w * w * b * t for (_, b, t), w in zip(rows, weights, strict=True))
     det = saa * sbb - sab * sab
-    alpha = (sat * sbb - sbt * sab) / det
-    inverse_bandwidth = (saa * sbt - sab * sat) / det
-    if alpha < 0:  # the latency is too small to see: a line through the origin
-        alpha, inverse_bandwidth = 0.0, sbt / sbb
-    if inverse_bandwidth <= 0:  # flat times: latency only, and a bandwidth no size here could tell
-        alpha, inverse_bandwidth = sat / saa, 1e-15
-    return Link(alpha, 1.0 / inverse_bandwidth, overlaps_compute, name)
+    x = (sat * sbb - sbt * sab) / det
+    y = (saa * sbt - sab * sat) / det
+    if x < 0:  # the latency is too small to see: a line through the origin
+        x, y = 0.0, sbt / sbb
+    if y <= 0:  # flat times: latency only, and a bandwidth no size here could tell
+        x, y = sat / saa, 1e-15
+    return x, y
+
+
+def _one_slope(rows: list[tuple[float, float, float]]) -> float:
+    """``x`` of the least-squares ``c x = r`` over ``(c, r, t)`` rows, each residual weighted by ``1 / t``."""
+    return sum(c * r / (t * t) for c, r, t in rows) / sum(c * c / (t * t) for c, _, t in rows)
 
 
 if __name__ == "__main__":

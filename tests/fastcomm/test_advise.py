@@ -343,16 +343,31 @@ def test_fit_link_recovers_alpha_and_bandwidth():
     assert link.alpha_s == pytest.approx(2e-4) and link.bandwidth_Bps == pytest.approx(8e8)
 
 
-# Fitted (weighted least squares) on a sweep from 4 KB to 64 MB, checked on three sizes between the sweep's
-# points in the range of DDP's 25 MB buckets. Each size's time is its fastest of 15 calls, the sizes taken in
-# turn round after round: on 2 cores shared with other work a median still moves by 30%, the fastest by
-# about 15%. 25%: the bound for step times. Below the sweep's 8 MB point the line is not checked:
-# there gloo's copies run partly in cache. A miss is measured again (up to 3 times), unless the load is above
-# twice the cores (each rank then gets under half a core, and timings say nothing): then it skips, saying so.
+def test_fit_link_takes_the_bandwidth_from_large_sizes_not_a_cached_mid_size():
+    truth = Link(1e-4, 2e9)
+    times = {n: ring_allreduce(n, 2, truth) for n in (4096, 1 << 16, 1 << 20, 1 << 23, 1 << 26)}
+    times[1 << 20] = 2e-4 + (times[1 << 20] - 2e-4) / 2  # 1 MB copied in cache: twice the bandwidth
+    link = fit_link(times, 2)
+    assert link.bandwidth_Bps == pytest.approx(2e9, rel=0.02)
+    assert link.alpha_s == pytest.approx(1e-4, rel=0.2)
+    for n in (12 << 20, 48 << 20):
+        assert ring_allreduce(n, 2, link) == pytest.approx(ring_allreduce(n, 2, truth), rel=0.02)
+
+
+# Fitted (fit_link: the bandwidth from the sizes it dominates) on a sweep from 4 KB to 64 MB, checked on three
+# sizes between the sweep's points in the range of DDP's 25 MB buckets. Each size's time is its fastest of 15
+# calls, the sizes taken in turn round after round: on 2 cores shared with other work a median still moves by
+# 30%, the fastest by about 15%. 25%: the bound for step times. Below the sweep's 8 MB point the line
+# is not checked: there gloo's copies run partly in cache (a 1 MB allreduce at 2.4-2.9 GB/s against 2.0-2.3
+# GB/s from 8 MB up; when the fit counted it like the large sizes, 12-48 MB missed by 20-40%, in 3 of 4 sweeps
+# on 2026-12-07); 12 MB still runs partly in a 32 MB L3 on some sweeps, and one size's fastest of 15 calls
+# still moves by 15%, so about one sweep in four misses a point by a little. A miss is measured again (up to 5
+# times, about 3 s each), unless the load is above twice the cores (each rank then gets under half a core, and
+# timings say nothing): then it skips, saying so.
 FIT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 26)
 CHECKED_SIZES = (12 << 20, 24 << 20, 48 << 20)
 TOLERANCE = 0.25
-ATTEMPTS = 3
+ATTEMPTS = 5
 
 
 @pytest.mark.alone
