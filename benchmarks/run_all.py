@@ -68,7 +68,8 @@ class Benchmark:
 # Short-profile estimates (2 cores, as root / without root), from the committed results and the code. Measured
 # end to end on a quiet host (2026-12-05, as root, a fresh clone's .venv): 590 s in all (kernels to shuffle
 # 1.8 min, hooks 2.3, convergence 4.2, fsdp 0.5, remote at 0.25 GB 0.9), so these err on the long side.
-# kernels: 5M elements is 1/5 of the 25M default's memory traffic (~2 min in full).
+# kernels: the 25M default (100 MB, past the caches; 3 repeats, ~25 s): at 5M memcpy ran in cache at 104 GB/s
+#   on 2026-12-07 (15 GB/s on 12-05), so every "x memcpy" ratio moved 2.5x with the host, not the code.
 # loader: 1/5 of every data set; writing the 3 GB `fixed` set alone took 19 s in full. With the peers it
 #   took 34 s, and 39 s without them, at a load of 3-5 on 2 cores; they take 5 contenders x 3 rounds x
 #   <= 0.5 s (--peer-seconds) plus one warm-up epoch of 200,000 samples.
@@ -94,7 +95,7 @@ class Benchmark:
 #   (3 methods of a 1M-parameter one took 20 s at a load of ~9): ~0.4 min more. The memory part (a fresh
 #   launch per method) and the LM part (7 min per method) run in the full profile only.
 SUITE = (
-    Benchmark("bench_kernels", ("--numel", "5000000", "--repeat", "3"), (0.5, 0.5)),
+    Benchmark("bench_kernels", ("--repeat", "3"), (0.5, 0.5)),
     Benchmark(
         "bench_loader",
         (

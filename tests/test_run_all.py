@@ -23,7 +23,7 @@ _REPO = Path(__file__).resolve().parent.parent
 _HOOKS = "allreduce,noop,torch_fp16,torch_powersgd_r4_1bucket,bf16_cast,topk_0.01,quant8,quant4,sign,"
 _HOOKS += "powersgd_r4,auto"
 _SHORT = {
-    "bench_kernels": ["--numel", "5000000", "--repeat", "3"],
+    "bench_kernels": ["--repeat", "3"],
     "bench_loader": [
         "--samples", "200000", "--var-samples", "20000", "--tar-samples", "20000",
         "--dataloader-samples", "20000", "--webloader-samples", "5000", "--peer-seconds", "0.5",
