@@ -34,6 +34,8 @@ Run (as root, on a machine as quiet as can be had)::
 
     python -m benchmarks.bench_diloco_eager --work-dir W          # the committed result
     python -m benchmarks.bench_diloco_eager --steps 40 --seeds 0 --rounds 1 --eval-every 10   # a short look
+    python -m benchmarks.bench_diloco_eager --rows defaults,defaults_eager_d2 --batch-size 64 --rounds 3 \
+        --name bench_diloco_eager_b64 --work-dir W64   # 4x the tokens per step: a sync about one step long
 """
 
 from __future__ import annotations
@@ -84,14 +86,16 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _loss_jobs(names: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int) -> list[Job]:
-    return [Job(name, ROWS.get(name), seed=seed, steps=steps, eval_every=eval_every)
+def _loss_jobs(names: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int, batch: int) -> list[Job]:
+    return [Job(name, ROWS.get(name), seed=seed, steps=steps, eval_every=eval_every, batch_size=batch)
             for name in ("none", *names) for seed in seeds]  # fmt: skip
 
 
-def _time_jobs(names: Sequence[str], steps: int, dense_steps: int, repeat: int, link: str) -> list[Job]:
+def _time_jobs(
+    names: Sequence[str], steps: int, dense_steps: int, repeat: int, link: str, batch: int
+) -> list[Job]:
     """One round: the no-communication steps, every row's whole run, dense's first ``dense_steps``."""
-    common = {"seed": 0, "eval_every": 0, "val_rows": 8, "repeat": repeat, "link": link}
+    common = {"seed": 0, "eval_every": 0, "val_rows": 8, "repeat": repeat, "link": link, "batch_size": batch}
     return [Job("local", LOCAL, steps=steps, **common),
             Job("noop_ddp", None, steps=steps, hook="noop", **common),
             *(Job(name, ROWS[name], steps=steps, **common) for name in names),
@@ -347,7 +351,7 @@ def _plot(rounds: list[dict[str, Any]], curves: dict[str, Any], names: Sequence[
 def _timing(args: argparse.Namespace, names: Sequence[str], work: Path, notes: list[str]) -> list[dict]:
     """The timed rounds on the shaped link: ``[{method: result}]`` (cached rounds reused)."""
     label = f"{args.rate}/{args.burst}"
-    every = [_time_jobs(names, args.steps, args.dense_steps, r, label) for r in range(args.rounds)]
+    every = [_time_jobs(names, args.steps, args.dense_steps, r, label, args.batch_size) for r in range(args.rounds)]
     if args.order == "shuffled":  # no method always first or last in its round (its own seed per round)
         for number, jobs in enumerate(every):
             random.Random(number).shuffle(jobs)
@@ -374,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"rows of ROWS ({', '.join(ROWS)})")
     parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+    parser.add_argument("--name", default=NAME, help="the results' file name (another batch size: another name)")
     parser.add_argument("--seeds", default="0,1,2,3,4,5", help="seeds of the loss curves")
     parser.add_argument("--eval-every", type=int, default=10, help="validation interval of the loss curves")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds on the link")
@@ -394,8 +400,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         parser.error(f"unknown rows {unknown}; see ROWS in {__name__}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     work = args.work_dir or Path(output_dir()) / f"{NAME}-work"
-    loss = run_jobs(_loss_jobs(names, seeds, args.steps, args.eval_every), work, reuse_only=args.reuse_only,
-                    log=_log)  # fmt: skip
+    loss = run_jobs(_loss_jobs(names, seeds, args.steps, args.eval_every, args.batch_size), work,
+                    reuse_only=args.reuse_only, log=_log)  # fmt: skip
     curves: dict[int, dict[str, Any]] = {seed: {} for seed in seeds}
     for job, result in loss.items():
         if result:
@@ -415,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         tables.append(f"## Time to dense's final loss + {pct:g}% on {args.rate}: steps to the target and "
                       f"x limit at each seed (medians over {len(rounds)} rounds)\n\n{table}")
     notes.append(f"loss curves: {args.steps} steps of examples/train_lm.py's train(), 2 gloo ranks on "
-                 f"loopback, the LM at {Job('', None).model}, validation every {args.eval_every} steps, "
+                 f"loopback, the LM at {Job('', None).model}, batch {args.batch_size} x its context per rank and "
+                 f"step, validation every {args.eval_every} steps, "
                  f"seeds {seeds}; x limit = time to the target / (its own steps to it x the round's mean "
                  "no-communication step); x dense's limit: dense's steps instead")  # fmt: skip
     notes.append(f"timing: {len(rounds)} rounds on a netlab link at {args.rate} (tbf burst {args.burst}, "
@@ -424,10 +431,10 @@ def main(argv: Sequence[str] | None = None) -> str:
                  "processes")  # fmt: skip
     notes += args.note
     notes.append(f"benchmark wall time: {time.monotonic() - started:.0f} s")
-    text = write_results(NAME, rows, notes=notes)
+    text = write_results(args.name, rows, notes=notes)
     text += "\n" + "\n\n".join(tables) + "\n"
-    (output_dir() / f"{NAME}.md").write_text(text)
-    _plot(rounds, curves.get(seeds[0], {}), names, output_dir() / f"{NAME}.png")
+    (output_dir() / f"{args.name}.md").write_text(text)
+    _plot(rounds, curves.get(seeds[0], {}), names, output_dir() / f"{args.name}.png")
     print(text, file=sys.stderr)
     return text
 
