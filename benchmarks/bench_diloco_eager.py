@@ -86,7 +86,9 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _loss_jobs(names: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int, batch: int) -> list[Job]:
+def _loss_jobs(
+    names: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int, batch: int
+) -> list[Job]:
     return [Job(name, ROWS.get(name), seed=seed, steps=steps, eval_every=eval_every, batch_size=batch)
             for name in ("none", *names) for seed in seeds]  # fmt: skip
 
@@ -351,7 +353,8 @@ def _plot(rounds: list[dict[str, Any]], curves: dict[str, Any], names: Sequence[
 def _timing(args: argparse.Namespace, names: Sequence[str], work: Path, notes: list[str]) -> list[dict]:
     """The timed rounds on the shaped link: ``[{method: result}]`` (cached rounds reused)."""
     label = f"{args.rate}/{args.burst}"
-    every = [_time_jobs(names, args.steps, args.dense_steps, r, label, args.batch_size) for r in range(args.rounds)]
+    every = [_time_jobs(names, args.steps, args.dense_steps, r, label, args.batch_size)
+             for r in range(args.rounds)]  # fmt: skip
     if args.order == "shuffled":  # no method always first or last in its round (its own seed per round)
         for number, jobs in enumerate(every):
             random.Random(number).shuffle(jobs)
@@ -379,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"rows of ROWS ({', '.join(ROWS)})")
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
-    parser.add_argument("--name", default=NAME, help="the results' file name (another batch size: another name)")
+    parser.add_argument("--name", default=NAME, help="the results' file name (another batch: another name)")
     parser.add_argument("--seeds", default="0,1,2,3,4,5", help="seeds of the loss curves")
     parser.add_argument("--eval-every", type=int, default=10, help="validation interval of the loss curves")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds on the link")
@@ -421,8 +424,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         tables.append(f"## Time to dense's final loss + {pct:g}% on {args.rate}: steps to the target and "
                       f"x limit at each seed (medians over {len(rounds)} rounds)\n\n{table}")
     notes.append(f"loss curves: {args.steps} steps of examples/train_lm.py's train(), 2 gloo ranks on "
-                 f"loopback, the LM at {Job('', None).model}, batch {args.batch_size} x its context per rank and "
-                 f"step, validation every {args.eval_every} steps, "
+                 f"loopback, the LM at {Job('', None).model}, batch {args.batch_size} x its context per rank "
+                 f"and step, validation every {args.eval_every} steps, "
                  f"seeds {seeds}; x limit = time to the target / (its own steps to it x the round's mean "
                  "no-communication step); x dense's limit: dense's steps instead")  # fmt: skip
     notes.append(f"timing: {len(rounds)} rounds on a netlab link at {args.rate} (tbf burst {args.burst}, "
