@@ -87,14 +87,14 @@ def _log(line: str) -> None:
 
 
 def _loss_jobs(
-    names: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int, batch: int
+    names: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int, batch: int = 16
 ) -> list[Job]:
     return [Job(name, ROWS.get(name), seed=seed, steps=steps, eval_every=eval_every, batch_size=batch)
             for name in ("none", *names) for seed in seeds]  # fmt: skip
 
 
 def _time_jobs(
-    names: Sequence[str], steps: int, dense_steps: int, repeat: int, link: str, batch: int
+    names: Sequence[str], steps: int, dense_steps: int, repeat: int, link: str, batch: int = 16
 ) -> list[Job]:
     """One round: the no-communication steps, every row's whole run, dense's first ``dense_steps``."""
     common = {"seed": 0, "eval_every": 0, "val_rows": 8, "repeat": repeat, "link": link, "batch_size": batch}

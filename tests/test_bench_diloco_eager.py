@@ -80,6 +80,15 @@ def test_new_job_fields_keep_the_cache_keys_of_runs_made_before_them_and_tell_ti
     assert timed[-1].steps == 40 and timed[-1].schedule_steps == 250
 
 
+def test_batch_size_reaches_every_job_and_keys_its_runs_apart():
+    loss = bench._loss_jobs(["defaults"], [0, 1], 250, 10)
+    wide = bench._loss_jobs(["defaults"], [0, 1], 250, 10, batch=64)
+    assert {j.batch_size for j in loss} == {16} and {j.batch_size for j in wide} == {64}
+    assert not {j.tag for j in loss} & {j.tag for j in wide}
+    timed = bench._time_jobs(["defaults"], 250, 40, 0, "10mbit/16kb", batch=64)
+    assert {j.batch_size for j in timed} == {64}
+
+
 def test_loss_rows_read_each_seed_against_dense_and_an_eager_row_against_its_delay_0_row():
     curves = {s: {"none": _curve([2.0]), "defaults": _curve([2.0 * (1.01 + s / 100)]),
                   "defaults_eager_d2": _curve([2.0 * (1.012 + s / 100)])} for s in (0, 1)}  # fmt: skip
