@@ -87,14 +87,14 @@ def _log(line: str) -> None:
 
 
 def _loss_jobs(
-    names: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int, batch: int = 16
+    names: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int, batch: int = Job.batch_size
 ) -> list[Job]:
     return [Job(name, ROWS.get(name), seed=seed, steps=steps, eval_every=eval_every, batch_size=batch)
             for name in ("none", *names) for seed in seeds]  # fmt: skip
 
 
 def _time_jobs(
-    names: Sequence[str], steps: int, dense_steps: int, repeat: int, link: str, batch: int = 16
+    names: Sequence[str], steps: int, dense_steps: int, repeat: int, link: str, batch: int = Job.batch_size
 ) -> list[Job]:
     """One round: the no-communication steps, every row's whole run, dense's first ``dense_steps``."""
     common = {"seed": 0, "eval_every": 0, "val_rows": 8, "repeat": repeat, "link": link, "batch_size": batch}
@@ -381,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"rows of ROWS ({', '.join(ROWS)})")
     parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+    parser.add_argument("--batch-size", type=int, default=Job.batch_size, help="sequences per rank and step")
     parser.add_argument("--name", default=NAME, help="the results' file name (another batch: another name)")
     parser.add_argument("--seeds", default="0,1,2,3,4,5", help="seeds of the loss curves")
     parser.add_argument("--eval-every", type=int, default=10, help="validation interval of the loss curves")
