@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fastcomm.collectives._threads import OrderedWorker
+from fastcomm.collectives.errors import PeerCollectiveError
 
 __all__ = [
     "Lane", "SecondCollective", "finish_on_lane", "lane_for", "release_lane", "timeout_of", "wait_for_peers",
@@ -54,7 +55,7 @@ class Lane:
         ranks = dist.get_process_group_ranks(parent)
         # Every rank makes the lane at the same point of its collectives on ``parent``; behind a phase 1 in
         # flight, this waits for it.
-        wait_for_peers(parent)
+        wait_for_peers(parent, "phase-2 lane barrier")
         self.group = dist.new_group(
             ranks=ranks,
             backend=dist.get_backend(parent),
@@ -74,7 +75,7 @@ class Lane:
         self.worker.submit(job)
 
 
-def wait_for_peers(group: dist.ProcessGroup | None) -> None:
+def wait_for_peers(group: dist.ProcessGroup | None, where: str = "wait_for_peers barrier") -> None:
     """Return once every rank of ``group`` has called this; raise at once where a peer is dead.
 
     A one-element CPU all-reduce: gloo fails it on the closed connection of a killed peer, where
@@ -82,6 +83,14 @@ def wait_for_peers(group: dist.ProcessGroup | None) -> None:
     minutes). What fastcomm runs before it makes a group at first use (the phase-2 lane, the node groups of
     hierarchical hooks), every rank at the same point of its collectives on ``group``. A group without a CPU
     backend (NCCL only) is left alone: there a dead peer is only ever seen by the timeout.
+
+    Args:
+        group: the process group (``None``: the default one).
+        where: what the barrier is for, named by the error.
+
+    Raises:
+        PeerCollectiveError: a peer died, was stopped past the timeout, or the link dropped (``where``
+            names the barrier; the original error is its ``reason``).
 
     Example::
 
@@ -91,7 +100,10 @@ def wait_for_peers(group: dist.ProcessGroup | None) -> None:
         (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
     except (AttributeError, RuntimeError):  # no CPU backend on this group
         return
-    dist.all_reduce(torch.zeros(1), group=group)
+    try:
+        dist.all_reduce(torch.zeros(1), group=group)
+    except Exception as error:
+        raise PeerCollectiveError(where, None, error) from error
 
 
 def timeout_of(group: dist.ProcessGroup) -> timedelta | None:
@@ -116,8 +128,13 @@ _LANES_LOCK = threading.Lock()
 def lane_for(process_group: dist.ProcessGroup | None) -> Lane | None:
     """The lane of ``process_group`` (``None``: the default group), made at first use; ``None`` if impossible.
 
-    A failure is remembered (one warning, no retry per bucket); it is the same on every rank, so all ranks
-    fall back to finishing in the next hook call together.
+    A group that cannot have a lane (no second group can be made over it) is remembered (one warning, no
+    retry per bucket); that is the same on every rank, so all ranks fall back to finishing in the next hook
+    call together. A dead peer is not that: its :class:`PeerCollectiveError` is raised, and nothing is
+    remembered.
+
+    Raises:
+        PeerCollectiveError: a peer failed the barrier before the lane's group is made.
     """
     parent = process_group if process_group is not None else dist.group.WORLD
     with _LANES_LOCK:
@@ -126,6 +143,8 @@ def lane_for(process_group: dist.ProcessGroup | None) -> Lane | None:
         lane: Lane | None
         try:
             lane = Lane(parent)
+        except PeerCollectiveError:
+            raise
         except (RuntimeError, ValueError, KeyError) as error:  # KeyError: a group dist did not make
             warnings.warn(
                 f"fastcomm: no second process group for overlapped phase 2 ({error}); phase 2 is issued "

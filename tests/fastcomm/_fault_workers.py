@@ -4,10 +4,10 @@ option test (sign_hook with a chunk that is not a multiple of 8).
 Rank 1 sends itself ``SIGKILL`` (a dead peer) or ``SIGSTOP`` (a peer stopped past the process group's
 timeout) at the start of step ``FAULT_STEP``, or in that step just before its first phase-2 all-gather.
 The survivor, rank 0, trains on until something raises and writes what it saw to ``survivor.json``: the
-step and the phase (forward, backward, optimizer step) that raised, the exception's type and message, and
-the seconds from the start of that step to the exception. Both ranks start each step together (every
-step's collectives need both), so a hook that surfaces the failure raises in step ``FAULT_STEP`` itself;
-a hook that hides it trains on to ``MAX_STEPS``.
+step and the phase (forward, backward, optimizer step) that raised, the exception's type and message, the
+seconds from the start of that step to the exception, and the warnings it was given meanwhile. Both ranks
+start each step together (every step's collectives need both), so a hook that surfaces the failure raises
+in step ``FAULT_STEP`` itself; a hook that hides it trains on to ``MAX_STEPS``.
 
 The ranks reuse the hook tests' process entry (:func:`_hooks_workers._entry`); the parent side here is its
 own because one rank is meant to die and the survivor to fail.
@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -99,6 +100,9 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
             else:
                 fastcomm.register(ddp, name, **options, **({} if hierarchical else {"process_group": group}))
     current = [0]  # the step the loop is in, for _stop_before_phase2's report
+    caught = warnings.catch_warnings(record=True)  # what the survivor was warned of, for the report
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     for step in range(MAX_STEPS):
         current[0] = step
         if rank == 1 and step == (0 if fault == "kill-first" else FAULT_STEP):
@@ -126,6 +130,8 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
             break
     else:
         report = {"step": MAX_STEPS, "phase": "finished", "type": None, "message": "", "seconds": 0.0}
+    caught.__exit__(None, None, None)
+    report["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen]
     if rank == 0:
         Path(workdir, "survivor.json").write_text(json.dumps(report))
         # a group with a dead peer cannot be destroyed cleanly (gloo may abort or wait): leave at once

@@ -6,6 +6,7 @@ fixture); each case is its own test here. The arguments' checks run on a 1-rank 
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,35 @@ def test_wait_for_peers_leaves_a_group_without_a_cpu_backend_alone():
             raise RuntimeError(f"No backend type associated with device type {device.type}")
 
     assert fastcomm.collectives.wait_for_peers(NcclOnly()) is None
+
+
+def test_lane_for_raises_a_dead_peer_and_remembers_nothing(monkeypatch):
+    # a peer that fails the lane's barrier is not "no second process group": no warning, nothing cached (a
+    # later call asks again), the error raised as is
+    from fastcomm.collectives import _lane
+
+    class Group:  # a stand-in for a process group: lane_for only keys its cache by it
+        pass
+
+    group, calls = Group(), []
+
+    def dead(parent: object) -> None:
+        calls.append(parent)
+        closed = RuntimeError("Connection closed by peer")
+        raise fastcomm.PeerCollectiveError("phase-2 lane barrier", None, closed)
+
+    monkeypatch.setattr(_lane, "Lane", dead)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning would fail here
+        for _ in range(2):
+            with pytest.raises(fastcomm.PeerCollectiveError, match="phase-2 lane barrier.*Connection closed"):
+                _lane.lane_for(group)
+    assert calls == [group, group] and group not in _lane._LANES
+
+    def unsupported(parent: object) -> None:  # a group no second one can be made over: warned once, kept
+        raise ValueError("no new_group here")
+
+    monkeypatch.setattr(_lane, "Lane", unsupported)
+    with pytest.warns(RuntimeWarning, match="no second process group"):
+        assert _lane.lane_for(group) is None
+    assert _lane._LANES.pop(group) is None

@@ -64,3 +64,7 @@ def test_survivor_raises_when_peer_fails(tmp_path, hook, fault):
     assert "PeerCollectiveError: fastcomm " in message, report
     assert "a collective with the other ranks failed" in message, report
     assert "on bucket" in message or "node groups" in message, report
+    # a dead peer is not "no second process group": no fallback warned of, and the lane's barrier named
+    assert not [w for w in report["warnings"] if "no second process group" in w], report
+    if (hook, fault) == ("quantize", "kill-first"):
+        assert "QuantState phase-2 lane barrier" in message and "on bucket" in message, report

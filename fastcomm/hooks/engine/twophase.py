@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastcomm.collectives import SecondCollective, finish_on_lane, lane_for, then
+from fastcomm.collectives import PeerCollectiveError, SecondCollective, finish_on_lane, lane_for, then
 from fastcomm.collectives import two_phase as exchange
 from fastcomm.collectives.two_phase import Phase1, TwoPhaseLayout
 from fastcomm.hooks.engine.compression import BucketCall, CompressionState
@@ -200,7 +200,13 @@ def schedule_second_phase(
     """
     state = call.state
     assert isinstance(state, TwoPhaseState)
-    lane = lane_for(state.process_group) if state.overlap_phase2 and call.flat.device.type == "cpu" else None
+    lane = None
+    if state.overlap_phase2 and call.flat.device.type == "cpu":
+        try:
+            lane = lane_for(state.process_group)
+        except PeerCollectiveError as error:  # the lane's barrier, at the first compressed bucket
+            raise PeerCollectiveError(f"{type(state).__name__} {error.where}", call.bucket_index,
+                                      error.reason) from error  # fmt: skip
     mine = start()
     state.flush_pending()
     if lane is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fastcomm.collectives import OrderedWorker, PeerCollectiveError, timeout_of, wait_for_peers
+from fastcomm.collectives import OrderedWorker, timeout_of, wait_for_peers
 from fastcomm.hooks.engine.options import require_int
 
 __all__ = ["NodeGroups", "OrderedWorker", "check_node_size", "node_groups", "resolve_node_size"]
@@ -137,10 +137,7 @@ def node_groups(node_size: int) -> NodeGroups:
 
         # A peer killed before this point (made at the first compressed bucket when the hook was not
         # registered through fastcomm.register) fails at once here, not after the whole timeout in new_group.
-        try:
-            wait_for_peers(None)
-        except RuntimeError as error:
-            raise PeerCollectiveError("hierarchical node groups barrier", None, error) from error
+        wait_for_peers(None, "hierarchical node groups barrier")
 
         node_ranks = [list(range(n * node_size, (n + 1) * node_size)) for n in range(nodes)]
         reduce_groups = [make(ranks, "fastcomm_node_reduce") for ranks in node_ranks]
