@@ -134,8 +134,9 @@ class Exchange:
                                            async_op=True, seed=step, traffic=traffic, **extra)  # fmt: skip
                 if getattr(compressor, "rescale", False) is True:
                     exchange.scale_of = getattr(compressor, "mean_scale", None)
-        except PeerCollectiveError:
-            raise
+        except PeerCollectiveError as error:  # named by the collective (the lane's barrier, a phase)
+            raise PeerCollectiveError(f"DiLoCo fragment {fragment.index} all-reduce ({error.where})", None,
+                                      error.reason) from error  # fmt: skip
         except Exception as error:
             raise PeerCollectiveError(f"DiLoCo fragment {fragment.index} all-reduce", None, error) from error
         return exchange

@@ -99,6 +99,7 @@ def test_a_dead_peer_at_a_sync_raises_peer_collective_error(tmp_path, compressor
     assert report["step"] == workers.FAULT_SYNC_STEP, report
     assert report["type"] == "PeerCollectiveError", report
     assert "a collective with the other ranks failed" in report["message"], report
+    assert "DiLoCo fragment 0 all-reduce" in report["message"], report
     # On the closed connection, not after the group's timeout: the first compressed sync makes the phase-2
     # lane's group, whose barrier on the store waited out the whole timeout for the dead peer (gloo's
     # default: 30 minutes) before the barrier on the parent group came first.
