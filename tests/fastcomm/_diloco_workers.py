@@ -52,10 +52,11 @@ def gradient(case: object, step: int, rank: int, numel: int) -> torch.Tensor:
 def _simulate(
     case: object, world: int, numel: int, bounds: list[tuple[int, int]], offsets: list[int], *,
     sync_every: int, delay: int, lr: float | Callable[[int], float], momentum: float, compressor: str,
-    mixing: float | None, residual_dtype: torch.dtype | None = None,
+    mixing: float | None, residual_dtype: torch.dtype | None = None, eager: bool = False,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Every rank's flat weights after ``STEPS`` steps of the simulated run (residuals rounded to
-    ``residual_dtype`` after each exchange, as DiLoCo keeps them)."""
+    ``residual_dtype`` after each exchange, as DiLoCo keeps them; ``eager``: at the issue each rank takes
+    the outer step with its own pseudo-gradient, the momentum left as it is, and trains on from there)."""
     start = torch.cat([p.detach().reshape(-1) for p in Params(case).parameters()])
     local = [start.clone() for _ in range(world)]
     global_ = start.clone()
@@ -93,8 +94,13 @@ def _simulate(
                     kept[:] = [t.to(residual_dtype).float() for t in kept]
             if delay == 0:
                 apply(fragment, mean, None, step)
-            else:
-                pending.append((step + delay, fragment, mean, [local[r][a:b].clone() for r in range(world)]))
+                continue
+            if eager:
+                rate = lr(step) if callable(lr) else lr
+                for r in range(world):
+                    kept = moment[a:b].mul(momentum).add_(deltas[r])
+                    local[r][a:b] = global_[a:b].add(deltas[r].add(kept, alpha=momentum), alpha=-rate)
+            pending.append((step + delay, fragment, mean, [local[r][a:b].clone() for r in range(world)]))
     return local
 
 
@@ -105,9 +111,9 @@ def _ramp(step: int) -> float:
 
 def _simulation_case(
     rank: int, world: int, compressor: str, fragments: int, delay: int | None, mixing: float | None = None,
-    schedule: bool = False, residual_dtype: torch.dtype | None = None,
+    schedule: bool = False, residual_dtype: torch.dtype | None = None, eager: bool = False,
 ) -> None:
-    case = ("diloco", world, compressor, fragments, delay, mixing, schedule)
+    case = ("diloco", world, compressor, fragments, delay, mixing, schedule, *(("eager",) if eager else ()))
     sync_every, lr, momentum = 6, _ramp if schedule else 0.7, 0.5
     model = Params(case)
     params = list(model.parameters())
@@ -115,7 +121,7 @@ def _simulation_case(
     outer = fastcomm.DiLoCo(
         model, inner, sync_every=sync_every, outer_lr=lr, outer_momentum=momentum, fragments=fragments,
         delay=delay, mixing=mixing, compressor=None if compressor == "fp32" else COMPRESSORS[compressor](),
-        residual_dtype=residual_dtype,
+        residual_dtype=residual_dtype, eager=eager,
     )  # fmt: skip
     numel = sum(p.numel() for p in params)
     for step in range(1, STEPS + 1):
@@ -131,7 +137,7 @@ def _simulation_case(
     expected = _simulate(
         case, world, numel, bounds, [(i + 1) * period % sync_every for i in range(fragments)],
         sync_every=sync_every, delay=outer.delay, lr=lr, momentum=momentum, compressor=compressor,
-        mixing=mixing, residual_dtype=residual_dtype,
+        mixing=mixing, residual_dtype=residual_dtype, eager=eager,
     )[rank]  # fmt: skip
     got = torch.cat([p.detach().reshape(-1) for p in params])
     checks = Mismatches()
@@ -173,6 +179,9 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
             key += "-lr-schedule" if schedule else ""
             table[key] = lambda r, a=(compressor, fragments, delay, mixing, schedule): _simulation_case(
                 r, world, *a)
+        # eager updates: each rank's own outer step at the issue, the exact one kept under it when it lands
+        table[f"{compressor}-F1-delay2-eager"] = lambda r, c=compressor: _simulation_case(
+            r, world, c, 1, 2, eager=True)
     for fragments in (1, 3):  # one exchange at a time, and overlapped ones (kept narrow between them)
         table[f"q4-F{fragments}-residual-bf16"] = lambda r, f=fragments: _simulation_case(
             r, world, "q4", f, None, residual_dtype=torch.bfloat16)
@@ -233,6 +242,7 @@ def _train_steps(
 RESUME_CONFIGS = {
     "q4-streaming": {"compressor": "quantize", "bits": 4, "block": 16, "fragments": 2},
     "q4-delayed": {"compressor": "quantize", "bits": 4, "block": 16, "delay": 3},  # one fragment, overlapped
+    "q4-eager": {"compressor": "quantize", "bits": 4, "block": 16, "delay": 3, "eager": True},
     "fp32": {"compressor": None},
 }
 

@@ -1,6 +1,6 @@
 """fastcomm.DiLoCo: the outer loop against a plain simulation (2 and 4 gloo ranks, fp32 and 4-bit with error
-feedback, one fragment and streaming), bit-identical resume through fastcomm.Checkpointer in fresh
-processes, a dead peer at a sync, and the arguments' checks.
+feedback, one fragment and streaming, delayed and eager), bit-identical resume through fastcomm.Checkpointer
+in fresh processes (an exchange in flight, eager too), a dead peer at a sync, and the arguments' checks.
 
 The simulation cases run in one process group per world size (a module fixture); each is its own test here.
 """
