@@ -9,6 +9,7 @@ arithmetic on flat tensors. Each case's outcome goes to ``results_<rank>.json``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -180,8 +181,11 @@ def cases(world: int) -> dict[str, Callable[[int], None]]:
             table[key] = lambda r, a=(compressor, fragments, delay, mixing, schedule): _simulation_case(
                 r, world, *a)
         # eager updates: each rank's own outer step at the issue, the exact one kept under it when it lands
-        table[f"{compressor}-F1-delay2-eager"] = lambda r, c=compressor: _simulation_case(
-            r, world, c, 1, 2, eager=True)
+        for fragments, delay in ((1, 2), (3, None)):  # one fragment; streaming, each overlapped a period
+            table[f"{compressor}-F{fragments}-delay{delay}-eager"] = functools.partial(
+                _simulation_case, world=world, compressor=compressor, fragments=fragments, delay=delay,
+                eager=True,
+            )
     for fragments in (1, 3):  # one exchange at a time, and overlapped ones (kept narrow between them)
         table[f"q4-F{fragments}-residual-bf16"] = lambda r, f=fragments: _simulation_case(
             r, world, "q4", f, None, residual_dtype=torch.bfloat16)
