@@ -134,11 +134,8 @@ class Exchange:
                                            async_op=True, seed=step, traffic=traffic, **extra)  # fmt: skip
                 if getattr(compressor, "rescale", False) is True:
                     exchange.scale_of = getattr(compressor, "mean_scale", None)
-        except PeerCollectiveError as error:  # named by the collective (the lane's barrier, a phase)
-            raise PeerCollectiveError(f"DiLoCo fragment {fragment.index} all-reduce ({error.where})", None,
-                                      error.reason) from error  # fmt: skip
         except Exception as error:
-            raise PeerCollectiveError(f"DiLoCo fragment {fragment.index} all-reduce", None, error) from error
+            raise _failed(fragment.index, error) from error
         return exchange
 
     def settle(self) -> None:
@@ -149,10 +146,8 @@ class Exchange:
         begin = time.perf_counter()
         try:
             self.work.wait()
-        except PeerCollectiveError:
-            raise
         except Exception as error:
-            raise PeerCollectiveError(f"DiLoCo fragment {self.fragment} all-reduce", None, error) from error
+            raise _failed(self.fragment, error) from error
         self.blocked_s = time.perf_counter() - begin
         self.work = None
         if self.divide_by > 1:
@@ -173,3 +168,12 @@ class Exchange:
         assert isinstance(mean, Tensor) and (sent is None or isinstance(sent, Tensor))
         return cls(int(state["fragment"]), int(state["issued"]), int(state["due"]), mean.clone(),  # type: ignore[arg-type]
                    None if sent is None else sent.clone())  # fmt: skip
+
+
+def _failed(fragment: int, error: Exception) -> PeerCollectiveError:
+    """The error of fragment ``fragment``'s failed all-reduce: it names the fragment, and the collective that
+    failed where one was named (the lane's barrier, a phase of the compressed exchange)."""
+    where = f"DiLoCo fragment {fragment} all-reduce"
+    if isinstance(error, PeerCollectiveError):
+        return PeerCollectiveError(f"{where} ({error.where})", None, error.reason)
+    return PeerCollectiveError(where, None, error)

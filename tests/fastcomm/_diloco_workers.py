@@ -273,19 +273,31 @@ def resume_worker(rank: int, world: int, workdir: str, phase: str) -> None:
 FAULT_SYNC_STEP = 6
 
 
+FAULT_OPTIONS = {
+    "fp32": {"compressor": None},
+    "q4": {"compressor": "quantize", "bits": 4},
+    "q4-eager": {"compressor": "quantize", "bits": 4, "delay": 2, "eager": True},  # in flight at the death
+}
+
+
+def fault_step(compressor: str) -> int:
+    """The step at whose start rank 1 dies: before the first sync, or (eager) with it in flight."""
+    return FAULT_SYNC_STEP + (1 if FAULT_OPTIONS[compressor].get("delay") else 0)
+
+
 def fault_worker(rank: int, world: int, workdir: str, compressor: str, timeout_s: float) -> None:
-    """Rank 1 dies (SIGKILL) just before the first sync; rank 0 reports what its sync raised."""
+    """Rank 1 dies (SIGKILL) at :func:`fault_step`; rank 0 reports what its DiLoCo step raised."""
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
     model = _mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    options = {"compressor": None} if compressor == "fp32" else {"compressor": "quantize", "bits": 4}
+    options = FAULT_OPTIONS[compressor]
     outer = fastcomm.DiLoCo(model, inner, sync_every=FAULT_SYNC_STEP, process_group=group, **options)
     report = {"step": None, "type": None, "message": "", "seconds": 0.0}
     for step in range(1, 3 * FAULT_SYNC_STEP + 1):
         loss = model(torch.randn(4, 13, generator=_seeded("fault", step, rank))).square().mean()
         outer.zero_grad()
         loss.backward()
-        if rank == 1 and step == FAULT_SYNC_STEP:
+        if rank == 1 and step == fault_step(compressor):
             os.kill(os.getpid(), signal.SIGKILL)
         started = time.monotonic()
         try:
