@@ -99,10 +99,21 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
                 ddp.register_comm_hook(*build_state(name, options))  # at the first compressed bucket
             else:
                 fastcomm.register(ddp, name, **options, **({} if hierarchical else {"process_group": group}))
+    with warnings.catch_warnings(record=True) as seen:  # what the survivor was warned of, for the report
+        warnings.simplefilter("always")
+        report = _steps_until_a_failure(ddp, optimizer, rank, workdir, fault)
+    report["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen]
+    if rank == 0:
+        Path(workdir, "survivor.json").write_text(json.dumps(report))
+        # a group with a dead peer cannot be destroyed cleanly (gloo may abort or wait): leave at once
+        os._exit(0)
+
+
+def _steps_until_a_failure(ddp: nn.Module, optimizer: torch.optim.Optimizer, rank: int, workdir: str,
+                           fault: str) -> dict:  # fmt: skip
+    """Train until a step raises (rank 1 faulting itself on the way); the report of what raised, or of
+    ``MAX_STEPS`` steps finished."""
     current = [0]  # the step the loop is in, for _stop_before_phase2's report
-    caught = warnings.catch_warnings(record=True)  # what the survivor was warned of, for the report
-    seen = caught.__enter__()
-    warnings.simplefilter("always")
     for step in range(MAX_STEPS):
         current[0] = step
         if rank == 1 and step == (0 if fault == "kill-first" else FAULT_STEP):
@@ -120,22 +131,14 @@ def _train(rank: int, world_size: int, workdir: str, hook: str, fault: str, time
             optimizer.step()
             optimizer.zero_grad()
         except Exception as error:  # noqa: BLE001 - the survivor reports what it got
-            report = {
+            return {
                 "step": step,
                 "phase": phase,
                 "type": type(error).__name__,
                 "message": str(error),
                 "seconds": time.monotonic() - started,
             }
-            break
-    else:
-        report = {"step": MAX_STEPS, "phase": "finished", "type": None, "message": "", "seconds": 0.0}
-    caught.__exit__(None, None, None)
-    report["warnings"] = [f"{w.category.__name__}: {w.message}" for w in seen]
-    if rank == 0:
-        Path(workdir, "survivor.json").write_text(json.dumps(report))
-        # a group with a dead peer cannot be destroyed cleanly (gloo may abort or wait): leave at once
-        os._exit(0)
+    return {"step": MAX_STEPS, "phase": "finished", "type": None, "message": "", "seconds": 0.0}
 
 
 def _fault_entry(rank: int, world_size: int, workdir: str, args: tuple) -> None:
