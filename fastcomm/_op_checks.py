@@ -26,6 +26,7 @@ __all__ = [
     "check_sign_decompress",
     "check_sign_decompress_into",
     "check_sparse_accumulate",
+    "check_sparse_mean",
     "check_topk_select",
     "num_blocks",
 ]
@@ -220,9 +221,27 @@ def check_sparse_accumulate(args: dict[str, Any]) -> None:
         raise TypeError(f"indices must be an int32 or int64 tensor, got {getattr(indices, 'dtype', indices)}")
     if indices.numel() != values.numel():
         raise ValueError(f"indices has {indices.numel()} elements but values has {values.numel()}")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= out.numel()):
-        raise ValueError(f"indices must lie in [0, out.numel()={out.numel()})")
+    _check_indices("indices", indices, out)
     args["indices"], args["values"] = indices.reshape(-1), values.reshape(-1)
+
+
+def check_sparse_mean(args: dict[str, Any]) -> None:
+    check_sparse_accumulate(args)
+    world_size = args["world_size"]
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    clear = args["clear"]
+    if clear is not None:
+        if not isinstance(clear, Tensor) or clear.dtype not in (torch.int32, torch.int64):
+            kind = getattr(clear, "dtype", clear)
+            raise TypeError(f"clear must be None or an int32 or int64 tensor, got {kind}")
+        _check_indices("clear", clear, args["out"])
+        args["clear"] = clear.reshape(-1)
+
+
+def _check_indices(name: str, indices: Tensor, out: Tensor) -> None:
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= out.numel()):
+        raise ValueError(f"{name} must lie in [0, out.numel()={out.numel()})")
 
 
 def _check_matrix(name: str, t: Any, shape: tuple[int, int]) -> None:

@@ -54,6 +54,7 @@ from fastcomm._op_checks import (
     check_sign_decompress,
     check_sign_decompress_into,
     check_sparse_accumulate,
+    check_sparse_mean,
     check_topk_select,
     num_blocks,
 )
@@ -195,6 +196,12 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "sparse_accumulate",
         "(Tensor(a!) out, Tensor indices, Tensor values) -> ()",
         _in_place_kernel(reference.sparse_accumulate),
+        _in_place_fake,
+    ),
+    OpSpec(
+        "sparse_mean",
+        "(Tensor(a!) out, Tensor indices, Tensor values, int world_size, Tensor? clear=None) -> ()",
+        _in_place_kernel(reference.sparse_mean),
         _in_place_fake,
     ),
     OpSpec(
@@ -380,6 +387,7 @@ sign_compress = _public_op(reference.sign_compress, check_sign_compress, slow_on
 sign_decompress = _public_op(reference.sign_decompress, check_sign_decompress)
 sign_decompress_into = _public_op(reference.sign_decompress_into, check_sign_decompress_into, slow_on="out")
 sparse_accumulate = _public_op(reference.sparse_accumulate, check_sparse_accumulate)
+sparse_mean = _public_op(reference.sparse_mean, check_sparse_mean)
 powersgd_project = _public_op(reference.powersgd_project, check_powersgd_project)
 powersgd_back_project = _public_op(reference.powersgd_back_project, check_powersgd_back_project)
 powersgd_expand = _public_op(reference.powersgd_expand, check_powersgd_expand)

@@ -5,7 +5,8 @@ on any device that has no native kernel, and it is the one home of its op's sign
 documentation: the public ``fastcomm.ops.<name>`` checks its arguments, then dispatches, under this
 function's signature and docstring. Called directly, a twin checks nothing.
 
-PowerSGD's three matrix passes have their twins in :mod:`fastcomm.reference_powersgd`, re-exported here.
+PowerSGD's three matrix passes have their twins in :mod:`fastcomm.reference_powersgd`, the sparse payloads'
+sums in :mod:`fastcomm.reference_sparse`; both re-exported here.
 
 The definitions are written so that a native kernel can reproduce them bit for bit: every float operation
 below is a single fp32 IEEE operation that C++ and Triton perform in the same order.
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from fastcomm.reference_powersgd import powersgd_back_project, powersgd_expand, powersgd_project
+from fastcomm.reference_sparse import sparse_accumulate, sparse_mean
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -42,6 +44,7 @@ __all__ = [
     "sign_decompress",
     "sign_decompress_into",
     "sparse_accumulate",
+    "sparse_mean",
     "topk_select",
     "uniform_hash",
     "unpack_codes",
@@ -459,26 +462,3 @@ def sign_decompress_into(
     dtype = torch.float32 if accumulate else out.dtype
     decoded = sign_decompress(_prefix(packed, -(-n // 8)), _prefix(scales, -(-n // chunk)), n, chunk, dtype)
     return _decode_into(out, decoded, accumulate)
-
-
-def sparse_accumulate(out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
-    """Scatter-add ``values`` into ``out.view(-1)`` at ``indices`` (duplicates add up, in order), in place.
-
-    ``out.view(-1)[indices[j]] += values[j]`` for every j: how one rank sums the sparse payloads that an
-    all-gather brought from every rank.
-
-    Args:
-        out: contiguous fp32/fp16/bf16 tensor, accumulated in place.
-        indices: int32 or int64 flat indices, each in ``[0, out.numel())``.
-        values: one value per index, any float dtype (cast to ``out.dtype``).
-
-    Returns:
-        ``out``.
-
-    Example::
-
-        >>> sparse_accumulate(torch.zeros(4), torch.tensor([1, 1, 3], dtype=torch.int32), torch.ones(3))
-        tensor([0., 2., 0., 1.])
-    """
-    out.view(-1).index_add_(0, indices.long(), values.to(out.dtype))
-    return out

@@ -108,8 +108,13 @@ at::Tensor sign_decompress_cpu(const at::Tensor& packed, const at::Tensor& scale
 void sign_decompress_into_cpu(const at::Tensor& out, const at::Tensor& packed, const at::Tensor& scales,
                               int64_t chunk, bool accumulate);
 void sparse_accumulate_cpu(const at::Tensor& out, const at::Tensor& indices, const at::Tensor& values);
-// Cleared by tests and benchmarks to store PowerSGD's rows through the cache (fastcomm._C._set_streaming).
+void sparse_mean_cpu(const at::Tensor& out, const at::Tensor& indices, const at::Tensor& values, int64_t world_size,
+                     const std::optional<at::Tensor>& clear);
+// Cleared by tests and benchmarks to store every row through the cache (fastcomm._C._set_streaming).
 std::atomic<bool>& streaming_allowed();
+// Whether a kernel writing `bytes` that nothing reads back before they leave the caches stores them
+// non-temporally: streaming_allowed(), and more bytes than the last-level cache could keep.
+bool worth_streaming(int64_t bytes);
 void powersgd_project_cpu(const at::Tensor& p, const at::Tensor& x, const at::Tensor& q_t,
                           const std::optional<at::Tensor>& gradient, const std::optional<at::Tensor>& residual);
 void powersgd_back_project_cpu(const at::Tensor& q_t, const at::Tensor& p, const at::Tensor& x);

@@ -17,6 +17,7 @@ TORCH_LIBRARY_IMPL(fastcomm, CPU, m) {
   m.impl("sign_decompress", &fastcomm::sign_decompress_cpu);
   m.impl("sign_decompress_into", &fastcomm::sign_decompress_into_cpu);
   m.impl("sparse_accumulate", &fastcomm::sparse_accumulate_cpu);
+  m.impl("sparse_mean", &fastcomm::sparse_mean_cpu);
   m.impl("powersgd_project", &fastcomm::powersgd_project_cpu);
   m.impl("powersgd_back_project", &fastcomm::powersgd_back_project_cpu);
   m.impl("powersgd_expand", &fastcomm::powersgd_expand_cpu);
@@ -30,5 +31,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_avx2", [](bool allowed) { fastcomm::avx2_allowed().store(allowed); },
         "tests only: False runs the baseline copies of the loops on an AVX2 machine");
   m.def("_set_streaming", [](bool allowed) { fastcomm::streaming_allowed().store(allowed); },
-        "tests only: False makes PowerSGD's kernels store every row through the cache (no non-temporal stores)");
+        "tests only: False makes the kernels (PowerSGD's, top-k's residual) store through the cache (no non-temporal stores)");
 }

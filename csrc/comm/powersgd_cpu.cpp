@@ -32,6 +32,12 @@ std::atomic<bool>& streaming_allowed() {
   return allowed;
 }
 
+// 16 MB: the last-level cache of the machine measured is 32 MB; a smaller output may still be in cache when
+// the next pass reads it.
+bool worth_streaming(int64_t bytes) {
+  return streaming_allowed().load(std::memory_order_relaxed) && bytes >= (int64_t{16} << 20);
+}
+
 namespace {
 
 typedef float floats8 __attribute__((vector_size(32)));
@@ -265,11 +271,7 @@ void check_matrix(const char* op, const char* name, const at::Tensor& t, int64_t
 
 int64_t row_stride(const at::Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t.size(1); }
 
-// Stream stores only for matrices larger than the last-level cache could keep (32 MB on the machine measured;
-// a smaller one may still be in cache when the next pass reads it).
-bool worth_streaming(int64_t n, int64_t m) {
-  return streaming_allowed().load(std::memory_order_relaxed) && n * m * 4 >= (int64_t{16} << 20);
-}
+bool worth_streaming(int64_t n, int64_t m) { return fastcomm::worth_streaming(n * m * 4); }
 
 int64_t grain(int64_t m, int64_t r) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, m * (r + 1))); }
 

@@ -9,7 +9,9 @@
 //
 // The fp32 loops also have an AVX2 build (cpu_isa.h) that takes 8 elements a step: the add, the keys, their
 // comparison and the residual update stay in vector registers, and a movemask, almost always zero, says
-// which lanes are selected; those are appended in ascending order by their set bits. fp16/bf16 and machines
+// which lanes are selected; those are appended in ascending order by their set bits. The approximate pass
+// stores a large residual non-temporally: nothing reads it before the next step, and a store through the
+// cache would first read every line in (a third of the pass's memory traffic). fp16/bf16 and machines
 // without AVX2 run the scalar loops, which give the same bits (the same IEEE fp32 add, the same integer keys).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -71,6 +73,7 @@ struct SelectJob {
   scalar_t* residual;      // written only: acc (exact pass 1) or acc with the sent entries zeroed
   int64_t n;
   int64_t k;
+  bool stream;  // the approximate pass stores the residual non-temporally (worth_streaming)
 
   scalar_t acc(int64_t i) const { return source != nullptr ? add_in_dtype(x[i], source[i]) : x[i]; }
 };
@@ -174,7 +177,15 @@ FASTCOMM_AVX2 void threshold_range_avx2(const SelectJob<float>& job, uint32_t th
     __m256 a = _mm256_loadu_ps(job.x + i);
     if (FEEDBACK) a = _mm256_add_ps(a, _mm256_loadu_ps(job.source + i));
     const __m256 send = _mm256_castsi256_ps(_mm256_cmpgt_epi32(keys8(a), below));
-    if (FEEDBACK) _mm256_storeu_ps(job.residual + i, _mm256_andnot_ps(send, a));  // +0.0 where sent
+    if (FEEDBACK) {
+      const __m256 kept = _mm256_andnot_ps(send, a);  // +0.0 where sent
+      float* to = job.residual + i;
+      if (job.stream && (reinterpret_cast<std::uintptr_t>(to) & 31) == 0) {
+        _mm256_stream_ps(to, kept);  // read again only next step: no read of the line into the cache first
+      } else {
+        _mm256_storeu_ps(to, kept);
+      }
+    }
     int mask = _mm256_movemask_ps(send);
     if (mask != 0) {
       _mm256_store_ps(lanes, a);
@@ -186,6 +197,7 @@ FASTCOMM_AVX2 void threshold_range_avx2(const SelectJob<float>& job, uint32_t th
       } while (mask != 0);
     }
   }
+  if (FEEDBACK && job.stream) _mm_sfence();
   threshold_range<float, FEEDBACK>(job, threshold, i, e, out);
 }
 #endif
@@ -343,6 +355,7 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t 
     job.residual = buffers.residual_data<scalar_t>();
     job.n = n;
     job.k = k;
+    job.stream = job.residual != nullptr && worth_streaming(n * static_cast<int64_t>(sizeof(scalar_t)));
     const Loops<scalar_t> loops(buffers.feedback());
     if (k == 0 || n == 0) {
       if (job.residual != nullptr) {

@@ -293,6 +293,36 @@ def test_sparse_accumulate_matches_reference(device, dtype):
     assert ((out.cpu().double() - out_ref.double()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_sparse_mean_matches_reference(device, dtype, index_dtype, world_size):
+    # a kept buffer over three steps: each clears what the last wrote; payloads of world_size ranks with
+    # entries shared between ranks (duplicates are divided once) and an odd size
+    n = 100_003
+    out = _randn(n, dtype, device, 21)
+    out_ref = out.cpu().clone()
+    g = torch.Generator().manual_seed(22)
+    previous = None
+    for _ in range(3):
+        rows = [torch.randperm(n, generator=g)[:997].sort().values for _ in range(world_size)]
+        indices = torch.cat(rows).to(index_dtype)
+        values = torch.randn(indices.numel(), generator=g)
+        clear = None if previous is None else previous
+        ops.sparse_mean(out, indices.to(device), values.to(device), world_size,
+                        clear=None if clear is None else clear.to(device))  # fmt: skip
+        ref.sparse_mean(out_ref, indices, values, world_size, clear=clear)
+        previous = indices
+        if device == "cpu":  # one order of additions, as the reference's
+            assert torch.equal(out.cpu(), out_ref)
+        else:
+            torch.testing.assert_close(out.cpu(), out_ref, rtol=4 * EPS[dtype], atol=4 * EPS[dtype])
+    touched = torch.zeros(n, dtype=torch.bool)
+    touched[previous.long()] = True
+    assert out_ref[touched].ne(0).any() and out_ref[~touched].ne(0).any()  # cleared, written and kept entries
+
+
 def test_ops_accept_noncontiguous_inputs():
     base = _randn(20000, torch.float32, "cpu", 13)
     x = base[::2]

@@ -326,3 +326,23 @@ def test_topk_residual_source_noncontiguous():
         _assert_same(indices, indices_ref)
         _assert_same(values, values_ref)
         _assert_same(residual_base[::2], expected)
+
+
+@pytest.mark.skipif(_NATIVE is None, reason="native kernels not built")
+def test_topk_streamed_residual_gives_the_reference_bits():
+    """Past 16 MB the approximate pass stores the residual non-temporally: the same bits, aligned or not."""
+    n = (16 << 20) // 4 + 1003
+    x, source = _randn(n, torch.float32, "cpu", 31), _randn(n, torch.float32, "cpu", 32, 0.1)
+    expected = source.clone()
+    values_ref, indices_ref = ref.topk_select(x, n // 100, expected, False)
+    for streaming in (True, False):
+        for offset in (0, 1):  # a residual 32-byte aligned, and one that is not (stored through the cache)
+            residual = torch.full((n + 8,), float("nan"))[offset : offset + n]
+            _NATIVE._set_streaming(streaming)
+            try:
+                values, indices = ops.topk_select(x, n // 100, residual, False, residual_source=source)
+            finally:
+                _NATIVE._set_streaming(True)
+            _assert_same(indices, indices_ref)
+            _assert_same(values, values_ref)
+            _assert_same(residual, expected)

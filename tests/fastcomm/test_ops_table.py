@@ -39,6 +39,8 @@ def _opcheck_cases():
         ("sign_compress", (x, x.clone() * 0.1, 128)),
         ("sign_decompress", (packed, sign_scales, 1031, 128, torch.float32)),
         ("sparse_accumulate", (x.clone(), torch.tensor([3, 3, 1000], dtype=torch.int32), torch.ones(3))),
+        ("sparse_mean", (x.clone(), torch.tensor([3, 3, 1000], dtype=torch.int32), x[:3].clone(), 2, None)),
+        ("sparse_mean", (x.clone(), torch.tensor([5, 1030]), x[:2].clone(), 3, torch.tensor([3, 5]).int())),
         # test_ops_into.py checks these two further (accumulating, other dtypes, padded payloads).
         ("dequantize_blockwise_into", (torch.zeros(1031), codes, scales, 4, 64, False)),
         ("sign_decompress_into", (torch.zeros(1031), packed, sign_scales, 128, False)),
@@ -118,6 +120,21 @@ def test_opcheck_approximate_topk_dynamic_size():
             lambda: ops.sparse_accumulate(torch.zeros(4), torch.tensor([1.0]), torch.ones(1)),
             TypeError,
             "indices",
+        ),
+        (
+            lambda: ops.sparse_mean(torch.zeros(4), torch.tensor([1]), torch.ones(1), 0),
+            ValueError,
+            "world_size",
+        ),
+        (
+            lambda: ops.sparse_mean(torch.zeros(4), torch.tensor([1]), torch.ones(1), 2, torch.tensor([9])),
+            ValueError,
+            "clear",
+        ),
+        (
+            lambda: ops.sparse_mean(torch.zeros(4), torch.tensor([1]), torch.ones(1), 2, clear=torch.ones(1)),
+            TypeError,
+            "clear",
         ),
     ],
 )
