@@ -40,6 +40,8 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
     idx = torch.randint(0, n, (2 * k,), generator=g, dtype=torch.int32).to(x.device)
     vals = torch.randn(2 * k, generator=g).to(x.device)
     out = torch.zeros_like(x)
+    mean_out = torch.zeros_like(x)
+    previous = torch.randint(0, n, (2 * k,), generator=g, dtype=torch.int32).to(x.device)
     into = torch.zeros_like(x)  # a warm buffer the *_into ops decode into
     # PowerSGD's passes over the bucket viewed as matrices of 4096 columns, rank 4
     cols = min(n, 4096)
@@ -139,6 +141,12 @@ def _cases(x: torch.Tensor, k: int) -> list[tuple[str, float, Callable[..., obje
             f"sparse_accumulate {2 * k} entries",
             12.0 * 2 * k / n,
             lambda m: m.sparse_accumulate(out, idx, vals),
+            None,
+        ),
+        (  # top-k's decode into a kept buffer: clear last step's entries, add two ranks' payloads, divide
+            f"sparse_mean {2 * k} entries, clearing {2 * k}",
+            32.0 * 2 * k / n,
+            lambda m: m.sparse_mean(mean_out, idx, vals, 2, clear=previous),
             None,
         ),
     ]
