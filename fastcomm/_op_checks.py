@@ -217,8 +217,7 @@ def check_sparse_accumulate(args: dict[str, Any]) -> None:
     _check_float("values", values)
     if not out.is_contiguous():
         raise ValueError("out must be contiguous: it is accumulated in place through out.view(-1)")
-    if not isinstance(indices, Tensor) or indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"indices must be an int32 or int64 tensor, got {getattr(indices, 'dtype', indices)}")
+    _check_index_dtype("indices", indices, "an int32 or int64 tensor")
     if indices.numel() != values.numel():
         raise ValueError(f"indices has {indices.numel()} elements but values has {values.numel()}")
     _check_indices("indices", indices, out)
@@ -232,11 +231,14 @@ def check_sparse_mean(args: dict[str, Any]) -> None:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     clear = args["clear"]
     if clear is not None:
-        if not isinstance(clear, Tensor) or clear.dtype not in (torch.int32, torch.int64):
-            kind = getattr(clear, "dtype", clear)
-            raise TypeError(f"clear must be None or an int32 or int64 tensor, got {kind}")
+        _check_index_dtype("clear", clear, "None or an int32 or int64 tensor")
         _check_indices("clear", clear, args["out"])
         args["clear"] = clear.reshape(-1)
+
+
+def _check_index_dtype(name: str, indices: Any, expected: str) -> None:
+    if not isinstance(indices, Tensor) or indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be {expected}, got {getattr(indices, 'dtype', indices)}")
 
 
 def _check_indices(name: str, indices: Tensor, out: Tensor) -> None:

@@ -80,11 +80,7 @@ void sparse_accumulate_cpu(const at::Tensor& out, const at::Tensor& indices, con
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sparse_accumulate_cpu", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* vp = val.const_data_ptr<scalar_t>();
-    if (idx.scalar_type() == at::kInt) {
-      accumulate(op, idx.const_data_ptr<int32_t>(), vp, count);
-    } else {
-      accumulate(op, idx.const_data_ptr<int64_t>(), vp, count);
-    }
+    with_indices(idx, [&](auto ip) { accumulate(op, ip, vp, count); });
   });
 }
 
